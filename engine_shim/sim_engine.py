@@ -1,0 +1,267 @@
+"""The sim engine: a timing model of a real engine, run in real time (the ``sim`` backend).
+
+Both engines are one loop task each, in the style of continuous batching:
+
+* `SimPrefillEngine`: each iteration takes every pending prompt (up to the batch size),
+  looks them up in the prefix cache, sleeps the profile's batch prefill time for their
+  uncached tokens, and completes them together. Prompts that arrive meanwhile form the next
+  batch.
+* `SimDecodeEngine`: each iteration admits sequences whose KV has arrived, sleeps one decode
+  step for the batch size and total context, and hands every running sequence one token.
+  Sequences join and leave between steps.
+
+Real work done inside an iteration (hashing, bookkeeping) counts against the modelled time
+instead of adding to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+
+from engine_shim import tokenizer
+from engine_shim._sim_kv import KvLink, SimKvBuffer, SimKvSink
+from engine_shim._sim_text import prompt_key, token_text
+from engine_shim.backend import EngineBusy, EngineStats, KvSink, PrefillOutput, Prompt
+from engine_shim.prefix_cache import PrefixCache
+from engine_shim.sim_profile import SimProfile
+
+__all__ = ["SimDecodeEngine", "SimPrefillEngine", "tokenize"]
+
+log = logging.getLogger("pdgate.engine.sim")
+
+
+def tokenize(prompt: Prompt) -> list[int]:
+    """Token ids of a text or token-id prompt (ids must be inside the vocabulary)."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    ids = list(prompt)
+    for t in ids:
+        if not 0 <= t < tokenizer.VOCAB_SIZE:
+            raise ValueError(f"token id {t} is outside the vocabulary [0, {tokenizer.VOCAB_SIZE})")
+    return ids
+
+
+class _EngineLoop:
+    """A background loop task with a wake-up event; subclasses implement `_run`."""
+
+    def __init__(self) -> None:
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=type(self).__name__)
+
+    async def aclose(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _sleep_until(self, deadline: float) -> None:
+        # sleep(0) still yields, so a zero-time profile cannot starve the event loop.
+        await asyncio.sleep(max(0.0, deadline - asyncio.get_running_loop().time()))
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+
+@dataclass(eq=False, slots=True)
+class _PrefillJob:
+    tokens: Sequence[int]
+    future: asyncio.Future[PrefillOutput]
+
+
+class SimPrefillEngine(_EngineLoop):
+    """`PrefillBackend` of the sim engine."""
+
+    def __init__(self, profile: SimProfile, *, max_batch: int, kv_wire_fraction: float) -> None:
+        super().__init__()
+        if max_batch <= 0:
+            raise ValueError("max_batch must be positive")
+        self._profile = profile
+        self._max_batch = max_batch
+        self._wire_fraction = kv_wire_fraction
+        self._cache = PrefixCache(profile.prefix_cache_blocks)
+        self._pending: deque[_PrefillJob] = deque()
+        self._computing = 0
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        return tokenize(prompt)
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        while self._pending:
+            job = self._pending.popleft()
+            if not job.future.done():
+                job.future.set_exception(RuntimeError("prefill engine stopped"))
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=self._computing,
+            waiting=len(self._pending),
+            prefix_hit_tokens=self._cache.hit_tokens,
+            prefix_query_tokens=self._cache.query_tokens,
+        )
+
+    async def prefill(self, tokens: Sequence[int]) -> PrefillOutput:
+        if self._task is None:
+            raise RuntimeError("engine is not started")
+        # Bounded: the shim admits at most one batch of prompts at a time.
+        if len(self._pending) >= self._max_batch:
+            raise EngineBusy("prefill batch is full")
+        job = _PrefillJob(tokens, asyncio.get_running_loop().create_future())
+        self._pending.append(job)
+        self._wakeup.set()
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            with contextlib.suppress(ValueError):
+                self._pending.remove(job)  # withdrawn before its batch started
+            raise
+
+    async def _run(self) -> None:
+        while True:
+            if not self._pending:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch: list[_PrefillJob] = []
+            while self._pending and len(batch) < self._max_batch:
+                job = self._pending.popleft()
+                if not job.future.done():
+                    batch.append(job)
+            if not batch:
+                continue
+            self._computing = len(batch)
+            try:
+                await self._compute(batch)
+            except Exception as exc:
+                log.exception("prefill batch of %d failed", len(batch))
+                for job in batch:
+                    if not job.future.done():
+                        job.future.set_exception(RuntimeError(f"prefill failed: {exc}"))
+            finally:
+                self._computing = 0
+
+    async def _compute(self, batch: list[_PrefillJob]) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        cached = [self._cache.lookup_and_insert(job.tokens) for job in batch]
+        duration = self._profile.prefill_batch_s(
+            (len(job.tokens), hit) for job, hit in zip(batch, cached, strict=True)
+        )
+        outputs: list[PrefillOutput] = []
+        for job, hit in zip(batch, cached, strict=True):
+            nbytes = self._profile.kv_wire_bytes(len(job.tokens), self._wire_fraction)
+            kv = await SimKvBuffer.build(job.tokens, nbytes)
+            first = token_text(prompt_key(job.tokens), 0)
+            outputs.append(PrefillOutput(first, len(job.tokens), hit, kv))
+        await self._sleep_until(started + duration)
+        for job, out in zip(batch, outputs, strict=True):
+            if job.future.done():  # the client left while its batch was computing
+                out.kv.release()
+            else:
+                job.future.set_result(out)
+
+
+@dataclass(eq=False, slots=True)
+class _Sequence:
+    key: bytes
+    prompt_len: int
+    max_tokens: int
+    produced: int = 0
+    left: bool = False
+    out: asyncio.Queue[str | None] = field(default_factory=asyncio.Queue)
+
+
+class SimDecodeEngine(_EngineLoop):
+    """`DecodeBackend` of the sim engine."""
+
+    def __init__(self, profile: SimProfile, *, max_batch: int) -> None:
+        super().__init__()
+        if max_batch <= 0:
+            raise ValueError("max_batch must be positive")
+        self._profile = profile
+        self._max_batch = max_batch
+        self._link = KvLink(profile)
+        self._joining: deque[_Sequence] = deque()
+        self._running: dict[int, _Sequence] = {}
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        return tokenize(prompt)
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        # Wake every consumer: None tells a sequence the engine is gone.
+        for seq in [*self._running.values(), *self._joining]:
+            seq.out.put_nowait(None)
+        self._running.clear()
+        self._joining.clear()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self._running),
+            waiting=len(self._joining),
+            prefix_hit_tokens=0,
+            prefix_query_tokens=0,
+        )
+
+    def kv_sink(self, tokens: Sequence[int], nbytes: int) -> KvSink:
+        return SimKvSink(len(tokens), nbytes, self._link)
+
+    async def generate(
+        self, tokens: Sequence[int], max_tokens: int, kv: KvSink
+    ) -> AsyncGenerator[str, None]:
+        if not isinstance(kv, SimKvSink) or not kv.committed:
+            raise ValueError("generate needs a committed KV sink of this engine")
+        if self._task is None:
+            raise RuntimeError("engine is not running")
+        if len(self._running) + len(self._joining) >= self._max_batch:
+            raise EngineBusy("decode batch is full")
+        seq = _Sequence(prompt_key(tokens), len(tokens), max_tokens)
+        self._joining.append(seq)
+        self._wakeup.set()
+        try:
+            # At most max_tokens items are ever queued for a sequence: bounded.
+            for _ in range(max_tokens):
+                piece = await seq.out.get()
+                if piece is None:
+                    raise RuntimeError("decode engine stopped")
+                yield piece
+        finally:
+            self._leave(seq)
+
+    def _leave(self, seq: _Sequence) -> None:
+        seq.left = True
+        if self._running.pop(id(seq), None) is None:
+            # Still joining: drop it now so it does not count against the batch size.
+            with contextlib.suppress(ValueError):
+                self._joining.remove(seq)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        running = self._running
+        while True:
+            while self._joining:
+                seq = self._joining.popleft()
+                if not seq.left:
+                    running[id(seq)] = seq
+            if not running:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            started = loop.time()
+            context = sum(s.prompt_len + s.produced for s in running.values())
+            await self._sleep_until(started + self._profile.decode_step_s(len(running), context))
+            for key, seq in list(running.items()):
+                seq.out.put_nowait(token_text(seq.key, seq.produced))
+                seq.produced += 1
+                if seq.produced >= seq.max_tokens:
+                    del running[key]

@@ -1,0 +1,74 @@
+"""The wire format shared by the gateway and the shims.
+
+It is vLLM's OpenAI API plus vLLM's disaggregation handshake (``kv_transfer_params``), so
+the gateway can front real vLLM and any vLLM-compatible router can front these shims.
+
+Handshake (DESIGN.md section 3):
+
+1. gateway -> prefill ``POST /v1/completions``: the client body with ``max_tokens=1``,
+   ``stream=false``, no ``stream_options`` and ``kv_transfer_params = prefill_kv_request()``.
+   A prefill with no free slot answers 429 (OpenAI error body, ``Retry-After``) at once.
+2. prefill -> gateway: a completion whose ``kv_transfer_params`` name where the KV lives
+   (vLLM's NIXL field names: ``remote_engine_id``, ``remote_host``, ``remote_port``,
+   ``remote_block_ids``, ``remote_request_id``).
+3. gateway -> decode ``POST /v1/completions``: the client's body plus those params.
+   The decode pulls ``GET {prefill}/v1/kv/{remote_request_id}`` (pdgate extension) and streams.
+4. ``DELETE {prefill}/v1/kv/{remote_request_id}`` (pdgate extension) releases KV nobody will
+   fetch (decode rejected, client gone); the prefill's hold timeout is the backstop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+KV_PATH = "/v1/kv/{request_id}"
+LOAD_PATH = "/load"
+HEALTH_PATH = "/health"
+
+# Response headers of the KV pull.
+KV_TOKENS_HEADER = "x-pdgate-kv-tokens"
+KV_DIGEST_HEADER = "x-pdgate-kv-digest"  # blake2b-128 hex of the body, checked by the decode
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def prefill_kv_request() -> dict[str, Any]:
+    """``kv_transfer_params`` the gateway sends to a prefill."""
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+
+
+def kv_url(params: dict[str, Any]) -> str | None:
+    """Where a decode pulls the KV named by a prefill's ``kv_transfer_params``."""
+    host, port = params.get("remote_host"), params.get("remote_port")
+    rid = params.get("remote_request_id")
+    if not host or not port or not rid:
+        return None
+    # IPv6 literals need brackets in a URL.
+    netloc = f"[{host}]" if ":" in str(host) and not str(host).startswith("[") else str(host)
+    return f"http://{netloc}:{int(port)}" + KV_PATH.format(request_id=rid)
+
+
+def error_body(
+    message: str, type_: str, *, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
+    """An OpenAI error object."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_json(
+    message: str, type_: str, *, param: str | None = None, code: str | int | None = None
+) -> bytes:
+    return orjson.dumps(error_body(message, type_, param=param, code=code))
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"

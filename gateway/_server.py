@@ -1,0 +1,70 @@
+"""Running ASGI apps on uvicorn (uvloop + httptools) from pre-bound sockets.
+
+Binding first means a process knows its real port (``--port 0`` included) before it
+registers anywhere, and lets one event loop host several servers (``pdgate up``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Iterator
+
+import uvicorn
+from starlette.types import ASGIApp
+
+
+def bind_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    sock.setblocking(False)
+    return sock
+
+
+def bound_port(sock: socket.socket) -> int:
+    return int(sock.getsockname()[1])
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # Signals belong to whoever owns the process (cli.py), not to each of its servers.
+        yield
+
+
+def make_server(app: ASGIApp, *, access_log: bool = False, graceful_s: int = 5) -> uvicorn.Server:
+    config = uvicorn.Config(
+        app,
+        loop="none",  # the caller owns the loop (uvloop installed by the CLI)
+        http="httptools",
+        lifespan="on",
+        access_log=access_log,
+        log_level="warning",
+        timeout_graceful_shutdown=graceful_s,
+        timeout_keep_alive=30,
+    )
+    return _Server(config)
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    app: ASGIApp, sock: socket.socket, *, access_log: bool = False
+) -> AsyncIterator[uvicorn.Server]:
+    """Serve `app` on `sock` until the block exits; startup failures raise here."""
+    server = make_server(app, access_log=access_log)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError("server exited during startup")
+        await asyncio.sleep(0.01)
+    try:
+        yield server
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

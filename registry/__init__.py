@@ -1,0 +1,70 @@
+"""Instance membership: who is up, where, in which state (see registry/base.py)."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from config import RegistrySettings
+from registry.backoff import Backoff, ExponentialBackoff
+from registry.base import (
+    EventKind,
+    EventStream,
+    InstanceRecord,
+    InstanceState,
+    Registry,
+    RegistryError,
+    RegistryEvent,
+    RegistryUnavailable,
+)
+from registry.heartbeat import Heartbeat
+from registry.membership import Listener, Membership
+from registry.memory import MemoryRegistry
+from registry.redis import RedisRegistry, redact_url
+
+_REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
+
+
+def open_registry(settings: RegistrySettings) -> Registry:
+    """The registry `settings` describe: in-memory without a URL, else Redis.
+
+    Nothing is connected yet: the first call on the result does that (and may raise
+    `RegistryUnavailable`), so a process can start while Redis is still coming up.
+    """
+    if not settings.url:  # an empty PDGATE_REGISTRY_URL means unset too
+        return MemoryRegistry(max_instances=settings.max_instances)
+    scheme = urlsplit(settings.url).scheme.lower()
+    if scheme not in _REDIS_SCHEMES:
+        raise ValueError(
+            f"registry url {redact_url(settings.url)!r}: unsupported scheme {scheme!r}; "
+            "expected redis://, rediss:// or unix:// (or no url for the in-memory registry)"
+        )
+    try:
+        return RedisRegistry(
+            settings.url,
+            key_prefix=settings.key_prefix,
+            max_instances=settings.max_instances,
+            connect_timeout_s=settings.connect_timeout_s,
+        )
+    except ValueError as exc:  # a malformed URL: say which setting, without the password
+        raise ValueError(f"registry url {redact_url(settings.url)!r}: {exc}") from exc
+
+
+__all__ = [
+    "Backoff",
+    "EventKind",
+    "EventStream",
+    "ExponentialBackoff",
+    "Heartbeat",
+    "InstanceRecord",
+    "InstanceState",
+    "Listener",
+    "Membership",
+    "MemoryRegistry",
+    "RedisRegistry",
+    "Registry",
+    "RegistryError",
+    "RegistryEvent",
+    "RegistryUnavailable",
+    "open_registry",
+    "redact_url",
+]

@@ -1,0 +1,130 @@
+"""The membership seam: one Protocol, two implementations (in-memory, Redis).
+
+A `Registry` stores `InstanceRecord`s with a time-to-live. Instances keep their record alive
+with a `Heartbeat` (registry/heartbeat.py); gateways follow membership with a `Membership`
+(registry/membership.py), which polls `snapshot()` as the source of truth and reacts at once
+to `events()` (join/leave notifications, best effort).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
+from typing import Any, Protocol, Self, runtime_checkable
+
+import orjson
+
+from config import Role
+
+
+class InstanceState(StrEnum):
+    READY = "ready"
+    DRAINING = "draining"  # finishing what it has; receives no new requests
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceRecord:
+    id: str
+    role: Role
+    url: str  # base URL, e.g. http://10.0.0.5:8100 (no trailing slash)
+    model: str
+    group: str = "default"
+    capacity: int = 1
+    state: InstanceState = InstanceState.READY
+    version: str = ""
+    started_at: float = field(default_factory=time.time)
+
+    def with_state(self, state: InstanceState) -> InstanceRecord:
+        return replace(self, state=state)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Self:
+        """Parse a record; raises ValueError (bad JSON or field), KeyError or TypeError."""
+        data = orjson.loads(raw)
+        if not isinstance(data, dict):
+            raise TypeError(f"record must be a JSON object, not {type(data).__name__}")
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        return cls(
+            id=str(data["id"]),
+            role=Role(data["role"]),
+            url=str(data["url"]).rstrip("/"),
+            model=str(data["model"]),
+            group=str(data.get("group", "default")),
+            capacity=int(data.get("capacity", 1)),
+            state=InstanceState(data.get("state", InstanceState.READY)),
+            version=str(data.get("version", "")),
+            started_at=float(data.get("started_at", 0.0)),
+        )
+
+
+class EventKind(StrEnum):
+    JOIN = "join"  # new record, or a changed one (state, capacity)
+    LEAVE = "leave"  # deregistered cleanly
+
+
+@dataclass(frozen=True, slots=True)
+class RegistryEvent:
+    kind: EventKind
+    instance_id: str
+    record: InstanceRecord | None = None  # present for JOIN
+
+
+class RegistryError(Exception):
+    """Base of registry failures."""
+
+
+class RegistryUnavailable(RegistryError):
+    """The backing store cannot be reached; callers keep their last known view."""
+
+
+@runtime_checkable
+class EventStream(Protocol):
+    """What the built-in registries' `events()` return: an async iterator that can also be
+    awaited until its subscription is live. A consumer that re-polls after (re)subscribing
+    waits for that first, so nothing published in between is missed."""
+
+    def __aiter__(self) -> EventStream: ...
+
+    async def __anext__(self) -> RegistryEvent: ...
+
+    async def wait_subscribed(self) -> None:
+        """Raises `RegistryUnavailable`."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class Registry(Protocol):
+    async def put(self, record: InstanceRecord, ttl_s: float, *, announce: bool = False) -> None:
+        """Write or refresh `record`, expiring `ttl_s` after this call.
+
+        With ``announce`` a JOIN event is published (first registration, state change).
+        Raises `RegistryUnavailable`.
+        """
+        ...
+
+    async def remove(self, instance_id: str) -> None:
+        """Delete the record now and publish LEAVE. Raises `RegistryUnavailable`."""
+        ...
+
+    async def snapshot(self) -> list[InstanceRecord]:
+        """All live (unexpired) records. Raises `RegistryUnavailable`."""
+        ...
+
+    def events(self) -> AsyncIterator[RegistryEvent]:
+        """Join/leave notifications from now on. Best effort: may end or raise
+        `RegistryUnavailable`; the caller re-subscribes and re-polls."""
+        ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,191 @@
+"""Test helpers: real clusters on real sockets.
+
+`ThreadedCluster` runs `pdgate up`'s embedded cluster on its own event loop in a thread, so
+tests can drive it with blocking clients (the official openai client); `Subprocess` runs a
+``pdgate`` command as a real child process (for kill -9 and registry tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from config import ClusterSettings, GatewaySettings, RegistrySettings, ShimSettings
+from gateway.cluster import ClusterInfo, embedded_cluster
+
+
+class ThreadedCluster:
+    def __init__(
+        self,
+        *,
+        gateway: dict[str, Any] | None = None,
+        shim: dict[str, Any] | None = None,
+        prefills: int = 2,
+        decodes: int = 2,
+        registry: dict[str, Any] | None = None,
+    ) -> None:
+        self.gateway_settings = GatewaySettings(port=0, **(gateway or {}))
+        self.shim_settings = ShimSettings(port=0, **(shim or {}))
+        self.cluster_settings = ClusterSettings(prefills=prefills, decodes=decodes)
+        self.registry_settings = RegistrySettings(**(registry or {}))
+        self._thread = threading.Thread(target=self._main, name="pdgate-cluster", daemon=True)
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self.info: ClusterInfo | None = None
+
+    def _main(self) -> None:
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        try:
+            async with embedded_cluster(
+                self.gateway_settings,
+                self.registry_settings,
+                self.shim_settings,
+                self.cluster_settings,
+            ) as info:
+                self.info = info
+                self._ready.set()
+                await self._stop.wait()
+        except BaseException as exc:
+            self._error = exc
+            self._ready.set()
+            raise
+
+    def __enter__(self) -> ThreadedCluster:
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("cluster did not start in 30 s")
+        if self._error is not None:
+            raise RuntimeError("cluster failed to start") from self._error
+        self.wait_for(
+            lambda: (
+                len(self.instances())
+                == self.cluster_settings.prefills + self.cluster_settings.decodes
+            )
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+    @property
+    def url(self) -> str:
+        assert self.info is not None
+        return self.info.gateway_url
+
+    def instances(self) -> list[dict[str, Any]]:
+        return get_instances(self.url)
+
+    def wait_for(
+        self, predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition"
+    ) -> None:
+        wait_for(predicate, timeout, what)
+
+
+def get_instances(gateway_url: str) -> list[dict[str, Any]]:
+    resp = httpx.get(gateway_url + "/admin/instances", timeout=5)
+    resp.raise_for_status()
+    rows: list[dict[str, Any]] = resp.json()["instances"]
+    return rows
+
+
+def shim_load(url: str) -> dict[str, Any]:
+    resp = httpx.get(url + "/load", timeout=5)
+    resp.raise_for_status()
+    data: dict[str, Any] = resp.json()
+    return data
+
+
+def wait_for(
+    predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition"
+) -> float:
+    """Poll `predicate` until true; returns the seconds it took. Fails the test on timeout."""
+    start = time.monotonic()
+    while True:
+        if predicate():
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def hold_prefill_slot(prefill_url: str, prompt: str = "hold this slot") -> dict[str, Any]:
+    """Take a prefill slot directly, as another gateway would; the slot stays taken until the
+    KV is fetched, released with DELETE, or the prefill's hold timeout passes."""
+    resp = httpx.post(
+        prefill_url + "/v1/completions",
+        json={
+            "prompt": prompt,
+            "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+        },
+        timeout=10,
+    )
+    assert resp.status_code == 200, resp.text
+    params: dict[str, Any] = resp.json()["kv_transfer_params"]
+    return params
+
+
+class Subprocess:
+    """A ``pdgate`` child process; waits for its one "serving" line on stdout."""
+
+    def __init__(
+        self, args: list[str], env: dict[str, str] | None = None, ready_marker: str = "http://"
+    ) -> None:
+        full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=full_env,
+        )
+        self.lines: list[str] = []
+        self.ready_at: float | None = None
+        deadline = time.monotonic() + 30
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"pdgate {args} exited early:\n" + "".join(self.lines))
+            self.lines.append(line)
+            if ready_marker in line and line.startswith("pdgate"):
+                self.ready_at = time.monotonic()
+                break
+        else:
+            self.kill()
+            raise RuntimeError(f"pdgate {args} did not start:\n" + "".join(self.lines))
+        # Keep draining output so the child never blocks on a full pipe.
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if len(self.lines) < 2000:
+                self.lines.append(line)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def terminate(self, timeout: float = 15) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)

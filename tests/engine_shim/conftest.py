@@ -1,0 +1,124 @@
+"""Shims on real sockets, an in-memory registry and an aiohttp client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from multidict import CIMultiDictProxy
+from starlette.applications import Starlette
+
+from config import RegistrySettings, Role, ShimSettings
+from engine_shim.app import build_shim_app
+from gateway._server import bind_socket, bound_port, serving
+from registry.memory import MemoryRegistry
+
+MODEL = "sim-llama-3.1-8b"
+REGISTRY_SETTINGS = RegistrySettings(heartbeat_interval_s=0.2, ttl_s=1.0)
+
+
+@dataclass
+class Shim:
+    url: str
+    settings: ShimSettings
+    app: Starlette
+    http: aiohttp.ClientSession
+
+    async def load(self) -> dict[str, Any]:
+        async with self.http.get(self.url + "/load") as resp:
+            assert resp.status == 200
+            data: dict[str, Any] = await resp.json()
+            return data
+
+    async def post(self, body: dict[str, Any]) -> tuple[int, dict[str, Any], CIMultiDictProxy[str]]:
+        async with self.http.post(self.url + "/v1/completions", data=orjson.dumps(body)) as resp:
+            return resp.status, orjson.loads(await resp.read()), resp.headers
+
+
+StartShim = Callable[..., Awaitable[Shim]]
+
+
+@pytest.fixture
+async def registry() -> AsyncIterator[MemoryRegistry]:
+    reg = MemoryRegistry()
+    yield reg
+    await reg.aclose()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+@pytest.fixture
+async def start_shim(
+    registry: MemoryRegistry, http: aiohttp.ClientSession
+) -> AsyncIterator[StartShim]:
+    """`await start_shim(role, **settings)`: a shim serving until the test ends."""
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def start(role: Role = Role.PREFILL, **overrides: Any) -> Shim:
+            sock = bind_socket("127.0.0.1", 0)
+            settings = ShimSettings(role=role, host="127.0.0.1", port=bound_port(sock), **overrides)
+            app = build_shim_app(settings, registry, REGISTRY_SETTINGS)
+            await stack.enter_async_context(serving(app, sock))
+            return Shim(f"http://127.0.0.1:{settings.port}", settings, app, http)
+
+        yield start
+
+
+def prefill_body(prompt: Any = "Hello there, general Kenobi.", **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+        **extra,
+    }
+
+
+def assert_openai_error(body: dict[str, Any]) -> dict[str, Any]:
+    assert set(body) == {"error"}, body
+    err: dict[str, Any] = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str)
+    assert err["message"]
+    assert isinstance(err["type"], str)
+    assert err["type"]
+    return err
+
+
+async def sse_events(resp: aiohttp.ClientResponse) -> list[Any]:
+    """Payloads of every ``data:`` line until ``[DONE]`` (as the string "[DONE]")."""
+    events: list[Any] = []
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line.removeprefix("data: ")
+        if data == "[DONE]":
+            events.append(data)
+            break
+        events.append(orjson.loads(data))
+    return events
+
+
+async def wait_load(shim: Shim, key: str, value: int, within: float = 2.0) -> dict[str, Any]:
+    """Poll /load until ``load[key] == value``; fail after `within` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        load = await shim.load()
+        if load[key] == value:
+            return load
+        assert loop.time() < deadline, f"{key} stayed {load[key]}, wanted {value}: {load}"
+        await asyncio.sleep(0.01)

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+from config import Role
+from gateway.instances import InstanceTracker
+from registry.base import InstanceRecord, InstanceState
+
+
+def rec(
+    i: str, role: Role = Role.PREFILL, state: InstanceState = InstanceState.READY
+) -> InstanceRecord:
+    return InstanceRecord(id=i, role=role, url=f"http://{i}", model="m", capacity=2, state=state)
+
+
+async def test_leases_release_exactly_once() -> None:
+    t = InstanceTracker()
+    t.update_membership({"p": rec("p")})
+    a, b = t.open_stream("p"), t.begin("p")
+    assert t.totals() == (1, 1)
+    for _ in range(3):
+        a.release()
+        b.release()
+    assert t.totals() == (0, 0)
+
+
+async def test_rejoined_instance_is_not_driven_negative_by_old_leases() -> None:
+    t = InstanceTracker()
+    t.update_membership({"p": rec("p")})
+    old = t.open_stream("p")
+    t.update_membership({}, {"p"})
+    t.update_membership({"p": rec("p")})
+    old.release()
+    loads = t.loads(Role.PREFILL, "m")
+    assert loads[0].open_streams == 0
+
+
+async def test_snapshot_filters_role_model_and_draining() -> None:
+    t = InstanceTracker()
+    t.update_membership(
+        {
+            "p": rec("p"),
+            "d": rec("d", Role.DECODE),
+            "x": rec("x", state=InstanceState.DRAINING),
+        }
+    )
+    assert [x.id for x in t.loads(Role.PREFILL, "m")] == ["p"]
+    assert [x.id for x in t.loads(Role.DECODE, "m")] == ["d"]
+    assert t.loads(Role.PREFILL, "other") == []
+
+
+async def test_rejection_marks_busy_until_a_release() -> None:
+    t = InstanceTracker(busy_hold_s=60)
+    t.update_membership({"p": rec("p")})
+    lease = t.begin("p")
+    t.rejected("p")
+    assert t.loads(Role.PREFILL, "m")[0].busy
+    lease.release()
+    assert not t.loads(Role.PREFILL, "m")[0].busy
+
+
+async def test_state_of_departed_instances_is_dropped() -> None:
+    t = InstanceTracker()
+    t.update_membership({str(i): rec(str(i)) for i in range(100)})
+    for i in range(100):
+        t.rejected(str(i))
+    t.update_membership({"0": rec("0")}, {str(i) for i in range(1, 100)})
+    assert len(list(t.describe())) == 1
+    assert len(t._counters) == 1

@@ -1,0 +1,130 @@
+"""Gateway + shims registering in a real Redis, as separate processes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests._cluster import Subprocess, ThreadedCluster, get_instances, wait_for
+
+BODY = {"model": "sim-llama-3.1-8b", "prompt": "registry test", "max_tokens": 3}
+
+
+def registry_env(
+    url: str, prefix: str, *, ttl: float = 1.0, heartbeat: float = 0.25, poll: float = 0.25
+) -> dict[str, str]:
+    return {
+        "PDGATE_REGISTRY_URL": url,
+        "PDGATE_REGISTRY_KEY_PREFIX": prefix,
+        "PDGATE_REGISTRY_TTL_S": str(ttl),
+        "PDGATE_REGISTRY_HEARTBEAT_INTERVAL_S": str(heartbeat),
+        "PDGATE_REGISTRY_POLL_INTERVAL_S": str(poll),
+    }
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Subprocess]]:
+    started: list[Subprocess] = []
+    yield started
+    for p in started:
+        p.kill()
+
+
+def start(procs: list[Subprocess], args: list[str], env: dict[str, str]) -> Subprocess:
+    p = Subprocess(args, env=env)
+    procs.append(p)
+    return p
+
+
+def gateway_url(p: Subprocess) -> str:
+    line = next(line for line in p.lines if line.startswith("pdgate gateway:"))
+    return line.split()[-1].removesuffix("/v1")
+
+
+def ids(url: str) -> set[str]:
+    return {r["id"] for r in get_instances(url)}
+
+
+def test_join_is_seen_through_pubsub_and_clean_leave_at_once(
+    redis_url: str, registry_prefix: str, procs: list[Subprocess]
+) -> None:
+    # A 30 s poll: only pub/sub can explain a sub-second view change.
+    env = registry_env(redis_url, registry_prefix, poll=30.0)
+    gw = gateway_url(start(procs, ["gateway", "--port", "0"], env))
+    assert ids(gw) == set()
+    shim = start(
+        procs, ["shim", "--role", "prefill", "--port", "0", "--instance-id", "p-join"], env
+    )
+    assert shim.ready_at is not None
+    wait_for(lambda: "p-join" in ids(gw), timeout=5, what="join")
+    seen_after = time.monotonic() - shim.ready_at
+    assert seen_after < 1.0, f"join took {seen_after:.2f} s"
+    assert shim.terminate() == 0
+    took = wait_for(lambda: "p-join" not in ids(gw), timeout=5, what="leave")
+    assert took < 1.0
+
+
+def test_killed_shim_expires_within_the_ttl(
+    redis_url: str, registry_prefix: str, procs: list[Subprocess]
+) -> None:
+    ttl, poll = 1.0, 0.25
+    env = registry_env(redis_url, registry_prefix, ttl=ttl, poll=poll)
+    gw = gateway_url(start(procs, ["gateway", "--port", "0"], env))
+    shim = start(procs, ["shim", "--role", "decode", "--port", "0", "--instance-id", "d-kill"], env)
+    wait_for(lambda: "d-kill" in ids(gw), timeout=5, what="registration")
+    shim.proc.kill()  # SIGKILL: no deregistration, only the TTL can remove it
+    killed = time.monotonic()
+    wait_for(lambda: "d-kill" not in ids(gw), timeout=10, what="expiry")
+    gone_after = time.monotonic() - killed
+    # A record lives at most one TTL past its last heartbeat; the gateway sees it at its next poll.
+    assert gone_after <= ttl + poll + 0.5, f"gone after {gone_after:.2f} s"
+
+
+def test_whole_path_across_processes(
+    redis_url: str, registry_prefix: str, procs: list[Subprocess]
+) -> None:
+    env = registry_env(redis_url, registry_prefix)
+    gw = gateway_url(start(procs, ["gateway", "--port", "0"], env))
+    start(procs, ["shim", "--role", "prefill", "--port", "0"], env)
+    start(procs, ["shim", "--role", "decode", "--port", "0"], env)
+    wait_for(lambda: len(ids(gw)) == 2, timeout=5)
+    resp = httpx.post(gw + "/v1/completions", json={**BODY, "stream": True}, timeout=10)
+    assert resp.status_code == 200
+    assert resp.text.rstrip().endswith("data: [DONE]")
+
+
+def test_gateway_keeps_serving_while_redis_is_down(
+    private_redis: Any, registry_prefix: str
+) -> None:
+    registry = {
+        "url": private_redis.url,
+        "key_prefix": registry_prefix,
+        "ttl_s": 1.0,
+        "heartbeat_interval_s": 0.25,
+        "poll_interval_s": 0.25,
+        "connect_timeout_s": 0.3,
+    }
+    with ThreadedCluster(prefills=1, decodes=1, registry=registry) as c:
+        assert httpx.post(c.url + "/v1/completions", json=BODY, timeout=10).status_code == 200
+        private_redis.stop()
+        c.wait_for(
+            lambda: httpx.get(c.url + "/health").json()["registry"] != "ok",
+            timeout=5,
+            what="outage seen",
+        )
+        for _ in range(5):  # the last known view keeps serving
+            resp = httpx.post(c.url + "/v1/completions", json=BODY, timeout=10)
+            assert resp.status_code == 200, resp.text
+        assert len(c.instances()) == 2
+        private_redis.start()  # empty: every record must be re-registered by its heartbeat
+        c.wait_for(
+            lambda: httpx.get(c.url + "/health").json()["registry"] == "ok",
+            timeout=10,
+            what="recovery",
+        )
+        c.wait_for(lambda: len(c.instances()) == 2, timeout=5)
+        assert httpx.post(c.url + "/v1/completions", json=BODY, timeout=10).status_code == 200

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from registry import MemoryRegistry, RedisRegistry, Registry
+
+
+@pytest.fixture
+async def redis_registry(redis_url: str, registry_prefix: str) -> AsyncIterator[RedisRegistry]:
+    reg = RedisRegistry(redis_url, key_prefix=registry_prefix, connect_timeout_s=0.5)
+    yield reg
+    await reg.aclose()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def any_registry(request: pytest.FixtureRequest) -> AsyncIterator[Registry]:
+    """Each test runs against both implementations: they promise the same behaviour."""
+    if request.param == "memory":
+        reg: Registry = MemoryRegistry()
+    else:
+        reg = RedisRegistry(
+            request.getfixturevalue("redis_url"),
+            key_prefix=request.getfixturevalue("registry_prefix"),
+            connect_timeout_s=0.5,
+        )
+    yield reg
+    await reg.aclose()
