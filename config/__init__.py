@@ -2,8 +2,10 @@
 
 from config.settings import (
     ClusterSettings,
+    DispatchMode,
     GatewaySettings,
     PrefillAdmission,
+    QueueOrder,
     RegistrySettings,
     Role,
     ShimSettings,
@@ -11,8 +13,10 @@ from config.settings import (
 
 __all__ = [
     "ClusterSettings",
+    "DispatchMode",
     "GatewaySettings",
     "PrefillAdmission",
+    "QueueOrder",
     "RegistrySettings",
     "Role",
     "ShimSettings",

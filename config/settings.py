@@ -161,6 +161,16 @@ class ShimSettings(_Settings):
     )
 
 
+class DispatchMode(StrEnum):
+    QUEUE = "queue"  # P/D-Serve on-demand forwarding: gateway-held queue, retries to the deadline
+    DIRECT = "direct"  # the paper's baseline gateway: one try at the top-ranked prefill, no retry
+
+
+class QueueOrder(StrEnum):
+    FIFO = "fifo"
+    EDF = "edf"  # earliest deadline first
+
+
 class GatewaySettings(_Settings):
     """The OpenAI-compatible front door."""
 
@@ -177,11 +187,43 @@ class GatewaySettings(_Settings):
         le=600,
         description="Per-request deadline to get a prefill accepted and a decode streaming.",
     )
+    group_ttft_timeout_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="Per-group deadline overriding ttft_timeout_s, e.g. {chat = 2.0, batch = 30}.",
+    )
+    dispatch: DispatchMode = Field(
+        default=DispatchMode.QUEUE,
+        description="queue: gateway-held queue + retries until the deadline (P/D-Serve); "
+        "direct: one try at the top-ranked prefill, no retries (the paper's baseline).",
+    )
+    queue_size: int = Field(
+        default=1024, gt=0, description="Bound of each (model, group) queue; full = 503."
+    )
+    queue_order: QueueOrder = Field(
+        default=QueueOrder.FIFO, description="fifo or edf (earliest deadline first)."
+    )
+    batch_forwarding: bool = Field(
+        default=True,
+        description="When a prefill accepts, keep sending it queued requests while it has room.",
+    )
     prefill_policy: str = Field(
         default="least_sse", description="Prefill ranking policy (by name)."
     )
+    prefill_policy_options: dict[str, int | float | str] = Field(
+        default_factory=dict,
+        description="Keyword arguments for the prefill policy, e.g. {load_guard = 4}.",
+    )
     decode_policy: str = Field(
         default="least_loaded", description="Decode choice policy (by name)."
+    )
+    affinity_block_chars: int = Field(
+        default=64, gt=0, description="Prefix-affinity index: characters per hashed prompt block."
+    )
+    affinity_max_blocks: int = Field(
+        default=512, gt=0, description="Leading blocks of a prompt indexed."
+    )
+    affinity_max_entries: int = Field(
+        default=200_000, gt=0, description="Bound of the prefix-affinity index (block hashes, LRU)."
     )
     backoff_initial_s: float = Field(
         default=0.005, gt=0, description="First wait after all candidates rejected."

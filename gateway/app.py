@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from config import GatewaySettings, RegistrySettings
 from engine_shim.wire import error_json
+from gateway.affinity import PrefixIndex
 from gateway.completions import CompletionsEndpoint
 from gateway.dispatch import Dispatcher
 from gateway.instances import InstanceTracker
@@ -60,7 +61,7 @@ def build_gateway_app(
     settings: GatewaySettings, registry: Registry, registry_settings: RegistrySettings
 ) -> Starlette:
     # Fail at start-up, not on the first request, if a policy name is wrong.
-    prefill_policy = load_prefill_policy(settings.prefill_policy)
+    prefill_policy = load_prefill_policy(settings.prefill_policy, settings.prefill_policy_options)
     decode_policy = load_decode_policy(settings.decode_policy)
     completions = _Late()
     started = time.time()
@@ -68,7 +69,11 @@ def build_gateway_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         tracker = InstanceTracker(busy_hold_s=settings.backoff_max_s)
-        membership = Membership(registry, poll_interval_s=registry_settings.poll_interval_s)
+        membership = Membership(
+            registry,
+            poll_interval_s=registry_settings.poll_interval_s,
+            max_instances=registry_settings.max_instances,
+        )
         membership.add_listener(tracker.update_membership)
         connector = aiohttp.TCPConnector(
             limit=settings.upstream_connections,
@@ -84,7 +89,15 @@ def build_gateway_app(
         )
         # Late-bound: the gauge reads the endpoint built just below.
         metrics = GatewayMetrics(tracker.totals, lambda: endpoint.pending)
+        index = PrefixIndex(
+            block_chars=settings.affinity_block_chars,
+            max_blocks=settings.affinity_max_blocks,
+            max_entries=settings.affinity_max_entries,
+        )
+        # Departed instances took their prefix caches with them.
+        membership.add_listener(lambda _view, departed: index.drop_instances(departed))
         dispatcher = Dispatcher(
+            settings,
             tracker,
             upstream,
             prefill_policy,
@@ -93,8 +106,7 @@ def build_gateway_app(
                 settings.backoff_initial_s, settings.backoff_max_s, settings.backoff_jitter
             ),
             metrics,
-            max_candidates=settings.max_candidates,
-            retry_after_s=settings.retry_after_s,
+            index,
         )
         endpoint = CompletionsEndpoint(settings, dispatcher, tracker, upstream, metrics)
         await membership.start()
@@ -106,9 +118,11 @@ def build_gateway_app(
                 "membership": membership,
                 "metrics": metrics,
                 "endpoint": endpoint,
+                "dispatcher": dispatcher,
             }
         finally:
             completions.target = None
+            await dispatcher.close()
             await membership.stop()
             await session.close()
 
@@ -132,6 +146,7 @@ def build_gateway_app(
                 "open_streams": streams,
                 "inflight": inflight,
                 "pending": request.state.endpoint.pending,
+                "queued": request.state.dispatcher.queued(),
             }
         )
 

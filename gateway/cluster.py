@@ -12,9 +12,9 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from config import ClusterSettings, GatewaySettings, RegistrySettings, Role, ShimSettings
 from starlette.applications import Starlette
 
+from config import ClusterSettings, GatewaySettings, RegistrySettings, Role, ShimSettings
 from engine_shim.app import build_shim_app, drain_shim
 from gateway._server import bind_socket, bound_port, serving
 from gateway.app import build_gateway_app

@@ -33,6 +33,7 @@ from policies.base import RequestInfo
 log = logging.getLogger("pdgate.completions")
 
 TTFT_HEADER = "x-pdgate-ttft-timeout-ms"
+GROUP_HEADER = "x-pdgate-group"
 T = TypeVar("T")
 
 
@@ -75,8 +76,8 @@ class CompletionsEndpoint:
                 max_tokens_limit=self._settings.max_tokens_limit,
                 default_max_tokens=self._settings.default_max_tokens,
             )
-            info = self._request_info(req, forward)
-            deadline = arrived + self._ttft_timeout(request)
+            info = self._request_info(req, forward, request.headers.get(GROUP_HEADER))
+            deadline = arrived + self._ttft_timeout(request, info.group)
             watcher = asyncio.create_task(_wait_disconnect(receive))
             placement = await _unless_gone(
                 self._dispatcher.place(info, forward, request_id=request_id, deadline=deadline),
@@ -120,7 +121,9 @@ class CompletionsEndpoint:
             self.pending -= 1
             self._metrics.requests.labels(outcome).inc()
 
-    def _request_info(self, req: CompletionRequest, forward: dict[str, Any]) -> RequestInfo:
+    def _request_info(
+        self, req: CompletionRequest, forward: dict[str, Any], group: str | None
+    ) -> RequestInfo:
         models = self._tracker.models()
         model = req.model
         if model is None:
@@ -138,14 +141,27 @@ class CompletionsEndpoint:
             raise ModelNotFound(f"the model {model!r} does not exist", param="model")
         return RequestInfo(
             model=model,
-            group="default",
+            group=self._check_group(model, group),
             prompt=req.prompt_text,
             prompt_chars=len(req.prompt_text),
             max_tokens=int(forward["max_tokens"]),
         )
 
-    def _ttft_timeout(self, request: Request) -> float:
-        timeout = self._settings.ttft_timeout_s
+    def _check_group(self, model: str, group: str | None) -> str | None:
+        """A scenario group the client names must exist (else every request to a typo would
+        wait out its deadline); no header means any group of the model."""
+        if group is None:
+            return None
+        if group not in self._tracker.groups(model):
+            raise BadRequest(
+                f"no instance of model {model!r} is in group {group!r}", param=GROUP_HEADER
+            )
+        return group
+
+    def _ttft_timeout(self, request: Request, group: str | None) -> float:
+        timeout = self._settings.group_ttft_timeout_s.get(
+            group or "", self._settings.ttft_timeout_s
+        )
         raw = request.headers.get(TTFT_HEADER)
         if raw is not None:
             try:

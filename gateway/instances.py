@@ -88,14 +88,16 @@ class InstanceTracker:
     def records(self) -> Mapping[str, InstanceRecord]:
         return self._records
 
-    def loads(self, role: Role, model: str | None) -> list[InstanceLoad]:
-        """Policy snapshot of ready instances of `role` serving `model` (any model if None)."""
+    def loads(self, role: Role, model: str | None, group: str | None = None) -> list[InstanceLoad]:
+        """Policy snapshot of ready instances of `role` serving `model` in `group` (None: any)."""
         now = time.monotonic()
         out: list[InstanceLoad] = []
         for rec in self._records.values():
             if rec.role != role or rec.state != InstanceState.READY:
                 continue
-            if model is not None and rec.model != model:
+            if (model is not None and rec.model != model) or (
+                group is not None and rec.group != group
+            ):
                 continue
             c = self._for(rec.id)
             out.append(
@@ -110,6 +112,19 @@ class InstanceTracker:
                 )
             )
         return out
+
+    def has_room(self, instance_id: str, capacity: int) -> bool:
+        """Worth a try: not recently rejected and fewer of our requests than its slots.
+
+        Our own count is a lower bound of its load (other gateways share it); a 429 corrects it.
+        """
+        c = self._counters.get(instance_id)
+        if c is None:
+            return instance_id in self._records
+        return c.busy_until <= time.monotonic() and c.inflight < capacity
+
+    def groups(self, model: str) -> set[str]:
+        return {r.group for r in self._records.values() if r.model == model}
 
     def models(self) -> list[str]:
         return sorted({r.model for r in self._records.values() if r.state == InstanceState.READY})

@@ -34,9 +34,9 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.retry_rounds = Histogram(
-            "pdgate_retry_rounds",
-            "Back-off rounds a request waited",
+        self.prefill_rejections = Histogram(
+            "pdgate_prefill_rejections",
+            "429s a request met before a prefill accepted it",
             buckets=(0, 1, 2, 4, 8, 16, 32, 64),
             registry=r,
         )

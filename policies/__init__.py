@@ -10,6 +10,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from policies.affinity_sse import AffinitySSE
 from policies.backoff import ConstantBackoff, ExponentialBackoff
 from policies.base import Backoff, DecodePolicy, InstanceLoad, PrefillPolicy, RequestInfo
 from policies.least_loaded import LeastLoaded
@@ -17,13 +18,14 @@ from policies.least_sse import LeastSSE
 from policies.power_of_two import PowerOfTwo
 from policies.round_robin import RoundRobin
 
-PREFILL_POLICIES: Mapping[str, Callable[[], PrefillPolicy]] = {
+PREFILL_POLICIES: Mapping[str, Callable[..., PrefillPolicy]] = {
     "least_sse": LeastSSE,
+    "affinity_sse": AffinitySSE,
     "round_robin": RoundRobin,
     "power_of_two": PowerOfTwo,
 }
 
-DECODE_POLICIES: Mapping[str, Callable[[], DecodePolicy]] = {
+DECODE_POLICIES: Mapping[str, Callable[..., DecodePolicy]] = {
     "least_loaded": LeastLoaded,
     "least_sse": LeastSSE,
     "round_robin": RoundRobin,
@@ -31,27 +33,33 @@ DECODE_POLICIES: Mapping[str, Callable[[], DecodePolicy]] = {
 }
 
 
-def _resolve(name: str, builtins: Mapping[str, Callable[[], Any]], kind: str) -> Any:
+def _resolve(
+    name: str, builtins: Mapping[str, Callable[..., Any]], kind: str, options: Mapping[str, Any]
+) -> Any:
     if name in builtins:
-        return builtins[name]()
-    if ":" in name:
+        factory = builtins[name]
+    elif ":" in name:
         module_name, _, attr = name.partition(":")
         try:
             factory = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"cannot load {kind} policy {name!r}: {exc}") from exc
-        return factory()
-    known = ", ".join(sorted(builtins))
-    raise ValueError(f"unknown {kind} policy {name!r}; built-in: {known}, or 'module:factory'")
+    else:
+        known = ", ".join(sorted(builtins))
+        raise ValueError(f"unknown {kind} policy {name!r}; built-in: {known}, or 'module:factory'")
+    try:
+        return factory(**options)
+    except TypeError as exc:
+        raise ValueError(f"bad options for {kind} policy {name!r}: {exc}") from exc
 
 
-def load_prefill_policy(name: str) -> PrefillPolicy:
-    policy: PrefillPolicy = _resolve(name, PREFILL_POLICIES, "prefill")
+def load_prefill_policy(name: str, options: Mapping[str, Any] | None = None) -> PrefillPolicy:
+    policy: PrefillPolicy = _resolve(name, PREFILL_POLICIES, "prefill", options or {})
     return policy
 
 
-def load_decode_policy(name: str) -> DecodePolicy:
-    policy: DecodePolicy = _resolve(name, DECODE_POLICIES, "decode")
+def load_decode_policy(name: str, options: Mapping[str, Any] | None = None) -> DecodePolicy:
+    policy: DecodePolicy = _resolve(name, DECODE_POLICIES, "decode", options or {})
     return policy
 
 

@@ -6,8 +6,8 @@ touches gateway code.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -29,10 +29,13 @@ class RequestInfo:
     """What a policy may know about the request being placed."""
 
     model: str
-    group: str
+    group: str | None  # None: any group serving the model
     prompt: str
     prompt_chars: int
     max_tokens: int
+    # Instance id -> leading prompt blocks that instance recently prefilled (the gateway's
+    # prefix-affinity index); empty when affinity is not tracked.
+    prefix_blocks: Mapping[str, int] = field(default_factory=dict)
 
 
 class PrefillPolicy(Protocol):

@@ -5,7 +5,6 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 from config import RegistrySettings
-from registry.backoff import Backoff, ExponentialBackoff
 from registry.base import (
     EventKind,
     EventStream,
@@ -50,10 +49,8 @@ def open_registry(settings: RegistrySettings) -> Registry:
 
 
 __all__ = [
-    "Backoff",
     "EventKind",
     "EventStream",
-    "ExponentialBackoff",
     "Heartbeat",
     "InstanceRecord",
     "InstanceState",

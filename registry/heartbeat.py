@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from policies.backoff import ExponentialBackoff
+from policies.base import Backoff
 from registry._aio import cancel_and_wait
-from registry.backoff import Backoff, ExponentialBackoff
 from registry.base import InstanceRecord, InstanceState, Registry, RegistryError
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,9 @@ class Heartbeat:
         next_beat = loop.time() + self._interval_s
         while True:
             if self._failures:
-                next_beat = loop.time() + min(self._interval_s, self._backoff.delay(self._failures))
+                next_beat = loop.time() + min(
+                    self._interval_s, self._backoff.delay(self._failures - 1)
+                )
             await asyncio.sleep(max(0.0, next_beat - loop.time()))
             # Fixed rate, not fixed delay: a slow put must not stretch the period toward the TTL.
             next_beat += self._interval_s

@@ -15,8 +15,9 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from types import MappingProxyType
 
+from policies.backoff import ExponentialBackoff
+from policies.base import Backoff
 from registry._aio import cancel_and_wait
-from registry.backoff import Backoff, ExponentialBackoff
 from registry.base import (
     EventKind,
     EventStream,
@@ -134,7 +135,7 @@ class Membership:
             wait = self._poll_interval_s
             if self._poll_failures:
                 # Retry a failed poll sooner, so recovery does not wait a whole interval.
-                wait = min(wait, self._backoff.delay(self._poll_failures))
+                wait = min(wait, self._backoff.delay(self._poll_failures - 1))
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait):
                     await self._poll_now.wait()
@@ -151,7 +152,8 @@ class Membership:
             return
         except Exception as exc:  # keep the last view whatever went wrong
             self._poll_failures += 1
-            logger.exception("registry snapshot failed")
+            if self._poll_failures == 1:  # a bug, probably: one traceback, not one per poll
+                logger.exception("registry snapshot failed")
             self._set_health(poll_ok=False, reason=exc)
             return
         finally:
@@ -182,7 +184,7 @@ class Membership:
         attempt = 0 if stream is not None else 1
         while True:
             if stream is None:
-                await asyncio.sleep(self._backoff.delay(attempt))
+                await asyncio.sleep(self._backoff.delay(attempt - 1))
                 stream = await self._subscribe()
                 if stream is None:
                     attempt += 1
@@ -198,7 +200,8 @@ class Membership:
                 self._set_health(events_failed=True, reason=exc)
             except Exception as exc:  # the follower must survive anything
                 attempt += 1
-                logger.exception("registry event stream failed")
+                if attempt == 1:
+                    logger.exception("registry event stream failed")
                 self._set_health(events_failed=True, reason=exc)
             finally:
                 await _aclose(stream)

@@ -137,15 +137,22 @@ class _RedisEventStream:
             raise RegistryUnavailable("event stream is closed")
         if self._pubsub is not None:
             return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout_s
         pubsub = self._client.pubsub()
         try:
-            async with asyncio.timeout(self._timeout_s):
+            async with asyncio.timeout_at(deadline):
                 await pubsub.subscribe(self._channel)
-                # Only the confirmation proves the server will deliver what is published next.
-                while True:
-                    msg = await pubsub.get_message(timeout=self._timeout_s)
-                    if msg is not None and msg["type"] == "subscribe":
-                        break
+            # Only the confirmation proves the server will deliver what is published next.
+            # (An explicit deadline, not just the scope above: a cancellation-based timeout
+            # can be lost inside redis-py on Python 3.11, see registry/_aio.py.)
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise TimeoutError("no confirmation of SUBSCRIBE")
+                msg = await pubsub.get_message(timeout=remaining)
+                if msg is not None and msg["type"] == "subscribe":
+                    break
         except _ERRORS as exc:
             await _close_quietly(pubsub)
             raise await self._fail("subscribe", exc) from exc
@@ -153,7 +160,7 @@ class _RedisEventStream:
             await _close_quietly(pubsub)
             raise
         self._pubsub = pubsub
-        self._last_seen = asyncio.get_running_loop().time()
+        self._last_seen = loop.time()
 
     async def __anext__(self) -> RegistryEvent:
         if self._closed:

@@ -19,7 +19,7 @@ from policies.least_sse import LeastSSE
 from policies.power_of_two import PowerOfTwo
 from policies.round_robin import RoundRobin
 
-REQ = RequestInfo(model="m", group="default", prompt="hello", prompt_chars=5, max_tokens=8)
+REQ = RequestInfo(model="m", group=None, prompt="hello", prompt_chars=5, max_tokens=8)
 
 
 def inst(

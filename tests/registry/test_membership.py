@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Mapping
 
 import pytest
 
+from policies.backoff import ExponentialBackoff
 from registry import (
-    ExponentialBackoff,
     Heartbeat,
     InstanceRecord,
     InstanceState,

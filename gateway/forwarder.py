@@ -1,0 +1,243 @@
+"""On-demand forwarding of queued requests to idle prefills (P/D-Serve section 3.5).
+
+One `PrefillForwarder` per (model, group) owns that queue. It looks at the head request,
+asks the policy to rank the prefills that have room (not recently rejected, fewer of our
+requests in flight than their capacity), sends the head to the best one and, with batch
+forwarding, keeps sending the following requests to that same prefill while it has room, so
+it runs a full batch. A 429 puts the request back at its old place in the queue and marks the
+prefill busy until one of our requests to it finishes (or a short hold passes: other
+gateways share it). With nobody to send to, the forwarder sleeps until a slot frees or a
+back-off passes: no busy loop. Each request waits for its grant only until its deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from config import Role
+from gateway.affinity import PrefixIndex
+from gateway.errors import (
+    DeadlineExceeded,
+    GatewayError,
+    Overloaded,
+    UpstreamError,
+    UpstreamRejected,
+    UpstreamStatus,
+)
+from gateway.instances import InstanceTracker, Lease
+from gateway.metrics import GatewayMetrics
+from gateway.queue import Waiter, WaiterState, WaitQueue
+from gateway.upstream import Upstream
+from policies.base import Backoff, InstanceLoad, PrefillPolicy
+
+log = logging.getLogger("pdgate.forwarder")
+
+
+@dataclass
+class PrefillGrant:
+    """A prefill accepted and computed the request; the leases now belong to the caller."""
+
+    instance: InstanceLoad
+    reply: dict[str, Any]
+    stream: Lease
+    inflight: Lease
+    attempts: int
+    rejections: int
+
+
+@dataclass
+class ForwardingOptions:
+    batch_forwarding: bool = True
+    retry_after_s: int = 1
+    client_error: Callable[[UpstreamStatus], GatewayError] = field(
+        default=lambda exc: GatewayError(str(exc))
+    )
+
+
+class PrefillForwarder:
+    def __init__(
+        self,
+        model: str,
+        group: str | None,
+        queue: WaitQueue,
+        tracker: InstanceTracker,
+        upstream: Upstream,
+        policy: PrefillPolicy,
+        backoff: Backoff,
+        metrics: GatewayMetrics,
+        index: PrefixIndex | None,
+        options: ForwardingOptions,
+    ) -> None:
+        self.model = model
+        self.group = group
+        self.queue = queue
+        self._tracker = tracker
+        self._upstream = upstream
+        self._policy = policy
+        self._backoff = backoff
+        self._metrics = metrics
+        self._index = index
+        self._options = options
+        self._task: asyncio.Task[None] | None = None
+        self._hashes: dict[int, list[bytes]] = {}  # id(waiter) -> prompt block hashes
+
+    @property
+    def idle(self) -> bool:
+        return not len(self.queue) and (self._task is None or self._task.done())
+
+    async def acquire(self, waiter: Waiter) -> PrefillGrant:
+        """Queue `waiter` and wait for a prefill to accept it, until its deadline."""
+        if not self.queue.push(waiter):
+            raise _queue_full(self._options.retry_after_s)
+        if self._index is not None:
+            self._hashes[id(waiter)] = self._index.hashes(waiter.info.prompt)
+        self._wake()
+        try:
+            remaining = waiter.deadline - time.monotonic()
+            grant: PrefillGrant = await asyncio.wait_for(
+                asyncio.shield(waiter.future), max(remaining, 0)
+            )
+            return grant
+        except TimeoutError:
+            raise DeadlineExceeded(
+                "no prefill instance accepted the request before its TTFT deadline",
+                retry_after=self._options.retry_after_s,
+            ) from None
+        finally:
+            self._withdraw(waiter)
+
+    def _withdraw(self, waiter: Waiter) -> None:
+        """The waiter stops waiting (granted, expired, cancelled): take it out everywhere."""
+        self._hashes.pop(id(waiter), None)
+        self.queue.remove(waiter)
+        if not waiter.future.done():
+            waiter.future.cancel()
+        if waiter.attempt_task is not None and not waiter.attempt_task.done():
+            # Early intervention: an attempt still running past the deadline (or for a client
+            # that left) is cancelled, which aborts the HTTP call and frees the prefill slot.
+            waiter.attempt_task.cancel()
+        waiter.state = WaiterState.DONE
+
+    def _wake(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(
+                self._run(), name=f"forwarder:{self.model}:{self.group}"
+            )
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        round_no = 0
+        while True:
+            head = self.queue.peek()
+            if head is None:
+                return  # restarted by the next acquire()
+            ranked = self._policy.rank(self._with_affinity(head), self._candidates())
+            target = next((c for c in ranked if self._tracker.has_room(c.id, c.capacity)), None)
+            if target is None:
+                # Everyone is full or just rejected: wait for one of our requests to finish
+                # somewhere (the likeliest moment a prefill accepts again) or a back-off.
+                await self._tracker.wait_freed(self._backoff.delay(round_no))
+                round_no += 1
+                continue
+            round_no = 0
+            self._send(head, target)
+            while self._options.batch_forwarding and self._tracker.has_room(
+                target.id, target.capacity
+            ):
+                nxt = self.queue.peek()
+                if nxt is None:
+                    break
+                self._send(nxt, target)
+            # Let the attempts start (and fast 429s arrive) before ranking again.
+            await asyncio.sleep(0)
+
+    def _candidates(self) -> list[InstanceLoad]:
+        return self._tracker.loads(Role.PREFILL, self.model, self.group)
+
+    def _with_affinity(self, waiter: Waiter) -> Any:
+        hashes = self._hashes.get(id(waiter))
+        if self._index is None or not hashes:
+            return waiter.info
+        return replace(waiter.info, prefix_blocks=self._index.match(hashes))
+
+    def _send(self, waiter: Waiter, inst: InstanceLoad) -> None:
+        popped = self.queue.pop()
+        assert popped is waiter
+        waiter.attempts += 1
+        stream = self._tracker.open_stream(inst.id)
+        inflight = self._tracker.begin(inst.id)
+        waiter.attempt_task = asyncio.create_task(self._attempt(waiter, inst, stream, inflight))
+
+    async def _attempt(
+        self, waiter: Waiter, inst: InstanceLoad, stream: Lease, inflight: Lease
+    ) -> None:
+        counter = self._metrics.prefill_attempts
+        granted = False
+        try:
+            remaining = max(waiter.deadline - time.monotonic(), 0.001)
+            reply = await self._upstream.prefill(
+                inst.url, waiter.body, request_id=waiter.request_id, timeout_s=remaining
+            )
+            if waiter.future.done():
+                # The waiter left while the prefill computed: free the KV it holds for us.
+                await self._upstream.release_kv(
+                    reply["kv_transfer_params"], request_id=waiter.request_id
+                )
+                return
+            counter.labels("accepted").inc()
+            hashes = self._hashes.get(id(waiter))
+            if self._index is not None and hashes:
+                self._index.record(hashes, inst.id)
+            waiter.future.set_result(
+                PrefillGrant(inst, reply, stream, inflight, waiter.attempts, waiter.rejections)
+            )
+            granted = True
+        except UpstreamRejected:
+            self._tracker.rejected(inst.id)
+            counter.labels("rejected").inc()
+            waiter.rejections += 1
+            self._retry(waiter)
+        except UpstreamStatus as exc:
+            if exc.is_client_error:
+                counter.labels("client_error").inc()
+                if not waiter.future.done():
+                    waiter.future.set_exception(self._options.client_error(exc))
+            else:
+                self._failed(inst, exc, waiter)
+        except UpstreamError as exc:
+            self._failed(inst, exc, waiter)
+        finally:
+            if not granted:
+                stream.release()
+                inflight.release()
+
+    def _failed(self, inst: InstanceLoad, exc: Exception, waiter: Waiter) -> None:
+        self._tracker.failed(inst.id)
+        self._metrics.prefill_attempts.labels("failed").inc()
+        log.warning("prefill %s failed: %s", inst.id, exc)
+        self._retry(waiter)
+
+    def _retry(self, waiter: Waiter) -> None:
+        if waiter.future.done() or waiter.state is WaiterState.DONE:
+            return
+        if time.monotonic() >= waiter.deadline:
+            return  # acquire() is about to time out and answer 503
+        self.queue.requeue(waiter)
+        self._wake()
+
+
+def _queue_full(retry_after_s: int) -> GatewayError:
+    return Overloaded(
+        "the gateway's queue for this model and group is full", retry_after=retry_after_s
+    )
