@@ -65,7 +65,7 @@ $(VLLM_STAMP): pyproject.toml | $(STAMP)
 
 ## test-vllm: the vLLM suite (gateway + vLLM prefill + vLLM decode shims on a tiny CPU model)
 test-vllm: vllm redis-server
-	CI=$${CI:-} $(BIN)/python -m pytest -m vllm -p no:cacheprovider $(PYTEST_ARGS) tests/vllm
+	$(BIN)/python -m pytest -m vllm $(PYTEST_ARGS) tests/vllm
 
 ## docs: regenerate the settings reference in README.md from config/settings.py
 docs: install

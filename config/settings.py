@@ -102,7 +102,8 @@ class ShimSettings(_Settings):
         default=Role.PREFILL, description="prefill (queue-less, holds KV) or decode."
     )
     engine: str = Field(
-        default="sim", description="Engine backend: sim (torch, vllm in later releases)."
+        default="sim",
+        description="Engine backend: sim (timing model) or vllm (vLLM in-process; `make vllm`).",
     )
     host: str = Field(default="127.0.0.1", description="Address to listen on.")
     port: int = Field(
@@ -152,12 +153,45 @@ class ShimSettings(_Settings):
         "(CPU boxes cannot move 128 KiB/token at test scale); transfer time is still "
         "modelled at full size.",
     )
-    max_model_len: int = Field(default=32768, gt=0, description="Prompt + max_tokens limit.")
+    max_model_len: int = Field(
+        default=32768,
+        gt=0,
+        description="Prompt + max_tokens limit (the vllm engine is started with it too).",
+    )
     drain_timeout_s: float = Field(
         default=30.0,
         ge=0,
         description="On shutdown: stop taking requests (state draining) and wait this long for "
         "held KV and running streams to finish.",
+    )
+    vllm_model: str | None = Field(
+        default=None,
+        description="vllm engine: model directory (or Hugging Face id) to load; default: the "
+        "`model` setting. Prefill and decode must load the same model with the same dtype.",
+    )
+    vllm_dtype: str = Field(
+        default="auto",
+        description="vllm engine: weight and KV dtype (auto = the model's; use float32 on CPU).",
+    )
+    vllm_enforce_eager: bool = Field(
+        default=True,
+        description="vllm engine: no torch.compile or CUDA graphs (fast start; set false on GPUs "
+        "for speed).",
+    )
+    vllm_kv_cache_bytes: int | None = Field(
+        default=None,
+        gt=0,
+        description="vllm engine: KV cache size in bytes; unset = vLLM's default for the device.",
+    )
+    vllm_kv_spool_dir: str | None = Field(
+        default=None,
+        description="vllm engine: where packed KV buffers live between engine and network; "
+        "unset = a private directory under /dev/shm (or the temp dir).",
+    )
+    vllm_engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="vllm engine: more vLLM engine arguments (a JSON object), e.g. "
+        '{"max_num_batched_tokens": 256, "gpu_memory_utilization": 0.4}.',
     )
 
 

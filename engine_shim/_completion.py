@@ -1,8 +1,9 @@
 """The OpenAI ``/v1/completions`` request and response shapes, as vLLM serves them.
 
-Only the fields a shim acts on are typed and checked; other sampling parameters are accepted
-and ignored (the sim has no sampling), but a known field of the wrong type is a 400, never a
-500. Error messages never echo request content: it may be a prompt.
+Only the fields a shim acts on are typed and checked; the sampling fields an engine can apply
+are collected in `CompletionRequest.sampling` (the sim ignores them, vllm applies them), other
+fields are accepted and ignored, but a known field of the wrong type is a 400, never a 500.
+Error messages never echo request content: it may be a prompt.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ _NUMERIC = (
     "frequency_penalty",
     "presence_penalty",
     "repetition_penalty",
+    "min_p",
 )
+# Passed to the engine when present; the engine checks their ranges.
+SAMPLING_FIELDS = (*_NUMERIC, "seed", "ignore_eos")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +43,7 @@ class CompletionRequest:
     stop: tuple[str, ...]
     model: str | None
     kv_transfer_params: dict[str, Any] | None
+    sampling: dict[str, Any]
 
 
 def _is_int(v: object) -> bool:
@@ -124,6 +129,12 @@ def parse_completion(body: bytes, *, max_model_len: int) -> CompletionRequest:
         value = raw.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
             raise bad_request(f"{name} must be a number", name)
+    seed = raw.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise bad_request("seed must be an integer", "seed")
+    ignore_eos = raw.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise bad_request("ignore_eos must be a boolean", "ignore_eos")
     params = raw.get("kv_transfer_params")
     if params is not None and not isinstance(params, dict):
         raise bad_request("kv_transfer_params must be an object", "kv_transfer_params")
@@ -136,6 +147,7 @@ def parse_completion(body: bytes, *, max_model_len: int) -> CompletionRequest:
         stop=_stop(raw.get("stop")),
         model=model,
         kv_transfer_params=params,
+        sampling={k: raw[k] for k in SAMPLING_FIELDS if raw.get(k) is not None},
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 
 from engine_shim._slots import Slot
 from engine_shim.backend import KvSource
@@ -35,21 +36,42 @@ class HeldKv:
 
 
 class KvStore:
-    def __init__(self, hold_timeout_s: float) -> None:
+    def __init__(self, hold_timeout_s: float, max_tombstones: int = 4096) -> None:
         self._hold_timeout_s = hold_timeout_s
         self._entries: dict[str, tuple[HeldKv, asyncio.TimerHandle]] = {}
+        # Ids released before their KV existed: a gateway that gave up on a prefill call may
+        # DELETE the id it chose before this prefill finished computing it. Bounded (LRU).
+        self._tombstones: OrderedDict[str, None] = OrderedDict()
+        self._max_tombstones = max_tombstones
         self.expired = 0  # cumulative
+        self.dropped_on_arrival = 0  # cumulative: computed for a caller that already left
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._entries
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, entry: HeldKv) -> None:
+    def put(self, entry: HeldKv) -> bool:
+        """Hold `entry` until taken; False (and freed at once) if its id was released already."""
         if entry.request_id in self._entries:
             raise KeyError(f"duplicate KV request id {entry.request_id}")
+        if self._tombstones.pop(entry.request_id, 0) is None:
+            self.dropped_on_arrival += 1
+            entry.close()
+            return False
         timer = asyncio.get_running_loop().call_later(
             self._hold_timeout_s, self._expire, entry.request_id
         )
         self._entries[entry.request_id] = (entry, timer)
+        return True
+
+    def release_unknown(self, request_id: str) -> None:
+        """DELETE of an id not (yet) held: remember it in case its KV is still being made."""
+        self._tombstones[request_id] = None
+        self._tombstones.move_to_end(request_id)
+        while len(self._tombstones) > self._max_tombstones:
+            self._tombstones.popitem(last=False)
 
     def take(self, request_id: str) -> HeldKv | None:
         """Remove and return the entry; the caller owns (and must close) it."""

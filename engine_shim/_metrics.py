@@ -26,6 +26,7 @@ _COUNTERS = frozenset(
         "kv_lost",
         "kv_released",
         "kv_expired",
+        "engine_aborted",
         "prefix_cache_hit_tokens",
         "prefix_cache_total_tokens",
     }

@@ -42,7 +42,7 @@ __all__ = ["MAX_BODY_BYTES", "ShimRuntime", "build_shim_app", "instance_record"]
 log = logging.getLogger("pdgate.shim")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
-ENGINES = ("sim",)  # torch and vllm plug in behind engine_shim.backend
+ENGINES = ("sim", "vllm")  # more plug in behind engine_shim.backend
 
 
 def _version() -> str:
@@ -84,8 +84,15 @@ def instance_record(settings: ShimSettings) -> InstanceRecord:
 
 
 def make_backend(settings: ShimSettings) -> PrefillBackend | DecodeBackend:
-    if settings.engine != "sim":
+    if settings.engine not in ENGINES:
         raise ValueError(f"unknown engine {settings.engine!r}; available: {', '.join(ENGINES)}")
+    if settings.engine == "vllm":
+        try:
+            # Imported here: vLLM is an optional extra (`make vllm`) and slow to import.
+            from engine_shim.vllm_engine import make_vllm_backend
+        except ImportError as exc:
+            raise ValueError(f"engine vllm needs vLLM installed (make vllm): {exc}") from None
+        return make_vllm_backend(settings)
     profile = get_profile(settings.sim_profile)
     if settings.role == Role.PREFILL:
         return SimPrefillEngine(

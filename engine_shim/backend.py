@@ -18,27 +18,36 @@ running batch and yields one text piece per generated token. Closing the generat
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "DecodeBackend",
     "EngineBusy",
     "EngineStats",
+    "InvalidRequest",
     "KvSink",
     "KvSource",
     "PrefillBackend",
     "PrefillOutput",
     "Prompt",
+    "Sampling",
 ]
 
 # A prompt as the OpenAI API carries it: text, or token ids.
 Prompt = str | Sequence[int]
+# The client's sampling fields (temperature, top_p, seed, ...) as sent; engines that sample
+# (vllm) apply them, the sim ignores them.
+Sampling = Mapping[str, Any]
 
 
 class EngineBusy(Exception):
     """The engine has no room for another sequence (the shim's admission should prevent it)."""
+
+
+class InvalidRequest(ValueError):
+    """The engine refused the request's parameters (the client gets a 400)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +56,8 @@ class EngineStats:
     waiting: int  # sequences handed to the engine that have not started
     prefix_hit_tokens: int  # cumulative prompt tokens served from the prefix cache
     prefix_query_tokens: int  # cumulative prompt tokens looked up
+    kv_cache_usage: float = 0.0  # fraction of the engine's KV blocks in use (0 when unknown)
+    aborted: int = 0  # cumulative requests withdrawn from the engine because their client left
 
 
 class KvSource(Protocol):
@@ -86,10 +97,13 @@ class PrefillBackend(Protocol):
         """Token ids; raises ValueError for ids the model does not know."""
         ...
 
-    async def prefill(self, tokens: Sequence[int]) -> PrefillOutput:
+    async def prefill(
+        self, tokens: Sequence[int], sampling: Sampling | None = None
+    ) -> PrefillOutput:
         """Compute a prompt in the next batch. Cancelling it withdraws the prompt.
 
-        Raises `EngineBusy` when more prompts are pending than one batch can hold.
+        Raises `EngineBusy` when more prompts are pending than one batch can hold, and
+        `InvalidRequest` when the engine refuses `sampling`.
         """
         ...
 
@@ -123,12 +137,17 @@ class DecodeBackend(Protocol):
         ...
 
     def generate(
-        self, tokens: Sequence[int], max_tokens: int, kv: KvSink
+        self,
+        tokens: Sequence[int],
+        max_tokens: int,
+        kv: KvSink,
+        sampling: Sampling | None = None,
     ) -> AsyncGenerator[str, None]:
         """Join the running batch with committed `kv`; yield one text piece per token.
 
-        Ends after `max_tokens` tokens; ``aclose()`` leaves the batch at once. Raises
-        `EngineBusy` (on first iteration) when the batch is full.
+        Ends after `max_tokens` tokens, or earlier at an end-of-sequence token; ``aclose()``
+        leaves the batch at once. Raises `EngineBusy` (on first iteration) when the batch is
+        full and `InvalidRequest` when the engine refuses `sampling`.
         """
         ...
 

@@ -48,7 +48,7 @@ from engine_shim._http import (
 from engine_shim._kv_pull import KvRetriever, KvTransferError, PullJob
 from engine_shim._slots import SlotPool
 from engine_shim._stop import StopMatcher
-from engine_shim.backend import DecodeBackend, EngineBusy
+from engine_shim.backend import DecodeBackend, EngineBusy, InvalidRequest
 from engine_shim.wire import SSE_DONE, kv_url
 
 __all__ = ["DecodeWorker"]
@@ -125,6 +125,8 @@ class DecodeWorker:
             "kv_sending": 0,
             "prefix_cache_hit_tokens": stats.prefix_hit_tokens,
             "prefix_cache_total_tokens": stats.prefix_query_tokens,
+            "kv_cache_usage": stats.kv_cache_usage,
+            "engine_aborted": stats.aborted,
             **self._counts,
         }
 
@@ -214,7 +216,8 @@ class DecodeWorker:
         finish reason. Raises `KvTransferError` before the first one."""
         sink = await self._retriever.wait(job)
         matcher = StopMatcher(req.stop)
-        async with aclosing(self._backend.generate(tokens, req.max_tokens, sink)) as pieces:
+        generate = self._backend.generate(tokens, req.max_tokens, sink, req.sampling)
+        async with aclosing(generate) as pieces:
             async for piece in pieces:
                 progress.tokens += 1
                 text, stopped = matcher.feed(piece)
@@ -227,7 +230,9 @@ class DecodeWorker:
                     return
                 if text:
                     yield text, None
-        yield matcher.flush(), "length"  # the engine ended early; not expected
+        # The engine ended before max_tokens: it generated its end-of-sequence token.
+        progress.finish_reason = "stop"
+        yield matcher.flush(), "stop"
 
     async def _stream(
         self, req: CompletionRequest, tokens: Sequence[int], job: PullJob
@@ -239,7 +244,7 @@ class DecodeWorker:
                 async with aclosing(self._pieces(req, tokens, job, progress)) as pieces:
                     async for text, finish in pieces:
                         yield shape.chunk(text, finish)
-            except (KvTransferError, EngineBusy) as exc:
+            except (KvTransferError, EngineBusy, InvalidRequest) as exc:
                 yield self._failed(exc, job).sse()
                 yield SSE_DONE
                 return
@@ -259,7 +264,7 @@ class DecodeWorker:
             async with aclosing(self._pieces(req, tokens, job, progress)) as pieces:
                 async for text, _ in pieces:
                     parts.append(text)
-        except (KvTransferError, EngineBusy) as exc:
+        except (KvTransferError, EngineBusy, InvalidRequest) as exc:
             raise self._failed(exc, job) from None
         self._counts["completed"] += 1
         return json_response(
@@ -275,4 +280,6 @@ class DecodeWorker:
             return ApiError(
                 503, str(exc), type_="service_unavailable", code="batch_full", retry_after=1
             )
+        if isinstance(exc, InvalidRequest):
+            return bad_request(str(exc))
         return _kv_error(exc)

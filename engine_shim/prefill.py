@@ -47,9 +47,9 @@ from engine_shim._http import (
 from engine_shim._kv_store import HeldKv, KvStore
 from engine_shim._slots import PoolFull, Slot, SlotPool
 from engine_shim._stop import StopMatcher
-from engine_shim.backend import EngineBusy, PrefillBackend
+from engine_shim.backend import EngineBusy, InvalidRequest, PrefillBackend
 from engine_shim.prefix_cache import BLOCK_SIZE
-from engine_shim.wire import KV_DIGEST_HEADER, KV_PATH, KV_TOKENS_HEADER
+from engine_shim.wire import KV_DIGEST_HEADER, KV_ID_HEADER, KV_PATH, KV_TOKENS_HEADER
 
 __all__ = ["PrefillShim"]
 
@@ -128,8 +128,11 @@ class PrefillShim:
             "kv_sending": self._sending,
             "prefix_cache_hit_tokens": stats.prefix_hit_tokens,
             "prefix_cache_total_tokens": stats.prefix_query_tokens,
+            "kv_cache_usage": stats.kv_cache_usage,
+            "engine_aborted": stats.aborted,
             **self._counts,
             "kv_expired": self._store.expired,
+            "kv_dropped_on_arrival": self._store.dropped_on_arrival,
         }
 
     def start(self) -> None:
@@ -171,17 +174,20 @@ class PrefillShim:
 
         slot = await self._admit(request)
         try:
-            out = await until_disconnect(request, self._backend.prefill(tokens))
+            out = await until_disconnect(request, self._backend.prefill(tokens, req.sampling))
         except EngineBusy:
             slot.release()
             self._counts["rejected"] += 1
             raise busy("prefill batch is full", code="no_free_slot") from None
+        except InvalidRequest as exc:
+            slot.release()
+            raise bad_request(str(exc)) from None
         except BaseException as exc:
             slot.release()
             if isinstance(exc, ClientGone):
                 self._counts["cancelled"] += 1
             raise
-        request_id = uuid.uuid4().hex
+        request_id = self._kv_id(request)
         self._store.put(HeldKv(request_id, out.kv, slot))
         self._counts["completed"] += 1
 
@@ -208,6 +214,19 @@ class PrefillShim:
                 },
             )
         )
+
+    def _kv_id(self, request: Request) -> str:
+        """The caller may name the KV handle (``x-pdgate-kv-id``) so it can release it even if
+        it never reads this answer; anything unusable gets a fresh id."""
+        given = request.headers.get(KV_ID_HEADER, "")
+        if (
+            8 <= len(given) <= 64
+            and given.isascii()
+            and given.isalnum()
+            and given not in self._store
+        ):
+            return given
+        return uuid.uuid4().hex
 
     async def _admit(self, request: Request) -> Slot:
         if self._settings.admission == PrefillAdmission.REJECT:
@@ -271,6 +290,8 @@ class PrefillShim:
         request_id = request.path_params["request_id"]
         entry = self._store.take(request_id)
         if entry is None:
+            if len(request_id) <= 64:
+                self._store.release_unknown(request_id)
             return _unknown_kv(request_id)
         entry.close()
         self._counts["kv_released"] += 1

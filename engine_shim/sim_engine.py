@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from engine_shim import tokenizer
 from engine_shim._sim_kv import KvLink, SimKvBuffer, SimKvSink
 from engine_shim._sim_text import prompt_key, token_text
-from engine_shim.backend import EngineBusy, EngineStats, KvSink, PrefillOutput, Prompt
+from engine_shim.backend import EngineBusy, EngineStats, KvSink, PrefillOutput, Prompt, Sampling
 from engine_shim.prefix_cache import PrefixCache
 from engine_shim.sim_profile import SimProfile
 
@@ -110,7 +110,9 @@ class SimPrefillEngine(_EngineLoop):
             prefix_query_tokens=self._cache.query_tokens,
         )
 
-    async def prefill(self, tokens: Sequence[int]) -> PrefillOutput:
+    async def prefill(
+        self, tokens: Sequence[int], sampling: Sampling | None = None
+    ) -> PrefillOutput:  # the sim has no sampling: `sampling` is ignored
         if self._task is None:
             raise RuntimeError("engine is not started")
         # Bounded: the shim admits at most one batch of prompts at a time.
@@ -217,7 +219,11 @@ class SimDecodeEngine(_EngineLoop):
         return SimKvSink(len(tokens), nbytes, self._link)
 
     async def generate(
-        self, tokens: Sequence[int], max_tokens: int, kv: KvSink
+        self,
+        tokens: Sequence[int],
+        max_tokens: int,
+        kv: KvSink,
+        sampling: Sampling | None = None,  # the sim has no sampling: ignored
     ) -> AsyncGenerator[str, None]:
         if not isinstance(kv, SimKvSink) or not kv.committed:
             raise ValueError("generate needs a committed KV sink of this engine")

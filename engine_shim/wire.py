@@ -27,6 +27,10 @@ KV_PATH = "/v1/kv/{request_id}"
 LOAD_PATH = "/load"
 HEALTH_PATH = "/health"
 
+# Request header of the prefill leg: the caller's name for the KV handle (pdgate extension),
+# so it can DELETE the KV of a call it abandoned without ever reading the answer.
+KV_ID_HEADER = "x-pdgate-kv-id"
+
 # Response headers of the KV pull.
 KV_TOKENS_HEADER = "x-pdgate-kv-tokens"
 KV_DIGEST_HEADER = "x-pdgate-kv-digest"  # blake2b-128 hex of the body, checked by the decode
@@ -44,6 +48,10 @@ def prefill_kv_request() -> dict[str, Any]:
         "remote_host": None,
         "remote_port": None,
     }
+
+
+def kv_release_url(base_url: str, kv_id: str) -> str:
+    return base_url.rstrip("/") + KV_PATH.format(request_id=kv_id)
 
 
 def kv_url(params: dict[str, Any]) -> str | None:

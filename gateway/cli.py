@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("shim", help="run one prefill shim or decode worker")
     common(s)
     s.add_argument("--role", choices=["prefill", "decode"])
-    s.add_argument("--engine", choices=["sim"])
+    s.add_argument("--engine", choices=["sim", "vllm"])
     s.add_argument("--host")
     s.add_argument("--port", type=int)
     s.add_argument("--advertise-url", dest="advertise_url")
@@ -66,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--prefills", type=int)
     u.add_argument("--decodes", type=int)
     u.add_argument("--capacity", type=int, help="slots per shim")
+    u.add_argument("--engine", choices=["sim", "vllm"])
+    u.add_argument("--model", help="served model; with --engine vllm, the model directory")
     u.add_argument("--sim-profile", dest="sim_profile")
     u.add_argument("--prefill-policy", dest="prefill_policy")
     return p
@@ -151,7 +153,9 @@ async def _up(args: argparse.Namespace, stop: asyncio.Event) -> None:
     gateway = GatewaySettings.load(
         args.config, **_overrides(args, ["host", "port", "prefill_policy"])
     )
-    shim = ShimSettings.load(args.config, **_overrides(args, ["capacity", "sim_profile"]))
+    shim = ShimSettings.load(
+        args.config, **_overrides(args, ["capacity", "sim_profile", "engine", "model"])
+    )
     cluster = ClusterSettings.load(args.config, **_overrides(args, ["prefills", "decodes"]))
     async with embedded_cluster(gateway, _registry_settings(args), shim, cluster) as info:
         print(

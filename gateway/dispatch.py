@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ from gateway.errors import (
     UpstreamError,
     UpstreamRejected,
     UpstreamStatus,
+    UpstreamUnreachable,
 )
 from gateway.forwarder import ForwardingOptions, PrefillForwarder, PrefillGrant
 from gateway.instances import InstanceTracker, Lease
@@ -103,7 +105,8 @@ class Dispatcher:
         self._forwarders.clear()
 
     def queued(self) -> int:
-        return sum(len(f.queue) for f in self._forwarders.values())
+        """Requests waiting at the gateway for a prefill (queued or being tried)."""
+        return sum(f.waiting for f in self._forwarders.values())
 
     async def place(
         self, info: RequestInfo, forward: dict[str, Any], *, request_id: str, deadline: float
@@ -185,15 +188,23 @@ class Dispatcher:
         inst = ranked[0]
         stream, inflight = self._tracker.open_stream(inst.id), self._tracker.begin(inst.id)
         counter = self._metrics.prefill_attempts
+        kv_id = uuid.uuid4().hex
         try:
             remaining = max(deadline - time.monotonic(), 0.001)
             reply = await self._upstream.prefill(
-                inst.url, body, request_id=request_id, timeout_s=remaining
+                inst.url, body, request_id=request_id, timeout_s=remaining, kv_id=kv_id
             )
         except BaseException as exc:
-            stream.release()
-            inflight.release()
+            if isinstance(exc, asyncio.CancelledError | TimeoutError | UpstreamUnreachable):
+                # The prefill may hold KV for an answer we will never read.
+                await _shielded(
+                    self._upstream.release_kv_id(inst.url, kv_id, request_id=request_id)
+                )
+            took_slot = not isinstance(exc, UpstreamRejected | UpstreamUnreachable)
+            stream.release(slot_freed=took_slot)
+            inflight.release(slot_freed=took_slot)
             if isinstance(exc, UpstreamRejected):
+                self._tracker.rejected(inst.id)
                 counter.labels("rejected").inc()
                 raise DeadlineExceeded(
                     "the prefill instance is busy", retry_after=self._settings.retry_after_s
@@ -232,8 +243,9 @@ class Dispatcher:
                         inst.url, body, request_id=request_id, connect_timeout_s=remaining
                     )
                 except BaseException as exc:
-                    stream.release()
-                    inflight.release()
+                    took_slot = not isinstance(exc, UpstreamRejected | UpstreamUnreachable)
+                    stream.release(slot_freed=took_slot)
+                    inflight.release(slot_freed=took_slot)
                     if isinstance(exc, UpstreamRejected):
                         self._tracker.rejected(inst.id)
                         counter.labels("rejected").inc()

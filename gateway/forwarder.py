@@ -16,7 +16,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -86,15 +87,18 @@ class PrefillForwarder:
         self._options = options
         self._task: asyncio.Task[None] | None = None
         self._hashes: dict[int, list[bytes]] = {}  # id(waiter) -> prompt block hashes
+        self.waiting = 0  # requests waiting for a prefill grant: queued or being tried
+        self._cleanups: set[asyncio.Task[None]] = set()
 
     @property
     def idle(self) -> bool:
-        return not len(self.queue) and (self._task is None or self._task.done())
+        return not self.waiting and (self._task is None or self._task.done())
 
     async def acquire(self, waiter: Waiter) -> PrefillGrant:
         """Queue `waiter` and wait for a prefill to accept it, until its deadline."""
         if not self.queue.push(waiter):
             raise _queue_full(self._options.retry_after_s)
+        self.waiting += 1
         if self._index is not None:
             self._hashes[id(waiter)] = self._index.hashes(waiter.info.prompt)
         self._wake()
@@ -110,6 +114,7 @@ class PrefillForwarder:
                 retry_after=self._options.retry_after_s,
             ) from None
         finally:
+            self.waiting -= 1
             self._withdraw(waiter)
 
     def _withdraw(self, waiter: Waiter) -> None:
@@ -184,10 +189,16 @@ class PrefillForwarder:
     ) -> None:
         counter = self._metrics.prefill_attempts
         granted = False
+        took_slot = True  # unless the prefill says otherwise (429, unreachable)
+        kv_id = uuid.uuid4().hex
         try:
             remaining = max(waiter.deadline - time.monotonic(), 0.001)
             reply = await self._upstream.prefill(
-                inst.url, waiter.body, request_id=waiter.request_id, timeout_s=remaining
+                inst.url,
+                waiter.body,
+                request_id=waiter.request_id,
+                timeout_s=remaining,
+                kv_id=kv_id,
             )
             if waiter.future.done():
                 # The waiter left while the prefill computed: free the KV it holds for us.
@@ -204,6 +215,7 @@ class PrefillForwarder:
             )
             granted = True
         except UpstreamRejected:
+            took_slot = False
             self._tracker.rejected(inst.id)
             counter.labels("rejected").inc()
             waiter.rejections += 1
@@ -214,13 +226,27 @@ class PrefillForwarder:
                 if not waiter.future.done():
                     waiter.future.set_exception(self._options.client_error(exc))
             else:
+                took_slot = False
                 self._failed(inst, exc, waiter)
         except UpstreamError as exc:
+            took_slot = False
             self._failed(inst, exc, waiter)
+        except asyncio.CancelledError:
+            # Abandoned mid-call (deadline, client gone): the prefill may have finished just
+            # now and hold KV for an answer nobody reads. Release it by the id we chose.
+            self._background(
+                self._upstream.release_kv_id(inst.url, kv_id, request_id=waiter.request_id)
+            )
+            raise
         finally:
             if not granted:
-                stream.release()
-                inflight.release()
+                stream.release(slot_freed=took_slot)
+                inflight.release(slot_freed=took_slot)
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._cleanups.add(task)  # keep a reference until done (bounded by in-flight calls)
+        task.add_done_callback(self._cleanups.discard)
 
     def _failed(self, inst: InstanceLoad, exc: Exception, waiter: Waiter) -> None:
         self._tracker.failed(inst.id)

@@ -48,14 +48,18 @@ class Lease:
     def released(self) -> bool:
         return self._released
 
-    def release(self) -> None:
+    def release(self, *, slot_freed: bool = True) -> None:
+        """Give the count back. ``slot_freed=False`` for a request the instance never took
+        (rejected, unreachable): its end says nothing about free capacity, and treating it
+        as a freed slot would send the next request straight into another 429."""
         if self._released:
             return
         self._released = True
         setattr(self._counters, self._kind, getattr(self._counters, self._kind) - 1)
-        # A finished request is the best sign the instance has a free slot again.
-        self._counters.busy_until = 0.0
-        self._on_release()
+        if slot_freed:
+            # A finished request is the best sign the instance has a free slot again.
+            self._counters.busy_until = 0.0
+            self._on_release()
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from engine_shim.wire import kv_url
+from engine_shim.wire import KV_ID_HEADER, kv_release_url, kv_url
 from gateway.errors import (
     UpstreamProtocolError,
     UpstreamRejected,
@@ -41,18 +41,30 @@ class Upstream:
         self._max_response_bytes = max_response_bytes
 
     async def prefill(
-        self, base_url: str, body: dict[str, Any], *, request_id: str, timeout_s: float
+        self,
+        base_url: str,
+        body: dict[str, Any],
+        *,
+        request_id: str,
+        timeout_s: float,
+        kv_id: str | None = None,
     ) -> dict[str, Any]:
-        """POST the prefill leg; returns the completion JSON (with ``kv_transfer_params``)."""
+        """POST the prefill leg; returns the completion JSON (with ``kv_transfer_params``).
+
+        `kv_id` names the KV handle at the prefill (pdgate shims honour it), so a call that
+        is abandoned mid-way can still be released with `release_kv_id`."""
         url = base_url + "/v1/completions"
         timeout = aiohttp.ClientTimeout(
             total=timeout_s, connect=min(self._connect_timeout_s, timeout_s)
         )
+        headers = {**_JSON, "x-request-id": request_id}
+        if kv_id is not None:
+            headers[KV_ID_HEADER] = kv_id
         try:
             async with self._session.post(
                 url,
                 data=orjson.dumps(body),
-                headers={**_JSON, "x-request-id": request_id},
+                headers=headers,
                 timeout=timeout,
             ) as resp:
                 raw = await self._read_limited(resp, url)
@@ -101,13 +113,19 @@ class Upstream:
             raise UpstreamRejected(url, "no free decode slot")
         raise UpstreamStatus(url, resp.status, raw[:_MAX_ERROR_BODY])
 
+    async def release_kv_id(self, base_url: str, kv_id: str, *, request_id: str) -> None:
+        """Release KV by the id this gateway chose for it (see `prefill`); best effort."""
+        await self._delete(kv_release_url(base_url, kv_id), request_id)
+
     async def release_kv(self, kv_params: dict[str, Any], *, request_id: str) -> None:
         """Tell a prefill to free KV nobody will fetch.
 
         Best effort: the prefill's hold timeout is the backstop."""
         url = kv_url(kv_params)
-        if url is None:
-            return
+        if url is not None:
+            await self._delete(url, request_id)
+
+    async def _delete(self, url: str, request_id: str) -> None:
         try:
             async with self._session.delete(
                 url, headers={"x-request-id": request_id}, timeout=aiohttp.ClientTimeout(total=2.0)
@@ -115,7 +133,7 @@ class Upstream:
                 await resp.read()
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             log.info(
-                "releasing KV at %s failed (%s); the prefill's hold timeout will free it", url, exc
+                "releasing KV at %s failed (%s); the prefill's hold timeout frees it", url, exc
             )
 
     async def read_body(self, resp: aiohttp.ClientResponse) -> bytes:

@@ -1,0 +1,305 @@
+"""`PdgateConnector`: vLLM's KV connector for pdgate's shims (any device, CPU included).
+
+vLLM loads this class by module path inside its engine processes (scheduler side in the
+EngineCore process, worker side in the worker process); the shims never import it. It moves KV
+between vLLM's paged blocks and packed per-prompt buffers (`_vllm_kv_buffer`), and the shims
+move those buffers over the network with pdgate's own wire (``GET /v1/kv/{id}``). So vLLM does
+the gather and scatter, P/D-Serve's block-free transfer and RecvScatter (section 3.6), and the
+shims keep everything that P/D-Serve puts outside the engine: admission, holding the KV until
+a decode takes it, asynchronous retrieval while the decode's batch keeps running, release.
+
+Requests opt in through ``kv_transfer_params`` (set by the shims, never taken from clients):
+
+* ``{"pdgate_save": NAME}`` (prefill): every step that computes prompt tokens of the request
+  copies their KV rows into buffer NAME, so when the request finishes (max_tokens=1) the
+  buffer holds the whole prompt. The blocks are freed at once as usual (and stay in the prefix
+  cache): the buffer, not the blocks, is what the prefill shim holds until it is fetched.
+* ``{"pdgate_load": NAME}`` (decode): the scheduler counts the prompt's first ``n - 1`` tokens
+  as external hits when buffer NAME exists, and the worker scatters them into the request's
+  blocks before the forward pass of the step that computes the last prompt token (a
+  synchronous load: the buffer is already local, so this is a memory copy, and the network
+  transfer happened earlier, asynchronously, in the shim). A missing or mismatched buffer is
+  reported as failed blocks, which vLLM recomputes (``kv_load_failure_policy=recompute``).
+
+Configuration: ``kv_connector="PdgateConnector"``,
+``kv_connector_module_path="engine_shim.vllm_connector"``, ``kv_role="kv_both"`` and
+``kv_connector_extra_config={"spool_dir": DIR}`` (`engine_shim.vllm_engine` sets all of it).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from engine_shim._vllm_kv_buffer import (
+    KvBufferError,
+    KvLayout,
+    buffer_path,
+    create_buffer,
+    open_buffer,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["LOAD_KEY", "SAVE_KEY", "PdgateConnector"]
+
+log = logging.getLogger("pdgate.vllm.connector")
+
+SAVE_KEY = "pdgate_save"
+LOAD_KEY = "pdgate_load"
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """Copy the KV of prompt tokens [start, end) between blocks `block_ids` and buffer `name`."""
+
+    name: str
+    block_ids: list[int]
+    start: int
+    end: int
+    total: int  # prompt tokens the buffer holds
+    create: bool = False  # save: first chunk of this request, create the file
+
+
+@dataclass
+class _Meta(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is untyped
+    saves: list[_Job] = field(default_factory=list)
+    loads: list[_Job] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _SaveState:
+    name: str
+    total: int
+    block_ids: list[int]
+    saved: int = 0
+
+
+def _params(obj: Any) -> dict[str, Any]:
+    """kv_transfer_params of a Request or of NewRequestData's sampling params."""
+    params = getattr(obj, "kv_transfer_params", None)
+    if params is None:
+        sampling = getattr(obj, "sampling_params", None)
+        extra = getattr(sampling, "extra_args", None) or {}
+        params = extra.get("kv_transfer_params")
+    return params if isinstance(params, dict) else {}
+
+
+class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyped
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        spool = extra.get("spool_dir")
+        if not spool:
+            raise ValueError("PdgateConnector needs kv_connector_extra_config.spool_dir")
+        self._spool = Path(spool)
+        self._block_size: int = vllm_config.cache_config.block_size
+        # Scheduler side: saves in progress and loads decided but not yet scheduled. Both are
+        # bounded by the engine's running requests and emptied by request_finished.
+        self._saves: dict[str, _SaveState] = {}
+        self._loads: dict[str, tuple[str, int]] = {}
+        # Worker side.
+        self._layer_index: dict[str, int] = {}
+        self._layout: KvLayout | None = None
+        self._open: dict[str, torch.Tensor] = {}  # this step's save buffers, by name
+        self._load_errors: set[int] = set()
+
+    # -- scheduler side ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        name = _params(request).get(LOAD_KEY)
+        if name is None:
+            return 0, False
+        try:
+            if not buffer_path(self._spool, name).exists():
+                return 0, False  # gone (a resumed request after the shim dropped it): recompute
+        except KvBufferError:
+            return 0, False
+        # All prompt tokens but the last: the decode computes that one to get the logits of
+        # the first token it samples (the prefill already returned that token).
+        count = request.num_prompt_tokens - 1 - num_computed_tokens
+        return (count, False) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens > 0:
+            self._loads[request.request_id] = (
+                _params(request)[LOAD_KEY],
+                num_external_tokens,
+            )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = _Meta()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req in scheduler_output.scheduled_new_reqs:
+            block_ids = list(req.block_ids[0])
+            load = self._loads.pop(req.req_id, None)
+            if load is not None:
+                name, count = load
+                end = req.num_computed_tokens
+                meta.loads.append(_Job(name, block_ids, end - count, end, end))
+            save = _params(req).get(SAVE_KEY)
+            if isinstance(save, str):
+                new = _SaveState(save, req.prompt_len, block_ids)
+                self._saves[req.req_id] = new
+                self._add_save(meta, new, req.num_computed_tokens + scheduled[req.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[i]
+            resumed = req_id in cached.resumed_req_ids
+            load = self._loads.pop(req_id, None)
+            if load is not None and resumed and new_blocks is not None:
+                name, count = load
+                end = cached.num_computed_tokens[i]
+                meta.loads.append(_Job(name, list(new_blocks[0]), end - count, end, end))
+            state = self._saves.get(req_id)
+            if state is None:
+                continue
+            if resumed:
+                # Preempted and rescheduled: its blocks were replaced, rows are written anew.
+                state.block_ids = list(new_blocks[0]) if new_blocks is not None else []
+                state.saved = 0
+            elif new_blocks is not None:
+                state.block_ids.extend(new_blocks[0])
+            self._add_save(meta, state, cached.num_computed_tokens[i] + scheduled[req_id])
+        return meta
+
+    def _add_save(self, meta: _Meta, state: _SaveState, computed_after_step: int) -> None:
+        end = min(computed_after_step, state.total)
+        if end > state.saved:
+            blocks = state.block_ids[: -(-end // self._block_size)]
+            meta.saves.append(
+                _Job(state.name, blocks, state.saved, end, state.total, create=state.saved == 0)
+            )
+            state.saved = end
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # The buffer already holds a copy of the KV: the blocks can be freed now.
+        self._saves.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
+        return False, None
+
+    # -- worker side ----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # One fixed layer order on both sides: the same model gives the same names.
+        self._layer_index = {name: i for i, name in enumerate(sorted(kv_caches))}
+
+    def _layout_of(self, kv_layer: torch.Tensor) -> KvLayout:
+        if self._layout is None:
+            if not self._layer_index:
+                raise KvBufferError("KV caches were never registered with the connector")
+            # Standardized per-layer view [blocks, heads, block_size, content].
+            row = int(kv_layer.shape[1]) * int(kv_layer.shape[3])
+            self._layout = KvLayout(
+                layers=len(self._layer_index),
+                row_elems=row,
+                dtype=str(kv_layer.dtype).removeprefix("torch."),
+                element_bytes=kv_layer.element_size(),
+            )
+        return self._layout
+
+    def _slots(self, job: _Job, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) in `kv_layer` of each token in [start, end) of `job`.
+
+        The scheduler's blocks are logical, of `block_size` tokens; the per-layer cache is in
+        kernel blocks, which can be smaller (the CPU attention kernel uses 32-token blocks
+        under vLLM's 128-token ones): logical block b is kernel blocks [b*r, (b+1)*r).
+        """
+        positions = torch.arange(job.start, job.end)
+        logical = torch.tensor(job.block_ids, dtype=torch.long)[positions // self._block_size]
+        slots = logical * self._block_size + positions % self._block_size
+        kernel = int(kv_layer.shape[2])
+        return (slots // kernel).to(kv_layer.device), (slots % kernel).to(kv_layer.device)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, _Meta)
+        if not meta.loads:
+            return
+        layers = {
+            name: layer.kv_cache
+            for name, layer in forward_context.no_compile_layers.items()
+            if name in self._layer_index
+            and isinstance(getattr(layer, "kv_cache", None), torch.Tensor)
+        }
+        for job in meta.loads:
+            try:
+                self._load(job, layers)
+            except (KvBufferError, OSError, ValueError, RuntimeError) as exc:
+                log.warning(
+                    "KV buffer %s not loaded (%s); its tokens are recomputed", job.name, exc
+                )
+                first = job.start // self._block_size
+                self._load_errors.update(job.block_ids[first : -(-job.end // self._block_size)])
+
+    def _load(self, job: _Job, layers: dict[str, torch.Tensor]) -> None:
+        if len(layers) != len(self._layer_index):
+            raise KvBufferError("attention layers and registered KV caches differ")
+        any_layer = next(iter(layers.values()))
+        layout = self._layout_of(any_layer)
+        data = open_buffer(buffer_path(self._spool, job.name), layout, job.end)
+        blocks, offsets = self._slots(job, any_layer)
+        for name, kv in layers.items():
+            rows = data[self._layer_index[name], job.start : job.end]
+            kv[blocks, :, offsets] = rows.view(len(rows), kv.shape[1], kv.shape[3]).to(kv.device)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are synchronous, done in start_load_kv
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, _Meta)
+        if not meta.saves or layer_name not in self._layer_index:
+            return
+        layout = self._layout_of(kv_layer)
+        index = self._layer_index[layer_name]
+        for job in meta.saves:
+            buf = self._open.get(job.name)
+            if buf is None:
+                path = buffer_path(self._spool, job.name)
+                if job.create:
+                    buf = create_buffer(path, layout, job.total)
+                else:
+                    buf = open_buffer(path, layout, job.total, writable=True)  # next chunk
+                self._open[job.name] = buf
+            blocks, offsets = self._slots(job, kv_layer)
+            rows = kv_layer[blocks, :, offsets]  # [tokens, heads, content]
+            buf[index, job.start : job.end] = rows.reshape(len(rows), -1).cpu()
+
+    def wait_for_save(self) -> None:
+        # Drop this step's mappings: the data is in the (shared) file already.
+        self._open.clear()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors

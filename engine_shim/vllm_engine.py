@@ -1,0 +1,326 @@
+"""The ``vllm`` backend: vLLM's engine in-process (AsyncLLM), behind `engine_shim.backend`.
+
+One `AsyncLLM` per shim process (vLLM runs its EngineCore and worker in child processes), with
+pdgate's KV connector (`vllm_connector.PdgateConnector`) configured on both roles. The shims in
+front of it are the same as for the ``sim`` backend, so admission, the wire, registration and
+the gateway cannot tell the two apart:
+
+* `VllmPrefillEngine.prefill` runs the prompt with ``max_tokens=1`` and asks the connector to
+  pack the prompt's KV into a buffer in the spool directory; it returns the first token and
+  that buffer as the `KvSource` the prefill shim holds (one slot) until a decode pulls it.
+  vLLM's own admission errors (``QueueOverflowError``, ``MaxQueuedTokensError``) and more
+  in-flight prompts than batch slots become `EngineBusy`, which the shim answers with 429.
+* `VllmDecodeEngine.kv_sink` receives a pulled buffer into the spool (the shim's retrieval
+  workers do this while the running batch keeps decoding); `generate` then submits the prompt
+  with the buffer's name, the connector scatters the KV into the request's blocks, and the
+  tokens stream out. The buffer is deleted as soon as the first token shows it was loaded.
+
+Cancelling `prefill` or closing a `generate` generator (the client left) aborts the vLLM
+request: vLLM's ``AsyncLLM.generate`` aborts when its consumer is cancelled or closed, and the
+backends count those aborts for ``/load``. Prompts are never logged.
+
+vLLM is imported only here and only when this backend is built, so the rest of pdgate (and
+its default test suite) runs without it. vLLM starts child processes: run shims with this
+backend from a program whose ``__main__`` is guarded (``pdgate shim`` is).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.config import KVTransferConfig
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError, VLLMClientError
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from config import Role, ShimSettings
+from engine_shim._vllm_spool import FileKvSink, FileKvSource, Spool
+from engine_shim.backend import (
+    EngineBusy,
+    EngineStats,
+    InvalidRequest,
+    KvSink,
+    PrefillOutput,
+    Prompt,
+    Sampling,
+)
+from engine_shim.vllm_connector import LOAD_KEY, SAVE_KEY
+
+__all__ = ["VllmDecodeEngine", "VllmPrefillEngine", "engine_args", "make_vllm_backend"]
+
+log = logging.getLogger("pdgate.engine.vllm")
+
+_CONNECTOR_MODULE = "engine_shim.vllm_connector"
+# Spool files older than this are orphans (see Spool.sweep); checked this often.
+_SWEEP_INTERVAL_S = 30.0
+_OVERLOAD = (QueueOverflowError, MaxQueuedTokensError)
+
+
+def engine_args(settings: ShimSettings, spool_dir: str) -> AsyncEngineArgs:
+    """vLLM's engine arguments for one shim: the model, batch size = the shim's capacity, and
+    pdgate's KV connector. ``settings.vllm_engine_args`` is applied last and wins."""
+    args: dict[str, Any] = {
+        "model": settings.vllm_model or settings.model,
+        "served_model_name": [settings.model],
+        "dtype": settings.vllm_dtype,
+        "enforce_eager": settings.vllm_enforce_eager,
+        "max_model_len": settings.max_model_len,
+        "max_num_seqs": settings.capacity,
+        "enable_prefix_caching": True,
+        "disable_log_stats": False,  # the stat logger below feeds /load
+        "kv_transfer_config": KVTransferConfig(
+            kv_connector="PdgateConnector",
+            kv_connector_module_path=_CONNECTOR_MODULE,
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"spool_dir": spool_dir},
+        ),
+    }
+    if settings.role == Role.PREFILL:
+        # vLLM's own admission as a second line behind the shim's slots: it rejects rather
+        # than queues once `capacity` prompts are in the engine.
+        args["max_num_queued_reqs"] = settings.capacity
+    if settings.vllm_kv_cache_bytes is not None:
+        args["kv_cache_memory_bytes"] = settings.vllm_kv_cache_bytes
+    args.update(settings.vllm_engine_args)
+    return AsyncEngineArgs(**args)
+
+
+class _Stats:
+    """Engine load as of vLLM's last step, fed by `_StatLogger` (called on the event loop)."""
+
+    __slots__ = ("aborted", "hit_tokens", "kv_usage", "query_tokens", "running", "waiting")
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.kv_usage = 0.0
+        self.hit_tokens = 0  # cumulative: local prefix cache + tokens loaded by the connector
+        self.query_tokens = 0
+        self.aborted = 0
+
+    def snapshot(self) -> EngineStats:
+        return EngineStats(
+            running=self.running,
+            waiting=self.waiting,
+            prefix_hit_tokens=self.hit_tokens,
+            prefix_query_tokens=self.query_tokens,
+            kv_cache_usage=self.kv_usage,
+            aborted=self.aborted,
+        )
+
+
+def _stat_logger(stats: _Stats) -> Callable[[Any, int], StatLoggerBase]:
+    class _StatLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM is untyped
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            if scheduler_stats is None:
+                return
+            stats.running = scheduler_stats.num_running_reqs
+            stats.waiting = scheduler_stats.num_waiting_reqs
+            stats.kv_usage = float(scheduler_stats.kv_cache_usage)
+            stats.hit_tokens += scheduler_stats.prefix_cache_stats.hits
+            stats.query_tokens += scheduler_stats.prefix_cache_stats.queries
+            connector = scheduler_stats.connector_prefix_cache_stats
+            if connector is not None:
+                stats.hit_tokens += connector.hits
+
+        def log_engine_initialized(self) -> None:
+            return None
+
+    return _StatLogger
+
+
+class _VllmEngine:
+    """What both roles share: the AsyncLLM, its tokenizer, the spool, sampling, stats."""
+
+    def __init__(self, settings: ShimSettings) -> None:
+        self._settings = settings
+        self._max_batch = settings.capacity
+        self._stats = _Stats()
+        self._spool: Spool | None = None
+        self._llm: Any = None  # AsyncLLM; vLLM is untyped
+        self._tokenizer: Any = None
+        self._vocab = 0
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        self._spool = Spool(self._settings.vllm_kv_spool_dir)
+        args = engine_args(self._settings, str(self._spool.path))
+        log.info("starting vLLM (%s) for the %s role", args.model, self._settings.role.value)
+        # Blocking for as long as the model loads: the shim does not serve before this returns.
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger(self._stats)])
+        self._tokenizer = self._llm.get_tokenizer()
+        self._vocab = len(self._tokenizer)
+        self._sweeper = asyncio.create_task(self._sweep(), name="kv-spool-sweeper")
+
+    async def aclose(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+        if self._spool is not None:
+            self._spool.close()
+
+    async def _sweep(self) -> None:
+        assert self._spool is not None
+        max_age = 2 * max(self._settings.kv_hold_timeout_s, self._settings.kv_fetch_timeout_s)
+        while True:
+            await asyncio.sleep(_SWEEP_INTERVAL_S)
+            if removed := self._spool.sweep(max_age):
+                log.warning("removed %d orphaned KV buffers", removed)
+
+    @property
+    def spool(self) -> Spool:
+        if self._spool is None:
+            raise RuntimeError("engine is not started")
+        return self._spool
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if self._tokenizer is None:
+            raise RuntimeError("engine is not started")
+        if isinstance(prompt, str):
+            # The tokenizer's own special tokens (BOS), as vLLM's completions API adds them.
+            return list(self._tokenizer.encode(prompt))
+        ids = list(prompt)
+        for t in ids:
+            if not 0 <= t < self._vocab:
+                raise ValueError(f"token id {t} is outside the vocabulary [0, {self._vocab})")
+        return ids
+
+    def stats(self) -> EngineStats:
+        return self._stats.snapshot()
+
+    def _params(self, max_tokens: int, sampling: Sampling | None, kv: dict[str, Any]) -> Any:
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                output_kind=RequestOutputKind.DELTA,
+                extra_args={"kv_transfer_params": kv},
+                **(sampling or {}),
+            )
+        except (ValueError, TypeError, VLLMClientError) as exc:
+            raise InvalidRequest(str(exc)) from None
+
+    async def _outputs(self, tokens: Sequence[int], params: Any) -> AsyncGenerator[Any, None]:
+        """vLLM's RequestOutputs; counts an abort when the consumer leaves early."""
+        if self._llm is None:
+            raise RuntimeError("engine is not started")
+        finished = False
+        outputs = self._llm.generate(
+            {"prompt_token_ids": list(tokens)}, params, request_id=uuid.uuid4().hex
+        )
+        try:
+            async for out in outputs:
+                finished = out.finished
+                yield out
+        except _OVERLOAD as exc:
+            raise EngineBusy(str(exc) or type(exc).__name__) from None
+        except VLLMClientError as exc:
+            raise InvalidRequest(str(exc)) from None
+        finally:
+            if not finished:
+                self._stats.aborted += 1  # vLLM aborts the request (AsyncLLM.generate)
+            await outputs.aclose()
+
+
+class VllmPrefillEngine(_VllmEngine):
+    """`PrefillBackend` over vLLM."""
+
+    def __init__(self, settings: ShimSettings) -> None:
+        super().__init__(settings)
+        self._computing = 0
+
+    async def prefill(
+        self, tokens: Sequence[int], sampling: Sampling | None = None
+    ) -> PrefillOutput:
+        # Bounded: the shim admits at most one batch of prompts (its slots) at a time.
+        if self._computing >= self._max_batch:
+            raise EngineBusy("prefill batch is full")
+        spool = self.spool
+        name = spool.new_name()
+        params = self._params(1, sampling, {SAVE_KEY: name})
+        self._computing += 1
+        done = False
+        try:
+            last = None
+            async for out in self._outputs(tokens, params):
+                last = out
+            if last is None or not last.finished:
+                raise RuntimeError("vLLM ended the prefill without a result")
+            kv = await FileKvSource.open(spool.file(name), len(tokens))
+            done = True
+        finally:
+            self._computing -= 1
+            if not done:  # withdrawn or failed: the connector may have written part of it
+                spool.remove(name)
+        return PrefillOutput(
+            first_token=last.outputs[0].text,
+            prompt_tokens=len(tokens),
+            cached_tokens=last.num_cached_tokens or 0,
+            kv=kv,
+        )
+
+
+class VllmDecodeEngine(_VllmEngine):
+    """`DecodeBackend` over vLLM."""
+
+    def __init__(self, settings: ShimSettings) -> None:
+        super().__init__(settings)
+        self._active = 0
+
+    def kv_sink(self, tokens: Sequence[int], nbytes: int) -> KvSink:
+        return FileKvSink(self.spool, len(tokens), nbytes)
+
+    async def generate(
+        self,
+        tokens: Sequence[int],
+        max_tokens: int,
+        kv: KvSink,
+        sampling: Sampling | None = None,
+    ) -> AsyncGenerator[str, None]:
+        if not isinstance(kv, FileKvSink) or not kv.committed:
+            raise ValueError("generate needs a committed KV sink of this engine")
+        if self._active >= self._max_batch:
+            raise EngineBusy("decode batch is full")
+        params = self._params(max_tokens, sampling, {LOAD_KEY: kv.name})
+        self._active += 1
+        try:
+            async for out in self._outputs(tokens, params):
+                kv.discard()  # loaded into the engine's blocks by now: free the buffer
+                completion = out.outputs[0]
+                pieces = len(completion.token_ids)
+                if pieces:
+                    # One piece per token: the delta's text on the first, empty on the rest
+                    # (a delta carries several tokens when the reader fell behind).
+                    yield completion.text
+                    for _ in range(pieces - 1):
+                        yield ""
+        finally:
+            self._active -= 1
+            kv.discard()
+
+
+def make_vllm_backend(settings: ShimSettings) -> VllmPrefillEngine | VllmDecodeEngine:
+    if settings.role == Role.PREFILL:
+        return VllmPrefillEngine(settings)
+    return VllmDecodeEngine(settings)

@@ -1,0 +1,69 @@
+"""What is compared: the paper's baseline and on-demand forwarding, on one cluster shape.
+
+* ``baseline``: P/D-Serve's "original version" (section 4, Fig. 14a): every prefill has a
+  local FIFO queue (shim ``admission=queue``) and the gateway sends each request once to the
+  prefill with the fewest open SSE streams (``dispatch=direct``, ``least_sse``), no retry.
+* ``least_sse``: on-demand forwarding (section 3.5): queue-less prefills that answer 429 when
+  full (``admission=reject``), a gateway-held queue with retries until the deadline
+  (``dispatch=queue``), prefills ranked by open SSE streams.
+* ``affinity_sse``: the same, with prefills ranked by prefix-cache affinity first.
+
+`ClusterSpec` is everything else, identical for every mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["MODES", "ClusterSpec", "Mode", "mode_named"]
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    name: str
+    admission: str  # ShimSettings.admission of the prefills
+    dispatch: str  # GatewaySettings.dispatch
+    prefill_policy: str
+
+
+MODES: tuple[Mode, ...] = (
+    Mode("baseline", admission="queue", dispatch="direct", prefill_policy="least_sse"),
+    Mode("least_sse", admission="reject", dispatch="queue", prefill_policy="least_sse"),
+    Mode("affinity_sse", admission="reject", dispatch="queue", prefill_policy="affinity_sse"),
+)
+
+
+def mode_named(name: str) -> Mode:
+    for mode in MODES:
+        if mode.name == name:
+            return mode
+    raise ValueError(f"unknown mode {name!r}; known: {', '.join(m.name for m in MODES)}")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """One simulated P/D cluster (gateway + prefills + decodes in one child process)."""
+
+    sim_profile: str = "llama-3.1-8b-a100"
+    gateways: int = 1  # behind a round-robin balancer (the paper's MSG layer), one view each
+    prefills: int = 4
+    decodes: int = 4
+    prefill_capacity: int = 4  # batch slots per prefill (b_p in the paper's Eq. 2)
+    decode_capacity: int = 64  # running sequences per decode: decode is not the bottleneck
+    # Prefix-cache blocks (16 tokens) per prefill; None keeps the profile's value. The
+    # profile's timing constants are never changed, only how much HBM is left for the cache.
+    prefix_cache_blocks: int | None = 160
+    # Bytes actually sent per KV token relative to the real size (transfer time is still
+    # modelled at full size): the smallest value, so two CPU cores are not spent on KV bytes.
+    kv_wire_fraction: float = 1 / 131072
+    local_queue_size: int = 1024  # baseline prefills' local queue bound: never the limit
+    gateway_ttft_timeout_s: float = 10.0  # upper bound; requests shorten it by header
+    gateway: dict[str, Any] = field(default_factory=dict)  # extra GatewaySettings fields
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ClusterSpec:
+        return cls(**data)

@@ -1,0 +1,146 @@
+"""One measured point: a number of closed-loop users against a running cluster.
+
+warm-up (discarded) -> snapshot -> measurement window -> snapshot -> drain (every request
+issued in the window is followed to its end). The point carries the client-side summary,
+the server-side counter deltas and how busy both processes were, so a CPU-bound run can be
+told from a scheduler effect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import resource
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from loadtest.closed_loop import ClosedLoop
+from loadtest.probes import Counters, delta, read_counters
+from loadtest.process import ClusterProcess
+from loadtest.stats import Summary, summarize
+from loadtest.workload import Workload
+
+__all__ = ["Point", "Timing", "run_point"]
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    warmup_s: float
+    measure_s: float
+    drain_s: float = 60.0  # a bound; the drain ends when the last request does
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    mode: str
+    users: int
+    summary: Summary
+    counters: Counters  # server-side deltas over the window
+    cluster_cpu: float  # cores used by the cluster process during the window (1.0 = one core)
+    client_cpu: float  # cores used by the load generator
+    loop_lag: dict[str, float]  # cluster event-loop lag during the window, ms
+    wall_s: float  # the whole point, warm-up and drain included
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        total = self.counters.get("shim_prefix_cache_total_tokens", 0.0)
+        return self.counters.get("shim_prefix_cache_hit_tokens", 0.0) / total if total else math.nan
+
+    @property
+    def rejections_429(self) -> float:
+        """429s answered by prefills (every one is a retry for on-demand forwarding and a
+        failed request for the baseline, whose prefills only reject when their queue is full)."""
+        return self.counters.get("shim_rejected", 0.0)
+
+    @property
+    def retries_per_request(self) -> float:
+        """Rejected prefill attempts per request issued in the window."""
+        n = self.summary.requests
+        return self.counters.get("attempts_rejected", 0.0) / n if n else math.nan
+
+    def row(self) -> dict[str, Any]:
+        s = self.summary
+        return {
+            "mode": self.mode,
+            "users": self.users,
+            "requests": s.requests,
+            "success_rate": s.success_rate,
+            "goodput_rps": s.goodput_rps,
+            "throughput_rps": s.throughput_rps,
+            "ttft_p50_s": s.ttft_p50_s,
+            "ttft_p99_s": s.ttft_p99_s,
+            "e2e_p50_s": s.e2e_p50_s,
+            "e2e_p99_s": s.e2e_p99_s,
+            "prefix_hit_rate": self.prefix_hit_rate,
+            "prefill_429s": self.rejections_429,
+            "retries_per_request": self.retries_per_request,
+            "gateway_503s": s.status_counts.get(503, 0),
+            "cluster_cpu_cores": self.cluster_cpu,
+            "client_cpu_cores": self.client_cpu,
+            "loop_lag_p99_ms": self.loop_lag.get("lag_p99_ms", math.nan),
+            **{f"success_{k}": v for k, v in s.success_by_scenario.items()},
+        }
+
+
+def _own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def run_point(
+    cluster: ClusterProcess,
+    session: aiohttp.ClientSession,
+    workload: Workload,
+    users: int,
+    timing: Timing,
+    *,
+    user_offset: int = 0,
+) -> Point:
+    assert cluster.urls is not None
+    urls = cluster.urls
+    began = time.monotonic()
+    loop = ClosedLoop(
+        session,
+        [url + "/v1/completions" for url in urls.gateways],
+        _model(cluster),
+        workload,
+        users,
+        user_offset=user_offset,
+        ramp_s=min(0.5, timing.warmup_s / 2),
+    )
+    loop.start()
+    await asyncio.sleep(timing.warmup_s)
+    before, child0 = await asyncio.gather(
+        read_counters(session, urls.gateways, urls.prefills), cluster.stats()
+    )
+    own0 = _own_cpu_s()
+    loop.open_window()
+    await asyncio.sleep(timing.measure_s)
+    window = loop.close_window()
+    after, child1 = await asyncio.gather(
+        read_counters(session, urls.gateways, urls.prefills), cluster.stats()
+    )
+    own1 = _own_cpu_s()
+    elapsed = child1["wall_s"] - child0["wall_s"]
+    cancelled = await loop.stop(timing.drain_s)
+    if cancelled:
+        raise RuntimeError(f"{cancelled} requests did not end within {timing.drain_s} s")
+    return Point(
+        mode=cluster.mode.name,
+        users=users,
+        summary=summarize(loop.results, window),
+        counters=delta(before, after),
+        cluster_cpu=(child1["cpu_s"] - child0["cpu_s"]) / elapsed,
+        client_cpu=(own1 - own0) / elapsed,
+        loop_lag={k: v for k, v in child1.items() if k.startswith("lag_")},
+        wall_s=time.monotonic() - began,
+    )
+
+
+def _model(cluster: ClusterProcess) -> str:
+    from config import ShimSettings
+
+    return ShimSettings.model_fields["model"].default  # type: ignore[no-any-return]

@@ -1,0 +1,214 @@
+"""On-demand forwarding through real shims: the gateway-held queue, batch forwarding,
+capacity feedback, affinity, and the paper's baseline (direct) mode."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import socket
+import time
+from typing import Any
+
+import httpx
+import orjson
+
+from tests._cluster import ThreadedCluster, hold_prefill_slot, shim_load
+
+BODY: dict[str, Any] = {"model": "sim-llama-3.1-8b", "prompt": "a question", "max_tokens": 4}
+
+
+def release(held: dict[str, Any]) -> None:
+    url = f"http://{held['remote_host']}:{held['remote_port']}/v1/kv/{held['remote_request_id']}"
+    assert httpx.delete(url).status_code == 204
+
+
+def health(c: ThreadedCluster) -> dict[str, Any]:
+    data: dict[str, Any] = httpx.get(c.url + "/health").json()
+    return data
+
+
+def no_leaks(c: ThreadedCluster) -> bool:
+    rows = c.instances()
+    return (
+        all(r["open_streams"] == 0 and r["inflight"] == 0 for r in rows)
+        and health(c)["pending"] == 0
+    )
+
+
+def post_all(url: str, n: int, **kw: Any) -> list[httpx.Response]:
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        futures = [
+            pool.submit(httpx.post, url + "/v1/completions", json={**BODY, **kw}, timeout=30)
+            for _ in range(n)
+        ]
+        return [f.result() for f in futures]
+
+
+def test_batch_forwarding_fills_one_prefill_before_moving_on() -> None:
+    shim = {"capacity": 4, "kv_hold_timeout_s": 30}
+    # A long back-off (and busy hold) keeps the forwarder asleep while the test frees both
+    # prefills, so it wakes to two idle prefills and a backlog of four.
+    gateway = {"batch_forwarding": True, "backoff_initial_s": 1.0, "backoff_max_s": 1.0}
+    with ThreadedCluster(prefills=2, decodes=1, shim=shim, gateway=gateway) as c:
+        assert c.info is not None
+        held = [
+            hold_prefill_slot(url, f"hold {i}") for url in c.info.prefill_urls for i in range(4)
+        ]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            futures = [
+                pool.submit(httpx.post, c.url + "/v1/completions", json=BODY, timeout=30)
+                for _ in range(4)
+            ]
+            c.wait_for(lambda: health(c)["queued"] == 4, what="4 requests queued at the gateway")
+            time.sleep(0.1)  # the rejections that queued them are done: the forwarder sleeps
+            list(pool.map(release, held))  # both prefills become idle at once
+            responses = [f.result() for f in futures]
+        assert [r.status_code for r in responses] == [200] * 4
+        used = {r.headers["x-pdgate-prefill"] for r in responses}
+        # The whole backlog goes to the first prefill with room, as one batch; ranking each
+        # request on its own (least_sse) would alternate between the two idle prefills.
+        assert len(used) == 1
+        c.wait_for(lambda: no_leaks(c))
+
+
+def test_full_queue_answers_503_at_once() -> None:
+    shim = {"capacity": 1, "kv_hold_timeout_s": 30}
+    with ThreadedCluster(prefills=1, decodes=1, shim=shim, gateway={"queue_size": 2}) as c:
+        assert c.info is not None
+        held = hold_prefill_slot(c.info.prefill_urls[0])
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            waiting = [
+                pool.submit(httpx.post, c.url + "/v1/completions", json=BODY, timeout=30)
+                for _ in range(2)
+            ]
+            c.wait_for(lambda: health(c)["queued"] == 2)
+            start = time.monotonic()
+            resp = httpx.post(c.url + "/v1/completions", json=BODY, timeout=30)
+            assert time.monotonic() - start < 1
+            assert resp.status_code == 503
+            assert resp.json()["error"]["code"] == "gateway_overloaded"
+            assert "retry-after" in resp.headers
+            release(held)
+            assert [f.result().status_code for f in waiting] == [200, 200]
+        c.wait_for(lambda: no_leaks(c))
+
+
+def test_queued_requests_expire_at_their_own_deadlines() -> None:
+    shim = {"capacity": 1, "kv_hold_timeout_s": 30}
+    with ThreadedCluster(prefills=1, decodes=1, shim=shim) as c:
+        assert c.info is not None
+        held = hold_prefill_slot(c.info.prefill_urls[0])
+
+        def timed(ms: int) -> tuple[int, float]:
+            start = time.monotonic()
+            r = httpx.post(
+                c.url + "/v1/completions",
+                json=BODY,
+                headers={"x-pdgate-ttft-timeout-ms": str(ms)},
+                timeout=30,
+            )
+            return r.status_code, time.monotonic() - start
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            short, long = pool.submit(timed, 300), pool.submit(timed, 1500)
+            (s_status, s_took), (l_status, l_took) = short.result(), long.result()
+        assert (s_status, l_status) == (503, 503)
+        assert 0.3 <= s_took < 1.0
+        assert 1.5 <= l_took < 2.5
+        assert health(c)["queued"] == 0
+        release(held)
+        c.wait_for(lambda: no_leaks(c))
+
+
+def test_direct_mode_is_one_try_without_retries() -> None:
+    shim = {"capacity": 1, "kv_hold_timeout_s": 30}
+    with ThreadedCluster(prefills=1, decodes=1, shim=shim, gateway={"dispatch": "direct"}) as c:
+        assert c.info is not None
+        held = hold_prefill_slot(c.info.prefill_urls[0])
+        start = time.monotonic()
+        resp = httpx.post(c.url + "/v1/completions", json=BODY, timeout=30)
+        assert resp.status_code == 503
+        assert time.monotonic() - start < 1  # no waiting for the deadline
+        prefill = next(r for r in c.instances() if r["role"] == "prefill")
+        assert prefill["rejected"] == 1
+        release(held)
+        assert httpx.post(c.url + "/v1/completions", json=BODY, timeout=30).status_code == 200
+        c.wait_for(lambda: no_leaks(c))
+
+
+def test_affinity_sends_a_known_prefix_back_to_its_prefill() -> None:
+    system = "You are the assistant of the travel desk; answer politely and briefly. " * 6
+    for policy, expect_warm in (("affinity_sse", True), ("least_sse", False)):
+        with ThreadedCluster(
+            prefills=2, decodes=1, shim={"capacity": 8}, gateway={"prefill_policy": policy}
+        ) as c:
+            first = httpx.post(
+                c.url + "/v1/completions", json={**BODY, "prompt": system + "Q1"}, timeout=30
+            )
+            warm = first.headers["x-pdgate-prefill"]
+            # Three long streams make the warm prefill the busier one (2 open streams vs 1).
+            streams = [_open_stream(c.url, f"unrelated {i}") for i in range(3)]
+            c.wait_for(
+                lambda: sum(r["open_streams"] for r in c.instances() if r["role"] == "prefill") == 3
+            )
+            by_id = {r["id"]: r["open_streams"] for r in c.instances() if r["role"] == "prefill"}
+            assert by_id[warm] == 2
+            again = httpx.post(
+                c.url + "/v1/completions", json={**BODY, "prompt": system + "Q2"}, timeout=30
+            )
+            assert (again.headers["x-pdgate-prefill"] == warm) is expect_warm
+            for s in streams:
+                s.close()
+            c.wait_for(lambda: no_leaks(c))
+
+
+def _open_stream(url: str, prompt: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    payload = orjson.dumps({**BODY, "prompt": prompt, "max_tokens": 5000, "stream": True})
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    got = b""
+    while b"data: " not in got:
+        got += sock.recv(65536)
+    return sock
+
+
+def test_burst_of_cancellations_leaks_nothing() -> None:
+    shim = {"capacity": 2}
+    with ThreadedCluster(prefills=2, decodes=2, shim=shim) as c:
+        assert c.info is not None
+        rng = random.Random(5)
+        socks = []
+        for i in range(24):
+            host, port = c.url.removeprefix("http://").split(":")
+            sock = socket.create_connection((host, int(port)))
+            payload = orjson.dumps(
+                {
+                    **BODY,
+                    "prompt": f"burst {i}",
+                    "max_tokens": rng.choice([5, 50, 500]),
+                    "stream": True,
+                }
+            )
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
+            socks.append(sock)
+        # Close them at random moments: some still queued, some prefilling, some streaming.
+        rng.shuffle(socks)
+        for sock in socks:
+            time.sleep(rng.uniform(0, 0.05))
+            sock.close()
+        c.wait_for(lambda: no_leaks(c), timeout=10, what="every count back to 0")
+        for url in c.info.prefill_urls + c.info.decode_urls:
+            c.wait_for(
+                lambda url=url: shim_load(url)["used"] == 0, timeout=10, what=f"{url} slots freed"
+            )
+        # Still serving normally afterwards.
+        assert all(r.status_code == 200 for r in post_all(c.url, 4))
