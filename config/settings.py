@@ -240,6 +240,11 @@ class GatewaySettings(_Settings):
         default=True,
         description="When a prefill accepts, keep sending it queued requests while it has room.",
     )
+    prefill_batch_endpoint: bool = Field(
+        default=False,
+        description="Send each batch-forwarded run in one call to the shims' "
+        "/v1/completions/batch (pdgate shims only; see docs/scheduling.md for the measurement).",
+    )
     prefill_policy: str = Field(
         default="least_sse", description="Prefill ranking policy (by name)."
     )

@@ -14,49 +14,17 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import orjson
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine_shim.wire import error_body, error_json, sse_event
+from engine_shim.wire import ClientGone, OpenAIError
 
 T = TypeVar("T")
 
 
-class ClientGone(Exception):
-    """The client disconnected; nothing can be sent to it any more."""
-
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type_: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-        retry_after: int | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.code = code
-        self.param = param
-        self.retry_after = retry_after
-
-    def response(self) -> Response:
-        headers = {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
-        return Response(
-            error_json(self.message, self.type, param=self.param, code=self.code),
-            status_code=self.status,
-            headers=headers,
-            media_type="application/json",
-        )
-
-    def sse(self) -> bytes:
-        return sse_event(error_body(self.message, self.type, param=self.param, code=self.code))
+# One error type and one body reader for the gateway and the shims (engine_shim/wire.py).
+ApiError = OpenAIError
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
@@ -80,30 +48,6 @@ def json_response(
     return Response(
         orjson.dumps(payload), status_code=status, headers=headers, media_type="application/json"
     )
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise bad_request("invalid Content-Length header") from None
-        if size > limit:
-            raise ApiError(
-                413, f"request body of {size} bytes exceeds {limit} bytes", code="payload_too_large"
-            )
-    chunks: list[bytes] = []
-    total = 0
-    try:
-        async for chunk in request.stream():
-            total += len(chunk)
-            if total > limit:
-                raise ApiError(413, f"request body exceeds {limit} bytes", code="payload_too_large")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise ClientGone from None
-    return b"".join(chunks)
 
 
 async def _disconnected(receive: Receive) -> None:

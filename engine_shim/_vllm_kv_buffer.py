@@ -6,10 +6,14 @@ decode's own blocks on arrival (RecvScatter). Here the buffer is one file in a s
 on tmpfs (``/dev/shm``), shared by three processes: vLLM's worker writes it (prefill) or reads
 it (decode), and the shim streams it over HTTP (``GET /v1/kv/{id}``) or receives it into it.
 
-Layout: a 64-byte header, then ``[layers, tokens, row]`` elements of the cache dtype, where a
-row is one token's KV in one layer as vLLM's standardized per-layer view holds it
-(``[heads, content]`` of ``kv_cache[block, :, offset]``). The header names the shape and dtype
-so a decode whose model or dtype differs rejects the buffer instead of loading garbage.
+Layout: a 64-byte header, then ``[layers, blocks, block]`` elements of the cache dtype: the
+prompt's KV blocks, whole, in prompt order, for every attention layer. Whole blocks, not
+token rows, because how a block stores its tokens is the attention backend's business (the
+CPU backend keeps all K rows of a block before all V rows, GPU backends interleave them):
+copying blocks is right for any backend as long as both sides run the same one. The last block
+may be partly filled; the decode recomputes the last prompt token and overwrites the rest. The
+header names the shape and dtype, so a decode whose model, dtype or block size differs
+rejects the buffer instead of loading garbage.
 
 This module needs torch but not vLLM, and it never reads the files' paths from
 the network: names are checked against `NAME_RE` and joined to the spool directory.
@@ -39,8 +43,9 @@ __all__ = [
 MAGIC = b"PDGATEKV"
 VERSION = 1
 HEADER_BYTES = 64
-# magic, version, layers, tokens, row elements, element bytes, dtype name (16 bytes, ascii)
-_HEADER = struct.Struct("<8sIIIII16s")
+# magic, version, layers, tokens, tokens per block, elements per block, element bytes,
+# dtype name (16 bytes, ascii)
+_HEADER = struct.Struct("<8sIIIIII16s")
 NAME_RE = re.compile(r"[0-9a-f]{32}")
 SUFFIX = ".kv"
 
@@ -51,19 +56,21 @@ class KvBufferError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class KvLayout:
-    """What a buffer holds per token: `layers` rows of `row_elems` elements of `dtype`."""
+    """One engine's KV blocks: `layers` layers of blocks of `block_tokens` tokens, each block
+    `block_elems` elements of `dtype`."""
 
     layers: int
-    row_elems: int
+    block_tokens: int
+    block_elems: int
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
     element_bytes: int
 
-    @property
-    def token_bytes(self) -> int:
-        return self.layers * self.row_elems * self.element_bytes
+    def blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens)
 
     def nbytes(self, tokens: int) -> int:
-        return HEADER_BYTES + tokens * self.token_bytes
+        data = self.layers * self.blocks(tokens) * self.block_elems * self.element_bytes
+        return HEADER_BYTES + data
 
 
 def buffer_path(spool_dir: str | Path, name: str) -> Path:
@@ -80,7 +87,8 @@ def _header(layout: KvLayout, tokens: int) -> bytes:
         VERSION,
         layout.layers,
         tokens,
-        layout.row_elems,
+        layout.block_tokens,
+        layout.block_elems,
         layout.element_bytes,
         layout.dtype.encode("ascii"),
     )
@@ -96,12 +104,13 @@ def _map(path: Path, writable: bool, layout: KvLayout, tokens: int) -> torch.Ten
     raw = torch.from_file(str(path), shared=writable, size=nbytes, dtype=torch.uint8)
     # uint8 storage viewed as the cache dtype: works for dtypes numpy lacks (bfloat16, fp8).
     dtype = getattr(torch, layout.dtype)
-    return raw[HEADER_BYTES:].view(dtype).view(layout.layers, tokens, layout.row_elems)
+    shape = (layout.layers, layout.blocks(tokens), layout.block_elems)
+    return raw[HEADER_BYTES:].view(dtype).view(shape)
 
 
 def create_buffer(path: Path, layout: KvLayout, tokens: int) -> torch.Tensor:
     """Create (or truncate) the buffer file for `tokens` tokens; returns its writable
-    ``[layers, tokens, row]`` view, backed by the file."""
+    ``[layers, blocks, block]`` view, backed by the file."""
     with open(path, "wb") as f:
         f.write(_header(layout, tokens))
         f.truncate(layout.nbytes(tokens))
@@ -112,7 +121,7 @@ def open_buffer(
     path: Path, layout: KvLayout, min_tokens: int, *, writable: bool = False
 ) -> torch.Tensor:
     """Map an existing buffer after checking it holds `layout` and at least `min_tokens`
-    tokens; returns its ``[layers, tokens, row]`` view (written through to the file only when
+    tokens; returns its ``[layers, blocks, block]`` view (written through to the file only when
     `writable`)."""
     try:
         with open(path, "rb") as f:
@@ -122,14 +131,21 @@ def open_buffer(
         raise KvBufferError(f"KV buffer unreadable: {exc.strerror}") from None
     if len(head) < HEADER_BYTES:
         raise KvBufferError("KV buffer truncated (no header)")
-    magic, version, layers, tokens, row, elem, dtype = _HEADER.unpack_from(head)
+    magic, version, layers, tokens, block_tokens, block, elem, dtype = _HEADER.unpack_from(head)
     if magic != MAGIC or version != VERSION:
         raise KvBufferError("not a pdgate KV buffer (bad magic or version)")
-    theirs = (layers, row, elem, dtype.rstrip(b"\0").decode("ascii", "replace"))
-    ours = (layout.layers, layout.row_elems, layout.element_bytes, layout.dtype)
+    theirs = (layers, block_tokens, block, elem, dtype.rstrip(b"\0").decode("ascii", "replace"))
+    ours = (
+        layout.layers,
+        layout.block_tokens,
+        layout.block_elems,
+        layout.element_bytes,
+        layout.dtype,
+    )
     if theirs != ours:
         raise KvBufferError(
-            f"KV layout mismatch: buffer has (layers, row, bytes, dtype)={theirs}, "
+            f"KV layout mismatch: buffer has (layers, block tokens, block elements, element "
+            f"bytes, dtype)={theirs}, "
             f"this engine {ours}: prefill and decode must serve the same model and dtype"
         )
     if tokens < min_tokens:

@@ -36,20 +36,18 @@ from engine_shim._completion import (
 )
 from engine_shim._http import (
     ApiError,
-    ClientGone,
     ClosingStreamingResponse,
     bad_request,
     busy,
     draining,
     json_response,
-    read_body,
     until_disconnect,
 )
 from engine_shim._kv_pull import KvRetriever, KvTransferError, PullJob
 from engine_shim._slots import SlotPool
 from engine_shim._stop import StopMatcher
 from engine_shim.backend import DecodeBackend, EngineBusy, InvalidRequest
-from engine_shim.wire import SSE_DONE, kv_url
+from engine_shim.wire import SSE_DONE, ClientGone, kv_url, read_body
 
 __all__ = ["DecodeWorker"]
 

@@ -17,16 +17,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from config import PrefillAdmission, Role, ShimSettings
 from engine_shim._completion import (
+    CompletionRequest,
     CompletionShape,
     check_length,
     check_model,
@@ -35,13 +37,11 @@ from engine_shim._completion import (
 )
 from engine_shim._http import (
     ApiError,
-    ClientGone,
     ClosingStreamingResponse,
     bad_request,
     busy,
     draining,
     json_response,
-    read_body,
     until_disconnect,
 )
 from engine_shim._kv_store import HeldKv, KvStore
@@ -49,13 +49,48 @@ from engine_shim._slots import PoolFull, Slot, SlotPool
 from engine_shim._stop import StopMatcher
 from engine_shim.backend import EngineBusy, InvalidRequest, PrefillBackend
 from engine_shim.prefix_cache import BLOCK_SIZE
-from engine_shim.wire import KV_DIGEST_HEADER, KV_ID_HEADER, KV_PATH, KV_TOKENS_HEADER
+from engine_shim.wire import (
+    BATCH_PATH,
+    KV_DIGEST_HEADER,
+    KV_ID_HEADER,
+    KV_PATH,
+    KV_TOKENS_HEADER,
+    ClientGone,
+    error_body,
+    read_body,
+)
 
 __all__ = ["PrefillShim"]
 
 log = logging.getLogger("pdgate.shim.prefill")
 
 KV_CHUNK_BYTES = 256 * 1024
+MAX_BATCH = 256  # requests in one batch call
+
+
+async def _unguarded(work: Awaitable[Any]) -> Any:
+    return await work
+
+
+def _line(index: int, status: int, body: dict[str, Any]) -> bytes:
+    return orjson.dumps({"index": index, "status": status, "body": body}) + b"\n"
+
+
+def parse_batch(body: bytes, *, max_items: int) -> tuple[list[dict[str, Any]], list[str]]:
+    """``{"requests": [completion body, ...], "kv_ids": [optional ids, ...]}``."""
+    try:
+        raw = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise bad_request("request body is not valid JSON") from None
+    items = raw.get("requests") if isinstance(raw, dict) else None
+    if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
+        raise bad_request("requests must be a non-empty list of completion requests", "requests")
+    if len(items) > max_items:
+        raise bad_request(f"at most {max_items} requests per batch", "requests")
+    kv_ids = raw.get("kv_ids") or []
+    if not isinstance(kv_ids, list) or not all(isinstance(k, str) for k in kv_ids):
+        raise bad_request("kv_ids must be a list of strings", "kv_ids")
+    return items, kv_ids
 
 
 class PrefillShim:
@@ -104,6 +139,7 @@ class PrefillShim:
     def routes(self) -> list[Route]:
         return [
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route(BATCH_PATH, self.completions_batch, methods=["POST"]),
             Route(KV_PATH, self.kv_get, methods=["GET"]),
             Route(KV_PATH, self.kv_delete, methods=["DELETE"]),
         ]
@@ -152,12 +188,28 @@ class PrefillShim:
             return Response(status_code=499)  # nobody is listening; for the access log only
 
     async def _complete(self, request: Request) -> Response:
-        settings = self._settings
         if self.draining:
             raise draining()
         req = parse_completion(
-            await read_body(request, self._max_body_bytes), max_model_len=settings.max_model_len
+            await read_body(request, self._max_body_bytes),
+            max_model_len=self._settings.max_model_len,
         )
+        kv_id = self._kv_id(request.headers.get(KV_ID_HEADER, ""))
+        return json_response(
+            await self._prefill_one(req, kv_id, lambda work: until_disconnect(request, work))
+        )
+
+    async def _prefill_one(
+        self,
+        req: CompletionRequest,
+        kv_id: str,
+        guard: Callable[[Awaitable[Any]], Awaitable[Any]],
+    ) -> dict[str, Any]:
+        """Admit, compute and hold the KV of one request; its completion as a dict.
+
+        `guard` runs each wait so that the caller's disconnect cancels it (the single
+        endpoint watches its own request; the batch endpoint cancels its items itself)."""
+        settings = self._settings
         check_model(req, settings.model)
         params = req.kv_transfer_params
         if not params or params.get("do_remote_decode") is not True:
@@ -172,9 +224,9 @@ class PrefillShim:
             raise bad_request(str(exc), "prompt") from None
         check_length(len(tokens), req.max_tokens, settings.max_model_len)
 
-        slot = await self._admit(request)
+        slot = await self._admit(guard)
         try:
-            out = await until_disconnect(request, self._backend.prefill(tokens, req.sampling))
+            out = await guard(self._backend.prefill(tokens, req.sampling))
         except EngineBusy:
             slot.release()
             self._counts["rejected"] += 1
@@ -184,11 +236,10 @@ class PrefillShim:
             raise bad_request(str(exc)) from None
         except BaseException as exc:
             slot.release()
-            if isinstance(exc, ClientGone):
+            if isinstance(exc, ClientGone | asyncio.CancelledError):
                 self._counts["cancelled"] += 1
             raise
-        request_id = self._kv_id(request)
-        self._store.put(HeldKv(request_id, out.kv, slot))
+        self._store.put(HeldKv(kv_id, out.kv, slot))
         self._counts["completed"] += 1
 
         matcher = StopMatcher(req.stop)
@@ -197,28 +248,25 @@ class PrefillShim:
             text += matcher.flush()
         n_blocks = -(-out.prompt_tokens // BLOCK_SIZE)
         shape = CompletionShape(req.model or settings.model)
-        return json_response(
-            shape.completion(
-                text,
-                "stop" if stopped else "length",
-                usage(out.prompt_tokens, 1, out.cached_tokens),
-                kv_transfer_params={
-                    "do_remote_prefill": True,
-                    "do_remote_decode": False,
-                    "remote_engine_id": self._instance_id,
-                    "remote_host": self._remote_host,
-                    "remote_port": self._remote_port,
-                    "remote_block_ids": list(range(n_blocks)),
-                    "remote_request_id": request_id,
-                    "tp_size": 1,
-                },
-            )
+        return shape.completion(
+            text,
+            "stop" if stopped else "length",
+            usage(out.prompt_tokens, 1, out.cached_tokens),
+            kv_transfer_params={
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": self._instance_id,
+                "remote_host": self._remote_host,
+                "remote_port": self._remote_port,
+                "remote_block_ids": list(range(n_blocks)),
+                "remote_request_id": kv_id,
+                "tp_size": 1,
+            },
         )
 
-    def _kv_id(self, request: Request) -> str:
+    def _kv_id(self, given: str) -> str:
         """The caller may name the KV handle (``x-pdgate-kv-id``) so it can release it even if
-        it never reads this answer; anything unusable gets a fresh id."""
-        given = request.headers.get(KV_ID_HEADER, "")
+        it never reads the answer; anything unusable gets a fresh id."""
         if (
             8 <= len(given) <= 64
             and given.isascii()
@@ -228,7 +276,7 @@ class PrefillShim:
             return given
         return uuid.uuid4().hex
 
-    async def _admit(self, request: Request) -> Slot:
+    async def _admit(self, guard: Callable[[Awaitable[Any]], Awaitable[Any]]) -> Slot:
         if self._settings.admission == PrefillAdmission.REJECT:
             slot = self._slots.try_acquire()
             if slot is None:
@@ -236,15 +284,71 @@ class PrefillShim:
                 raise busy("no free prefill slot", code="no_free_slot")
         else:
             try:
-                slot = await until_disconnect(request, self._slots.acquire())
+                slot = await guard(self._slots.acquire())
             except PoolFull:
                 self._counts["rejected"] += 1
                 raise busy("prefill queue is full", code="queue_full") from None
-            except ClientGone:
+            except (ClientGone, asyncio.CancelledError):
                 self._counts["cancelled"] += 1
                 raise
         self._counts["admitted"] += 1
         return slot
+
+    # -- POST /v1/completions/batch (pdgate extension) ----------------------------------------
+
+    async def completions_batch(self, request: Request) -> Response:
+        """Several prefill requests in one call (P/D-Serve batch forwarding).
+
+        Admission happens in list order at once: the first requests take the free slots, the
+        rest are rejected individually. The answer is NDJSON, one line per request as soon as
+        its outcome is known (rejections at once, completions when computed):
+        ``{"index": i, "status": 200 | 4xx, "body": completion | OpenAI error}``.
+        """
+        try:
+            if self.draining:
+                raise draining()
+            items, kv_ids = parse_batch(
+                await read_body(request, self._max_body_bytes), max_items=MAX_BATCH
+            )
+        except ApiError as exc:
+            return exc.response()
+        except ClientGone:
+            return Response(status_code=499)
+        parsed: list[CompletionRequest | ApiError] = []
+        for raw in items:
+            try:
+                parsed.append(
+                    parse_completion(orjson.dumps(raw), max_model_len=self._settings.max_model_len)
+                )
+            except ApiError as exc:
+                parsed.append(exc)
+
+        async def run(index: int) -> bytes:
+            item = parsed[index]
+            try:
+                if isinstance(item, ApiError):
+                    raise item
+                kv_id = self._kv_id(kv_ids[index] if index < len(kv_ids) else "")
+                body = await self._prefill_one(item, kv_id, _unguarded)
+                return _line(index, 200, body)
+            except ApiError as exc:
+                return _line(index, exc.status, error_body(exc.message, exc.type, code=exc.code))
+
+        # Created in order, so admission (the first step of each) happens in list order.
+        tasks = [asyncio.ensure_future(run(i)) for i in range(len(parsed))]
+
+        async def lines() -> AsyncIterator[bytes]:
+            for done in asyncio.as_completed(tasks):
+                yield await done
+
+        def cancel_rest() -> None:
+            # The caller left (or the stream ended): unfinished prefills free their slots.
+            for task in tasks:
+                task.cancel()
+
+        return ClosingStreamingResponse(
+            lines(), media_type="application/x-ndjson", on_close=cancel_rest
+        )
 
     # -- KV hand-off ------------------------------------------------------------------------
 

@@ -212,28 +212,32 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
         if self._layout is None:
             if not self._layer_index:
                 raise KvBufferError("KV caches were never registered with the connector")
-            # Standardized per-layer view [blocks, heads, block_size, content].
-            row = int(kv_layer.shape[1]) * int(kv_layer.shape[3])
+            # Per-layer view [kernel blocks, heads, kernel block size, content]; a scheduler
+            # block is `block_size / kernel block size` consecutive kernel blocks.
+            per_kernel_block = kv_layer[0].numel()
+            ratio = self._block_size // int(kv_layer.shape[2])
             self._layout = KvLayout(
                 layers=len(self._layer_index),
-                row_elems=row,
+                block_tokens=self._block_size,
+                block_elems=ratio * per_kernel_block,
                 dtype=str(kv_layer.dtype).removeprefix("torch."),
                 element_bytes=kv_layer.element_size(),
             )
         return self._layout
 
-    def _slots(self, job: _Job, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, offset) in `kv_layer` of each token in [start, end) of `job`.
+    def _blocks(self, job: _Job, kv_layer: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+        """The request's blocks holding tokens [start, end): (first, last) as block positions
+        in the prompt (= in the buffer), and their ids as kernel blocks of `kv_layer`.
 
-        The scheduler's blocks are logical, of `block_size` tokens; the per-layer cache is in
-        kernel blocks, which can be smaller (the CPU attention kernel uses 32-token blocks
-        under vLLM's 128-token ones): logical block b is kernel blocks [b*r, (b+1)*r).
+        The CPU attention kernel, for one, uses smaller blocks than the scheduler (32-token
+        kernel blocks under 128-token ones): scheduler block b is kernel blocks [b*r, b*r+r).
         """
-        positions = torch.arange(job.start, job.end)
-        logical = torch.tensor(job.block_ids, dtype=torch.long)[positions // self._block_size]
-        slots = logical * self._block_size + positions % self._block_size
-        kernel = int(kv_layer.shape[2])
-        return (slots // kernel).to(kv_layer.device), (slots % kernel).to(kv_layer.device)
+        first = job.start // self._block_size
+        last = -(-job.end // self._block_size)
+        ratio = self._block_size // int(kv_layer.shape[2])
+        ids = torch.tensor(job.block_ids[first:last], dtype=torch.long)
+        kernel = (ids[:, None] * ratio + torch.arange(ratio)[None, :]).flatten()
+        return first, last, kernel.to(kv_layer.device)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -262,10 +266,10 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
         any_layer = next(iter(layers.values()))
         layout = self._layout_of(any_layer)
         data = open_buffer(buffer_path(self._spool, job.name), layout, job.end)
-        blocks, offsets = self._slots(job, any_layer)
+        first, last, kernel = self._blocks(job, any_layer)
         for name, kv in layers.items():
-            rows = data[self._layer_index[name], job.start : job.end]
-            kv[blocks, :, offsets] = rows.view(len(rows), kv.shape[1], kv.shape[3]).to(kv.device)
+            blocks = data[self._layer_index[name], first:last]
+            kv[kernel] = blocks.reshape(len(kernel), *kv.shape[1:]).to(kv.device)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are synchronous, done in start_load_kv
@@ -292,9 +296,8 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
                 else:
                     buf = open_buffer(path, layout, job.total, writable=True)  # next chunk
                 self._open[job.name] = buf
-            blocks, offsets = self._slots(job, kv_layer)
-            rows = kv_layer[blocks, :, offsets]  # [tokens, heads, content]
-            buf[index, job.start : job.end] = rows.reshape(len(rows), -1).cpu()
+            first, last, kernel = self._blocks(job, kv_layer)
+            buf[index, first:last] = kv_layer[kernel].reshape(last - first, -1).cpu()
 
     def wait_for_save(self) -> None:
         # Drop this step's mappings: the data is in the (shared) file already.

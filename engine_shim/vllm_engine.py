@@ -225,21 +225,21 @@ class _VllmEngine:
         """vLLM's RequestOutputs; counts an abort when the consumer leaves early."""
         if self._llm is None:
             raise RuntimeError("engine is not started")
-        finished = False
         outputs = self._llm.generate(
             {"prompt_token_ids": list(tokens)}, params, request_id=uuid.uuid4().hex
         )
         try:
             async for out in outputs:
-                finished = out.finished
                 yield out
         except _OVERLOAD as exc:
             raise EngineBusy(str(exc) or type(exc).__name__) from None
         except VLLMClientError as exc:
             raise InvalidRequest(str(exc)) from None
+        except (asyncio.CancelledError, GeneratorExit):
+            # Cancelled or closed while the request was in vLLM: AsyncLLM.generate aborts it.
+            self._stats.aborted += 1
+            raise
         finally:
-            if not finished:
-                self._stats.aborted += 1  # vLLM aborts the request (AsyncLLM.generate)
             await outputs.aclose()
 
 

@@ -22,8 +22,11 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
 
 KV_PATH = "/v1/kv/{request_id}"
+BATCH_PATH = "/v1/completions/batch"  # pdgate extension: several prefill legs in one call
 LOAD_PATH = "/load"
 HEALTH_PATH = "/health"
 
@@ -80,3 +83,73 @@ def error_json(
 
 def sse_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+class OpenAIError(Exception):
+    """A failure with its HTTP status and OpenAI error body: `response()` before anything was
+    sent, `sse()` in-band once a stream has begun. Shared by the gateway and the shims."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.param = param
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, param=self.param, code=self.code)
+
+    def response(self) -> Response:
+        headers = {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+        return Response(
+            orjson.dumps(self.body()),
+            status_code=self.status,
+            headers=headers,
+            media_type="application/json",
+        )
+
+    def sse(self) -> bytes:
+        return sse_event(self.body())
+
+
+class ClientGone(Exception):
+    """The client disconnected; nothing can be sent to it any more."""
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, never holding more than `limit` bytes: a declared Content-Length over
+    the limit is refused before reading, a chunked upload as soon as it passes it."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise OpenAIError(400, "invalid Content-Length header") from None
+        if size > limit:
+            raise OpenAIError(
+                413, f"request body of {size} bytes exceeds {limit} bytes", code="payload_too_large"
+            )
+    chunks: list[bytes] = []
+    total = 0
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise OpenAIError(
+                    413, f"request body exceeds {limit} bytes", code="payload_too_large"
+                )
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone from None
+    return b"".join(chunks)

@@ -1,38 +1,22 @@
-"""Reading a request body without ever holding more than the limit."""
+"""Reading a client's request body within the gateway's limit."""
 
 from __future__ import annotations
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 
+from engine_shim.wire import ClientGone, OpenAIError
+from engine_shim.wire import read_body as read_limited
 from gateway.errors import BadRequest, PayloadTooLarge
 
-
-class ClientGone(Exception):
-    """The client disconnected; nothing more can be sent to it."""
+__all__ = ["ClientGone", "read_body"]
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError as exc:
-            raise BadRequest("invalid Content-Length header") from exc
-        if size > limit:
-            raise PayloadTooLarge(
-                f"request body of {size} bytes exceeds the limit of {limit} bytes"
-            )
-    chunks: list[bytes] = []
-    total = 0
     try:
-        async for chunk in request.stream():
-            total += len(chunk)
-            if total > limit:
-                # Chunked uploads have no Content-Length: stop reading at the limit.
-                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
-    except ClientDisconnect as exc:
-        raise ClientGone from exc
-    if total == 0:
+        body = await read_limited(request, limit)
+    except OpenAIError as exc:
+        # Re-raised as the gateway's own types, so its handlers and metrics see one tree.
+        raise (PayloadTooLarge if exc.status == 413 else BadRequest)(exc.message) from exc
+    if not body:
         raise BadRequest("request body is empty; expected a JSON object")
-    return b"".join(chunks)
+    return body

@@ -95,6 +95,7 @@ class Dispatcher:
         self._forwarders: dict[tuple[str, str | None], PrefillForwarder] = {}
         self._options = ForwardingOptions(
             batch_forwarding=settings.batch_forwarding,
+            batch_endpoint=settings.prefill_batch_endpoint,
             retry_after_s=settings.retry_after_s,
             client_error=client_error,
         )

@@ -7,12 +7,12 @@
 
 from __future__ import annotations
 
-from starlette.responses import Response
-
-from engine_shim.wire import error_body, error_json, sse_event
+from engine_shim.wire import OpenAIError
 
 
-class GatewayError(Exception):
+class GatewayError(OpenAIError):
+    """What a client sees: each subclass fixes its status, OpenAI error type and code."""
+
     status = 500
     type = "internal_error"
     code: str | None = None
@@ -20,23 +20,10 @@ class GatewayError(Exception):
     def __init__(
         self, message: str, *, param: str | None = None, retry_after: int | None = None
     ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.retry_after = retry_after
-
-    def response(self) -> Response:
-        headers = {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
-        return Response(
-            error_json(self.message, self.type, param=self.param, code=self.code),
-            status_code=self.status,
-            headers=headers,
-            media_type="application/json",
+        cls = type(self)
+        super().__init__(
+            cls.status, message, type_=cls.type, code=cls.code, param=param, retry_after=retry_after
         )
-
-    def sse(self) -> bytes:
-        """The in-band form, for failures after streaming began."""
-        return sse_event(error_body(self.message, self.type, param=self.param, code=self.code))
 
 
 class BadRequest(GatewayError):

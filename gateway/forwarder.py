@@ -21,6 +21,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import orjson
+
 from config import Role
 from gateway.affinity import PrefixIndex
 from gateway.errors import (
@@ -53,8 +55,23 @@ class PrefillGrant:
 
 
 @dataclass
+class _Call:
+    """One prefill call about to be made for one waiter, with what it holds."""
+
+    waiter: Waiter
+    stream: Lease
+    inflight: Lease
+    kv_id: str  # our name for the KV handle, to release it without the answer
+
+    def release(self, *, slot_freed: bool) -> None:
+        self.stream.release(slot_freed=slot_freed)
+        self.inflight.release(slot_freed=slot_freed)
+
+
+@dataclass
 class ForwardingOptions:
     batch_forwarding: bool = True
+    batch_endpoint: bool = False  # one batch call per run (pdgate shims only)
     retry_after_s: int = 1
     client_error: Callable[[UpstreamStatus], GatewayError] = field(
         default=lambda exc: GatewayError(str(exc))
@@ -156,14 +173,19 @@ class PrefillForwarder:
                 round_no += 1
                 continue
             round_no = 0
-            self._send(head, target)
+            sent = [self._reserve(head, target)]
             while self._options.batch_forwarding and self._tracker.has_room(
                 target.id, target.capacity
             ):
                 nxt = self.queue.peek()
                 if nxt is None:
                     break
-                self._send(nxt, target)
+                sent.append(self._reserve(nxt, target))
+            if self._options.batch_endpoint and len(sent) > 1:
+                self._background(self._attempt_batch(sent, target))
+            else:
+                for call in sent:
+                    call.waiter.attempt_task = asyncio.create_task(self._attempt(call, target))
             # Let the attempts start (and fast 429s arrive) before ranking again.
             await asyncio.sleep(0)
 
@@ -176,21 +198,20 @@ class PrefillForwarder:
             return waiter.info
         return replace(waiter.info, prefix_blocks=self._index.match(hashes))
 
-    def _send(self, waiter: Waiter, inst: InstanceLoad) -> None:
+    def _reserve(self, waiter: Waiter, inst: InstanceLoad) -> _Call:
+        """Take the waiter out of the queue and count it against `inst` before the call."""
         popped = self.queue.pop()
         assert popped is waiter
         waiter.attempts += 1
-        stream = self._tracker.open_stream(inst.id)
-        inflight = self._tracker.begin(inst.id)
-        waiter.attempt_task = asyncio.create_task(self._attempt(waiter, inst, stream, inflight))
+        return _Call(
+            waiter,
+            self._tracker.open_stream(inst.id),
+            self._tracker.begin(inst.id),
+            uuid.uuid4().hex,
+        )
 
-    async def _attempt(
-        self, waiter: Waiter, inst: InstanceLoad, stream: Lease, inflight: Lease
-    ) -> None:
-        counter = self._metrics.prefill_attempts
-        granted = False
-        took_slot = True  # unless the prefill says otherwise (429, unreachable)
-        kv_id = uuid.uuid4().hex
+    async def _attempt(self, call: _Call, inst: InstanceLoad) -> None:
+        waiter = call.waiter
         try:
             remaining = max(waiter.deadline - time.monotonic(), 0.001)
             reply = await self._upstream.prefill(
@@ -198,61 +219,99 @@ class PrefillForwarder:
                 waiter.body,
                 request_id=waiter.request_id,
                 timeout_s=remaining,
-                kv_id=kv_id,
+                kv_id=call.kv_id,
             )
+        except UpstreamRejected:
+            self._settle(call, inst, 429, None)
+        except UpstreamStatus as exc:
+            self._settle(call, inst, exc.status, exc)
+        except UpstreamError as exc:
+            self._settle(call, inst, 502, exc)
+        except asyncio.CancelledError:
+            # Abandoned mid-call (deadline, client gone): the prefill may have finished just
+            # now and hold KV for an answer nobody reads. Release it by the id we chose.
+            call.release(slot_freed=True)
+            self._background(
+                self._upstream.release_kv_id(inst.url, call.kv_id, request_id=waiter.request_id)
+            )
+            raise
+        else:
+            self._settle(call, inst, 200, reply)
+
+    async def _attempt_batch(self, calls: list[_Call], inst: InstanceLoad) -> None:
+        """One batch call for a run of waiters; each line settles its own waiter. The call is
+        shared, so a waiter that leaves does not cancel it: its KV is released when its line
+        comes back."""
+        pending = dict(enumerate(calls))
+        last_deadline = max(c.waiter.deadline for c in calls)
+        try:
+            async for index, status, body in self._upstream.prefill_batch(
+                inst.url,
+                [c.waiter.body for c in calls],
+                kv_ids=[c.kv_id for c in calls],
+                request_id=calls[0].waiter.request_id,
+                timeout_s=max(last_deadline - time.monotonic(), 0.001),
+            ):
+                call = pending.pop(index, None)
+                if call is not None:
+                    self._settle(call, inst, status, body)
+        except UpstreamRejected:
+            for call in pending.values():
+                self._settle(call, inst, 429, None)
+        except UpstreamError as exc:
+            for call in pending.values():
+                self._settle(call, inst, 502, exc)
+        except asyncio.CancelledError:  # gateway shutdown
+            for call in pending.values():
+                call.release(slot_freed=False)
+            raise
+        else:
+            for call in pending.values():  # the prefill never answered for these
+                self._settle(call, inst, 502, UpstreamError(inst.url, "missing from batch answer"))
+
+    def _settle(self, call: _Call, inst: InstanceLoad, status: int, answer: Any) -> None:
+        """One prefill call's outcome, whichever way it was made."""
+        waiter, counter = call.waiter, self._metrics.prefill_attempts
+        if status == 200:
             if waiter.future.done():
-                # The waiter left while the prefill computed: free the KV it holds for us.
-                await self._upstream.release_kv(
-                    reply["kv_transfer_params"], request_id=waiter.request_id
-                )
+                # The waiter left while the prefill computed: free the KV held for it.
+                call.release(slot_freed=True)
+                params = answer.get("kv_transfer_params") or {}
+                self._background(self._upstream.release_kv(params, request_id=waiter.request_id))
                 return
             counter.labels("accepted").inc()
             hashes = self._hashes.get(id(waiter))
             if self._index is not None and hashes:
                 self._index.record(hashes, inst.id)
             waiter.future.set_result(
-                PrefillGrant(inst, reply, stream, inflight, waiter.attempts, waiter.rejections)
+                PrefillGrant(
+                    inst, answer, call.stream, call.inflight, waiter.attempts, waiter.rejections
+                )
             )
-            granted = True
-        except UpstreamRejected:
-            took_slot = False
+        elif status == 429:
+            call.release(slot_freed=False)
             self._tracker.rejected(inst.id)
             counter.labels("rejected").inc()
             waiter.rejections += 1
             self._retry(waiter)
-        except UpstreamStatus as exc:
-            if exc.is_client_error:
-                counter.labels("client_error").inc()
-                if not waiter.future.done():
-                    waiter.future.set_exception(self._options.client_error(exc))
-            else:
-                took_slot = False
-                self._failed(inst, exc, waiter)
-        except UpstreamError as exc:
-            took_slot = False
-            self._failed(inst, exc, waiter)
-        except asyncio.CancelledError:
-            # Abandoned mid-call (deadline, client gone): the prefill may have finished just
-            # now and hold KV for an answer nobody reads. Release it by the id we chose.
-            self._background(
-                self._upstream.release_kv_id(inst.url, kv_id, request_id=waiter.request_id)
-            )
-            raise
-        finally:
-            if not granted:
-                stream.release(slot_freed=took_slot)
-                inflight.release(slot_freed=took_slot)
+        elif 400 <= status < 500:
+            call.release(slot_freed=True)
+            counter.labels("client_error").inc()
+            if not waiter.future.done():
+                if not isinstance(answer, UpstreamStatus):
+                    answer = UpstreamStatus(inst.url, status, orjson.dumps(answer))
+                waiter.future.set_exception(self._options.client_error(answer))
+        else:
+            call.release(slot_freed=False)
+            self._tracker.failed(inst.id)
+            counter.labels("failed").inc()
+            log.warning("prefill %s failed: %s", inst.id, answer)
+            self._retry(waiter)
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
         self._cleanups.add(task)  # keep a reference until done (bounded by in-flight calls)
         task.add_done_callback(self._cleanups.discard)
-
-    def _failed(self, inst: InstanceLoad, exc: Exception, waiter: Waiter) -> None:
-        self._tracker.failed(inst.id)
-        self._metrics.prefill_attempts.labels("failed").inc()
-        log.warning("prefill %s failed: %s", inst.id, exc)
-        self._retry(waiter)
 
     def _retry(self, waiter: Waiter) -> None:
         if waiter.future.done() or waiter.state is WaiterState.DONE:

@@ -7,12 +7,13 @@ dispatcher reasons about rejections, unreachable instances and bad answers, neve
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import orjson
 
-from engine_shim.wire import KV_ID_HEADER, kv_release_url, kv_url
+from engine_shim.wire import BATCH_PATH, KV_ID_HEADER, kv_release_url, kv_url
 from gateway.errors import (
     UpstreamProtocolError,
     UpstreamRejected,
@@ -81,6 +82,39 @@ class Upstream:
         if not isinstance(reply, dict) or not isinstance(reply.get("kv_transfer_params"), dict):
             raise UpstreamProtocolError(url, "prefill answer has no kv_transfer_params")
         return reply
+
+    async def prefill_batch(
+        self,
+        base_url: str,
+        bodies: list[dict[str, Any]],
+        *,
+        kv_ids: list[str],
+        request_id: str,
+        timeout_s: float,
+    ) -> AsyncIterator[tuple[int, int, dict[str, Any]]]:
+        """POST several prefill legs at once (pdgate shims' batch endpoint); yields
+        ``(index, status, body)`` per request as the prefill reports it (rejections first)."""
+        url = base_url + BATCH_PATH
+        timeout = aiohttp.ClientTimeout(
+            total=timeout_s, connect=min(self._connect_timeout_s, timeout_s)
+        )
+        payload = orjson.dumps({"requests": bodies, "kv_ids": kv_ids})
+        try:
+            async with self._session.post(
+                url, data=payload, headers={**_JSON, "x-request-id": request_id}, timeout=timeout
+            ) as resp:
+                if resp.status == 429:
+                    raise UpstreamRejected(url, "no free prefill slot")
+                if resp.status != 200:
+                    raise UpstreamStatus(url, resp.status, (await resp.read())[:_MAX_ERROR_BODY])
+                while line := await resp.content.readline():
+                    try:
+                        item = orjson.loads(line)
+                        yield int(item["index"]), int(item["status"]), item["body"]
+                    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                        raise UpstreamProtocolError(url, "bad line in a batch answer") from exc
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise UpstreamUnreachable(url, f"{type(exc).__name__}: {exc}") from exc
 
     async def open_decode(
         self, base_url: str, body: dict[str, Any], *, request_id: str, connect_timeout_s: float

@@ -212,3 +212,34 @@ def test_burst_of_cancellations_leaks_nothing() -> None:
             )
         # Still serving normally afterwards.
         assert all(r.status_code == 200 for r in post_all(c.url, 4))
+
+
+def test_batch_endpoint_carries_a_whole_backlog_in_one_call() -> None:
+    shim = {"capacity": 4, "kv_hold_timeout_s": 30}
+    gateway = {
+        "batch_forwarding": True,
+        "prefill_batch_endpoint": True,
+        "backoff_initial_s": 1.0,
+        "backoff_max_s": 1.0,
+    }
+    with ThreadedCluster(prefills=1, decodes=1, shim=shim, gateway=gateway) as c:
+        assert c.info is not None
+        prefill = c.info.prefill_urls[0]
+        held = [hold_prefill_slot(prefill, f"hold {i}") for i in range(4)]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            futures = [
+                pool.submit(
+                    httpx.post, c.url + "/v1/completions", json={**BODY, "stream": s}, timeout=30
+                )
+                for s in (True, False, True, False, True)
+            ]
+            c.wait_for(lambda: health(c)["queued"] == 5, what="5 requests queued")
+            time.sleep(0.1)
+            list(pool.map(release, held))
+            responses = [f.result() for f in futures]
+        # Four fit in one batch; the fifth is rejected in that same call and served next.
+        assert [r.status_code for r in responses] == [200] * 5
+        assert responses[0].text.rstrip().endswith("data: [DONE]")
+        assert responses[1].json()["usage"]["completion_tokens"] == 4
+        c.wait_for(lambda: no_leaks(c))
+        assert shim_load(prefill)["used"] == 0

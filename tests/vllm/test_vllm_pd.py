@@ -148,7 +148,7 @@ def test_client_disconnect_aborts_the_prefill(vllm_cluster: VllmCluster) -> None
     prefill0 = shim_load(vllm_cluster.prefill_url)
     decode0 = shim_load(vllm_cluster.decode_url)
     # ~1800 tokens computed 16 per engine step: the prefill is still running when we leave.
-    long_prompt = " ".join(f"word{i % 97}" for i in range(900))
+    long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 130)
     body = orjson.dumps({"model": MODEL, "prompt": long_prompt, "max_tokens": 4, "stream": True})
     url = httpx.URL(vllm_cluster.gateway_url)
     assert url.host is not None

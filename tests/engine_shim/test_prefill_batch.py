@@ -1,0 +1,85 @@
+"""The prefill shim's batch endpoint (pdgate extension for batch forwarding)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from tests._cluster import ThreadedCluster, shim_load
+
+
+@pytest.fixture(scope="module")
+def prefill() -> Iterator[str]:
+    with ThreadedCluster(prefills=1, decodes=1, shim={"capacity": 2, "kv_hold_timeout_s": 30}) as c:
+        assert c.info is not None
+        yield c.info.prefill_urls[0]
+
+
+def item(prompt: str) -> dict[str, Any]:
+    return {
+        "model": "sim-llama-3.1-8b",
+        "prompt": prompt,
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+
+
+def test_batch_admits_in_order_and_rejects_the_rest_first(prefill: str) -> None:
+    body = {
+        "requests": [item(f"prompt {i} " * 20) for i in range(4)],
+        "kv_ids": ["a" * 16, "b" * 16],
+    }
+    start = time.monotonic()
+    lines: list[tuple[float, dict[str, Any]]] = []
+    with httpx.stream("POST", prefill + "/v1/completions/batch", json=body, timeout=10) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("application/x-ndjson")
+        for line in resp.iter_lines():
+            lines.append((time.monotonic() - start, orjson.loads(line)))
+    by_index = {entry["index"]: entry for _, entry in lines}
+    assert sorted(by_index) == [0, 1, 2, 3]
+    assert [by_index[i]["status"] for i in range(4)] == [200, 200, 429, 429]
+    assert by_index[2]["body"]["error"]["code"] == "no_free_slot"
+    # Rejections are reported before any completion: the gateway re-queues them at once.
+    order = [entry["status"] for _, entry in lines]
+    assert order[:2] == [429, 429]
+    # The caller's KV ids name the handles, so it can release them without the answer.
+    assert by_index[0]["body"]["kv_transfer_params"]["remote_request_id"] == "a" * 16
+    assert shim_load(prefill)["kv_held"] == 2
+    for kv_id in ("a" * 16, "b" * 16):
+        assert httpx.delete(f"{prefill}/v1/kv/{kv_id}").status_code == 204
+    assert shim_load(prefill)["used"] == 0
+
+
+def test_bad_items_fail_alone(prefill: str) -> None:
+    body = {"requests": [{"prompt": 5}, item("fine")]}
+    resp = httpx.post(prefill + "/v1/completions/batch", json=body, timeout=10)
+    lines = {e["index"]: e for e in map(orjson.loads, resp.text.splitlines())}
+    assert lines[0]["status"] == 400
+    assert lines[1]["status"] == 200
+    rid = lines[1]["body"]["kv_transfer_params"]["remote_request_id"]
+    assert httpx.delete(f"{prefill}/v1/kv/{rid}").status_code == 204
+
+
+@pytest.mark.parametrize("body", [b"{", b"[]", b'{"requests": []}', b'{"requests": [1]}'])
+def test_malformed_batches_are_400(prefill: str, body: bytes) -> None:
+    resp = httpx.post(prefill + "/v1/completions/batch", content=body, timeout=10)
+    assert resp.status_code == 400
+    assert "error" in resp.json()
+
+
+def test_delete_before_the_kv_exists_drops_it_on_arrival(prefill: str) -> None:
+    # A gateway that gave up on a call releases the id it chose, possibly before the KV exists.
+    assert httpx.delete(f"{prefill}/v1/kv/{'c' * 16}").status_code == 404
+    resp = httpx.post(
+        prefill + "/v1/completions", json=item("late"), headers={"x-pdgate-kv-id": "c" * 16}
+    )
+    assert resp.status_code == 200
+    load = shim_load(prefill)
+    assert load["kv_dropped_on_arrival"] >= 1
+    assert load["used"] == 0
