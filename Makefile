@@ -42,9 +42,13 @@ format: install
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-## test: lint + the default suite (real sockets, real Redis, real subprocesses); < 10 minutes
+## test: lint + the default suite (real sockets, real Redis, real subprocesses), a few minutes;
+## under CI=true also the vLLM suite (installs CPU vLLM: about 6 more minutes from scratch)
 test: install redis-server lint
 	$(BIN)/python -m pytest -m "not slow and not vllm" $(PYTEST_ARGS)
+ifeq ($(CI),true)
+	$(MAKE) test-vllm
+endif
 
 ## test-slow: the longer end-to-end suites
 test-slow: install redis-server

@@ -228,16 +228,19 @@ class _VllmEngine:
         outputs = self._llm.generate(
             {"prompt_token_ids": list(tokens)}, params, request_id=uuid.uuid4().hex
         )
+        finished = False
         try:
             async for out in outputs:
+                finished = out.finished
                 yield out
         except _OVERLOAD as exc:
             raise EngineBusy(str(exc) or type(exc).__name__) from None
         except VLLMClientError as exc:
             raise InvalidRequest(str(exc)) from None
         except (asyncio.CancelledError, GeneratorExit):
-            # Cancelled or closed while the request was in vLLM: AsyncLLM.generate aborts it.
-            self._stats.aborted += 1
+            if not finished:
+                # Left while the request was in vLLM: AsyncLLM.generate aborts it.
+                self._stats.aborted += 1
             raise
         finally:
             await outputs.aclose()

@@ -180,3 +180,19 @@ def test_client_disconnect_aborts_the_prefill(vllm_cluster: VllmCluster) -> None
     wait_for(aborted, timeout=15, what="the prefill's vLLM request aborted")
     assert shim_load(vllm_cluster.prefill_url)["cancelled"] == prefill0["cancelled"] + 1
     assert shim_load(vllm_cluster.decode_url)["admitted"] == decode0["admitted"]
+
+
+def test_sampling_vllm_refuses_is_a_400(vllm_cluster: VllmCluster) -> None:
+    resp = httpx.post(
+        vllm_cluster.prefill_url + "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": PROMPTS[0],
+            "max_tokens": 1,
+            "top_p": 5,  # vLLM: top_p must be in (0, 1]
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+        },
+        timeout=30,
+    )
+    assert resp.status_code == 400, resp.text
+    assert shim_load(vllm_cluster.prefill_url)["used"] == 0

@@ -1,0 +1,138 @@
+"""The vllm backend's parts that need no engine: the spool and its KV source/sink, the packed
+buffer format (needs torch), the sampling fields, the tiny model writer (needs tokenizers)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from hashlib import blake2b
+from pathlib import Path
+
+import orjson
+import pytest
+
+from engine_shim._completion import parse_completion
+from engine_shim._http import ApiError
+from engine_shim._vllm_spool import FileKvSink, FileKvSource, Spool
+
+
+@pytest.fixture
+def spool(tmp_path: Path) -> Iterator[Spool]:
+    s = Spool(str(tmp_path))
+    yield s
+    s.close()
+    assert not s.path.exists()
+
+
+async def test_sink_then_source_round_trip(spool: Spool) -> None:
+    payload = os.urandom(700_000)
+    sink = FileKvSink(spool, tokens=5, nbytes=len(payload))
+    for off in range(0, len(payload), 65536):
+        sink.write(payload[off : off + 65536])
+    await sink.commit()
+    assert sink.committed
+    source = await FileKvSource.open(spool.file(sink.name), tokens=5)
+    assert source.nbytes == len(payload)
+    assert source.digest == blake2b(payload, digest_size=16).hexdigest()
+    got = b"".join([c async for c in source.chunks(100_000)])
+    assert got == payload
+    source.release()
+    source.release()  # idempotent
+    assert spool.count() == 0
+
+
+async def test_sink_refuses_wrong_sizes_and_cleans_up(spool: Spool) -> None:
+    sink = FileKvSink(spool, tokens=1, nbytes=10)
+    with pytest.raises(ValueError, match="more KV bytes"):
+        sink.write(b"x" * 11)
+    sink.discard()
+    short = FileKvSink(spool, tokens=1, nbytes=10)
+    short.write(b"x" * 4)
+    with pytest.raises(ValueError, match="expected 10"):
+        await short.commit()
+    assert not short.committed
+    assert spool.count() == 0
+
+
+def test_sweep_removes_only_old_buffers(spool: Spool) -> None:
+    old, new = spool.file(spool.new_name()), spool.file(spool.new_name())
+    old.write_bytes(b"old")
+    new.write_bytes(b"new")
+    past = time.time() - 3600
+    os.utime(old, (past, past))
+    assert spool.sweep(60) == 1
+    assert not old.exists()
+    assert new.exists()
+
+
+def _body(**extra: object) -> bytes:
+    return orjson.dumps({"prompt": "hi", "max_tokens": 4, **extra})
+
+
+def test_sampling_fields_are_collected_and_checked() -> None:
+    req = parse_completion(
+        _body(temperature=0, top_p=0.9, seed=7, ignore_eos=True, stop="x", user="u"),
+        max_model_len=100,
+    )
+    assert req.sampling == {"temperature": 0, "top_p": 0.9, "seed": 7, "ignore_eos": True}
+    assert parse_completion(_body(), max_model_len=100).sampling == {}
+    for bad in ({"seed": 1.5}, {"ignore_eos": "yes"}, {"min_p": "0.1"}):
+        with pytest.raises(ApiError) as err:
+            parse_completion(_body(**bad), max_model_len=100)
+        assert err.value.status == 400
+
+
+def test_kv_buffer_format(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from engine_shim._vllm_kv_buffer import (
+        KvBufferError,
+        KvLayout,
+        buffer_path,
+        create_buffer,
+        open_buffer,
+    )
+
+    layout = KvLayout(layers=2, block_tokens=4, block_elems=8, dtype="float32", element_bytes=4)
+    name = "0123456789abcdef0123456789abcdef"
+    path = buffer_path(tmp_path, name)
+    buf = create_buffer(path, layout, tokens=6)  # two blocks, the second half full
+    assert tuple(buf.shape) == (2, 2, 8)
+    buf.copy_(torch.arange(32, dtype=torch.float32).view(2, 2, 8))
+    del buf
+    assert path.stat().st_size == layout.nbytes(6)
+    back = open_buffer(path, layout, min_tokens=5)
+    assert torch.equal(back, torch.arange(32, dtype=torch.float32).view(2, 2, 8))
+    with pytest.raises(KvBufferError, match="holds 6 tokens"):
+        open_buffer(path, layout, min_tokens=7)
+    other = KvLayout(layers=2, block_tokens=4, block_elems=8, dtype="bfloat16", element_bytes=2)
+    with pytest.raises(KvBufferError, match="layout mismatch"):
+        open_buffer(path, other, min_tokens=1)
+    with pytest.raises(KvBufferError, match="unreadable"):
+        open_buffer(buffer_path(tmp_path, "f" * 32), layout, min_tokens=1)
+    for bad in ("../../etc/passwd", "ABC", "0" * 31, 5):
+        with pytest.raises(KvBufferError, match="invalid"):
+            buffer_path(tmp_path, bad)  # type: ignore[arg-type]
+
+
+def test_tiny_model_is_deterministic(tmp_path: Path) -> None:
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("safetensors")
+    pytest.importorskip("numpy")
+    from engine_shim.tiny_model import write_tiny_llama
+
+    a, b = write_tiny_llama(tmp_path / "a"), write_tiny_llama(tmp_path / "b")
+    names = sorted(p.name for p in a.iterdir())
+    assert names == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    for n in names:
+        assert (a / n).read_bytes() == (b / n).read_bytes(), n
+    config = orjson.loads((a / "config.json").read_bytes())
+    assert config["hidden_size"] == 128
+    assert config["num_hidden_layers"] == 2
+    assert config["head_dim"] == 64
