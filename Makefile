@@ -9,14 +9,15 @@ VLLM_STAMP := $(VENV)/.pdgate-vllm-installed
 # an index named in PIP_EXTRA_INDEX_URL (https://download.pytorch.org/whl/cpu elsewhere).
 TORCH_CPU ?= torch==2.13.0+cpu
 
-.PHONY: install run test test-slow lint format redis-server docs clean vllm test-vllm
+.PHONY: install run test test-slow lint format redis-server docs clean vllm test-vllm loadtest
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
+# The loadtest extra (Locust) too: mypy checks loadtest/ and tests/loadtest import Locust.
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,loadtest]'
 	touch $@
 
 install: $(STAMP)
@@ -70,6 +71,11 @@ $(VLLM_STAMP): pyproject.toml | $(STAMP)
 ## test-vllm: the vLLM suite (gateway + vLLM prefill + vLLM decode shims on a tiny CPU model)
 test-vllm: vllm redis-server
 	$(BIN)/python -m pytest -m vllm $(PYTEST_ARGS) tests/vllm
+
+## loadtest: `pdgate up` on a free port + Locust headless (step shape, 45 s) into docs/loadtest/
+## (LOADTEST_OUT); the cluster is stopped however Locust ends. See docs/loadtest.md.
+loadtest: install
+	BIN=$(BIN) loadtest/locust_run.sh
 
 ## docs: regenerate the settings reference in README.md from config/settings.py
 docs: install

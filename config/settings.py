@@ -241,9 +241,10 @@ class GatewaySettings(_Settings):
         description="When a prefill accepts, keep sending it queued requests while it has room.",
     )
     prefill_batch_endpoint: bool = Field(
-        default=False,
+        default=True,
         description="Send each batch-forwarded run in one call to the shims' "
-        "/v1/completions/batch (pdgate shims only; see docs/scheduling.md for the measurement).",
+        "/v1/completions/batch (measured faster: docs/batch_forwarding.md); prefills without it "
+        "(404/405, e.g. plain vLLM) get one call per request.",
     )
     prefill_policy: str = Field(
         default="least_sse", description="Prefill ranking policy (by name)."

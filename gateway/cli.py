@@ -1,4 +1,4 @@
-"""``pdgate``: the command line (gateway, shim, up)."""
+"""``pdgate``: the command line (gateway, shim, up, bench)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--model", help="served model; with --engine vllm, the model directory")
     u.add_argument("--sim-profile", dest="sim_profile")
     u.add_argument("--prefill-policy", dest="prefill_policy")
+
+    # The benchmarks live in loadtest/ (their own parser): everything after `bench` is theirs.
+    b = sub.add_parser("bench", help="benchmarks: `pdgate bench scheduling|gateway --help`")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER)
     return p
 
 
@@ -181,6 +185,10 @@ def _run(coro_fn: Callable[[asyncio.Event], Awaitable[None]]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "bench":
+        from loadtest.bench import main as bench_main
+
+        return bench_main(args.bench_args)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -40,6 +41,8 @@ from gateway.upstream import Upstream
 from policies.base import Backoff, InstanceLoad, PrefillPolicy
 
 log = logging.getLogger("pdgate.forwarder")
+
+_MAX_REMEMBERED = 4096
 
 
 @dataclass
@@ -106,6 +109,8 @@ class PrefillForwarder:
         self._hashes: dict[int, list[bytes]] = {}  # id(waiter) -> prompt block hashes
         self.waiting = 0  # requests waiting for a prefill grant: queued or being tried
         self._cleanups: set[asyncio.Task[None]] = set()
+        # Prefill URLs that answered 404/405 to the batch endpoint (LRU-bounded).
+        self._no_batch_endpoint: OrderedDict[str, None] = OrderedDict()
 
     @property
     def idle(self) -> bool:
@@ -181,7 +186,11 @@ class PrefillForwarder:
                 if nxt is None:
                     break
                 sent.append(self._reserve(nxt, target))
-            if self._options.batch_endpoint and len(sent) > 1:
+            if (
+                self._options.batch_endpoint
+                and len(sent) > 1
+                and target.url not in self._no_batch_endpoint
+            ):
                 self._background(self._attempt_batch(sent, target))
             else:
                 for call in sent:
@@ -258,6 +267,15 @@ class PrefillForwarder:
         except UpstreamRejected:
             for call in pending.values():
                 self._settle(call, inst, 429, None)
+        except UpstreamStatus as exc:
+            if exc.status in (404, 405) and len(pending) == len(calls):
+                # Not a pdgate shim (e.g. plain vLLM): one call per request to it from now on.
+                self._remember_no_batch(inst.url)
+                for call in calls:
+                    call.waiter.attempt_task = asyncio.create_task(self._attempt(call, inst))
+                return
+            for call in pending.values():
+                self._settle(call, inst, 502, exc)
         except UpstreamError as exc:
             for call in pending.values():
                 self._settle(call, inst, 502, exc)
@@ -268,6 +286,12 @@ class PrefillForwarder:
         else:
             for call in pending.values():  # the prefill never answered for these
                 self._settle(call, inst, 502, UpstreamError(inst.url, "missing from batch answer"))
+
+    def _remember_no_batch(self, url: str) -> None:
+        log.info("prefill %s has no batch endpoint; sending it one request per call", url)
+        self._no_batch_endpoint[url] = None
+        while len(self._no_batch_endpoint) > _MAX_REMEMBERED:
+            self._no_batch_endpoint.popitem(last=False)
 
     def _settle(self, call: _Call, inst: InstanceLoad, status: int, answer: Any) -> None:
         """One prefill call's outcome, whichever way it was made."""

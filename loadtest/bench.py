@@ -1,4 +1,7 @@
-"""``pdgate bench scheduling``: the command line of the scheduling experiment.
+"""``pdgate bench scheduling`` and ``pdgate bench gateway``: the benchmarks' command line.
+
+``gateway`` (loadtest/gateway_bench.py) prints one JSON line and, unless ``--quick`` or
+``--no-doc``, writes docs/performance.md. The rest of this docstring is about ``scheduling``.
 
 Progress goes to stderr; stdout gets exactly one JSON line,
 ``{"success": {MODE: {"1": r, ...}}, "goodput": {...}, "prefix_hit_rate": {...}}``,
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -34,7 +38,7 @@ __all__ = ["main"]
 
 # A of the quick run, from the full run's calibration (docs/scheduling.md): the quick run
 # has no time to calibrate.
-QUICK_BASE_USERS = 4
+QUICK_BASE_USERS = 8
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--out", type=Path, default=Path("docs/scheduling"), help="output folder")
     s.add_argument("--doc", type=Path, default=Path("docs/scheduling.md"))
     s.add_argument("--no-doc", action="store_true", help="do not update the doc's table")
-    s.add_argument("--base-users", type=int, help="A; default: calibrate (full), 4 (quick)")
+    s.add_argument("--base-users", type=int, help="A; default: calibrate (full), 8 (quick)")
     s.add_argument("--measure-s", type=float, help="measurement window per load level")
     s.add_argument("--warmup-s", type=float, help="warm-up per load level")
     s.add_argument("--seed", type=int, default=0)
@@ -54,7 +58,44 @@ def _parser() -> argparse.ArgumentParser:
     par = s.add_mutually_exclusive_group()
     par.add_argument("--parallel", dest="parallel", action="store_true", default=None)
     par.add_argument("--sequential", dest="parallel", action="store_false")
+    g = sub.add_parser("gateway", help="the gateway's own cost vs vllm-router and no router")
+    g.add_argument("--quick", action="store_true", help="short windows, 1,000 idle streams (<90 s)")
+    g.add_argument("--doc", type=Path, help="default: docs/performance.md (not with --quick)")
+    g.add_argument("--no-doc", action="store_true")
+    g.add_argument("--no-router", action="store_true", help="skip vllm-router")
+    g.add_argument("--idle-streams", type=int, help="open idle streams (default 10000)")
     return p
+
+
+def gateway_main(args: argparse.Namespace, command: str) -> int:
+    from loadtest.gateway_bench import QUICK, GatewayPlan, run_gateway_bench
+    from loadtest.gateway_report import json_line, markdown
+
+    plan = QUICK if args.quick else GatewayPlan()
+    if args.idle_streams is not None:
+        plan = replace(plan, idle_streams=args.idle_streams)
+    if args.no_router:
+        plan = replace(plan, with_router=False)
+    load_before = os.getloadavg()
+    result = asyncio.run(run_gateway_bench(plan, lambda m: print(m, file=sys.stderr, flush=True)))
+    doc = args.doc or (None if args.quick else Path("docs/performance.md"))
+    if doc is not None and not args.no_doc:
+        load = f"load average before {load_before[0]:.2f}, after {result['load_avg_1m_after']:.2f}"
+        update_gateway_doc(doc, markdown(result, command, load))
+    print(orjson.dumps(json_line(result)).decode(), flush=True)
+    return 0
+
+
+def update_gateway_doc(doc: Path, block: str) -> None:
+    """Replace the text between the doc's gateway markers, or write the block alone."""
+    begin, end = "<!-- bench-gateway:begin -->", "<!-- bench-gateway:end -->"
+    text = doc.read_text() if doc.exists() else ""
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + begin + "\n" + block + end + rest.split(end, 1)[1]
+    else:
+        text = text + begin + "\n" + block + end + "\n"
+    doc.write_text(text)
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
@@ -95,7 +136,8 @@ def describe(plan: Plan) -> str:
 def write_outputs(result: Result, kind: str, out: Path, doc: Path | None, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_csv(result, out / f"{kind}.csv")
-    write_plot(result, out / f"{kind}.png", f"pdgate bench scheduling ({kind}): {describe(result.plan)}")
+    title = f"pdgate bench scheduling ({kind}): {describe(result.plan)}"
+    write_plot(result, out / f"{kind}.png", title)
     table = markdown_table(result)
     calibration = calibration_table(result.calibration, result.plan.success_target)
     block = (
@@ -112,17 +154,19 @@ def write_outputs(result: Result, kind: str, out: Path, doc: Path | None, comman
     )
     (out / f"{kind}.md").write_text(block)
     if doc is not None and doc.exists() and not update_doc(doc, kind, block):
-        print(f"{doc}: no scheduling:{kind} markers; table left in {out}/{kind}.md", file=sys.stderr)
+        print(f"{doc}: no scheduling:{kind} markers; see {out}/{kind}.md", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    command = "pdgate bench " + shlex.join(list(argv) if argv is not None else sys.argv[1:])
+    if args.bench == "gateway":
+        return gateway_main(args, command)
     plan = plan_from_args(args)
     kind = "quick" if args.quick else "full"
-    command = "pdgate bench " + shlex.join(list(argv) if argv is not None else sys.argv[1:])
     result = asyncio.run(run_experiment(plan))
     write_outputs(result, kind, args.out, None if args.no_doc else args.doc, command)
-    print(orjson.dumps(summary_json(result), option=orjson.OPT_SERIALIZE_NUMPY).decode(), flush=True)
+    print(orjson.dumps(summary_json(result)).decode(), flush=True)
     return 0
 
 

@@ -29,6 +29,7 @@ from config import (
     DispatchMode,
     GatewaySettings,
     PrefillAdmission,
+    QueueOrder,
     RegistrySettings,
     Role,
     ShimSettings,
@@ -90,6 +91,7 @@ def _shim_settings(spec: ClusterSpec, mode: Mode, role: Role, port: int) -> Shim
         role=role,
         host=_HOST,
         port=port,
+        model=spec.model,
         sim_profile=spec.sim_profile,
         capacity=spec.prefill_capacity if prefill else spec.decode_capacity,
         admission=PrefillAdmission(mode.admission),
@@ -119,6 +121,7 @@ async def serve_cluster(spec: ClusterSpec, mode: Mode) -> AsyncIterator[dict[str
         port=0,
         dispatch=DispatchMode(mode.dispatch),
         prefill_policy=mode.prefill_policy,
+        queue_order=QueueOrder(mode.queue_order),
         ttft_timeout_s=spec.gateway_ttft_timeout_s,
         **spec.gateway,
     )

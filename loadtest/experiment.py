@@ -42,10 +42,10 @@ class Plan:
     seed: int = 0
     modes: tuple[Mode, ...] = MODES
     multiples: tuple[int, ...] = (1, 2, 3, 4)
-    timing: Timing = Timing(warmup_s=3.0, measure_s=40.0)
+    timing: Timing = field(default_factory=lambda: Timing(warmup_s=3.0, measure_s=40.0))
     base_users: int | None = None  # None: calibrate A
-    calibration_users: tuple[int, ...] = (2, 3, 4, 5, 6, 8, 10, 12, 16)
-    calibration_timing: Timing = Timing(warmup_s=3.0, measure_s=30.0)
+    calibration_users: tuple[int, ...] = (4, 6, 8, 10, 12, 14, 16, 20, 24)
+    calibration_timing: Timing = field(default_factory=lambda: Timing(warmup_s=3.0, measure_s=30.0))
     success_target: float = 0.99
     parallel: bool = False
 
@@ -83,13 +83,16 @@ async def _drive(
         await cluster.wait_ready(session)
         for i, users in enumerate(loads):
             # Distinct random streams per level, the same for every mode at that level.
-            point = await run_point(cluster, session, workload, users, timing, user_offset=i * 100_000)
+            point = await run_point(
+                cluster, session, workload, users, timing, user_offset=i * 100_000
+            )
             points.append(point)
             s = point.summary
             log(
                 f"  {mode.name:>12} users={users:<3} success={s.success_rate:6.1%} "
                 f"goodput={s.goodput_rps:5.2f}/s ttft_p50={s.ttft_p50_s:5.3f}s "
-                f"hit={point.prefix_hit_rate:5.1%} cpu={point.cluster_cpu:4.2f} "
+                f"hit={point.prefix_hit_rate:5.1%} "
+                f"cpu={point.cluster_cpu:4.2f}/{point.host_cpu:4.2f} "
                 f"lag_p99={point.loop_lag.get('lag_p99_ms', 0):.0f}ms ({point.wall_s:.0f}s)"
             )
             if stop_below is not None and s.success_rate < stop_below:
@@ -97,7 +100,9 @@ async def _drive(
     return points
 
 
-async def calibrate(session: aiohttp.ClientSession, plan: Plan, log: Log) -> tuple[int, list[Point]]:
+async def calibrate(
+    session: aiohttp.ClientSession, plan: Plan, log: Log
+) -> tuple[int, list[Point]]:
     """A: the largest calibration user count at which the baseline meets the target."""
     log(f"calibrating A: baseline at {list(plan.calibration_users)} users")
     points = await _drive(

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["MODES", "ClusterSpec", "Mode", "mode_named"]
+__all__ = ["EXTRA_MODES", "MODES", "ClusterSpec", "Mode", "mode_named"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +25,7 @@ class Mode:
     admission: str  # ShimSettings.admission of the prefills
     dispatch: str  # GatewaySettings.dispatch
     prefill_policy: str
+    queue_order: str = "edf"  # GatewaySettings.queue_order (dispatch=queue only)
 
 
 MODES: tuple[Mode, ...] = (
@@ -32,28 +33,44 @@ MODES: tuple[Mode, ...] = (
     Mode("least_sse", admission="reject", dispatch="queue", prefill_policy="least_sse"),
     Mode("affinity_sse", admission="reject", dispatch="queue", prefill_policy="affinity_sse"),
 )
+# Not in the default comparison: on-demand forwarding with the gateway's default FIFO queue,
+# to show what ordering the one mixed-scenario queue by deadline contributes.
+EXTRA_MODES: tuple[Mode, ...] = (
+    Mode(
+        "least_sse_fifo",
+        admission="reject",
+        dispatch="queue",
+        prefill_policy="least_sse",
+        queue_order="fifo",
+    ),
+)
 
 
 def mode_named(name: str) -> Mode:
-    for mode in MODES:
+    for mode in (*MODES, *EXTRA_MODES):
         if mode.name == name:
             return mode
-    raise ValueError(f"unknown mode {name!r}; known: {', '.join(m.name for m in MODES)}")
+    known = ", ".join(m.name for m in (*MODES, *EXTRA_MODES))
+    raise ValueError(f"unknown mode {name!r}; known: {known}")
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterSpec:
     """One simulated P/D cluster (gateway + prefills + decodes in one child process)."""
 
+    model: str = "sim-llama-3.1-8b"
     sim_profile: str = "llama-3.1-8b-a100"
     gateways: int = 1  # behind a round-robin balancer (the paper's MSG layer), one view each
-    prefills: int = 4
-    decodes: int = 4
-    prefill_capacity: int = 4  # batch slots per prefill (b_p in the paper's Eq. 2)
-    decode_capacity: int = 64  # running sequences per decode: decode is not the bottleneck
+    prefills: int = 8
+    decodes: int = 2
+    # Slots per prefill. 1: a prefill accepts only when idle, P/D-Serve's rule ("if the
+    # prefill is idle, it accepts new requests"); with more, a busy prefill still accepts and
+    # the request waits in its engine behind the running batch (a small local queue).
+    prefill_capacity: int = 1
+    decode_capacity: int = 256  # running sequences per decode: never the bottleneck
     # Prefix-cache blocks (16 tokens) per prefill; None keeps the profile's value. The
     # profile's timing constants are never changed, only how much HBM is left for the cache.
-    prefix_cache_blocks: int | None = 160
+    prefix_cache_blocks: int | None = 192
     # Bytes actually sent per KV token relative to the real size (transfer time is still
     # modelled at full size): the smallest value, so two CPU cores are not spent on KV bytes.
     kv_wire_fraction: float = 1 / 131072

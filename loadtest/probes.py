@@ -33,7 +33,10 @@ def parse_gateway_metrics(text: str) -> Counters:
                 out[f"attempts_{sample.labels['result']}"] = sample.value
             elif sample.name == "pdgate_requests_total":
                 out[f"outcome_{sample.labels['outcome']}"] = sample.value
-            elif sample.name in ("pdgate_prefill_rejections_sum", "pdgate_prefill_rejections_count"):
+            elif sample.name in (
+                "pdgate_prefill_rejections_sum",
+                "pdgate_prefill_rejections_count",
+            ):
                 out[sample.name.removeprefix("pdgate_")] = sample.value
     return out
 

@@ -47,7 +47,8 @@ class ClusterProcess:
         self.close()
 
     async def start(self, timeout_s: float = 60.0) -> ClusterUrls:
-        self._log = tempfile.TemporaryFile()
+        # Kept open after the child exits (log_tail), closed by close().
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115
         self._proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",

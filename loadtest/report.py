@@ -104,7 +104,7 @@ def markdown_table(result: Result) -> str:
     head = (
         "| mode | load | users | requests | success | goodput/s | TTFT p50 / p99 s | "
         "E2E p50 / p99 s | prefix hit | prefill 429s | retries/req | 503s | "
-        "cluster CPU | loop lag p99 |\n" + "|---" * 14 + "|\n"
+        "CPU cluster / box | loop lag p99 |\n" + "|---" * 14 + "|\n"
     )
     lines = [head]
     for mode, by_k in result.points.items():
@@ -120,7 +120,8 @@ def _table_row(mode: str, load: str, p: Point) -> str:
         f"{s.goodput_rps:.2f} | {_s(s.ttft_p50_s)} / {_s(s.ttft_p99_s)} | "
         f"{_s(s.e2e_p50_s)} / {_s(s.e2e_p99_s)} | {_pct(p.prefix_hit_rate)} | "
         f"{p.rejections_429:.0f} | {p.retries_per_request:.2f} | {s.status_counts.get(503, 0)} | "
-        f"{p.cluster_cpu:.2f} | {p.loop_lag.get('lag_p99_ms', math.nan):.0f} ms |\n"
+        f"{p.cluster_cpu:.2f} / {p.host_cpu:.2f} | "
+        f"{p.loop_lag.get('lag_p99_ms', math.nan):.0f} ms |\n"
     )
 
 

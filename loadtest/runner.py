@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import resource
 import time
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from loadtest.stats import Summary, summarize
 from loadtest.workload import Workload
 
 __all__ = ["Point", "Timing", "run_point"]
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +44,7 @@ class Point:
     counters: Counters  # server-side deltas over the window
     cluster_cpu: float  # cores used by the cluster process during the window (1.0 = one core)
     client_cpu: float  # cores used by the load generator
+    host_cpu: float  # cores busy on the whole machine (NaN where /proc/stat is missing)
     loop_lag: dict[str, float]  # cluster event-loop lag during the window, ms
     wall_s: float  # the whole point, warm-up and drain included
 
@@ -80,6 +84,7 @@ class Point:
             "gateway_503s": s.status_counts.get(503, 0),
             "cluster_cpu_cores": self.cluster_cpu,
             "client_cpu_cores": self.client_cpu,
+            "host_cpu_cores": self.host_cpu,
             "loop_lag_p99_ms": self.loop_lag.get("lag_p99_ms", math.nan),
             **{f"success_{k}": v for k, v in s.success_by_scenario.items()},
         }
@@ -88,6 +93,18 @@ class Point:
 def _own_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def _host_busy_s() -> float:
+    """CPU seconds the whole machine spent busy (all processes, all cores), from /proc/stat:
+    other jobs on a shared two-core box show up as busy time neither process accounts for."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return math.nan
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / _CLK_TCK
 
 
 async def run_point(
@@ -105,7 +122,7 @@ async def run_point(
     loop = ClosedLoop(
         session,
         [url + "/v1/completions" for url in urls.gateways],
-        _model(cluster),
+        cluster.spec.model,
         workload,
         users,
         user_offset=user_offset,
@@ -116,14 +133,14 @@ async def run_point(
     before, child0 = await asyncio.gather(
         read_counters(session, urls.gateways, urls.prefills), cluster.stats()
     )
-    own0 = _own_cpu_s()
+    own0, host0 = _own_cpu_s(), _host_busy_s()
     loop.open_window()
     await asyncio.sleep(timing.measure_s)
     window = loop.close_window()
     after, child1 = await asyncio.gather(
         read_counters(session, urls.gateways, urls.prefills), cluster.stats()
     )
-    own1 = _own_cpu_s()
+    own1, host1 = _own_cpu_s(), _host_busy_s()
     elapsed = child1["wall_s"] - child0["wall_s"]
     cancelled = await loop.stop(timing.drain_s)
     if cancelled:
@@ -135,12 +152,7 @@ async def run_point(
         counters=delta(before, after),
         cluster_cpu=(child1["cpu_s"] - child0["cpu_s"]) / elapsed,
         client_cpu=(own1 - own0) / elapsed,
+        host_cpu=(host1 - host0) / elapsed,
         loop_lag={k: v for k, v in child1.items() if k.startswith("lag_")},
         wall_s=time.monotonic() - began,
     )
-
-
-def _model(cluster: ClusterProcess) -> str:
-    from config import ShimSettings
-
-    return ShimSettings.model_fields["model"].default  # type: ignore[no-any-return]

@@ -1,0 +1,328 @@
+"""``pdgate bench gateway``: what the gateway itself costs, next to vllm-router and no router.
+
+One run, on one set of null-profile shims (loadtest/gateway_shims.py: engines that answer as
+fast as possible, so every millisecond and CPU second left is the front end's or the
+client's), with three fronts (loadtest/gateway_load.py): ``direct`` (the client makes the
+prefill and decode calls itself: the floor), ``pdgate`` (``pdgate gateway`` in its own
+process, finding the shims through a private Redis) and ``vllm_router`` (the ``vllm-router``
+binary in its vLLM P/D mode, ``--vllm-pd-disaggregation``, given the same shims). Fronts
+take turns (interleaved) so drift in the machine's load hits them alike:
+
+* added TTFT at concurrency 1: TTFT percentiles minus the direct floor's;
+* requests/s and SSE events/s at concurrency 32 and 256 (closed loop, 16 tokens each);
+* CPU seconds of the front's process per 1,000 requests (concurrency-32 windows);
+* memory per open idle stream: pdgate in front of decodes that never emit a token (a decode
+  step of an hour), RSS growth of the gateway process from 0 to N open streams, over N.
+
+The machine's hard RLIMIT_NOFILE bounds N: each stream holds two sockets in the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import resource
+import shutil
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from loadtest.children import Child, free_port
+from loadtest.gateway_load import Front, open_idle_stream, run_window, send
+from loadtest.gateway_shims import ShimSpec
+from loadtest.stats import percentile
+
+__all__ = ["QUICK", "GatewayPlan", "run_gateway_bench", "summarize_ttft"]
+
+Log = Callable[[str], None]
+FRONTS = ("direct", "pdgate", "vllm_router")
+_FD_HEADROOM = 512  # descriptors the gateway needs besides two per stream
+_SHIM_MAX_CAPACITY = 4096  # ShimSettings.capacity's bound
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayPlan:
+    ttft_requests: int = 300  # per front, at concurrency 1
+    concurrencies: tuple[int, ...] = (32, 256)
+    rounds: int = 3  # windows per (front, concurrency), fronts rotating
+    warmup_s: float = 1.0
+    window_s: float = 10.0
+    max_tokens: int = 16
+    idle_streams: int = 10_000
+    idle_batch: int = 100  # streams opened at once
+    settle_s: float = 1.0  # wait before reading RSS, for buffers to be allocated and freed
+    with_router: bool = True
+
+
+QUICK = GatewayPlan(
+    ttft_requests=40, rounds=1, warmup_s=0.5, window_s=2.5, idle_streams=1000, idle_batch=100
+)
+
+
+def _raise_nofile(want: int) -> int:
+    """Raise the soft descriptor limit (inherited by the children) as far as allowed."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def _gateway_env(key_prefix: str, streams: int) -> dict[str, str]:
+    bound = str(max(4096, 2 * streams))
+    return {
+        "PDGATE_REGISTRY_KEY_PREFIX": key_prefix,
+        "PDGATE_GATEWAY_MAX_PENDING": bound,
+        "PDGATE_GATEWAY_QUEUE_SIZE": bound,
+        "PDGATE_GATEWAY_UPSTREAM_CONNECTIONS": bound,
+        "PDGATE_GATEWAY_UPSTREAM_READ_TIMEOUT_S": "7200",  # idle streams are silent
+    }
+
+
+async def _wait_http(session: aiohttp.ClientSession, url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(aiohttp.ClientError, OSError):
+            async with session.get(url) as resp:
+                if resp.status == 200:
+                    return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not answer 200 in {timeout_s:g} s")
+        await asyncio.sleep(0.1)
+
+
+async def _wait_instances(session: aiohttp.ClientSession, gateway: str, want: int) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        with contextlib.suppress(aiohttp.ClientError, OSError):
+            async with session.get(gateway + "/admin/instances") as resp:
+                rows = (await resp.json())["instances"]
+                if sum(1 for r in rows if r["state"] == "ready") >= want:
+                    return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the shims did not all join {gateway}")
+        await asyncio.sleep(0.1)
+
+
+@contextlib.asynccontextmanager
+async def _stack(
+    session: aiohttp.ClientSession,
+    spec: ShimSpec,
+    streams: int,
+    router: bool,
+    log: Log,
+    *,
+    warm: bool = True,
+) -> AsyncIterator[tuple[dict[str, Front], dict[str, Child], dict[str, str]]]:
+    """Shims + pdgate (+ vllm-router); yields the fronts, their processes and why any front
+    is missing."""
+    async with contextlib.AsyncExitStack() as stack:
+        shims = Child(
+            "shims",
+            [sys.executable, "-m", "loadtest.gateway_shims", orjson.dumps(spec.to_json()).decode()],
+            quits_on_eof=True,
+        )
+        assert spec.registry_url is not None
+        gateway = Child(
+            "pdgate",
+            [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "gateway",
+             "--host", "127.0.0.1", "--port", "0", "--registry-url", spec.registry_url],
+            _gateway_env(spec.key_prefix, streams),
+        )  # fmt: skip
+        stack.push_async_callback(shims.stop)  # stop() is a no-op for one that never started
+        stack.push_async_callback(gateway.stop)
+        # Both start at once (their imports take a second each); the gateway then waits
+        # until the shims have registered.
+        shims_ready, gateway_ready = await asyncio.gather(
+            shims.start(r'\{"prefills".*\}'), gateway.start(r"pdgate gateway: (http://\S+)/v1")
+        )
+        urls = orjson.loads(shims_ready.group(0))
+        base = gateway_ready.group(1)
+        await _wait_instances(session, base, spec.prefills + spec.decodes)
+        fronts = {
+            "direct": Front("direct", prefills=urls["prefills"], decodes=urls["decodes"]),
+            "pdgate": Front("pdgate", url=base + "/v1/completions"),
+        }
+        procs = {"pdgate": gateway}
+        missing: dict[str, str] = {}
+        binary = shutil.which(
+            "vllm-router", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"
+        )
+        if router and binary is None:
+            missing["vllm_router"] = "vllm-router not installed (pip install vllm-router)"
+        elif router and binary is not None:
+            port = free_port()
+            argv = [binary, "--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
+                    "--policy", "round_robin", "--log-level", "warning",
+                    "--max-concurrent-requests", "4096", "--queue-size", "4096"]  # fmt: skip
+            for url in urls["prefills"]:
+                argv += ["--prefill", url]
+            for url in urls["decodes"]:
+                argv += ["--decode", url]
+            proc = Child("vllm-router", argv)
+            await proc.start("")
+            stack.push_async_callback(proc.stop)
+            try:
+                await _wait_http(session, f"http://127.0.0.1:{port}/health")
+                fronts["vllm_router"] = Front(
+                    "vllm_router", url=f"http://127.0.0.1:{port}/v1/completions"
+                )
+                procs["vllm_router"] = proc
+            except RuntimeError as exc:
+                missing["vllm_router"] = f"{exc}: {proc.output()[-500:]}"
+        for name, front in fronts.items() if warm else ():  # warm connections and code paths
+            for i in range(20):
+                if not (await send(session, front, f"warm {i}", 4)).ok:
+                    raise RuntimeError(f"{name}: warm-up request failed")
+        log(f"fronts up: {', '.join(fronts)}" + (f"; missing: {missing}" if missing else ""))
+        yield fronts, procs, missing
+
+
+def summarize_ttft(ttfts: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """p50/p99 TTFT (ms) per front and the added p50/p99 over the direct floor."""
+    out: dict[str, dict[str, float]] = {"ttft_p50_ms": {}, "ttft_p99_ms": {}}
+    for name, values in ttfts.items():
+        out["ttft_p50_ms"][name] = 1000 * percentile(values, 50)
+        out["ttft_p99_ms"][name] = 1000 * percentile(values, 99)
+    for q in ("p50", "p99"):
+        floor = out[f"ttft_{q}_ms"].get("direct", math.nan)
+        out[f"added_ttft_{q}_ms"] = {
+            n: v - floor for n, v in out[f"ttft_{q}_ms"].items() if n != "direct"
+        }
+    return out
+
+
+def _rotated(names: list[str], k: int) -> list[str]:
+    k %= len(names)
+    return names[k:] + names[:k]
+
+
+async def _fast_phase(
+    plan: GatewayPlan, session: aiohttp.ClientSession, redis_url: str, log: Log
+) -> dict[str, Any]:
+    spec = ShimSpec(registry_url=redis_url, prefill_capacity=1024, decode_capacity=1024,
+                    key_prefix="pdgate-bench-fast")  # fmt: skip
+    async with _stack(session, spec, 256, plan.with_router, log) as (fronts, procs, missing):
+        names = list(fronts)
+        ttfts: dict[str, list[float]] = {n: [] for n in names}
+        for i in range(plan.ttft_requests):
+            for name in _rotated(names, i):
+                out = await send(session, fronts[name], f"ttft probe {i}", 4)
+                if out.ok and out.ttft_s is not None:
+                    ttfts[name].append(out.ttft_s)
+        result: dict[str, Any] = summarize_ttft(ttfts)
+        log(f"TTFT c=1: {result['ttft_p50_ms']} (p50 ms)")
+        cpu: dict[str, list[float]] = {n: [0.0, 0.0] for n in procs}  # cpu s, requests
+        for c in plan.concurrencies:
+            tallies = {n: [0, 0, 0, 0.0] for n in names}  # ok, failed, events, seconds
+            for r in range(plan.rounds):
+                for name in _rotated(names, r):
+                    proc = procs.get(name)
+                    mark: list[float] = []
+                    snap = None if proc is None else (lambda p=proc, m=mark: m.append(p.cpu_s()))
+                    window = await run_window(
+                        session, fronts[name], concurrency=c, warmup_s=plan.warmup_s,
+                        window_s=plan.window_s, max_tokens=plan.max_tokens, on_window_start=snap,
+                    )  # fmt: skip
+                    if proc is not None and c == plan.concurrencies[0] and mark:
+                        # The window closes when the last worker returns: a little after
+                        # window_s, so this slightly over-counts CPU (conservatively).
+                        cpu[name][0] += proc.cpu_s() - mark[0]
+                        cpu[name][1] += window.requests
+                    t = tallies[name]
+                    t[0] += window.requests
+                    t[1] += window.failures
+                    t[2] += window.events
+                    t[3] += window.window_s
+            result[f"rps_c{c}"] = {n: t[0] / t[3] for n, t in tallies.items()}
+            result[f"events_per_s_c{c}"] = {n: t[2] / t[3] for n, t in tallies.items()}
+            result[f"failures_c{c}"] = {n: int(t[1]) for n, t in tallies.items()}
+            log(f"c={c}: rps {result[f'rps_c{c}']}")
+        result["cpu_s_per_1k"] = {
+            n: 1000 * s / reqs if reqs else math.nan for n, (s, reqs) in cpu.items()
+        }
+        result["missing"] = missing
+        return result
+
+
+async def _idle_phase(
+    plan: GatewayPlan, session: aiohttp.ClientSession, redis_url: str, log: Log
+) -> dict[str, Any]:
+    limit = _raise_nofile(2 * plan.idle_streams + _FD_HEADROOM)
+    streams = min(plan.idle_streams, (limit - _FD_HEADROOM) // 2)
+    decodes = math.ceil(streams / (_SHIM_MAX_CAPACITY - 96))
+    spec = ShimSpec(
+        registry_url=redis_url,
+        decode_step_s=3600.0,  # no token for an hour: the streams stay open and silent
+        decodes=decodes,
+        prefill_capacity=1024,
+        decode_capacity=min(_SHIM_MAX_CAPACITY, math.ceil(streams / decodes) + 64),
+        key_prefix="pdgate-bench-idle",
+    )
+    async with _stack(session, spec, streams, False, log, warm=False) as (fronts, procs, _):
+        gateway = procs["pdgate"]
+        url = fronts["pdgate"].url
+        assert url is not None
+        await asyncio.sleep(plan.settle_s)
+        rss = {0: gateway.rss_bytes()}
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            for start in range(0, streams, plan.idle_batch):
+                events = []
+                for i in range(start, min(streams, start + plan.idle_batch)):
+                    opened = asyncio.Event()
+                    events.append(opened)
+                    tasks.append(asyncio.create_task(open_idle_stream(session, url, i, opened)))
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
+                failed = [t for t in tasks if t.done()]
+                if failed:
+                    raise RuntimeError(f"idle stream failed: {failed[0].exception()!r}")
+                if len(rss) == 1 and len(tasks) >= streams // 2:  # the halfway sample
+                    await asyncio.sleep(plan.settle_s)
+                    rss[len(tasks)] = gateway.rss_bytes()
+            await asyncio.sleep(plan.settle_s)
+            rss[len(tasks)] = gateway.rss_bytes()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    kib = (rss[streams] - rss[0]) / 1024 / streams
+    log(f"idle streams: {streams}, gateway RSS {rss[0] >> 20} -> {rss[streams] >> 20} MiB")
+    return {
+        "kib_per_idle_stream": kib,
+        "idle_streams": streams,
+        "idle_rss_mib": {str(k): v / 2**20 for k, v in rss.items()},
+        "nofile_limit": limit,
+    }
+
+
+async def run_gateway_bench(plan: GatewayPlan, log: Log) -> dict[str, Any]:
+    _raise_nofile(2 * plan.idle_streams + _FD_HEADROOM)
+    redis_bin = shutil.which("redis-server")
+    if redis_bin is None:
+        raise RuntimeError("redis-server not found (make redis-server installs it)")
+    port = free_port()
+    redis = Child("redis", [redis_bin, "--port", str(port), "--bind", "127.0.0.1",
+                            "--save", "", "--appendonly", "no"])  # fmt: skip
+    await redis.start("Ready to accept connections")
+    redis_url = f"redis://127.0.0.1:{port}/0"
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=120)
+    started = time.monotonic()
+    try:
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            result = await _fast_phase(plan, session, redis_url, log)
+            result.update(await _idle_phase(plan, session, redis_url, log))
+    finally:
+        await redis.stop()
+    result["wall_s"] = time.monotonic() - started
+    result["load_avg_1m_after"] = os.getloadavg()[0]
+    return result

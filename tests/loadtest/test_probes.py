@@ -1,0 +1,46 @@
+"""Reading the gateway's Prometheus counters and taking window deltas."""
+
+from __future__ import annotations
+
+from loadtest.probes import delta, parse_gateway_metrics
+
+_EXPOSITION = """\
+# HELP pdgate_prefill_attempts_total Prefill calls by result
+# TYPE pdgate_prefill_attempts_total counter
+pdgate_prefill_attempts_total{result="accepted"} 120.0
+pdgate_prefill_attempts_total{result="rejected"} 33.0
+# HELP pdgate_requests_total Completed client requests by outcome
+# TYPE pdgate_requests_total counter
+pdgate_requests_total{outcome="ok"} 118.0
+pdgate_requests_total{outcome="deadline_exceeded"} 2.0
+# HELP pdgate_prefill_rejections 429s a request met before a prefill accepted it
+# TYPE pdgate_prefill_rejections histogram
+pdgate_prefill_rejections_bucket{le="0.0"} 100.0
+pdgate_prefill_rejections_bucket{le="+Inf"} 120.0
+pdgate_prefill_rejections_count 120.0
+pdgate_prefill_rejections_sum 33.0
+# HELP pdgate_ttft_seconds Request arrival to first byte relayed
+# TYPE pdgate_ttft_seconds histogram
+pdgate_ttft_seconds_count 118.0
+pdgate_ttft_seconds_sum 20.0
+"""
+
+
+def test_parse_gateway_metrics_picks_the_counters_of_interest() -> None:
+    got = parse_gateway_metrics(_EXPOSITION)
+    assert got == {
+        "attempts_accepted": 120.0,
+        "attempts_rejected": 33.0,
+        "outcome_ok": 118.0,
+        "outcome_deadline_exceeded": 2.0,
+        "prefill_rejections_count": 120.0,
+        "prefill_rejections_sum": 33.0,
+    }
+
+
+def test_delta_treats_new_keys_as_starting_at_zero() -> None:
+    assert delta({"a": 1.0, "b": 5.0}, {"a": 4.0, "b": 5.0, "c": 2.0}) == {
+        "a": 3.0,
+        "b": 0.0,
+        "c": 2.0,
+    }

@@ -1,0 +1,53 @@
+"""A few seconds of the real thing: cluster processes, closed loops, report files, JSON line."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from loadtest import bench
+from loadtest.report import update_doc
+
+
+def test_bench_scheduling_smoke(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    out = Path(str(tmp_path))
+    doc = out / "scheduling.md"
+    doc.write_text("intro\n<!-- scheduling:quick:begin -->\nold\n<!-- scheduling:quick:end -->\n")
+    code = bench.main(
+        [
+            "scheduling",
+            "--quick",
+            "--base-users=2",
+            "--multiples=1,2",
+            "--warmup-s=0.5",
+            "--measure-s=1.5",
+            f"--out={out}",
+            f"--doc={doc}",
+        ]
+    )
+    assert code == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1  # progress goes to stderr
+    data = orjson.loads(lines[0])
+    assert set(data) == {"success", "goodput", "prefix_hit_rate"}
+    for metric in data.values():
+        assert set(metric) == {"baseline", "least_sse", "affinity_sse"}
+        for by_load in metric.values():
+            assert set(by_load) == {"1", "2"}
+    for by_load in data["success"].values():
+        assert all(0.0 <= r <= 1.0 for r in by_load.values())
+    for name in ("quick.csv", "quick.png", "quick.md"):
+        assert (out / name).stat().st_size > 0
+    text = doc.read_text()
+    assert text.startswith("intro\n") and "old" not in text and "| baseline | 2A |" in text
+
+
+def test_update_doc_needs_its_markers(tmp_path: object) -> None:
+    from pathlib import Path
+
+    doc = Path(str(tmp_path)) / "d.md"
+    doc.write_text("no markers\n")
+    assert not update_doc(doc, "full", "table\n")
+    assert doc.read_text() == "no markers\n"
