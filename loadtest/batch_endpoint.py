@@ -50,11 +50,17 @@ def _config(batch_endpoint: bool, capacity: int) -> str:
     )
 
 
+def _write_config(batch_endpoint: bool, capacity: int) -> Path:
+    fd, name = tempfile.mkstemp(suffix=".toml")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(_config(batch_endpoint, capacity))
+    return Path(name)
+
+
 async def _cluster(
     batch_endpoint: bool, capacity: int, port: int
 ) -> tuple[asyncio.subprocess.Process, Path]:
-    cfg = Path(tempfile.mkstemp(suffix=".toml")[1])
-    cfg.write_text(_config(batch_endpoint, capacity))
+    cfg = _write_config(batch_endpoint, capacity)
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",

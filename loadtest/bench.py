@@ -137,7 +137,10 @@ def write_outputs(result: Result, kind: str, out: Path, doc: Path | None, comman
     out.mkdir(parents=True, exist_ok=True)
     write_csv(result, out / f"{kind}.csv")
     title = f"pdgate bench scheduling ({kind}): {describe(result.plan)}"
-    write_plot(result, out / f"{kind}.png", title)
+    try:
+        write_plot(result, out / f"{kind}.png", title)
+    except ImportError:
+        print("no plot: matplotlib is missing (pip install -e '.[loadtest]')", file=sys.stderr)
     table = markdown_table(result)
     calibration = calibration_table(result.calibration, result.plan.success_target)
     block = (

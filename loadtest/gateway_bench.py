@@ -11,10 +11,10 @@ take turns (interleaved) so drift in the machine's load hits them alike:
 * added TTFT at concurrency 1: TTFT percentiles minus the direct floor's;
 * requests/s and SSE events/s at concurrency 32 and 256 (closed loop, 16 tokens each);
 * CPU seconds of the front's process per 1,000 requests (concurrency-32 windows);
-* memory per open idle stream: pdgate in front of decodes that never emit a token (a decode
-  step of an hour), RSS growth of the gateway process from 0 to N open streams, over N.
+* memory per open idle stream: each front in turn before decodes that never emit a token
+  (a decode step of an hour), RSS growth of its process from 0 to N open streams, over N.
 
-The machine's hard RLIMIT_NOFILE bounds N: each stream holds two sockets in the gateway.
+The machine's hard RLIMIT_NOFILE bounds N: each stream holds two sockets in the front.
 """
 
 from __future__ import annotations
@@ -162,7 +162,8 @@ async def _stack(
             port = free_port()
             argv = [binary, "--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
                     "--policy", "round_robin", "--log-level", "warning",
-                    "--max-concurrent-requests", "4096", "--queue-size", "4096"]  # fmt: skip
+                    "--max-concurrent-requests", str(max(4096, 2 * streams)),
+                    "--queue-size", "4096", "--request-timeout-secs", "7200"]  # fmt: skip
             for url in urls["prefills"]:
                 argv += ["--prefill", url]
             for url in urls["decodes"]:
@@ -253,53 +254,78 @@ async def _fast_phase(
         return result
 
 
+async def _idle_rss(
+    plan: GatewayPlan, session: aiohttp.ClientSession, url: str, proc: Child, streams: int
+) -> dict[int, int]:
+    """Open `streams` idle streams through one front; its RSS at 0, about half and all open.
+    The streams are closed again before returning."""
+    await asyncio.sleep(plan.settle_s)
+    rss = {0: proc.rss_bytes()}
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        for start in range(0, streams, plan.idle_batch):
+            events = []
+            for i in range(start, min(streams, start + plan.idle_batch)):
+                opened = asyncio.Event()
+                events.append(opened)
+                tasks.append(asyncio.create_task(open_idle_stream(session, url, i, opened)))
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
+            failed = [t for t in tasks if t.done()]
+            if failed:
+                raise RuntimeError(f"idle stream failed: {failed[0].exception()!r}")
+            if len(rss) == 1 and len(tasks) >= streams // 2:  # the halfway sample
+                await asyncio.sleep(plan.settle_s)
+                rss[len(tasks)] = proc.rss_bytes()
+        await asyncio.sleep(plan.settle_s)
+        rss[len(tasks)] = proc.rss_bytes()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return rss
+
+
 async def _idle_phase(
     plan: GatewayPlan, session: aiohttp.ClientSession, redis_url: str, log: Log
 ) -> dict[str, Any]:
     limit = _raise_nofile(2 * plan.idle_streams + _FD_HEADROOM)
     streams = min(plan.idle_streams, (limit - _FD_HEADROOM) // 2)
-    decodes = math.ceil(streams / (_SHIM_MAX_CAPACITY - 96))
+    # Fronts take turns, and a front may free its decode slots a little after its streams
+    # close: room for both fronts' streams at once.
+    decodes = math.ceil(2 * streams / (_SHIM_MAX_CAPACITY - 96))
     spec = ShimSpec(
         registry_url=redis_url,
         decode_step_s=3600.0,  # no token for an hour: the streams stay open and silent
         decodes=decodes,
         prefill_capacity=1024,
-        decode_capacity=min(_SHIM_MAX_CAPACITY, math.ceil(streams / decodes) + 64),
+        decode_capacity=min(_SHIM_MAX_CAPACITY, math.ceil(2 * streams / decodes) + 64),
         key_prefix="pdgate-bench-idle",
     )
-    async with _stack(session, spec, streams, False, log, warm=False) as (fronts, procs, _):
-        gateway = procs["pdgate"]
-        url = fronts["pdgate"].url
-        assert url is not None
-        await asyncio.sleep(plan.settle_s)
-        rss = {0: gateway.rss_bytes()}
-        tasks: list[asyncio.Task[None]] = []
-        try:
-            for start in range(0, streams, plan.idle_batch):
-                events = []
-                for i in range(start, min(streams, start + plan.idle_batch)):
-                    opened = asyncio.Event()
-                    events.append(opened)
-                    tasks.append(asyncio.create_task(open_idle_stream(session, url, i, opened)))
-                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
-                failed = [t for t in tasks if t.done()]
-                if failed:
-                    raise RuntimeError(f"idle stream failed: {failed[0].exception()!r}")
-                if len(rss) == 1 and len(tasks) >= streams // 2:  # the halfway sample
-                    await asyncio.sleep(plan.settle_s)
-                    rss[len(tasks)] = gateway.rss_bytes()
-            await asyncio.sleep(plan.settle_s)
-            rss[len(tasks)] = gateway.rss_bytes()
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-    kib = (rss[streams] - rss[0]) / 1024 / streams
-    log(f"idle streams: {streams}, gateway RSS {rss[0] >> 20} -> {rss[streams] >> 20} MiB")
+    kib: dict[str, float] = {}
+    rss_mib: dict[str, dict[str, float]] = {}
+    async with _stack(session, spec, streams, plan.with_router, log, warm=False) as (
+        fronts,
+        procs,
+        missing,
+    ):
+        for name, proc in procs.items():
+            url = fronts[name].url
+            assert url is not None
+            try:
+                rss = await _idle_rss(plan, session, url, proc, streams)
+            except (RuntimeError, TimeoutError) as exc:
+                missing[f"{name}_idle"] = repr(exc)[:300]
+                continue
+            kib[name] = (rss[streams] - rss[0]) / 1024 / streams
+            rss_mib[name] = {str(k): v / 2**20 for k, v in rss.items()}
+            mib = f"{rss[0] >> 20} -> {rss[streams] >> 20} MiB"
+            log(f"idle: {streams} streams via {name}, RSS {mib}")
     return {
-        "kib_per_idle_stream": kib,
+        "kib_per_idle_stream": kib.get("pdgate", math.nan),
+        "kib_per_idle_stream_by_front": kib,
         "idle_streams": streams,
-        "idle_rss_mib": {str(k): v / 2**20 for k, v in rss.items()},
+        "idle_rss_mib": rss_mib,
+        "idle_missing": missing,
         "nofile_limit": limit,
     }
 

@@ -6,7 +6,8 @@ A *front* is how a request reaches the engines: ``pdgate`` and ``vllm_router`` a
 ``max_tokens=1`` and ``kv_transfer_params``, then the decode leg with the prefill's
 ``kv_transfer_params``, both round-robin), so "added" latency is what a router adds on top
 of the two unavoidable calls. Streams are not parsed: SSE events are counted by their
-``data:`` prefix; the first one is the first token.
+``data:`` prefix, and the first bytes (the shims send nothing before it) are the first
+token's event.
 """
 
 from __future__ import annotations

@@ -47,12 +47,17 @@ def markdown(result: dict[str, Any], command: str, load: str) -> str:
         cells = " | ".join(_cell(row.get(f)) for f in _FRONTS)
         hint = " (lower is better)" if lower_better else ""
         lines.append(f"| {label}{hint} | {cells} | {_cell(ratio)} |")
+    kib = result.get("kib_per_idle_stream_by_front") or {
+        "pdgate": result.get("kib_per_idle_stream")
+    }
+    pd, vr = kib.get("pdgate"), kib.get("vllm_router")
+    ratio = pd / vr if pd is not None and vr is not None and pd > 0 and vr > 0 else None
     lines.append(
         f"| memory per open idle stream (KiB), {result.get('idle_streams')} streams "
-        f"| {_cell(result.get('kib_per_idle_stream'))} | not measured | n/a | n/a |"
+        f"(lower is better) | {_cell(pd)} | {_cell(vr)} | n/a | {_cell(ratio)} |"
     )
     failures = {k: v for k, v in result.items() if k.startswith("failures_")}
-    missing = result.get("missing") or {}
+    missing = {**(result.get("missing") or {}), **(result.get("idle_missing") or {})}
     return (
         f"Command: `{command}` ({result.get('wall_s', 0):.0f} s wall clock; {load})\n\n"
         + "\n".join(lines)

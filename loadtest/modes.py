@@ -62,7 +62,10 @@ class ClusterSpec:
     sim_profile: str = "llama-3.1-8b-a100"
     gateways: int = 1  # behind a round-robin balancer (the paper's MSG layer), one view each
     prefills: int = 8
-    decodes: int = 2
+    # One decode, as the decode is never the bottleneck here: its larger batch makes each
+    # token step (and so each SSE stream) longer, which is what P/D-Serve says makes the
+    # open-stream count a poor sign of a prefill's load.
+    decodes: int = 1
     # Slots per prefill. 1: a prefill accepts only when idle, P/D-Serve's rule ("if the
     # prefill is idle, it accepts new requests"); with more, a busy prefill still accepts and
     # the request waits in its engine behind the running batch (a small local queue).

@@ -20,8 +20,9 @@ __all__ = ["markdown_table", "summary_json", "update_doc", "write_csv", "write_p
 
 _LABELS = {
     "baseline": "baseline (local queue + least SSE, no retry)",
-    "least_sse": "on-demand forwarding, least SSE",
-    "affinity_sse": "on-demand forwarding, affinity + SSE",
+    "least_sse": "on-demand forwarding, least SSE (EDF queue)",
+    "affinity_sse": "on-demand forwarding, affinity + SSE (EDF queue)",
+    "least_sse_fifo": "on-demand forwarding, least SSE (FIFO queue)",
 }
 
 
@@ -84,8 +85,10 @@ def write_plot(result: Result, path: Path, title: str) -> None:
         ax.set_ylabel(ylabel + (f" [{unit}]" if unit else ""))
         ax.set_xlabel(f"load (A = {result.base_users} closed-loop users)")
         ax.grid(alpha=0.3)
-        if unit == "%":
+        if metric == "success_rate":
             ax.set_ylim(0, 102)
+        elif unit == "%":
+            ax.set_ylim(0, min(102.0, ax.get_ylim()[1] * 1.2))
     axes[0].legend(fontsize=8, loc="lower left")
     fig.suptitle(title, fontsize=10)
     fig.savefig(path, dpi=110)
