@@ -70,7 +70,7 @@ $(VLLM_STAMP): pyproject.toml | $(STAMP)
 
 ## test-vllm: the vLLM suite (gateway + vLLM prefill + vLLM decode shims on a tiny CPU model)
 test-vllm: vllm redis-server
-	$(BIN)/python -m pytest -m vllm $(PYTEST_ARGS) tests/vllm
+	$(BIN)/python -m pytest -m vllm $(PYTEST_ARGS)
 
 ## loadtest: `pdgate up` on a free port + Locust headless (step shape, 45 s) into docs/loadtest/
 ## (LOADTEST_OUT); the cluster is stopped however Locust ends. See docs/loadtest.md.
