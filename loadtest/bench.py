@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--modes", default=",".join(m.name for m in MODES))
     s.add_argument("--multiples", default="1,2,3,4", help="load levels, as multiples of A")
+    s.add_argument("--prefills", type=int, help="prefill instances (default 8)")
+    s.add_argument("--decodes", type=int, help="decode instances (default 1)")
     par = s.add_mutually_exclusive_group()
     par.add_argument("--parallel", dest="parallel", action="store_true", default=None)
     par.add_argument("--sequential", dest="parallel", action="store_false")
@@ -111,6 +113,9 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
             base_users=QUICK_BASE_USERS,
             parallel=True,
         )
+    shape = {k: getattr(args, k) for k in ("prefills", "decodes") if getattr(args, k) is not None}
+    if shape:
+        plan = replace(plan, spec=replace(plan.spec, **shape))
     timing = plan.timing
     if args.measure_s is not None:
         timing = replace(timing, measure_s=args.measure_s)
