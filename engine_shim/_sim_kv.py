@@ -47,13 +47,13 @@ def _digest(pattern: bytes, nbytes: int) -> str:
 class SimKvBuffer:
     """`KvSource` of the sim engine."""
 
-    __slots__ = ("_digest", "_nbytes", "_pattern", "_tokens")
+    __slots__ = ("_pattern", "digest", "nbytes", "tokens")
 
     def __init__(self, pattern: bytes, tokens: int, nbytes: int, digest: str) -> None:
         self._pattern = pattern
-        self._tokens = tokens
-        self._nbytes = nbytes
-        self._digest = digest
+        self.tokens = tokens
+        self.nbytes = nbytes
+        self.digest = digest
 
     @classmethod
     async def build(cls, tokens: Sequence[int], nbytes: int) -> SimKvBuffer:
@@ -65,23 +65,11 @@ class SimKvBuffer:
             digest = _digest(pattern, nbytes)
         return cls(pattern, len(tokens), nbytes, digest)
 
-    @property
-    def tokens(self) -> int:
-        return self._tokens
-
-    @property
-    def nbytes(self) -> int:
-        return self._nbytes
-
-    @property
-    def digest(self) -> str:
-        return self._digest
-
     async def chunks(self, chunk_bytes: int) -> AsyncIterator[bytes]:
         pattern = self._pattern
         period = len(pattern)
-        tile = memoryview(_tile(pattern, min(self._nbytes, chunk_bytes)))
-        for off, size in _windows(self._nbytes, chunk_bytes):
+        tile = memoryview(_tile(pattern, min(self.nbytes, chunk_bytes)))
+        for off, size in _windows(self.nbytes, chunk_bytes):
             start = off % period
             yield bytes(tile[start : start + size])
 

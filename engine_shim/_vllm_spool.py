@@ -88,13 +88,13 @@ def _digest(path: Path) -> tuple[str, int]:
 class FileKvSource:
     """`KvSource` over a finished buffer file; `release` unlinks it."""
 
-    __slots__ = ("_digest", "_nbytes", "_path", "_released", "_tokens")
+    __slots__ = ("_path", "_released", "digest", "nbytes", "tokens")
 
     def __init__(self, path: Path, tokens: int, nbytes: int, digest: str) -> None:
         self._path = path
-        self._tokens = tokens
-        self._nbytes = nbytes
-        self._digest = digest
+        self.tokens = tokens
+        self.nbytes = nbytes
+        self.digest = digest
         self._released = False
 
     @classmethod
@@ -103,22 +103,10 @@ class FileKvSource:
         digest, nbytes = await asyncio.to_thread(_digest, path)
         return cls(path, tokens, nbytes, digest)
 
-    @property
-    def tokens(self) -> int:
-        return self._tokens
-
-    @property
-    def nbytes(self) -> int:
-        return self._nbytes
-
-    @property
-    def digest(self) -> str:
-        return self._digest
-
     async def chunks(self, chunk_bytes: int) -> AsyncIterator[bytes]:
         # tmpfs reads are memory copies: small enough to do on the loop, chunk by chunk.
         with open(self._path, "rb") as f:  # noqa: ASYNC230
-            remaining = self._nbytes
+            remaining = self.nbytes
             while remaining > 0:
                 chunk = f.read(min(chunk_bytes, remaining))
                 if not chunk:

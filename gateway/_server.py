@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -68,3 +69,16 @@ async def serving(
         server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+def run(main: Coroutine[Any, Any, None]) -> None:
+    """Run `main` to completion on a uvloop event loop (plain asyncio where uvloop is missing);
+    Ctrl-C ends it quietly, the coroutine's own clean-up having run."""
+    try:
+        import uvloop
+
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        runner = asyncio.Runner()
+    with runner, contextlib.suppress(KeyboardInterrupt):
+        runner.run(main)

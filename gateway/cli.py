@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import signal
 import sys
@@ -173,14 +172,9 @@ async def _up(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
 
 def _run(coro_fn: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    try:
-        import uvloop
+    from gateway._server import run
 
-        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        runner = asyncio.Runner()
-    with runner, contextlib.suppress(KeyboardInterrupt):
-        runner.run(_until_signalled(coro_fn))
+    run(_until_signalled(coro_fn))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -201,9 +201,7 @@ class Dispatcher:
                 await _shielded(
                     self._upstream.release_kv_id(inst.url, kv_id, request_id=request_id)
                 )
-            took_slot = not isinstance(exc, UpstreamRejected | UpstreamUnreachable)
-            stream.release(slot_freed=took_slot)
-            inflight.release(slot_freed=took_slot)
+            _release_after(exc, stream, inflight)
             if isinstance(exc, UpstreamRejected):
                 self._tracker.rejected(inst.id)
                 counter.labels("rejected").inc()
@@ -244,9 +242,7 @@ class Dispatcher:
                         inst.url, body, request_id=request_id, connect_timeout_s=remaining
                     )
                 except BaseException as exc:
-                    took_slot = not isinstance(exc, UpstreamRejected | UpstreamUnreachable)
-                    stream.release(slot_freed=took_slot)
-                    inflight.release(slot_freed=took_slot)
+                    _release_after(exc, stream, inflight)
                     if isinstance(exc, UpstreamRejected):
                         self._tracker.rejected(inst.id)
                         counter.labels("rejected").inc()
@@ -279,6 +275,14 @@ class Dispatcher:
                 raise DeadlineExceeded(what, retry_after=self._settings.retry_after_s)
             await self._tracker.wait_freed(min(self._backoff.delay(round_no), remaining))
             round_no += 1
+
+
+def _release_after(exc: BaseException, *leases: Lease) -> None:
+    """Give back the counts of a call that failed with `exc`. A rejected or unreachable
+    instance never took the request, so its end is no sign of a freed slot."""
+    took_slot = not isinstance(exc, UpstreamRejected | UpstreamUnreachable)
+    for lease in leases:
+        lease.release(slot_freed=took_slot)
 
 
 def client_error(exc: UpstreamStatus) -> GatewayError:

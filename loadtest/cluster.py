@@ -37,7 +37,7 @@ from config import (
 from engine_shim.app import build_shim_app
 from engine_shim.sim_engine import SimDecodeEngine, SimPrefillEngine
 from engine_shim.sim_profile import get_profile
-from gateway._server import bind_socket, bound_port, serving
+from gateway._server import bind_socket, bound_port, run, serving
 from gateway.app import build_gateway_app
 from loadtest.modes import ClusterSpec, Mode, mode_named
 from registry import open_registry
@@ -181,14 +181,7 @@ def main(argv: list[str]) -> int:
         return 2
     spec = ClusterSpec.from_json(orjson.loads(argv[0]))
     mode = mode_named(argv[1])
-    try:
-        import uvloop
-
-        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        runner = asyncio.Runner()
-    with runner, contextlib.suppress(KeyboardInterrupt):
-        runner.run(_main(spec, mode))
+    run(_main(spec, mode))
     return 0
 
 

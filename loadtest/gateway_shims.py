@@ -28,7 +28,7 @@ from config import RegistrySettings, Role, ShimSettings
 from engine_shim.app import build_shim_app
 from engine_shim.sim_engine import SimDecodeEngine, SimPrefillEngine
 from engine_shim.sim_profile import get_profile
-from gateway._server import bind_socket, bound_port, serving
+from gateway._server import bind_socket, bound_port, run, serving
 from registry import open_registry
 
 __all__ = ["ShimSpec", "serve_shims"]
@@ -106,14 +106,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m loadtest.gateway_shims SPEC_JSON", file=sys.stderr)
         return 2
     spec = ShimSpec(**orjson.loads(argv[0]))
-    try:
-        import uvloop
-
-        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        runner = asyncio.Runner()
-    with runner, contextlib.suppress(KeyboardInterrupt):
-        runner.run(_main(spec))
+    run(_main(spec))
     return 0
 
 
