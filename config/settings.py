@@ -236,6 +236,19 @@ class GatewaySettings(_Settings):
     queue_order: QueueOrder = Field(
         default=QueueOrder.FIFO, description="fifo or edf (earliest deadline first)."
     )
+    early_drop: bool = Field(
+        default=True,
+        description="Answer 503 at once, instead of sending it, a queued request whose remaining "
+        "time is shorter than an optimistic estimate of its prefill (gateway/prefill_time.py): "
+        "past capacity it would only occupy a prefill and fail.",
+    )
+    early_drop_quantile: float = Field(
+        default=0.1,
+        ge=0.0,
+        le=1.0,
+        description="The estimate: this quantile of recent prefill seconds per prompt character, "
+        "times the prompt's length (lower = more optimistic = fewer drops).",
+    )
     batch_forwarding: bool = Field(
         default=True,
         description="When a prefill accepts, keep sending it queued requests while it has room.",

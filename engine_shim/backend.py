@@ -102,6 +102,10 @@ class PrefillBackend(Protocol):
     ) -> PrefillOutput:
         """Compute a prompt in the next batch. Cancelling it withdraws the prompt.
 
+        A cancelled call ends only once the prompt has left the engine: at once if it has
+        not started, otherwise at the engine's next step boundary (the shim holds the
+        request's admission slot until then, so it never admits work it cannot start).
+
         Raises `EngineBusy` when more prompts are pending than one batch can hold, and
         `InvalidRequest` when the engine refuses `sampling`.
         """

@@ -47,7 +47,7 @@ from engine_shim._http import (
 from engine_shim._kv_store import HeldKv, KvStore
 from engine_shim._slots import PoolFull, Slot, SlotPool
 from engine_shim._stop import StopMatcher
-from engine_shim.backend import EngineBusy, InvalidRequest, PrefillBackend
+from engine_shim.backend import EngineBusy, InvalidRequest, PrefillBackend, PrefillOutput
 from engine_shim.prefix_cache import BLOCK_SIZE
 from engine_shim.wire import (
     BATCH_PATH,
@@ -225,17 +225,19 @@ class PrefillShim:
         check_length(len(tokens), req.max_tokens, settings.max_model_len)
 
         slot = await self._admit(guard)
+        # The engine call runs as its own task so that the slot follows the engine, not the
+        # caller: a caller that leaves mid-prefill returns at once, but the slot is freed only
+        # when the engine has dropped the prompt (see `_free_when_engine_done`).
+        work = asyncio.ensure_future(self._backend.prefill(tokens, req.sampling))
         try:
-            out = await guard(self._backend.prefill(tokens, req.sampling))
-        except EngineBusy:
-            slot.release()
-            self._counts["rejected"] += 1
-            raise busy("prefill batch is full", code="no_free_slot") from None
-        except InvalidRequest as exc:
-            slot.release()
-            raise bad_request(str(exc)) from None
+            out = await guard(asyncio.shield(work))
         except BaseException as exc:
-            slot.release()
+            _free_when_engine_done(work, slot)
+            if isinstance(exc, EngineBusy):
+                self._counts["rejected"] += 1
+                raise busy("prefill batch is full", code="no_free_slot") from None
+            if isinstance(exc, InvalidRequest):
+                raise bad_request(str(exc)) from None
             if isinstance(exc, ClientGone | asyncio.CancelledError):
                 self._counts["cancelled"] += 1
             raise
@@ -400,6 +402,29 @@ class PrefillShim:
         entry.close()
         self._counts["kv_released"] += 1
         return Response(status_code=204)
+
+
+def _free_when_engine_done(work: asyncio.Future[PrefillOutput], slot: Slot) -> None:
+    """Release `slot` once the engine call `work` is over, cancelling it if it is not.
+
+    Cancelling withdraws a prompt that has not started at once, but an engine that is
+    computing it drops it only at its next step boundary (a chunk of chunked prefill in vLLM,
+    the whole batch in the sim). Freeing the slot before that would let the shim admit a
+    request it cannot start, and under overload every such request misses its deadline in
+    turn: the prefill advertises room while it is busy.
+    """
+
+    def done(task: asyncio.Future[PrefillOutput]) -> None:
+        slot.release()
+        if task.cancelled() or task.exception() is not None:  # retrieves it: no stray log
+            return
+        task.result().kv.release()  # finished just as its caller left: nobody will fetch it
+
+    if work.done():
+        done(work)
+    else:
+        work.cancel()
+        work.add_done_callback(done)
 
 
 def _unknown_kv(request_id: str) -> Response:

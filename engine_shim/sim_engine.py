@@ -76,6 +76,8 @@ class _EngineLoop:
 class _PrefillJob:
     tokens: Sequence[int]
     future: asyncio.Future[PrefillOutput]
+    # Set when the job's batch is over (or the engine stopped): the prompt has left the engine.
+    left: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class SimPrefillEngine(_EngineLoop):
@@ -99,6 +101,7 @@ class SimPrefillEngine(_EngineLoop):
         await super().aclose()
         while self._pending:
             job = self._pending.popleft()
+            job.left.set()
             if not job.future.done():
                 job.future.set_exception(RuntimeError("prefill engine stopped"))
 
@@ -124,8 +127,12 @@ class SimPrefillEngine(_EngineLoop):
         try:
             return await job.future
         except asyncio.CancelledError:
-            with contextlib.suppress(ValueError):
+            try:
                 self._pending.remove(job)  # withdrawn before its batch started
+            except ValueError:
+                # Computing: the sim's step is the whole batch, so the prompt leaves the engine
+                # when the batch ends, and the caller (the shim's slot) learns it only then.
+                await job.left.wait()
             raise
 
     async def _run(self) -> None:
@@ -151,6 +158,8 @@ class SimPrefillEngine(_EngineLoop):
                         job.future.set_exception(RuntimeError(f"prefill failed: {exc}"))
             finally:
                 self._computing = 0
+                for job in batch:
+                    job.left.set()
 
     async def _compute(self, batch: list[_PrefillJob]) -> None:
         loop = asyncio.get_running_loop()

@@ -98,6 +98,7 @@ class Dispatcher:
             batch_endpoint=settings.prefill_batch_endpoint,
             retry_after_s=settings.retry_after_s,
             client_error=client_error,
+            early_drop_quantile=settings.early_drop_quantile if settings.early_drop else None,
         )
 
     async def close(self) -> None:

@@ -36,6 +36,7 @@ from gateway.errors import (
 )
 from gateway.instances import InstanceTracker, Lease
 from gateway.metrics import GatewayMetrics
+from gateway.prefill_time import PrefillTimes
 from gateway.queue import Waiter, WaiterState, WaitQueue
 from gateway.upstream import Upstream
 from policies.base import Backoff, InstanceLoad, PrefillPolicy
@@ -65,6 +66,7 @@ class _Call:
     stream: Lease
     inflight: Lease
     kv_id: str  # our name for the KV handle, to release it without the answer
+    started: float = 0.0  # monotonic, when the call was sent
 
     def release(self, *, slot_freed: bool) -> None:
         self.stream.release(slot_freed=slot_freed)
@@ -76,6 +78,8 @@ class ForwardingOptions:
     batch_forwarding: bool = True
     batch_endpoint: bool = False  # one batch call per run (pdgate shims only)
     retry_after_s: int = 1
+    # None: never drop early; else the quantile of PrefillTimes that estimates a prefill.
+    early_drop_quantile: float | None = 0.1
     client_error: Callable[[UpstreamStatus], GatewayError] = field(
         default=lambda exc: GatewayError(str(exc))
     )
@@ -111,6 +115,8 @@ class PrefillForwarder:
         self._cleanups: set[asyncio.Task[None]] = set()
         # Prefill URLs that answered 404/405 to the batch endpoint (LRU-bounded).
         self._no_batch_endpoint: OrderedDict[str, None] = OrderedDict()
+        q = options.early_drop_quantile
+        self.prefill_times = PrefillTimes(quantile=q) if q is not None else None
 
     @property
     def idle(self) -> bool:
@@ -169,6 +175,8 @@ class PrefillForwarder:
             head = self.queue.peek()
             if head is None:
                 return  # restarted by the next acquire()
+            if self._hopeless(head):
+                continue
             ranked = self._policy.rank(self._with_affinity(head), self._candidates())
             target = next((c for c in ranked if self._tracker.has_room(c.id, c.capacity)), None)
             if target is None:
@@ -185,6 +193,8 @@ class PrefillForwarder:
                 nxt = self.queue.peek()
                 if nxt is None:
                     break
+                if self._hopeless(nxt):
+                    continue
                 sent.append(self._reserve(nxt, target))
             if (
                 self._options.batch_endpoint
@@ -197,6 +207,23 @@ class PrefillForwarder:
                     call.waiter.attempt_task = asyncio.create_task(self._attempt(call, target))
             # Let the attempts start (and fast 429s arrive) before ranking again.
             await asyncio.sleep(0)
+
+    def _hopeless(self, waiter: Waiter) -> bool:
+        """Drop `waiter` (503 now) if even an optimistic prefill would end past its deadline."""
+        times = self.prefill_times
+        remaining = waiter.deadline - time.monotonic()
+        if times is None or not times.hopeless(waiter.info.prompt_chars, remaining):
+            return False
+        self.queue.remove(waiter)
+        self._metrics.early_drops.inc()
+        if not waiter.future.done():
+            waiter.future.set_exception(
+                DeadlineExceeded(
+                    "the request cannot be prefilled before its TTFT deadline",
+                    retry_after=self._options.retry_after_s,
+                )
+            )
+        return True
 
     def _candidates(self) -> list[InstanceLoad]:
         return self._tracker.loads(Role.PREFILL, self.model, self.group)
@@ -221,6 +248,7 @@ class PrefillForwarder:
 
     async def _attempt(self, call: _Call, inst: InstanceLoad) -> None:
         waiter = call.waiter
+        call.started = time.monotonic()
         try:
             remaining = max(waiter.deadline - time.monotonic(), 0.001)
             reply = await self._upstream.prefill(
@@ -239,7 +267,9 @@ class PrefillForwarder:
         except asyncio.CancelledError:
             # Abandoned mid-call (deadline, client gone): the prefill may have finished just
             # now and hold KV for an answer nobody reads. Release it by the id we chose.
-            call.release(slot_freed=True)
+            # Not a freed slot: a prefill drops an abandoned prompt only at its next step
+            # (pdgate shims hold the slot until then), so this is no moment to send it more.
+            call.release(slot_freed=False)
             self._background(
                 self._upstream.release_kv_id(inst.url, call.kv_id, request_id=waiter.request_id)
             )
@@ -252,6 +282,9 @@ class PrefillForwarder:
         shared, so a waiter that leaves does not cancel it: its KV is released when its line
         comes back."""
         pending = dict(enumerate(calls))
+        started = time.monotonic()
+        for c in calls:
+            c.started = started
         last_deadline = max(c.waiter.deadline for c in calls)
         try:
             async for index, status, body in self._upstream.prefill_batch(
@@ -304,6 +337,8 @@ class PrefillForwarder:
                 self._background(self._upstream.release_kv(params, request_id=waiter.request_id))
                 return
             counter.labels("accepted").inc()
+            if self.prefill_times is not None:
+                self.prefill_times.record(waiter.info.prompt_chars, time.monotonic() - call.started)
             hashes = self._hashes.get(id(waiter))
             if self._index is not None and hashes:
                 self._index.record(hashes, inst.id)

@@ -19,6 +19,12 @@ class GatewayMetrics:
         self.prefill_attempts = Counter(
             "pdgate_prefill_attempts", "Prefill calls by result", ["result"], registry=r
         )
+        self.early_drops = Counter(
+            "pdgate_early_drops",
+            "Queued requests answered 503 before any prefill call: even an optimistic prefill "
+            "would have ended past their deadline",
+            registry=r,
+        )
         self.decode_attempts = Counter(
             "pdgate_decode_attempts", "Decode calls by result", ["result"], registry=r
         )

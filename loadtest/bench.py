@@ -6,7 +6,8 @@
 Progress goes to stderr; stdout gets exactly one JSON line,
 ``{"success": {MODE: {"1": r, ...}}, "goodput": {...}, "prefix_hit_rate": {...}}``,
 keyed by load multiple of A. Files: ``OUT/KIND.csv``, ``OUT/KIND.png``, ``OUT/KIND.md``
-(KIND = quick or full) and, unless ``--no-doc``, the generated block of the doc.
+(KIND = quick or full, or ``--kind``) and, unless ``--no-doc``, the generated block of the
+doc between its ``scheduling:KIND`` markers.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import orjson
 
 from loadtest.experiment import Plan, Result, run_experiment
-from loadtest.modes import MODES, mode_named
+from loadtest.modes import EXTRA_MODES, MODES, ROUTER_MODES, mode_named
 from loadtest.report import (
     calibration_table,
     markdown_table,
@@ -49,11 +50,22 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--out", type=Path, default=Path("docs/scheduling"), help="output folder")
     s.add_argument("--doc", type=Path, default=Path("docs/scheduling.md"))
     s.add_argument("--no-doc", action="store_true", help="do not update the doc's table")
+    s.add_argument(
+        "--kind",
+        help="name of the outputs (OUT/KIND.csv, ...) and of the doc's block; "
+        "default: quick or full",
+    )
     s.add_argument("--base-users", type=int, help="A; default: calibrate (full), 8 (quick)")
     s.add_argument("--measure-s", type=float, help="measurement window per load level")
     s.add_argument("--warmup-s", type=float, help="warm-up per load level")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--modes", default=",".join(m.name for m in MODES))
+    s.add_argument(
+        "--modes",
+        default=",".join(m.name for m in MODES),
+        help="comma-separated; also: "
+        + ", ".join(m.name for m in (*EXTRA_MODES, *ROUTER_MODES))
+        + " (router_*: vllm-router in front, needs pip install vllm-router)",
+    )
     s.add_argument("--multiples", default="1,2,3,4", help="load levels, as multiples of A")
     s.add_argument("--prefills", type=int, help="prefill instances (default 8)")
     s.add_argument("--decodes", type=int, help="decode instances (default 1)")
@@ -171,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.bench == "gateway":
         return gateway_main(args, command)
     plan = plan_from_args(args)
-    kind = "quick" if args.quick else "full"
+    kind = args.kind or ("quick" if args.quick else "full")
     result = asyncio.run(run_experiment(plan))
     write_outputs(result, kind, args.out, None if args.no_doc else args.doc, command)
     print(orjson.dumps(summary_json(result)).decode(), flush=True)

@@ -14,15 +14,17 @@ CPU headroom (watch the loop lag and CPU columns) for wall-clock time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 
 from loadtest.modes import MODES, ClusterSpec, Mode, mode_named
 from loadtest.process import ClusterProcess
+from loadtest.router import RouterOptions, running_router
 from loadtest.runner import Point, Timing, run_point
 from loadtest.workload import SCENARIOS, Scenario, Workload
 
@@ -48,6 +50,11 @@ class Plan:
     calibration_timing: Timing = field(default_factory=lambda: Timing(warmup_s=3.0, measure_s=30.0))
     success_target: float = 0.99
     parallel: bool = False
+    # vllm-router modes: retries on, their back-off short next to the deadlines (1-4 s) and
+    # their number enough to cover the longest one, so the router may try until it is over.
+    router: RouterOptions = field(
+        default_factory=lambda: RouterOptions(retries=20, retry_initial_ms=25, retry_max_ms=500)
+    )
 
 
 @dataclass
@@ -79,12 +86,25 @@ async def _drive(
     """One cluster for `mode`, driven at each user count of `loads` in turn."""
     workload = Workload(plan.scenarios, seed=plan.seed)
     points: list[Point] = []
-    async with ClusterProcess(plan.spec, mode) as cluster:
+    async with contextlib.AsyncExitStack() as stack:
+        cluster = await stack.enter_async_context(ClusterProcess(plan.spec, mode))
         await cluster.wait_ready(session)
+        fronts = None
+        if mode.front == "vllm_router":
+            assert cluster.urls is not None
+            _, router = await stack.enter_async_context(
+                running_router(
+                    session,
+                    cluster.urls.prefills,
+                    cluster.urls.decodes,
+                    replace(plan.router, policy=mode.router_policy),
+                )
+            )
+            fronts = [router]
         for i, users in enumerate(loads):
             # Distinct random streams per level, the same for every mode at that level.
             point = await run_point(
-                cluster, session, workload, users, timing, user_offset=i * 100_000
+                cluster, session, workload, users, timing, user_offset=i * 100_000, fronts=fronts
             )
             points.append(point)
             s = point.summary

@@ -29,7 +29,6 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -38,6 +37,7 @@ import orjson
 from loadtest.children import Child, free_port
 from loadtest.gateway_load import Front, open_idle_stream, run_window, send
 from loadtest.gateway_shims import ShimSpec
+from loadtest.router import RouterOptions, running_router
 from loadtest.stats import percentile
 
 __all__ = ["QUICK", "GatewayPlan", "run_gateway_bench", "summarize_ttft"]
@@ -85,18 +85,6 @@ def _gateway_env(key_prefix: str, streams: int) -> dict[str, str]:
         "PDGATE_GATEWAY_UPSTREAM_CONNECTIONS": bound,
         "PDGATE_GATEWAY_UPSTREAM_READ_TIMEOUT_S": "7200",  # idle streams are silent
     }
-
-
-async def _wait_http(session: aiohttp.ClientSession, url: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(aiohttp.ClientError, OSError):
-            async with session.get(url) as resp:
-                if resp.status == 200:
-                    return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not answer 200 in {timeout_s:g} s")
-        await asyncio.sleep(0.1)
 
 
 async def _wait_instances(session: aiohttp.ClientSession, gateway: str, want: int) -> None:
@@ -153,32 +141,16 @@ async def _stack(
         }
         procs = {"pdgate": gateway}
         missing: dict[str, str] = {}
-        binary = shutil.which(
-            "vllm-router", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"
-        )
-        if router and binary is None:
-            missing["vllm_router"] = "vllm-router not installed (pip install vllm-router)"
-        elif router and binary is not None:
-            port = free_port()
-            argv = [binary, "--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
-                    "--policy", "round_robin", "--log-level", "warning",
-                    "--max-concurrent-requests", str(max(4096, 2 * streams)),
-                    "--queue-size", "4096", "--request-timeout-secs", "7200"]  # fmt: skip
-            for url in urls["prefills"]:
-                argv += ["--prefill", url]
-            for url in urls["decodes"]:
-                argv += ["--decode", url]
-            proc = Child("vllm-router", argv)
-            await proc.start("")
-            stack.push_async_callback(proc.stop)
+        if router:
+            opts = RouterOptions(policy="round_robin", max_concurrent=max(4096, 2 * streams))
             try:
-                await _wait_http(session, f"http://127.0.0.1:{port}/health")
-                fronts["vllm_router"] = Front(
-                    "vllm_router", url=f"http://127.0.0.1:{port}/v1/completions"
+                proc, base_router = await stack.enter_async_context(
+                    running_router(session, urls["prefills"], urls["decodes"], opts)
                 )
+                fronts["vllm_router"] = Front("vllm_router", url=base_router + "/v1/completions")
                 procs["vllm_router"] = proc
             except RuntimeError as exc:
-                missing["vllm_router"] = f"{exc}: {proc.output()[-500:]}"
+                missing["vllm_router"] = str(exc)
         for name, front in fronts.items() if warm else ():  # warm connections and code paths
             for i in range(20):
                 if not (await send(session, front, f"warm {i}", 4)).ok:

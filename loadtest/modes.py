@@ -7,6 +7,9 @@
   full (``admission=reject``), a gateway-held queue with retries until the deadline
   (``dispatch=queue``), prefills ranked by open SSE streams.
 * ``affinity_sse``: the same, with prefills ranked by prefix-cache affinity first.
+* ``router_*`` (issue 5, item 5): the same queue-less prefills behind vllm-router instead of
+  pdgate (loadtest/router.py), with one of its policies and retries on. The router does not
+  know the requests' deadlines; the client judges every mode by the same rule.
 
 `ClusterSpec` is everything else, identical for every mode.
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["EXTRA_MODES", "MODES", "ClusterSpec", "Mode", "mode_named"]
+__all__ = ["EXTRA_MODES", "MODES", "ROUTER_MODES", "ClusterSpec", "Mode", "mode_named"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +29,10 @@ class Mode:
     dispatch: str  # GatewaySettings.dispatch
     prefill_policy: str
     queue_order: str = "edf"  # GatewaySettings.queue_order (dispatch=queue only)
+    # Who fronts the cluster: "pdgate", or "vllm_router" with `router_policy` (the cluster's
+    # own gateway then only serves the readiness check).
+    front: str = "pdgate"
+    router_policy: str = ""
 
 
 MODES: tuple[Mode, ...] = (
@@ -46,11 +53,28 @@ EXTRA_MODES: tuple[Mode, ...] = (
 )
 
 
+def _router_mode(policy: str) -> Mode:
+    return Mode(
+        f"router_{policy}",
+        admission="reject",
+        dispatch="queue",
+        prefill_policy="least_sse",
+        front="vllm_router",
+        router_policy=policy,
+    )
+
+
+# vllm-router's prefix-aware policy (its default), its load-aware one, and round robin.
+ROUTER_MODES: tuple[Mode, ...] = tuple(
+    _router_mode(p) for p in ("cache_aware", "power_of_two", "round_robin")
+)
+
+
 def mode_named(name: str) -> Mode:
-    for mode in (*MODES, *EXTRA_MODES):
+    for mode in (*MODES, *EXTRA_MODES, *ROUTER_MODES):
         if mode.name == name:
             return mode
-    known = ", ".join(m.name for m in (*MODES, *EXTRA_MODES))
+    known = ", ".join(m.name for m in (*MODES, *EXTRA_MODES, *ROUTER_MODES))
     raise ValueError(f"unknown mode {name!r}; known: {known}")
 
 

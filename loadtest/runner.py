@@ -13,6 +13,7 @@ import math
 import os
 import resource
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,13 +116,17 @@ async def run_point(
     timing: Timing,
     *,
     user_offset: int = 0,
+    fronts: Sequence[str] | None = None,
 ) -> Point:
+    """`fronts`: base URLs the users send to, when not the cluster's own gateways (another
+    router); the gateways' metrics are then left out of the counters."""
     assert cluster.urls is not None
     urls = cluster.urls
+    metrics_from = urls.gateways if fronts is None else []
     began = time.monotonic()
     loop = ClosedLoop(
         session,
-        [url + "/v1/completions" for url in urls.gateways],
+        [url + "/v1/completions" for url in (urls.gateways if fronts is None else fronts)],
         cluster.spec.model,
         workload,
         users,
@@ -131,14 +136,14 @@ async def run_point(
     loop.start()
     await asyncio.sleep(timing.warmup_s)
     before, child0 = await asyncio.gather(
-        read_counters(session, urls.gateways, urls.prefills), cluster.stats()
+        read_counters(session, metrics_from, urls.prefills), cluster.stats()
     )
     own0, host0 = _own_cpu_s(), _host_busy_s()
     loop.open_window()
     await asyncio.sleep(timing.measure_s)
     window = loop.close_window()
     after, child1 = await asyncio.gather(
-        read_counters(session, urls.gateways, urls.prefills), cluster.stats()
+        read_counters(session, metrics_from, urls.prefills), cluster.stats()
     )
     own1, host1 = _own_cpu_s(), _host_busy_s()
     elapsed = child1["wall_s"] - child0["wall_s"]

@@ -166,7 +166,9 @@ async def test_queue_admission_waits_fifo_and_rejects_when_full(start_shim: Star
     assert (load["used"], load["queued"], load["admitted"], load["rejected"]) == (1, 0, 4, 1)
 
 
-async def test_client_leaving_during_prefill_frees_the_slot(start_shim: StartShim) -> None:
+async def test_client_leaving_during_prefill_frees_the_slot_when_the_engine_is_done(
+    start_shim: StartShim,
+) -> None:
     shim = await start_shim(Role.PREFILL, capacity=1)
     # ~8k tokens: a ~0.5 s prefill on the H100 profile.
     long_prompt = "disaggregated " * 4000
@@ -176,9 +178,42 @@ async def test_client_leaving_during_prefill_frees_the_slot(start_shim: StartShi
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    load = await wait_load(shim, "used", 0, within=0.3)
-    assert load["cancelled"] == 1
-    assert load["kv_held"] == 0
+    # The engine is still computing the abandoned prompt: the shim must not claim a free
+    # slot (it would admit a request that cannot start), so newcomers are still rejected.
+    load = await wait_load(shim, "cancelled", 1)
+    assert (load["used"], load["running"]) == (1, 1)
+    status, body, _ = await shim.post(prefill_body("newcomer"))
+    assert status == 429, body
+    # The slot comes back when the batch ends, never before it.
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5.0
+    while True:
+        load = await shim.load()
+        assert not (load["used"] == 0 and load["running"] == 1), load
+        if load["used"] == 0:
+            break
+        assert loop.time() < deadline, load
+        await asyncio.sleep(0.005)
+    assert (load["kv_held"], load["completed"]) == (0, 0)
+    status, body, _ = await shim.post(prefill_body("after the batch"))
+    assert status == 200, body
+
+
+async def test_queued_prompt_withdrawn_at_once(start_shim: StartShim) -> None:
+    # Two slots, batch of one prompt computing: a second prompt waits in the engine for the
+    # next batch, and its caller leaving frees its slot at once (it never started).
+    shim = await start_shim(Role.PREFILL, capacity=2)
+    first = asyncio.create_task(shim.post(prefill_body("disaggregated " * 4000)))
+    await wait_load(shim, "running", 1)
+    second = asyncio.create_task(shim.post(prefill_body("waiting " * 100)))
+    await wait_load(shim, "waiting", 1)
+    second.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    load = await wait_load(shim, "used", 1, within=0.3)
+    assert (load["running"], load["waiting"], load["cancelled"]) == (1, 0, 1)
+    status, _, _ = await first
+    assert status == 200
 
 
 async def test_prefix_cache_hits_are_reported(start_shim: StartShim) -> None:

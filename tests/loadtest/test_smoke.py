@@ -10,6 +10,7 @@ import pytest
 
 from loadtest import bench
 from loadtest.report import update_doc
+from loadtest.router import INSTALL_HINT, router_binary
 
 
 def test_bench_scheduling_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -52,3 +53,37 @@ def test_update_doc_needs_its_markers(tmp_path: Path) -> None:
     doc.write_text("no markers\n")
     assert not update_doc(doc, "full", "table\n")
     assert doc.read_text() == "no markers\n"
+
+
+def test_bench_scheduling_behind_vllm_router(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A router mode end to end: the same queue-less cluster, vllm-router in front (the
+    loadtest extra installs it), its own output kind and doc block."""
+    if router_binary() is None:
+        pytest.fail(INSTALL_HINT)  # in the loadtest extra: its absence is a broken install
+    doc = tmp_path / "scheduling.md"
+    doc.write_text("<!-- scheduling:router:begin -->\n<!-- scheduling:router:end -->\n")
+    code = bench.main(
+        [
+            "scheduling",
+            "--modes=router_round_robin,least_sse",
+            "--kind=router",
+            "--base-users=2",
+            "--multiples=1",
+            "--warmup-s=0.5",
+            "--measure-s=2",
+            "--parallel",
+            f"--out={tmp_path}",
+            f"--doc={doc}",
+        ]
+    )
+    assert code == 0
+    data = orjson.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # Two users at light load: every request through the router succeeds, and the prefills
+    # saw its traffic (their prefix-cache counters moved).
+    assert data["success"]["router_round_robin"]["1"] == 1.0
+    assert data["goodput"]["router_round_robin"]["1"] > 0
+    assert data["prefix_hit_rate"]["router_round_robin"]["1"] >= 0
+    assert (tmp_path / "router.csv").stat().st_size > 0
+    assert "| router_round_robin | 1A |" in doc.read_text()

@@ -1,0 +1,111 @@
+"""vllm-router (vllm-project/router, Rust, ``pip install vllm-router``) as a child process in
+front of a set of pdgate shims, in its vLLM P/D mode.
+
+The shims speak vLLM's P/D handshake (``kv_transfer_params``), so the router fronts them
+unchanged: it sends the prompt to a prefill with ``max_tokens=1`` and
+``do_remote_decode=true``, then streams from a decode with the returned parameters. Used by
+``pdgate bench gateway`` (its cost) and ``pdgate bench scheduling`` (its scheduling on a
+queue-less cluster). It is a comparison point, not a dependency: when the binary is missing
+the benchmarks say so and go on without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from loadtest.children import Child, free_port
+
+__all__ = ["RouterOptions", "router_binary", "running_router", "wait_http"]
+
+INSTALL_HINT = "vllm-router not installed (pip install vllm-router==0.1.17)"
+
+
+@dataclass(frozen=True, slots=True)
+class RouterOptions:
+    policy: str = "round_robin"  # vllm-router --policy (prefill and decode)
+    # None: the router's default retry settings; 0: ``--disable-retries``; n: up to n retries
+    # of a failed call (a prefill's 429 among them), back-off from `retry_initial_ms` doubling
+    # up to `retry_max_ms`.
+    retries: int | None = None
+    retry_initial_ms: int = 25
+    retry_max_ms: int = 500
+    max_concurrent: int = 4096
+    request_timeout_s: int = 7200
+
+
+def router_binary() -> str | None:
+    """The ``vllm-router`` next to this interpreter (a venv's bin) or on PATH."""
+    return shutil.which(
+        "vllm-router", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"
+    )
+
+
+def router_argv(
+    binary: str, port: int, prefills: Sequence[str], decodes: Sequence[str], opts: RouterOptions
+) -> list[str]:
+    argv = [binary, "--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
+            "--policy", opts.policy, "--log-level", "warning",
+            "--max-concurrent-requests", str(opts.max_concurrent),
+            "--queue-size", "4096",
+            "--request-timeout-secs", str(opts.request_timeout_s)]  # fmt: skip
+    if opts.retries == 0:
+        argv.append("--disable-retries")
+    elif opts.retries is not None:
+        argv += ["--retry-max-retries", str(opts.retries),
+                 "--retry-initial-backoff-ms", str(opts.retry_initial_ms),
+                 "--retry-max-backoff-ms", str(opts.retry_max_ms),
+                 "--retry-backoff-multiplier", "2", "--retry-jitter-factor", "0.2"]  # fmt: skip
+    for url in prefills:
+        argv += ["--prefill", url]
+    for url in decodes:
+        argv += ["--decode", url]
+    return argv
+
+
+async def wait_http(session: aiohttp.ClientSession, url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(aiohttp.ClientError, OSError):
+            async with session.get(url) as resp:
+                if resp.status == 200:
+                    return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not answer 200 in {timeout_s:g} s")
+        await asyncio.sleep(0.1)
+
+
+@contextlib.asynccontextmanager
+async def running_router(
+    session: aiohttp.ClientSession,
+    prefills: Sequence[str],
+    decodes: Sequence[str],
+    opts: RouterOptions,
+) -> AsyncIterator[tuple[Child, str]]:
+    """Start vllm-router; yield the child and its base URL once ``/health`` answers.
+
+    Raises RuntimeError (with the install hint or the router's last output) if it cannot."""
+    binary = router_binary()
+    if binary is None:
+        raise RuntimeError(INSTALL_HINT)
+    port = free_port()
+    child = Child("vllm-router", router_argv(binary, port, prefills, decodes, opts))
+    await child.start("")
+    try:
+        base = f"http://127.0.0.1:{port}"
+        try:
+            await wait_http(session, base + "/health")
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}: {child.output()[-500:]}") from None
+        yield child, base
+    finally:
+        await child.stop()
