@@ -1,7 +1,8 @@
 """``pdgate bench scheduling`` and ``pdgate bench gateway``: the benchmarks' command line.
 
 ``gateway`` (loadtest/gateway_bench.py) prints one JSON line and, unless ``--quick`` or
-``--no-doc``, writes docs/performance.md. The rest of this docstring is about ``scheduling``.
+``--no-doc``, writes docs/performance.md. ``profile`` (loadtest/gateway_profile.py) prints
+py-spy's view of the gateway's hot path. The rest of this docstring is about ``scheduling``.
 
 Progress goes to stderr; stdout gets exactly one JSON line,
 ``{"success": {MODE: {"1": r, ...}}, "goodput": {...}, "prefix_hit_rate": {...}}``,
@@ -78,7 +79,22 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--no-doc", action="store_true")
     g.add_argument("--no-router", action="store_true", help="skip vllm-router")
     g.add_argument("--idle-streams", type=int, help="open idle streams (default 10000)")
+    pr = sub.add_parser("profile", help="py-spy profile of the gateway on the hot path")
+    pr.add_argument("--concurrency", type=int, default=1)
+    pr.add_argument("--seconds", type=float, default=15.0)
+    pr.add_argument("--top", type=int, default=25, help="functions listed")
+    pr.add_argument("--out", type=Path, default=Path("gateway-profile.txt"), help="raw stacks")
     return p
+
+
+def profile_main(args: argparse.Namespace) -> int:
+    from loadtest.gateway_profile import ProfilePlan, profile_gateway
+
+    plan = ProfilePlan(
+        concurrency=args.concurrency, seconds=args.seconds, top=args.top, out=args.out
+    )
+    print(asyncio.run(profile_gateway(plan)), end="", flush=True)
+    return 0
 
 
 def gateway_main(args: argparse.Namespace, command: str) -> int:
@@ -182,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "pdgate bench " + shlex.join(list(argv) if argv is not None else sys.argv[1:])
     if args.bench == "gateway":
         return gateway_main(args, command)
+    if args.bench == "profile":
+        return profile_main(args)
     plan = plan_from_args(args)
     kind = args.kind or ("quick" if args.quick else "full")
     result = asyncio.run(run_experiment(plan))

@@ -40,7 +40,14 @@ from loadtest.gateway_shims import ShimSpec
 from loadtest.router import RouterOptions, running_router
 from loadtest.stats import percentile
 
-__all__ = ["QUICK", "GatewayPlan", "run_gateway_bench", "summarize_ttft"]
+__all__ = [
+    "QUICK",
+    "GatewayPlan",
+    "private_redis",
+    "run_gateway_bench",
+    "running_fronts",
+    "summarize_ttft",
+]
 
 Log = Callable[[str], None]
 FRONTS = ("direct", "pdgate", "vllm_router")
@@ -101,7 +108,7 @@ async def _wait_instances(session: aiohttp.ClientSession, gateway: str, want: in
 
 
 @contextlib.asynccontextmanager
-async def _stack(
+async def running_fronts(
     session: aiohttp.ClientSession,
     spec: ShimSpec,
     streams: int,
@@ -183,7 +190,8 @@ async def _fast_phase(
 ) -> dict[str, Any]:
     spec = ShimSpec(registry_url=redis_url, prefill_capacity=1024, decode_capacity=1024,
                     key_prefix="pdgate-bench-fast")  # fmt: skip
-    async with _stack(session, spec, 256, plan.with_router, log) as (fronts, procs, missing):
+    stack = running_fronts(session, spec, 256, plan.with_router, log)
+    async with stack as (fronts, procs, missing):
         names = list(fronts)
         ttfts: dict[str, list[float]] = {n: [] for n in names}
         for i in range(plan.ttft_requests):
@@ -275,7 +283,7 @@ async def _idle_phase(
     )
     kib: dict[str, float] = {}
     rss_mib: dict[str, dict[str, float]] = {}
-    async with _stack(session, spec, streams, plan.with_router, log, warm=False) as (
+    async with running_fronts(session, spec, streams, plan.with_router, log, warm=False) as (
         fronts,
         procs,
         missing,
@@ -302,8 +310,9 @@ async def _idle_phase(
     }
 
 
-async def run_gateway_bench(plan: GatewayPlan, log: Log) -> dict[str, Any]:
-    _raise_nofile(2 * plan.idle_streams + _FD_HEADROOM)
+@contextlib.asynccontextmanager
+async def private_redis() -> AsyncIterator[str]:
+    """A throw-away redis-server on a free port (the registry of the gateway under test)."""
     redis_bin = shutil.which("redis-server")
     if redis_bin is None:
         raise RuntimeError("redis-server not found (make redis-server installs it)")
@@ -311,16 +320,23 @@ async def run_gateway_bench(plan: GatewayPlan, log: Log) -> dict[str, Any]:
     redis = Child("redis", [redis_bin, "--port", str(port), "--bind", "127.0.0.1",
                             "--save", "", "--appendonly", "no"])  # fmt: skip
     await redis.start("Ready to accept connections")
-    redis_url = f"redis://127.0.0.1:{port}/0"
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        await redis.stop()
+
+
+async def run_gateway_bench(plan: GatewayPlan, log: Log) -> dict[str, Any]:
+    _raise_nofile(2 * plan.idle_streams + _FD_HEADROOM)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=120)
     started = time.monotonic()
-    try:
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            result = await _fast_phase(plan, session, redis_url, log)
-            result.update(await _idle_phase(plan, session, redis_url, log))
-    finally:
-        await redis.stop()
+    async with (
+        private_redis() as redis_url,
+        aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+    ):
+        result = await _fast_phase(plan, session, redis_url, log)
+        result.update(await _idle_phase(plan, session, redis_url, log))
     result["wall_s"] = time.monotonic() - started
     result["load_avg_1m_after"] = os.getloadavg()[0]
     return result
