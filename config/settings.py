@@ -238,7 +238,8 @@ class GatewaySettings(_Settings):
     )
     early_drop: bool = Field(
         default=True,
-        description="Answer 503 at once, instead of sending it, a queued request whose remaining "
+        description="dispatch=queue: answer 503 at once, instead of sending it, a queued request "
+        "whose remaining "
         "time is shorter than an optimistic estimate of its prefill (gateway/prefill_time.py): "
         "past capacity it would only occupy a prefill and fail.",
     )

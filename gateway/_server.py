@@ -47,6 +47,8 @@ def make_server(app: ASGIApp, *, access_log: bool = False, graceful_s: int = 5) 
         log_level="warning",
         timeout_graceful_shutdown=graceful_s,
         timeout_keep_alive=30,
+        # X-Forwarded-* from clients are not trusted (and not used): no middleware for them.
+        proxy_headers=False,
     )
     return _Server(config)
 

@@ -69,6 +69,7 @@ class CompletionsEndpoint:
         watcher: asyncio.Task[None] | None = None
         placement: Placement | None = None
         outcome = "ok"
+        relaying = False  # the relay sends the response's start: past it, no status to send
         try:
             body = await read_body(request, self._settings.max_body_bytes)
             req, forward = parse_completion(
@@ -84,6 +85,7 @@ class CompletionsEndpoint:
                 watcher,
             )
             self._metrics.placement.observe(time.monotonic() - arrived)
+            relaying = True
             if req.stream:
                 outcome = await _unless_gone(
                     relay_stream(
@@ -113,6 +115,13 @@ class CompletionsEndpoint:
             await exc.response()(scope, receive, send)
         except ClientGone:
             outcome = "client_gone"
+        except Exception:
+            # A bug, not the client's fault. This endpoint runs outside Starlette's error
+            # middleware (gateway/app.py), so it answers with an OpenAI error body itself.
+            log.exception("unhandled error on request %s", request_id)
+            outcome = "internal_error"
+            if not relaying:
+                await GatewayError("internal gateway error").response()(scope, receive, send)
         finally:
             if placement is not None:
                 placement.close()
