@@ -243,12 +243,13 @@ class GatewaySettings(_Settings):
         "time is shorter than an optimistic estimate of its prefill (gateway/prefill_time.py): "
         "past capacity it would only occupy a prefill and fail.",
     )
-    early_drop_quantile: float = Field(
+    prefill_estimate_quantile: float = Field(
         default=0.1,
         ge=0.0,
         le=1.0,
-        description="The estimate: this quantile of recent prefill seconds per prompt character, "
-        "times the prompt's length (lower = more optimistic = fewer drops).",
+        description="The prefill-time estimate behind early_drop: this "
+        "quantile of recent prefill seconds per prompt character (per length class), times the "
+        "prompt's length (lower = more optimistic = fewer drops).",
     )
     batch_forwarding: bool = Field(
         default=True,

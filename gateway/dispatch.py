@@ -98,7 +98,8 @@ class Dispatcher:
             batch_endpoint=settings.prefill_batch_endpoint,
             retry_after_s=settings.retry_after_s,
             client_error=client_error,
-            early_drop_quantile=settings.early_drop_quantile if settings.early_drop else None,
+            early_drop=settings.early_drop,
+            prefill_estimate_quantile=settings.prefill_estimate_quantile,
         )
 
     async def close(self) -> None:

@@ -81,8 +81,10 @@ class ForwardingOptions:
     # With nobody queued, a new request's first attempt is made from its own task (see
     # `_send_now`); off, every request goes through the forwarder task.
     send_now: bool = True
-    # None: never drop early; else the quantile of PrefillTimes that estimates a prefill.
-    early_drop_quantile: float | None = 0.1
+    # Answer 503 at once for a queued request even an optimistic prefill cannot serve in time.
+    early_drop: bool = True
+    # The quantile of recent prefill rates behind the early-drop estimate.
+    prefill_estimate_quantile: float = 0.1
     client_error: Callable[[UpstreamStatus], GatewayError] = field(
         default=lambda exc: GatewayError(str(exc))
     )
@@ -118,8 +120,7 @@ class PrefillForwarder:
         self._cleanups: set[asyncio.Task[None]] = set()
         # Prefill URLs that answered 404/405 to the batch endpoint (LRU-bounded).
         self._no_batch_endpoint: OrderedDict[str, None] = OrderedDict()
-        q = options.early_drop_quantile
-        self.prefill_times = PrefillTimes(quantile=q) if q is not None else None
+        self.prefill_times = PrefillTimes(quantile=options.prefill_estimate_quantile)
 
     @property
     def idle(self) -> bool:
@@ -237,9 +238,10 @@ class PrefillForwarder:
 
     def _hopeless(self, waiter: Waiter) -> bool:
         """Drop `waiter` (503 now) if even an optimistic prefill would end past its deadline."""
-        times = self.prefill_times
+        if not self._options.early_drop:
+            return False
         remaining = waiter.deadline - time.monotonic()
-        if times is None or not times.hopeless(waiter.info.prompt_chars, remaining):
+        if not self.prefill_times.hopeless(waiter.info.prompt_chars, remaining):
             return False
         self.queue.remove(waiter)
         self._metrics.early_drops.inc()
@@ -368,8 +370,7 @@ class PrefillForwarder:
                 self._background(self._upstream.release_kv(params, request_id=waiter.request_id))
                 return
             counter.labels("accepted").inc()
-            if self.prefill_times is not None:
-                self.prefill_times.record(waiter.info.prompt_chars, time.monotonic() - call.started)
+            self.prefill_times.record(waiter.info.prompt_chars, time.monotonic() - call.started)
             hashes = self._hashes.get(id(waiter))
             if self._index is not None and hashes:
                 self._index.record(hashes, inst.id)

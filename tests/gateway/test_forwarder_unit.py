@@ -133,8 +133,7 @@ def short_waiter(chars: int, deadline_s: float) -> Waiter:
 
 async def test_hopeless_request_is_dropped_without_a_prefill_call() -> None:
     upstream = SlowPrefill(0.05)
-    fwd, _ = forwarder(upstream, ForwardingOptions(early_drop_quantile=0.1))
-    assert fwd.prefill_times is not None
+    fwd, _ = forwarder(upstream, ForwardingOptions(early_drop=True))
     for _ in range(32):  # recent history: 100 chars took 0.2 s
         fwd.prefill_times.record(100, 0.2)
     began = time.monotonic()
@@ -153,8 +152,9 @@ async def test_hopeless_request_is_dropped_without_a_prefill_call() -> None:
 
 async def test_without_early_drop_the_same_request_is_sent_and_expires() -> None:
     upstream = SlowPrefill(0.5)
-    fwd, _ = forwarder(upstream, ForwardingOptions(early_drop_quantile=None))
-    assert fwd.prefill_times is None
+    fwd, _ = forwarder(upstream, ForwardingOptions(early_drop=False))
+    for _ in range(32):  # the same history: it would be dropped with early drop on
+        fwd.prefill_times.record(100, 0.2)
     with pytest.raises(DeadlineExceeded, match="before its TTFT deadline"):
         await fwd.acquire(short_waiter(100, 0.1))
     assert upstream.single_calls == 1
