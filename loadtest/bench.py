@@ -78,7 +78,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--doc", type=Path, help="default: docs/performance.md (not with --quick)")
     g.add_argument("--no-doc", action="store_true")
     g.add_argument("--no-router", action="store_true", help="skip vllm-router")
-    g.add_argument("--idle-streams", type=int, help="open idle streams (default 10000)")
+    g.add_argument("--idle-streams", type=int, help="open idle streams (default 10000; 0: skip)")
+    g.add_argument("--ttft-requests", type=int, help="c=1 probes per front (default 300)")
+    g.add_argument("--concurrencies", help="comma-separated (default 32,256)")
+    g.add_argument("--rounds", type=int, help="windows per front and concurrency (default 3)")
+    g.add_argument("--window-s", type=float, help="seconds per window (default 10)")
     pr = sub.add_parser("profile", help="py-spy profile of the gateway on the hot path")
     pr.add_argument("--concurrency", type=int, default=1)
     pr.add_argument("--seconds", type=float, default=15.0)
@@ -104,6 +108,11 @@ def gateway_main(args: argparse.Namespace, command: str) -> int:
     plan = QUICK if args.quick else GatewayPlan()
     if args.idle_streams is not None:
         plan = replace(plan, idle_streams=args.idle_streams)
+    for field in ("ttft_requests", "rounds", "window_s"):
+        if getattr(args, field) is not None:
+            plan = replace(plan, **{field: getattr(args, field)})
+    if args.concurrencies:
+        plan = replace(plan, concurrencies=tuple(int(c) for c in args.concurrencies.split(",")))
     if args.no_router:
         plan = replace(plan, with_router=False)
     load_before = os.getloadavg()

@@ -57,7 +57,10 @@ def router_argv(
             "--policy", opts.policy, "--log-level", "warning",
             "--max-concurrent-requests", str(opts.max_concurrent),
             "--queue-size", "4096",
-            "--request-timeout-secs", str(opts.request_timeout_s)]  # fmt: skip
+            "--request-timeout-secs", str(opts.request_timeout_s),
+            # Its metrics listener defaults to port 29000: a second router (or anything else
+            # there) would make it panic at start-up.
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # fmt: skip
     if opts.retries == 0:
         argv.append("--disable-retries")
     elif opts.retries is not None:

@@ -88,10 +88,7 @@ async def test_prefill_without_batch_endpoint_falls_back_to_single_calls() -> No
     upstream = PlainVllmPrefill()
     fwd, tracker = forwarder(
         upstream,
-        # Every request through the forwarder task, so the four queue up for one batch.
-        ForwardingOptions(
-            batch_forwarding=True, batch_endpoint=True, send_now=False, client_error=client_error
-        ),
+        ForwardingOptions(batch_forwarding=True, batch_endpoint=True, client_error=client_error),
         capacity=8,
         order=QueueOrder.FIFO,
     )
@@ -158,25 +155,4 @@ async def test_without_early_drop_the_same_request_is_sent_and_expires() -> None
     with pytest.raises(DeadlineExceeded, match="before its TTFT deadline"):
         await fwd.acquire(short_waiter(100, 0.1))
     assert upstream.single_calls == 1
-    await fwd.close()
-
-
-async def test_first_attempt_with_nobody_queued_runs_in_the_callers_task() -> None:
-    class Recording(SlowPrefill):
-        def __init__(self) -> None:
-            super().__init__(0.0)
-            self.tasks: list[asyncio.Task[Any] | None] = []
-
-        async def prefill(self, base_url: str, body: dict[str, Any], **kw: Any) -> dict[str, Any]:
-            self.tasks.append(asyncio.current_task())
-            return await super().prefill(base_url, body, **kw)
-
-    upstream = Recording()
-    fwd, tracker = forwarder(upstream, ForwardingOptions())
-    grant = await fwd.acquire(waiter(1))
-    # No hop through the forwarder's task (nor an attempt task): the caller made the call.
-    assert upstream.tasks == [asyncio.current_task()]
-    grant.stream.release()
-    grant.inflight.release()
-    assert tracker.totals() == (0, 0)
     await fwd.close()

@@ -6,10 +6,13 @@ import math
 import shutil
 from pathlib import Path
 
+import orjson
 import pytest
 
+from loadtest import bench
 from loadtest.bench import update_gateway_doc
 from loadtest.gateway_bench import GatewayPlan, run_gateway_bench, summarize_ttft
+from loadtest.gateway_profile import summarize_stacks
 from loadtest.gateway_report import json_line, markdown
 
 
@@ -69,7 +72,7 @@ def test_markdown_table_and_doc_markers(tmp_path: Path) -> None:
 async def test_a_tiny_run_has_the_json_shape() -> None:
     """The real thing, shrunk: shims, Redis, pdgate and the client, no vllm-router (~8 s)."""
     if shutil.which("redis-server") is None:
-        pytest.skip("redis-server not installed (make redis-server)")
+        pytest.fail("redis-server not installed (make redis-server)")
     plan = GatewayPlan(
         ttft_requests=3, concurrencies=(32,), rounds=1, warmup_s=0.1, window_s=0.2,
         idle_streams=20, idle_batch=10, settle_s=0.1, with_router=False,
@@ -81,3 +84,34 @@ async def test_a_tiny_run_has_the_json_shape() -> None:
     assert result["failures_c32"] == {"direct": 0, "pdgate": 0}
     assert result["idle_streams"] == 20 and result["kib_per_idle_stream"] > 0
     assert set(result["cpu_s_per_1k"]) == {"pdgate"}
+
+
+def test_cli_runs_a_custom_short_comparison(capsys: pytest.CaptureFixture[str]) -> None:
+    """The before/after command of docs/performance.md: no idle phase, one concurrency."""
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server not installed (make redis-server)")
+    code = bench.main(
+        ["gateway", "--no-router", "--no-doc", "--idle-streams", "0", "--concurrencies", "32",
+         "--rounds", "1", "--window-s", "0.3", "--ttft-requests", "3"]
+    )  # fmt: skip
+    assert code == 0
+    result = orjson.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "kib_per_idle_stream" not in result and "rps_c256" not in result
+    assert result["rps_c32"]["pdgate"] > 0 and result["failures_c32"]["pdgate"] == 0
+    assert result["cpu_s_per_1k"]["pdgate"] > 0
+
+
+def test_profile_summary_ranks_self_and_inclusive_samples() -> None:
+    raw = (
+        'process 1:"python";main (gateway/cli.py:9);relay (gateway/relay.py:40) 30\n'
+        "main (gateway/cli.py:9);relay (gateway/relay.py:40);send (x/site-packages/u.py:7) 50\n"
+        "main (gateway/cli.py:9) 20\n"
+        "garbage line\n"
+    )
+    text = summarize_stacks(raw, top=3)
+    assert text.startswith("100 samples")
+    self_part, incl_part = text.split("incl %")
+    # Self: send 50, relay 30, main 20; inclusive: main 100, relay 80, send 50.
+    assert self_part.index("send (u.py)") < self_part.index("relay (gateway/relay.py)")
+    assert "100.0   main (gateway/cli.py)" in incl_part
+    assert "80.0   relay (gateway/relay.py)" in incl_part
