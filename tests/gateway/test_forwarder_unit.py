@@ -59,7 +59,7 @@ def forwarder(
     *,
     capacity: int = 1,
     order: QueueOrder = QueueOrder.EDF,
-) -> tuple[PrefillForwarder, InstanceTracker]:
+) -> tuple[PrefillForwarder, InstanceTracker, GatewayMetrics]:
     """A forwarder for one prefill ``p`` of `capacity` slots behind `upstream`."""
     tracker = InstanceTracker()
     tracker.update_membership(
@@ -69,6 +69,7 @@ def forwarder(
             )
         }
     )
+    metrics = GatewayMetrics(tracker.totals, lambda: 0)
     fwd = PrefillForwarder(
         "m",
         None,
@@ -77,16 +78,16 @@ def forwarder(
         upstream,
         LeastSSE(),
         ConstantBackoff(0.01),
-        GatewayMetrics(tracker.totals, lambda: 0),
+        metrics,
         None,
         options,
     )
-    return fwd, tracker
+    return fwd, tracker, metrics
 
 
 async def test_prefill_without_batch_endpoint_falls_back_to_single_calls() -> None:
     upstream = PlainVllmPrefill()
-    fwd, tracker = forwarder(
+    fwd, tracker, _ = forwarder(
         upstream,
         ForwardingOptions(batch_forwarding=True, batch_endpoint=True, client_error=client_error),
         capacity=8,
@@ -130,7 +131,7 @@ def short_waiter(chars: int, deadline_s: float) -> Waiter:
 
 async def test_hopeless_request_is_dropped_without_a_prefill_call() -> None:
     upstream = SlowPrefill(0.05)
-    fwd, _ = forwarder(upstream, ForwardingOptions(early_drop=True))
+    fwd, _, metrics = forwarder(upstream, ForwardingOptions(early_drop=True))
     for _ in range(32):  # recent history: 100 chars took 0.2 s
         fwd.prefill_times.record(100, 0.2)
     began = time.monotonic()
@@ -139,6 +140,7 @@ async def test_hopeless_request_is_dropped_without_a_prefill_call() -> None:
     assert time.monotonic() - began < 0.05  # at once, not at its deadline
     assert upstream.single_calls == 0
     assert fwd.queue.peek() is None and fwd.waiting == 0
+    assert metrics.registry.get_sample_value("pdgate_early_drops_total") == 1
     # A request with time enough is sent as usual (and its call time recorded).
     grant = await fwd.acquire(short_waiter(100, 1.0))
     grant.stream.release()
@@ -149,10 +151,11 @@ async def test_hopeless_request_is_dropped_without_a_prefill_call() -> None:
 
 async def test_without_early_drop_the_same_request_is_sent_and_expires() -> None:
     upstream = SlowPrefill(0.5)
-    fwd, _ = forwarder(upstream, ForwardingOptions(early_drop=False))
+    fwd, _, metrics = forwarder(upstream, ForwardingOptions(early_drop=False))
     for _ in range(32):  # the same history: it would be dropped with early drop on
         fwd.prefill_times.record(100, 0.2)
     with pytest.raises(DeadlineExceeded, match="before its TTFT deadline"):
         await fwd.acquire(short_waiter(100, 0.1))
     assert upstream.single_calls == 1
+    assert metrics.registry.get_sample_value("pdgate_early_drops_total") == 0
     await fwd.close()
