@@ -17,10 +17,11 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["Counters", "delta", "parse_gateway_metrics", "read_counters"]
+__all__ = ["ATTEMPT_KEYS", "Counters", "delta", "parse_gateway_metrics", "read_counters"]
 
 Counters = dict[str, float]
 
+ATTEMPT_KEYS = tuple(f"attempts_{r}" for r in ("accepted", "rejected", "failed", "client_error"))
 _LOAD_FIELDS = ("prefix_cache_hit_tokens", "prefix_cache_total_tokens", "rejected", "admitted")
 
 
@@ -58,7 +59,8 @@ async def read_counters(
         *(_get(session, url + "/metrics") for url in gateway_urls),
         *(_get(session, url + "/load") for url in prefill_urls),
     )
-    out: Counters = {}
+    # A counter that never moved has no sample yet: 0, not absent (absent = no gateway read).
+    out: Counters = dict.fromkeys(ATTEMPT_KEYS, 0.0) if gateway_urls else {}
     for text in replies[: len(gateway_urls)]:
         for key, value in parse_gateway_metrics(str(text)).items():
             out[key] = out.get(key, 0.0) + value

@@ -62,9 +62,12 @@ class Point:
 
     @property
     def retries_per_request(self) -> float:
-        """Rejected prefill attempts per request issued in the window."""
+        """Rejected prefill attempts per request issued in the window (NaN without pdgate's
+        metrics, e.g. behind another router)."""
         n = self.summary.requests
-        return self.counters.get("attempts_rejected", 0.0) / n if n else math.nan
+        if not n or "attempts_rejected" not in self.counters:
+            return math.nan
+        return self.counters["attempts_rejected"] / n
 
     def row(self) -> dict[str, Any]:
         s = self.summary

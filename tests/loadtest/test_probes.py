@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from loadtest.probes import delta, parse_gateway_metrics
+import math
+
+from loadtest.probes import ATTEMPT_KEYS, delta, parse_gateway_metrics
+from loadtest.runner import Point
+from loadtest.stats import RequestResult, summarize
 
 _EXPOSITION = """\
 # HELP pdgate_prefill_attempts_total Prefill calls by result
@@ -44,3 +48,19 @@ def test_delta_treats_new_keys_as_starting_at_zero() -> None:
         "b": 0.0,
         "c": 2.0,
     }
+
+
+def test_retries_per_request_is_unknown_without_a_gateways_metrics() -> None:
+    ok = RequestResult("chat", 1.0, 200, 0.1, 0.5, True)
+    summary = summarize([ok, ok], 1.0)
+
+    def point(counters: dict[str, float]) -> Point:
+        return Point("m", 2, summary, counters, 0.0, 0.0, 0.0, {}, 1.0)
+
+    # pdgate in front: a counter that never moved is a real zero.
+    zeros = dict.fromkeys(ATTEMPT_KEYS, 0.0)
+    assert point(delta(zeros, zeros)).retries_per_request == 0.0
+    assert point({"attempts_rejected": 0.0}).retries_per_request == 0.0
+    assert point({"attempts_rejected": 3.0}).retries_per_request == 1.5
+    # Another router in front: nothing was read, so nothing is known.
+    assert math.isnan(point({"shim_rejected": 7.0}).retries_per_request)
