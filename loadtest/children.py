@@ -12,16 +12,25 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import IO
 
-__all__ = ["Child", "free_port"]
+__all__ = ["Child", "find_binary", "free_port"]
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def find_binary(name: str) -> str | None:
+    """An executable installed next to this interpreter (a venv's bin, where pip puts a
+    wheel's scripts) or else on PATH."""
+    return shutil.which(name, path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
 
 
 def free_port() -> int:

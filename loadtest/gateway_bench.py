@@ -37,6 +37,7 @@ import orjson
 from loadtest.children import Child, free_port
 from loadtest.gateway_load import Front, open_idle_stream, run_window, send
 from loadtest.gateway_shims import ShimSpec
+from loadtest.probes import wait_instances
 from loadtest.router import RouterOptions, running_router
 from loadtest.stats import percentile
 
@@ -94,19 +95,6 @@ def _gateway_env(key_prefix: str, streams: int) -> dict[str, str]:
     }
 
 
-async def _wait_instances(session: aiohttp.ClientSession, gateway: str, want: int) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        with contextlib.suppress(aiohttp.ClientError, OSError):
-            async with session.get(gateway + "/admin/instances") as resp:
-                rows = (await resp.json())["instances"]
-                if sum(1 for r in rows if r["state"] == "ready") >= want:
-                    return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the shims did not all join {gateway}")
-        await asyncio.sleep(0.1)
-
-
 @contextlib.asynccontextmanager
 async def running_fronts(
     session: aiohttp.ClientSession,
@@ -141,7 +129,7 @@ async def running_fronts(
         )
         urls = orjson.loads(shims_ready.group(0))
         base = gateway_ready.group(1)
-        await _wait_instances(session, base, spec.prefills + spec.decodes)
+        await wait_instances(session, base, spec.prefills + spec.decodes)
         fronts = {
             "direct": Front("direct", prefills=urls["prefills"], decodes=urls["decodes"]),
             "pdgate": Front("pdgate", url=base + "/v1/completions"),

@@ -10,7 +10,6 @@ it), and keeps the raw collapsed stacks for a flame graph (``--out``).
 from __future__ import annotations
 
 import asyncio
-import shutil
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import aiohttp
 
+from loadtest.children import find_binary
 from loadtest.gateway_bench import private_redis, running_fronts
 from loadtest.gateway_load import run_window
 from loadtest.gateway_shims import ShimSpec
@@ -75,7 +75,7 @@ def summarize_stacks(raw: str, top: int) -> str:
 
 
 async def profile_gateway(plan: ProfilePlan) -> str:
-    pyspy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin")
+    pyspy = find_binary("py-spy")
     if pyspy is None:
         raise RuntimeError("py-spy not found (pip install py-spy)")
 

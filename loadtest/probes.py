@@ -1,5 +1,5 @@
 """Server-side counters read at both ends of a measurement window; the run's numbers are
-the differences.
+the differences. Also: waiting until a gateway sees its instances.
 
 * shims' ``/load``: ``prefix_cache_hit_tokens`` / ``prefix_cache_total_tokens`` (prefix hit
   rate) and ``rejected`` (429s answered by prefills), summed over the prefills;
@@ -11,13 +11,22 @@ the differences.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["ATTEMPT_KEYS", "Counters", "delta", "parse_gateway_metrics", "read_counters"]
+__all__ = [
+    "ATTEMPT_KEYS",
+    "Counters",
+    "delta",
+    "parse_gateway_metrics",
+    "read_counters",
+    "wait_instances",
+]
 
 Counters = dict[str, float]
 
@@ -68,6 +77,25 @@ async def read_counters(
     for name in _LOAD_FIELDS:
         out[f"shim_{name}"] = float(sum(load.get(name, 0) for load in loads))
     return out
+
+
+async def wait_instances(
+    session: aiohttp.ClientSession, gateway: str, want: int, timeout_s: float = 30.0
+) -> None:
+    """Until `gateway` lists `want` ready instances (membership is eventually consistent);
+    a gateway still starting up counts as seeing none."""
+    deadline = time.monotonic() + timeout_s
+    ready = 0
+    while True:
+        with contextlib.suppress(aiohttp.ClientError, OSError):
+            async with session.get(gateway + "/admin/instances") as resp:
+                rows = (await resp.json())["instances"]
+                ready = sum(1 for r in rows if r["state"] == "ready")
+        if ready >= want:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {ready} of {want} instances joined {gateway}")
+        await asyncio.sleep(0.05)
 
 
 def delta(before: Mapping[str, float], after: Mapping[str, float]) -> Counters:

@@ -19,6 +19,7 @@ import aiohttp
 import orjson
 
 from loadtest.modes import ClusterSpec, Mode
+from loadtest.probes import wait_instances
 
 __all__ = ["ClusterProcess", "ClusterUrls"]
 
@@ -80,16 +81,9 @@ class ClusterProcess:
         """Until every gateway sees every instance ready (membership is eventually consistent)."""
         assert self.urls is not None
         want = self.spec.prefills + self.spec.decodes
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s  # one bound for all gateways together
         for gateway in self.urls.gateways:
-            while True:
-                async with session.get(gateway + "/admin/instances") as resp:
-                    rows = (await resp.json())["instances"]
-                if sum(1 for r in rows if r["state"] == "ready") >= want:
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"only {len(rows)} of {want} instances joined {gateway}")
-                await asyncio.sleep(0.05)
+            await wait_instances(session, gateway, want, max(0.0, deadline - time.monotonic()))
 
     async def stats(self) -> dict[str, Any]:
         """CPU seconds and event-loop lag of the child (lag: since the previous call)."""

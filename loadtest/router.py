@@ -13,17 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import shutil
-import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
 
-from loadtest.children import Child, free_port
+from loadtest.children import Child, find_binary, free_port
 
 __all__ = ["RouterOptions", "router_binary", "running_router", "wait_http"]
 
@@ -44,10 +40,7 @@ class RouterOptions:
 
 
 def router_binary() -> str | None:
-    """The ``vllm-router`` next to this interpreter (a venv's bin) or on PATH."""
-    return shutil.which(
-        "vllm-router", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"
-    )
+    return find_binary("vllm-router")
 
 
 def router_argv(
