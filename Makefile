@@ -9,7 +9,7 @@ VLLM_STAMP := $(VENV)/.pdgate-vllm-installed
 # an index named in PIP_EXTRA_INDEX_URL (https://download.pytorch.org/whl/cpu elsewhere).
 TORCH_CPU ?= torch==2.13.0+cpu
 
-.PHONY: install run test test-slow lint format redis-server docs clean vllm test-vllm loadtest
+.PHONY: install run test test-slow lint format debs redis-server docs clean vllm test-vllm loadtest
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,17 +26,32 @@ install: $(STAMP)
 run: install
 	$(BIN)/pdgate up
 
-## redis-server: the tests start a private Redis when none answers; make sure the binary exists
-redis-server:
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  echo "installing Debian's redis-server (tests start private Redis servers)"; \
+## debs: the Debian packages the tests drive as real programs, installed where missing:
+## redis-server (private Redis servers), prometheus + promtool (metrics tests), chromium +
+## chromedriver (the dashboard's browser test, driven by selenium)
+DEBS := redis-server:redis-server prometheus:promtool chromium:chromium chromium-driver:chromedriver
+debs:
+	@missing=""; for pair in $(DEBS); do \
+	  pkg=$${pair%%:*}; bin=$${pair##*:}; \
+	  command -v $$bin >/dev/null 2>&1 || [ -x /usr/bin/$$bin ] || missing="$$missing $$pkg"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages the tests need:$$missing"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; \
-	  command -v redis-server >/dev/null 2>&1 || { [ -x /usr/bin/redis-server ] && exit 0; }; }
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    $$SUDO apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+
+redis-server: debs
+
+# mypy reads the installed name `pdgate.*` from links to the source folders (pyproject.toml).
+TYPECHECK := .tmp/typecheck/pdgate
+PACKAGES  := config engine_shim gateway loadtest policies registry
 
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	@mkdir -p $(TYPECHECK) && for p in $(PACKAGES); do ln -sfn ../../../$$p $(TYPECHECK)/$$p; done
 	$(BIN)/mypy
 
 format: install
@@ -75,11 +90,13 @@ test-vllm: vllm redis-server
 ## loadtest: `pdgate up` on a free port + Locust headless (step shape, 45 s) into docs/loadtest/
 ## (LOADTEST_OUT); the cluster is stopped however Locust ends. See docs/loadtest.md.
 loadtest: install
-	BIN=$(BIN) loadtest/locust_run.sh
+	BIN=$(BIN) loadtest/locust/locust_run.sh
 
-## docs: regenerate the settings reference in README.md from config/settings.py
-docs: install
-	$(BIN)/python -m config._docs --update README.md
+## docs: regenerate the settings reference in README.md from config/settings.py, and
+## docs/dashboard.png (the operator's page under load, taken by its browser test)
+docs: install debs
+	$(BIN)/python -m pdgate.config._docs --update README.md
+	PDGATE_UPDATE_DOCS=1 $(BIN)/python -m pytest tests/gateway/test_dashboard.py -k browser -q
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -1,15 +1,18 @@
-"""Settings models shared by all pdgate processes."""
+"""What every pdgate process shares, importing nothing else of pdgate's: the settings models
+(settings.py), the wire protocol (wire.py, openai_api.py), asyncio helpers (aio.py) and the
+uvicorn runner (server.py)."""
 
-from config.settings import (
+from pdgate.config.settings import (
     ClusterSettings,
     DispatchMode,
     GatewaySettings,
     PrefillAdmission,
     QueueOrder,
     RegistrySettings,
-    Role,
+    ScenarioGroup,
     ShimSettings,
 )
+from pdgate.config.wire import Role
 
 __all__ = [
     "ClusterSettings",
@@ -19,5 +22,6 @@ __all__ = [
     "QueueOrder",
     "RegistrySettings",
     "Role",
+    "ScenarioGroup",
     "ShimSettings",
 ]

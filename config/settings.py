@@ -10,12 +10,22 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import Annotated, Any, ClassVar, Literal, Self
+from urllib.parse import urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from config._toml import TomlTableSource
+from pdgate.config._toml import TomlTableSource
+from pdgate.config.wire import Role
 
 
 class _Settings(BaseSettings):
@@ -74,6 +84,12 @@ class RegistrySettings(_Settings):
         default=4096, gt=0, description="Upper bound on members read in one poll."
     )
     connect_timeout_s: float = Field(default=1.0, gt=0, description="Redis connect/socket timeout.")
+    cluster_token: SecretStr | None = Field(
+        default=None,
+        description="The fleet's shared secret: gateways send it to shims, decodes to prefills "
+        "(Authorization: Bearer), and registry records are signed with it so that write "
+        "access to Redis alone cannot add an instance (docs/security.md).",
+    )
 
     @model_validator(mode="after")
     def _ttl_covers_heartbeats(self) -> Self:
@@ -87,11 +103,6 @@ class PrefillAdmission(StrEnum):
     QUEUE = "queue"  # the paper's "original version": a local FIFO queue (baseline)
 
 
-class Role(StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
 class ShimSettings(_Settings):
     """One engine instance (prefill shim or decode worker)."""
 
@@ -103,7 +114,8 @@ class ShimSettings(_Settings):
     )
     engine: str = Field(
         default="sim",
-        description="Engine backend: sim (timing model) or vllm (vLLM in-process; `make vllm`).",
+        description="Engine backend by name: sim (timing model), vllm (vLLM in-process; `make "
+        'vllm`), or "package.module:factory" for one that lives outside pdgate.',
     )
     host: str = Field(default="127.0.0.1", description="Address to listen on.")
     port: int = Field(
@@ -153,6 +165,12 @@ class ShimSettings(_Settings):
         "(CPU boxes cannot move 128 KiB/token at test scale); transfer time is still "
         "modelled at full size.",
     )
+    sim_prefix_cache_blocks: int | None = Field(
+        default=None,
+        ge=0,
+        description="Prefix-cache size of the sim prefill engine, in blocks of 16 tokens "
+        "(0 = no prefix cache); unset = the profile's.",
+    )
     max_model_len: int = Field(
         default=32768,
         gt=0,
@@ -163,6 +181,29 @@ class ShimSettings(_Settings):
         ge=0,
         description="On shutdown: stop taking requests (state draining) and wait this long for "
         "held KV and running streams to finish.",
+    )
+    body_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A request body not received whole within this long gets 408.",
+    )
+    sse_ping_interval_s: float = Field(
+        default=15.0,
+        ge=0,
+        description="Decode: send an SSE comment (`: ping`) after this long without an event, so "
+        "proxies keep a stream that waits for its KV open (0 = never).",
+    )
+    sse_send_timeout_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="Decode: drop a stream whose client has not taken an event for this long "
+        "(it stopped reading), freeing its slot (0 = never).",
+    )
+    allow_unauthenticated: bool = Field(
+        default=False,
+        description="Allow listening on a non-loopback address without the registry's "
+        "cluster_token (refused otherwise: anyone who can reach the port could run prompts "
+        "and read or drop other requests' KV).",
     )
     vllm_model: str | None = Field(
         default=None,
@@ -205,6 +246,133 @@ class QueueOrder(StrEnum):
     EDF = "edf"  # earliest deadline first
 
 
+# Slots of a static prefill whose capacity is not given: a stock vLLM prefill queues what it
+# cannot batch, so the gateway keeps at most this many requests in it (the queue-less rule).
+STATIC_PREFILL_CAPACITY = 8
+# Running sequences of a static decode whose capacity is not given.
+STATIC_DECODE_CAPACITY = 64
+_STATIC_KEYS = ("capacity", "group", "model", "id")
+_MAX_NAME_CHARS = 128
+
+
+class StaticInstance(BaseModel):
+    """A server the gateway fronts by URL, without registration (``--prefill``/``--decode``,
+    ``static_prefills``/``static_decodes``). Given as a table or as one string,
+    ``"URL [capacity=N] [group=G] [model=M] [id=ID]"``; the model defaults to the first the
+    server lists at ``GET /v1/models``, the id to one derived from role and URL (the same on
+    every gateway, so the fleet shares its slots)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str
+    capacity: int | None = Field(default=None, gt=0, le=4096)
+    group: str = "default"
+    model: str | None = None
+    id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_spec(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("url"), str):
+            if "@" in urlsplit(data["url"]).netloc:
+                return {"url": _without_credentials(data["url"])}
+            return data
+        if not isinstance(data, str):
+            return data
+        url, *options = data.split() or [""]
+        if "@" in urlsplit(url).netloc:
+            return {"url": _without_credentials(url)}
+        fields: dict[str, str] = {"url": url} if url else {}  # no url: "field required"
+        for option in options:
+            key, sep, value = option.partition("=")
+            if not sep or key not in _STATIC_KEYS:
+                raise ValueError(
+                    f"{option!r} in {data!r}: expected key=value with key one of "
+                    + ", ".join(_STATIC_KEYS)
+                )
+            if key in fields:
+                raise ValueError(f"{key} given twice in {data!r}")
+            fields[key] = value
+        return fields
+
+    @field_validator("url")
+    @classmethod
+    def _base_url(cls, url: str) -> str:
+        parts = urlsplit(url.strip())
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{url!r}: expected http://host:port or https://host:port")
+        if parts.username is not None or parts.password is not None:
+            # It would end up in logs and instance ids; servers' keys go in upstream_api_key.
+            raise ValueError("credentials in an instance URL are not allowed (upstream_api_key)")
+        if parts.query or parts.fragment:
+            raise ValueError(f"{url!r}: an instance URL has no query or fragment")
+        parts.port  # noqa: B018 - raises ValueError for a malformed port
+        path = parts.path.rstrip("/")
+        # The gateway appends /v1/completions itself; an OpenAI base URL is a common paste.
+        path = path.removesuffix("/v1")
+        return f"{parts.scheme}://{parts.netloc}{path}"
+
+    @field_validator("group", "model", "id")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        if value is not None and not (
+            0 < len(value) <= _MAX_NAME_CHARS and value.isprintable() and not value.isspace()
+        ):
+            raise ValueError(f"{value!r}: 1-{_MAX_NAME_CHARS} printable characters")
+        return value
+
+
+def _without_credentials(url: str) -> str:
+    """`url` with its user info masked: validation errors echo their input, and a URL with
+    credentials must be refused without printing them (the url check rejects the mask)."""
+    netloc = urlsplit(url).netloc
+    return url.replace(netloc, "***@" + netloc.rpartition("@")[2], 1)
+
+
+def _unique_urls(instances: list[StaticInstance]) -> list[StaticInstance]:
+    seen: set[str] = set()
+    for instance in instances:
+        if instance.url in seen:
+            raise ValueError(f"{instance.url} is listed twice")
+        seen.add(instance.url)
+    return instances
+
+
+# At most this many per role: each is probed in every round.
+_StaticList = Annotated[list[StaticInstance], Field(max_length=1024), AfterValidator(_unique_urls)]
+
+
+class ScenarioGroup(BaseModel):
+    """One scenario group (P/D-Serve section 3.2): which requests belong to it, and its own
+    deadline and queue bound. Its instances are those registered with this group."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    # A request matches when every condition given holds (none given: matches everything).
+    models: list[str] = Field(default_factory=list, description="Model names.")
+    api_keys: list[str] = Field(default_factory=list, description="API key names (tenants).")
+    headers: list[str] = Field(
+        default_factory=list, description="Values of the x-pdgate-group header."
+    )
+    min_prompt_chars: int | None = Field(default=None, ge=0)
+    max_prompt_chars: int | None = Field(default=None, ge=0)
+    ttft_timeout_s: float | None = Field(default=None, gt=0, le=600)
+    queue_size: int | None = Field(default=None, gt=0)
+    priority: Literal["high", "normal", "low"] | None = Field(
+        default=None, description="Default priority class of the group's requests."
+    )
+
+    def matches(self, model: str, key: str | None, header: str | None, prompt_chars: int) -> bool:
+        return (
+            (not self.models or model in self.models)
+            and (not self.api_keys or key in self.api_keys)
+            and (not self.headers or header in self.headers)
+            and (self.min_prompt_chars is None or prompt_chars >= self.min_prompt_chars)
+            and (self.max_prompt_chars is None or prompt_chars <= self.max_prompt_chars)
+        )
+
+
 class GatewaySettings(_Settings):
     """The OpenAI-compatible front door."""
 
@@ -220,6 +388,22 @@ class GatewaySettings(_Settings):
         gt=0,
         le=600,
         description="Per-request deadline to get a prefill accepted and a decode streaming.",
+    )
+    groups: list[ScenarioGroup] = Field(
+        default_factory=list,
+        description='Scenario groups, first match wins: [[gateway.groups]] name = "chat", '
+        "models = [...], api_keys = [...], headers = [...], min_prompt_chars, "
+        "max_prompt_chars, ttft_timeout_s, queue_size (docs/operations.md).",
+    )
+    default_group: str | None = Field(
+        default=None,
+        description="Group of a request no rule matches (and that names none); unset = any "
+        "group serving its model.",
+    )
+    reject_unmatched: bool = Field(
+        default=False,
+        description="Answer 400 to a request that no group rule matches (instead of "
+        "default_group).",
     )
     group_ttft_timeout_s: dict[str, float] = Field(
         default_factory=dict,
@@ -258,18 +442,26 @@ class GatewaySettings(_Settings):
     prefill_batch_endpoint: bool = Field(
         default=True,
         description="Send each batch-forwarded run in one call to the shims' "
-        "/v1/completions/batch (measured faster: docs/batch_forwarding.md); prefills without it "
-        "(404/405, e.g. plain vLLM) get one call per request.",
+        "/v1/completions/batch (measured faster: docs/batch_forwarding.md). Only prefills whose "
+        "registry record declares it (pdgate shims) get batch calls; stock servers get one call "
+        "per request, and a 404/405 turns it off for that prefill.",
     )
     prefill_policy: str = Field(
-        default="least_sse", description="Prefill ranking policy (by name)."
+        default="least_sse",
+        description="Prefill ranking policy: a profile (least_sse, affinity_sse, round_robin, "
+        "power_of_two, least_loaded) or module:factory (docs/extending.md).",
     )
-    prefill_policy_options: dict[str, int | float | str] = Field(
+    prefill_policy_options: dict[str, Any] = Field(
         default_factory=dict,
-        description="Keyword arguments for the prefill policy, e.g. {load_guard = 4}.",
+        description="Overrides of the prefill policy: filters = [...], scorers = {name = "
+        "weight}, picker = name, and a plugin's keyword arguments under its name, e.g. "
+        "{prefix_affinity = {load_guard = 4}}.",
     )
     decode_policy: str = Field(
-        default="least_loaded", description="Decode choice policy (by name)."
+        default="least_loaded", description="Decode choice policy (a profile or module:factory)."
+    )
+    decode_policy_options: dict[str, Any] = Field(
+        default_factory=dict, description="Overrides of the decode policy (as for prefill)."
     )
     affinity_block_chars: int = Field(
         default=64, gt=0, description="Prefix-affinity index: characters per hashed prompt block."
@@ -277,32 +469,103 @@ class GatewaySettings(_Settings):
     affinity_max_blocks: int = Field(
         default=512, gt=0, description="Leading blocks of a prompt indexed."
     )
-    affinity_max_entries: int = Field(
-        default=200_000, gt=0, description="Bound of the prefix-affinity index (block hashes, LRU)."
+    affinity_max_bytes: int = Field(
+        default=16 * 1024 * 1024,
+        gt=0,
+        description="Memory bound of the prefix-affinity index (LRU). Built only for a policy "
+        "that scores prefix affinity.",
     )
     backoff_initial_s: float = Field(
         default=0.005, gt=0, description="First wait after all candidates rejected."
     )
-    backoff_max_s: float = Field(default=0.2, gt=0, description="Cap of the exponential back-off.")
+    backoff_max_s: float = Field(
+        default=0.2, gt=0, description="Cap of the exponential back-off between retry rounds."
+    )
+    reject_hold_s: float = Field(
+        default=0.2,
+        gt=0,
+        description="How long an instance that answered 429 (or failed) is skipped, unless one "
+        "of this gateway's requests there frees a slot first.",
+    )
     backoff_jitter: float = Field(
         default=0.5, ge=0, le=1, description="Fraction of each wait randomised."
     )
-    max_candidates: int = Field(
-        default=4, gt=0, description="Prefills tried per round before backing off."
+    prefill_try_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Longest one prefill call may take before the request moves to another "
+        "prefill (one that accepted the connection and hangs); unset = 4x the slowest recent "
+        "prefills of that prompt length, at least 2 s.",
+    )
+    decode_header_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="A decode must answer (status and headers) within this; else the next one "
+        "gets the request.",
+    )
+    eject_after_failures: int = Field(
+        default=5,
+        ge=1,
+        description="Consecutive failures (refused, reset, 5xx, timeout before the first byte) "
+        "that eject an instance (not 429s).",
+    )
+    eject_base_s: float = Field(
+        default=5.0, gt=0, description="First ejection's cool-down; doubles each time in a row."
+    )
+    eject_max_s: float = Field(default=300.0, gt=0, description="Longest ejection cool-down.")
+    ratio_window_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="P/D ratio advice: the window of measurements it is computed from.",
+    )
+    ratio_target_utilization: float = Field(
+        default=0.8,
+        gt=0,
+        le=1,
+        description="P/D ratio advice: desired instance counts keep each role this busy.",
+    )
+    retry_budget_ratio: float = Field(
+        default=0.2,
+        ge=0,
+        le=1,
+        description="Failover retries (after failures, not 429s) allowed per request, on average.",
+    )
+    retry_budget_burst: float = Field(
+        default=10.0, ge=1, description="Failover retries allowed at once beyond the ratio."
+    )
+    decode_candidates: int = Field(
+        default=4, gt=0, description="Decodes tried per round before backing off."
     )
     max_pending: int = Field(
         default=4096,
         gt=0,
         description="Requests admitted at once (waiting + streaming); more get 503.",
     )
+    max_uploads: int = Field(
+        default=1024,
+        gt=0,
+        description="Requests whose body is still arriving, at once (they do not count "
+        "against max_pending); more get 503.",
+    )
+    body_timeout_s: float = Field(
+        default=10.0, gt=0, description="A request body not whole within this gets 408."
+    )
     max_body_bytes: int = Field(
         default=4 * 1024 * 1024, gt=0, description="Largest request body accepted."
+    )
+    max_response_bytes: int = Field(
+        default=16 * 1024 * 1024,
+        gt=0,
+        description="Largest answer read whole from an instance (non-streaming clients).",
     )
     max_tokens_limit: int = Field(default=32768, gt=0, description="Largest max_tokens accepted.")
     default_max_tokens: int = Field(
         default=16, gt=0, description="max_tokens when the client omits it."
     )
     retry_after_s: int = Field(default=1, ge=1, le=120, description="Retry-After sent with 503s.")
+    retry_after_max_s: int = Field(
+        default=120, ge=1, le=3600, description="Cap of any Retry-After the gateway sends."
+    )
     upstream_connect_timeout_s: float = Field(
         default=2.0, gt=0, description="TCP connect timeout to instances."
     )
@@ -317,6 +580,92 @@ class GatewaySettings(_Settings):
     )
     access_log: bool = Field(
         default=False, description="Log one line per request (method, path, status)."
+    )
+    api_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="Client API keys (env: a JSON list, e.g. '[\"sk-1\"]'); kept hashed. With "
+        "any key set, every request needs `Authorization: Bearer <key>` (docs/security.md).",
+    )
+    api_keys_file: Path | None = Field(
+        default=None,
+        description="A file of client keys, one per line: `<key or sha256:<hex>> [name=...] "
+        "[group=...] [rpm=...]` (`pdgate keys new` writes lines).",
+    )
+    admin_token: SecretStr | None = Field(
+        default=None, description="Bearer token for /admin/* and /dashboard."
+    )
+    metrics_auth: bool = Field(default=False, description="/metrics also needs the admin token.")
+    allow_unauthenticated: bool = Field(
+        default=False,
+        description="Allow listening on a non-loopback address without client API keys "
+        "(refused otherwise: anyone who reaches the port could use the fleet).",
+    )
+    upstream_api_key: SecretStr | None = Field(
+        default=None,
+        description="Bearer token sent to every instance: pdgate shims' cluster token, or the "
+        "--api-key of stock vLLM servers (default: the registry's cluster_token).",
+    )
+    gateway_id: str | None = Field(
+        default=None,
+        description="This gateway's name in the fleet (default: random per process).",
+    )
+    fleet: bool = Field(
+        default=True,
+        description="With a Redis registry: share prefill slot leases, load counts and queue "
+        "heads with the other gateways on it, so they act as one (docs/fleet.md).",
+    )
+    fleet_sync_interval_s: float = Field(
+        default=0.1,
+        gt=0,
+        description="How often the fleet's load counts and queue heads are exchanged.",
+    )
+    fleet_ttl_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="A gateway that stops renewing (killed) loses its slot leases and counts "
+        "after this long.",
+    )
+    fleet_window_s: float = Field(
+        default=0.02,
+        ge=0,
+        description="For this long after a prefill slot frees, only the gateway with the "
+        "fleet's most urgent queued request may take it (the fleet-wide deadline order).",
+    )
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=256,
+        description="Gateway worker processes on one port (SO_REUSEPORT); they share load "
+        "through the Redis registry, or split every instance's slots without one.",
+    )
+    worker_index: int = Field(
+        default=0,
+        ge=0,
+        description="Set by the --workers supervisor for each worker (0 .. workers-1).",
+    )
+    static_prefills: _StaticList = Field(
+        default_factory=list,
+        description="Prefill servers fronted by URL, without registration (--prefill): "
+        'strings "URL [capacity=N] [group=G] [model=M] [id=ID]" or tables of those keys. '
+        f"Capacity defaults to {STATIC_PREFILL_CAPACITY} slots, the model to the server's "
+        "first in GET /v1/models (README: Fronting existing servers).",
+    )
+    static_decodes: _StaticList = Field(
+        default_factory=list,
+        description="Decode servers fronted by URL (--decode), as static_prefills; capacity "
+        f"defaults to {STATIC_DECODE_CAPACITY}.",
+    )
+    static_probe_interval_s: float = Field(
+        default=2.0, gt=0, description="How often static instances are probed (GET /health)."
+    )
+    static_probe_timeout_s: float = Field(
+        default=1.0, gt=0, description="Longest one probe of a static instance may take."
+    )
+    static_down_after: int = Field(
+        default=2,
+        ge=1,
+        description="Failed probes in a row after which a static instance is marked draining "
+        "(no new requests) until it answers again.",
     )
 
 

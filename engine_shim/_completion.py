@@ -1,8 +1,8 @@
-"""The OpenAI ``/v1/completions`` request and response shapes, as vLLM serves them.
+"""The shims' side of ``/v1/completions`` and ``/v1/chat/completions``: the checks only an
+engine can make, and the responses' shapes as vLLM serves them.
 
-Only the fields a shim acts on are typed and checked; the sampling fields an engine can apply
-are collected in `CompletionRequest.sampling` (the sim ignores them, vllm applies them), other
-fields are accepted and ignored, but a known field of the wrong type is a 400, never a 500.
+The requests themselves are validated by the schemas both sides of the wire share
+(`pdgate.config.openai_api`), so the gateway and the shims can never disagree about a field.
 Error messages never echo request content: it may be a prompt.
 """
 
@@ -10,165 +10,88 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
-import orjson
-
-from engine_shim._http import ApiError, bad_request
-from engine_shim.wire import sse_event
-
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
-MAX_STOP_SEQUENCES = 4
-
-_NUMERIC = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "min_p",
+from pdgate.config.openai_api import (
+    Api,
+    ApiRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    parse_api,
+    sse_event,
 )
-# Passed to the engine when present; the engine checks their ranges.
-SAMPLING_FIELDS = (*_NUMERIC, "seed", "ignore_eos")
+from pdgate.config.wire import valid_request_id
+from pdgate.engine_shim.backend import ChatPrompt, TokenLogprobs
+
+__all__ = [
+    "ApiRequest",
+    "ChatCompletionRequest",
+    "ChatShape",
+    "CompletionRequest",
+    "CompletionShape",
+    "Shape",
+    "chat_prompt",
+    "check_length",
+    "check_model",
+    "completion_id",
+    "parse_request",
+    "shape_for",
+    "usage",
+]
 
 
-@dataclass(frozen=True, slots=True)
-class CompletionRequest:
-    prompt: str | list[int]
-    max_tokens: int
-    stream: bool
-    include_usage: bool
-    stop: tuple[str, ...]
-    model: str | None
-    kv_transfer_params: dict[str, Any] | None
-    sampling: dict[str, Any]
+def parse_request(body: bytes, *, max_model_len: int, api: Api = Api.COMPLETIONS) -> ApiRequest:
+    """A validated request (raises `OpenAIError` 400); no ``max_tokens`` beyond the model."""
+    req, _ = parse_api(api, body, max_tokens_limit=max_model_len)
+    return req
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _prompt(raw: object) -> str | list[int]:
-    # vLLM accepts a string, token ids, or a batch of either; one prompt per request here.
-    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
-        raw = raw[0]
-    if isinstance(raw, str):
-        if not raw:
-            raise bad_request("prompt must not be empty", "prompt")
-        return raw
-    if isinstance(raw, list) and raw and all(_is_int(t) for t in raw):
-        return list(raw)
-    if isinstance(raw, list) and len(raw) > 1:
-        raise bad_request("exactly one prompt per request is supported", "prompt")
-    raise bad_request(
-        "prompt must be a non-empty string or a non-empty list of token ids", "prompt"
-    )
-
-
-def _stop(raw: object) -> tuple[str, ...]:
-    if raw is None:
-        return ()
-    if isinstance(raw, str):
-        return (raw,) if raw else ()
-    if isinstance(raw, list) and all(isinstance(s, str) for s in raw):
-        if len(raw) > MAX_STOP_SEQUENCES:
-            raise bad_request(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed", "stop")
-        return tuple(s for s in raw if s)
-    raise bad_request("stop must be a string or a list of strings", "stop")
-
-
-def parse_completion(body: bytes, *, max_model_len: int) -> CompletionRequest:
-    try:
-        raw = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise bad_request("request body is not valid JSON") from None
-    if not isinstance(raw, dict):
-        raise bad_request("request body must be a JSON object")
-    if "prompt" not in raw:
-        raise bad_request("prompt is required", "prompt")
-    prompt = _prompt(raw["prompt"])
-
-    max_tokens = raw.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS
-    elif not _is_int(max_tokens):
-        raise bad_request("max_tokens must be an integer", "max_tokens")
-    if not 1 <= max_tokens <= max_model_len:
-        raise bad_request(f"max_tokens must be between 1 and {max_model_len}", "max_tokens")
-
-    stream = raw.get("stream")
-    if stream is None:
-        stream = False
-    elif not isinstance(stream, bool):
-        raise bad_request("stream must be a boolean", "stream")
-    options = raw.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not isinstance(options, dict):
-            raise bad_request("stream_options must be an object", "stream_options")
-        if not stream:
-            raise bad_request(
-                "stream_options is only allowed when stream is true", "stream_options"
-            )
-        include_usage = options.get("include_usage") or False
-        if not isinstance(include_usage, bool):
-            raise bad_request("stream_options.include_usage must be a boolean", "stream_options")
-
-    model = raw.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad_request("model must be a string", "model")
-    for name in ("n", "best_of"):
-        value = raw.get(name)
-        if value is not None and (not _is_int(value) or value != 1):
-            raise bad_request(f"only {name}=1 is supported", name)
-    if raw.get("echo"):
-        raise bad_request("echo is not supported", "echo")
-    for name in _NUMERIC:
-        value = raw.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise bad_request(f"{name} must be a number", name)
-    seed = raw.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise bad_request("seed must be an integer", "seed")
-    ignore_eos = raw.get("ignore_eos")
-    if ignore_eos is not None and not isinstance(ignore_eos, bool):
-        raise bad_request("ignore_eos must be a boolean", "ignore_eos")
-    params = raw.get("kv_transfer_params")
-    if params is not None and not isinstance(params, dict):
-        raise bad_request("kv_transfer_params must be an object", "kv_transfer_params")
-
-    return CompletionRequest(
-        prompt=prompt,
-        max_tokens=max_tokens,
-        stream=stream,
-        include_usage=include_usage,
-        stop=_stop(raw.get("stop")),
-        model=model,
-        kv_transfer_params=params,
-        sampling={k: raw[k] for k in SAMPLING_FIELDS if raw.get(k) is not None},
-    )
-
-
-def check_model(req: CompletionRequest, served: str) -> None:
+def check_model(req: ApiRequest, served: str) -> None:
     if req.model is not None and req.model != served:
-        raise ApiError(
+        raise OpenAIError(
             404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found"
         )
 
 
 def check_length(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
     if prompt_tokens + max_tokens > max_model_len:
-        raise bad_request(
+        raise OpenAIError(
+            400,
             f"This model's maximum context length is {max_model_len} tokens; the prompt has "
             f"{prompt_tokens} tokens and max_tokens is {max_tokens}.",
-            "prompt",
+            param="prompt",
         )
 
 
-def new_completion_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex}"
+def chat_prompt(req: ChatCompletionRequest) -> ChatPrompt:
+    """What an engine's chat template needs of a chat request (content as plain text)."""
+    messages: list[dict[str, Any]] = []
+    for message in req.messages:
+        item: dict[str, Any] = {"role": message.role, "content": message.text}
+        if message.name is not None:
+            item["name"] = message.name
+        if message.tool_calls:
+            item["tool_calls"] = message.tool_calls
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
+        messages.append(item)
+    return ChatPrompt(
+        messages,
+        tools=req.tools,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        template_kwargs=req.chat_template_kwargs,
+    )
+
+
+def completion_id(request_id: str | None, prefix: str = "cmpl") -> str:
+    """The caller's ``x-request-id`` when it is usable, so that a completion has one id in
+    its body, its headers and every log line; otherwise a fresh one."""
+    if request_id is not None and valid_request_id(request_id):
+        return request_id
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def usage(
@@ -184,51 +107,236 @@ def usage(
     return out
 
 
-class CompletionShape:
-    """Builds the JSON of one completion (whole or as SSE chunks) with a fixed id and time."""
+class Shape:
+    """Builds the JSON of one answer (whole or as SSE chunks) with a fixed id and time.
 
-    __slots__ = ("created", "id", "model")
+    With ``token_ids`` (vLLM's ``return_token_ids``) the answer carries the prompt's ids
+    (a stream: in its first event) and each choice the ids of its tokens (a stream: of the
+    tokens whose text that chunk carries)."""
 
-    def __init__(self, model: str) -> None:
-        self.id = new_completion_id()
+    object = ""
+    chunk_object = ""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        request_id: str | None = None,
+        logprobs: int | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        id_prefix: str = "cmpl",
+    ) -> None:
+        self.id = completion_id(request_id, id_prefix)
         self.created = int(time.time())
         self.model = model
+        self.logprobs = logprobs
+        self.prompt_token_ids = None if prompt_token_ids is None else list(prompt_token_ids)
+        self._started = False
 
-    def _choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    @property
+    def with_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    @property
+    def with_token_ids(self) -> bool:
+        return self.prompt_token_ids is not None
+
+    def _head(self, object_: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
 
     def completion(
-        self, text: str, finish_reason: str, usage_: dict[str, Any], **extra: Any
+        self,
+        text: str,
+        finish_reason: str,
+        usage_: dict[str, Any],
+        logprobs: Sequence[TokenLogprobs] = (),
+        token_ids: Sequence[int] = (),
+        **extra: Any,
     ) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [self._choice(text, finish_reason)],
-            "usage": usage_,
-            **extra,
-        }
+        raise NotImplementedError
 
-    def chunk(self, text: str, finish_reason: str | None) -> bytes:
-        return sse_event(
-            {
-                "id": self.id,
-                "object": "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [self._choice(text, finish_reason)],
-            }
-        )
+    def start(self) -> bytes:
+        """The stream's opening event, if the API has one (chat: the role); b"" otherwise.
+        Send it only once the KV arrived: the gateway reads a first event as that sign."""
+        return b""
+
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None,
+        logprobs: Sequence[TokenLogprobs] = (),
+        token_ids: Sequence[int] = (),
+    ) -> bytes:
+        raise NotImplementedError
 
     def usage_chunk(self, usage_: dict[str, Any]) -> bytes:
-        return sse_event(
-            {
-                "id": self.id,
-                "object": "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [],
-                "usage": usage_,
-            }
-        )
+        return sse_event({**self._head(self.chunk_object), "choices": [], "usage": usage_})
+
+    def _first(self) -> bool:
+        """Whether this is the stream's first event (which carries the prompt's ids)."""
+        first, self._started = not self._started, True
+        return first
+
+
+class CompletionShape(Shape):
+    """``text_completion`` answers. With ``logprobs``, every choice carries OpenAI's
+    completions ``logprobs`` for its tokens; ``text_offset`` counts from the start of the
+    completion's text and goes on across chunks, as vLLM's does."""
+
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        self._offset = 0
+
+    def _logprobs(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any] | None:
+        if not self.with_logprobs:
+            return None
+        offsets = []
+        for entry in entries:
+            offsets.append(self._offset)
+            self._offset += len(entry.token)
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(e.top) for e in entries],
+            "text_offset": offsets,
+        }
+
+    def _choice(
+        self,
+        text: str,
+        finish_reason: str | None,
+        logprobs: Sequence[TokenLogprobs],
+        token_ids: Sequence[int],
+        *,
+        prompt_ids: bool,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": text,
+            "logprobs": self._logprobs(logprobs),
+            "finish_reason": finish_reason,
+        }
+        if self.with_token_ids:
+            if prompt_ids:
+                choice["prompt_token_ids"] = self.prompt_token_ids
+            choice["token_ids"] = list(token_ids)
+        return choice
+
+    def completion(
+        self,
+        text: str,
+        finish_reason: str,
+        usage_: dict[str, Any],
+        logprobs: Sequence[TokenLogprobs] = (),
+        token_ids: Sequence[int] = (),
+        **extra: Any,
+    ) -> dict[str, Any]:
+        choice = self._choice(text, finish_reason, logprobs, token_ids, prompt_ids=True)
+        return {**self._head(self.object), "choices": [choice], "usage": usage_, **extra}
+
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None,
+        logprobs: Sequence[TokenLogprobs] = (),
+        token_ids: Sequence[int] = (),
+    ) -> bytes:
+        choice = self._choice(text, finish_reason, logprobs, token_ids, prompt_ids=self._first())
+        return sse_event({**self._head(self.chunk_object), "choices": [choice]})
+
+
+class ChatShape(Shape):
+    """``chat.completion`` answers and ``chat.completion.chunk`` streams: a first chunk with
+    the assistant's role, then content deltas; logprobs as ``{"content": [...]}``."""
+
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def _logprobs(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        top = self.logprobs
+        return {
+            "content": [
+                {
+                    **_chat_logprob(e.token, e.logprob),
+                    "top_logprobs": [_chat_logprob(t, lp) for t, lp in e.top[:top]],
+                }
+                for e in entries
+            ]
+        }
+
+    def completion(
+        self,
+        text: str,
+        finish_reason: str,
+        usage_: dict[str, Any],
+        logprobs: Sequence[TokenLogprobs] = (),
+        token_ids: Sequence[int] = (),
+        **extra: Any,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": self._logprobs(logprobs),
+            "finish_reason": finish_reason,
+        }
+        out = {**self._head(self.object), "choices": [choice], "usage": usage_}
+        if self.with_token_ids:
+            choice["token_ids"] = list(token_ids)
+            out["prompt_token_ids"] = self.prompt_token_ids
+        return {**out, **extra}
+
+    def start(self) -> bytes:
+        event: dict[str, Any] = {
+            **self._head(self.chunk_object),
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+        }
+        if self._first() and self.with_token_ids:
+            event["prompt_token_ids"] = self.prompt_token_ids
+        return sse_event(event)
+
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None,
+        logprobs: Sequence[TokenLogprobs] = (),
+        token_ids: Sequence[int] = (),
+    ) -> bytes:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": {"content": text},
+            "logprobs": self._logprobs(logprobs),
+            "finish_reason": finish_reason,
+        }
+        if self.with_token_ids:
+            choice["token_ids"] = list(token_ids)
+        return sse_event({**self._head(self.chunk_object), "choices": [choice]})
+
+
+def _chat_logprob(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def shape_for(
+    req: ApiRequest, served_model: str, request_id: str | None, prompt_tokens: Sequence[int]
+) -> Shape:
+    """The answer's shape for `req` (its API, logprobs and token ids)."""
+    kwargs: dict[str, Any] = {
+        "request_id": request_id,
+        "logprobs": req.logprob_count,
+        "prompt_token_ids": prompt_tokens if req.return_token_ids else None,
+    }
+    if isinstance(req, ChatCompletionRequest):
+        return ChatShape(req.model or served_model, id_prefix=Api.CHAT.id_prefix, **kwargs)
+    return CompletionShape(req.model or served_model, **kwargs)

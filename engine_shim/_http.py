@@ -1,15 +1,18 @@
 """HTTP plumbing shared by the prefill shim and the decode worker.
 
 * `ApiError`: a failure with its HTTP status and OpenAI error body (and its in-band SSE form).
-* `read_body`: the request body, never more than a limit held in memory.
 * `until_disconnect`: run work while watching the client; a disconnect cancels the work.
 * `ClosingStreamingResponse`: a streaming response whose clean-up runs exactly once on every
   path (finished, client gone, never started, server shut down).
+* `ClusterAuth`: the fleet's cluster token, checked on every request that makes the shim
+  compute, hold or hand out KV, and sent on the decode's own calls to prefills.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -18,12 +21,13 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine_shim.wire import ClientGone, OpenAIError
+from pdgate.config.aio import run_unless, wait_disconnect
+from pdgate.config.openai_api import ClientGone, OpenAIError
 
 T = TypeVar("T")
 
 
-# One error type and one body reader for the gateway and the shims (engine_shim/wire.py).
+# One error type for the gateway and the shims (pdgate.config.openai_api).
 ApiError = OpenAIError
 
 
@@ -50,29 +54,60 @@ def json_response(
     )
 
 
-async def _disconnected(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
+def conflict(message: str, *, code: str, param: str | None = None) -> ApiError:
+    return ApiError(409, message, code=code, param=param)
+
+
+class ClusterAuth:
+    """``Authorization: Bearer <cluster token>`` on the shims' request paths.
+
+    Only members of the fleet (gateways, decodes pulling KV) hold the token; without it a
+    caller could run prompts on the engine, read another request's KV (``GET /v1/kv/{id}``)
+    or throw it away (``DELETE``). Digests are compared in constant time, so response times
+    say nothing about how much of a guess was right. With no token configured every caller
+    is let in (the shim then refuses to listen beyond loopback unless told otherwise:
+    `pdgate.engine_shim.app.check_exposure`)."""
+
+    __slots__ = ("_digest", "_header")
+
+    def __init__(self, token: str | None) -> None:
+        self._digest = None if not token else hashlib.sha256(token.encode()).digest()
+        self._header = {} if not token else {"authorization": f"Bearer {token}"}
+
+    @property
+    def enabled(self) -> bool:
+        return self._digest is not None
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """What this shim sends on its own calls to other members (KV pulls, releases)."""
+        return self._header
+
+    def check(self, request: Request) -> None:
+        """Raises a 401 `ApiError` unless the request carries the cluster token."""
+        if self._digest is None:
             return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        presented = hashlib.sha256(token.strip().encode()).digest()
+        # Both compared whatever the scheme, so a malformed header takes as long as a wrong one.
+        if not hmac.compare_digest(presented, self._digest) or scheme.lower() != "bearer":
+            raise ApiError(
+                401,
+                "this instance accepts requests from its cluster only: send the cluster token "
+                "as 'Authorization: Bearer <token>'",
+                code="invalid_api_key",
+            )
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work` (after the body was read); raise `ClientGone` and cancel it if the client
-    disconnects first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request.receive))
+    """Await `work` (after the body was read); if the client disconnects first, cancel it,
+    let it unwind and raise `ClientGone`. The gateway's rule: a result that arrives when
+    nobody will take it is closed (`pdgate.config.aio.run_unless`)."""
+    watcher = asyncio.ensure_future(wait_disconnect(request.receive))
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        return await run_unless(work, watcher, lost=ClientGone())
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-            # Let the work unwind (free its slot) before the caller goes on.
-            await asyncio.wait((task,))
-    if task.cancelled():
-        raise ClientGone
-    return task.result()
 
 
 class ClosingStreamingResponse(StreamingResponse):

@@ -5,34 +5,73 @@ slot in prefill if it is waiting for KVCache transfer"). An entry leaves the sto
 once: taken by the first GET (single consumer), dropped by DELETE, or expired after the hold
 timeout. Whoever takes it must `close()` it, which frees the KV and the slot. The store is
 bounded by the slots: there can never be more entries than admitted requests.
+
+`HoldTimes` records, per entry, how long the KV and its slot stayed held after the prefill
+finished, by how the hold ended: a slot held long past its request's end is capacity lost
+to every client, and the hold timeout hides such leaks instead of showing them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 
-from engine_shim._slots import Slot
-from engine_shim.backend import KvSource
+from pdgate.engine_shim._metrics import Histogram
+from pdgate.engine_shim._slots import Slot
+from pdgate.engine_shim.backend import KvSource
 
 log = logging.getLogger("pdgate.shim.prefill")
 
+# How a hold ends: taken by a completed GET, by a GET whose reader left midway, released
+# by DELETE, dropped by the hold timeout, dropped at shutdown.
+OUTCOMES = ("fetched", "lost", "released", "expired", "shutdown")
+HOLD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LONG_HOLD_S = 5.0  # /load's kv_hold_over_5s
+
+
+class HoldTimes:
+    """Seconds from the end of each prefill until its KV and slot were let go."""
+
+    def __init__(self) -> None:
+        self.by_outcome = {outcome: Histogram(HOLD_BUCKETS) for outcome in OUTCOMES}
+        self.max_s = 0.0  # since start
+        self.long = 0  # cumulative: holds over LONG_HOLD_S
+
+    def observe(self, seconds: float, outcome: str) -> None:
+        self.by_outcome[outcome].observe(seconds)
+        self.max_s = max(self.max_s, seconds)
+        if seconds > LONG_HOLD_S:
+            self.long += 1
+
 
 class HeldKv:
-    __slots__ = ("_closed", "kv", "request_id", "slot")
+    __slots__ = ("_closed", "_held_since", "_holds", "kv", "request_id", "slot")
 
     def __init__(self, request_id: str, kv: KvSource, slot: Slot) -> None:
         self.request_id = request_id
         self.kv = kv
         self.slot = slot
         self._closed = False
+        self._held_since: float | None = None
+        self._holds: HoldTimes | None = None
 
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
+    def hold(self, holds: HoldTimes) -> None:
+        """From now on the KV waits for a decode; `close` records for how long."""
+        self._held_since = time.monotonic()
+        self._holds = holds
+
+    def close(self, outcome: str = "released") -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
             self.kv.release()
+        finally:
             self.slot.release()
+        if self._holds is not None and self._held_since is not None:
+            self._holds.observe(time.monotonic() - self._held_since, outcome)
 
 
 class KvStore:
@@ -45,6 +84,7 @@ class KvStore:
         self._max_tombstones = max_tombstones
         self.expired = 0  # cumulative
         self.dropped_on_arrival = 0  # cumulative: computed for a caller that already left
+        self.holds = HoldTimes()
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._entries
@@ -55,6 +95,8 @@ class KvStore:
     def put(self, entry: HeldKv) -> bool:
         """Hold `entry` until taken; False (and freed at once) if its id was released already."""
         if entry.request_id in self._entries:
+            # The prefill shim reserves ids at admission, so this is a bug; hold nothing.
+            entry.close()
             raise KeyError(f"duplicate KV request id {entry.request_id}")
         if self._tombstones.pop(entry.request_id, 0) is None:
             self.dropped_on_arrival += 1
@@ -64,6 +106,7 @@ class KvStore:
             self._hold_timeout_s, self._expire, entry.request_id
         )
         self._entries[entry.request_id] = (entry, timer)
+        entry.hold(self.holds)
         return True
 
     def release_unknown(self, request_id: str) -> None:
@@ -92,11 +135,11 @@ class KvStore:
             request_id,
             self._hold_timeout_s,
         )
-        item[0].close()
+        item[0].close("expired")
 
     def close(self) -> None:
         """Drop everything (shutdown)."""
         for entry, timer in self._entries.values():
             timer.cancel()
-            entry.close()
+            entry.close("shutdown")
         self._entries.clear()

@@ -16,8 +16,8 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from hashlib import blake2b
 
-from engine_shim._sim_text import pack_tokens
-from engine_shim.sim_profile import SimProfile
+from pdgate.engine_shim._sim_text import pack_tokens
+from pdgate.engine_shim.sim_profile import SimProfile
 
 # Above this size the digest is computed off the event loop.
 _THREAD_DIGEST_BYTES = 1 << 20

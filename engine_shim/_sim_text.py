@@ -1,17 +1,37 @@
-"""Deterministic "generated" text of the sim engine.
+"""Deterministic "generated" text of the sim engine: an autoregressive model over token ids.
 
-Token i of the completion of a prompt is a word picked by a keyed hash of (prompt, i), so a
-prefill and a decode produce the same token 0 for the same prompt, repeated requests give
-identical output, and different prompts give different output. Whitespace, punctuation and
-newlines are in the word list so stop sequences have something to match.
+The next token is a word picked by a hash of the whole context so far (the prompt's token
+ids and every token generated after them), like a real model's greedy choice, so:
+
+* a prefill and a decode produce the same first token for the same prompt, repeated
+  requests give identical output, and different prompts give different output;
+* a request re-submitted with prompt = the original prompt's ids + the first k generated ids
+  (and k fewer tokens to go) continues with exactly the tokens the uninterrupted run would
+  have produced: what moving a stream to another decode mid-way needs.
+
+`Context` is that hash, a 64-bit FNV-1a over the token ids, extended one token at a time
+(hashing a prompt is one pass over its ids). Each word of `WORDS` is one token of the sim's
+vocabulary; its id is the tokenizer's id of the word as one piece (`tokenizer.piece_id`),
+so a word the tokenizer also keeps whole (`` the``, ``.``) has the same id both ways.
+Whitespace, punctuation and newlines are in the word list so stop sequences have something
+to match.
+
+Log-probabilities come from the same kind of hash: the generated word is always the most
+likely one (so greedy sampling would pick it: the sim's output is the greedy output of some
+model), the alternatives are other words, less likely in order, and the probabilities of the
+listed words sum to less than one, as top-k lists of a real model do.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from array import array
 from collections.abc import Sequence
 from hashlib import blake2b
+
+from pdgate.engine_shim import tokenizer
+from pdgate.engine_shim.backend import TokenLogprobs
 
 # fmt: off
 WORDS: tuple[str, ...] = (
@@ -35,12 +55,62 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-def prompt_key(tokens: Sequence[int]) -> bytes:
-    """A 32-byte key naming a prompt; the seed of its completion."""
-    return blake2b(pack_tokens(tokens), digest_size=32).digest()
+WORD_IDS: tuple[int, ...] = tuple(tokenizer.piece_id(word) for word in WORDS)
+
+_FNV_OFFSET = 0xCBF29CE484222325
+_FNV_PRIME = 0x100000001B3
+_MASK = (1 << 64) - 1
 
 
-def token_text(key: bytes, index: int) -> str:
-    """Text of token `index` of the completion of the prompt named by `key`."""
-    h = blake2b(index.to_bytes(8, "little"), key=key, digest_size=4).digest()
-    return WORDS[int.from_bytes(h, "little") % len(WORDS)]
+class Context:
+    """The hash of a token sequence, extended token by token (see the module docstring)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, tokens: Sequence[int] = ()) -> None:
+        value = _FNV_OFFSET
+        for token in tokens:
+            value = ((value ^ (token + 1)) * _FNV_PRIME) & _MASK
+        self.value = value
+
+    def append(self, token: int) -> None:
+        self.value = ((self.value ^ (token + 1)) * _FNV_PRIME) & _MASK
+
+    @property
+    def key(self) -> bytes:
+        return self.value.to_bytes(8, "little")
+
+
+def next_word(context: Context) -> int:
+    """Index in `WORDS` of the token that follows `context`."""
+    h = blake2b(context.key, digest_size=4, person=b"pdgate-next").digest()
+    return int.from_bytes(h, "little") % len(WORDS)
+
+
+def next_token(context: Context) -> tuple[int, str]:
+    """The token id and text that follow `context`."""
+    word = next_word(context)
+    return WORD_IDS[word], WORDS[word]
+
+
+def token_logprobs(context: Context, top: int) -> TokenLogprobs:
+    """Log-probabilities of the token that follows `context`, with the `top` most likely
+    words (at least the generated one)."""
+    h = blake2b(context.key, digest_size=32, person=b"pdgate-logprobs").digest()
+    chosen = next_word(context)
+    token = WORDS[chosen]
+    # p(generated) in [0.35, 0.95); alternative j gets at most half of what j-1 could get, so
+    # every alternative is less likely than the generated word and the list sums below 1.
+    p = 0.35 + 0.6 * h[0] / 256
+    rest = 1.0 - p
+    entries = [(token, math.log(p))]
+    start, stride = h[1], 2 * h[2] + 1  # an odd stride visits all 64 words once
+    j = 0
+    while len(entries) < max(top, 1):
+        word = (start + j * stride) % len(WORDS)
+        j += 1
+        if word == chosen:
+            continue
+        share = 0.5 + 0.5 * h[3 + len(entries) % 29] / 256
+        entries.append((WORDS[word], math.log(rest * share / 2 ** len(entries))))
+    return TokenLogprobs(token, entries[0][1], tuple(entries))  # best first by construction

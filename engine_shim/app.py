@@ -1,20 +1,29 @@
 """The shim application: one prefill shim or decode worker, its engine, its registration.
 
 `build_shim_app` returns a Starlette app whose lifespan starts the engine, creates the
-aiohttp session (decode: KV pulls), registers the instance with a `Heartbeat`, and on
-shutdown advertises DRAINING, deregisters and stops everything. ``app.state.shim`` is the
-`ShimRuntime`; its `drain()` lets an owner stop new work and wait for in-flight work before
-stopping the server (by the time the lifespan shuts down, the server has stopped accepting
-connections, so held KV could no longer be fetched).
+aiohttp session and follows the registry's prefills (decode: KV pulls, from registered
+prefills only), registers the instance with a `Heartbeat`, and on shutdown advertises
+DRAINING, deregisters and stops everything.
+
+With the registry's ``cluster_token`` set, the request paths (completions, chat, batch,
+``/v1/kv/{id}``) need it as a bearer token; ``/health``, ``/load`` and ``/metrics`` stay
+open (probes and scrapers; they carry counts, never request content). Without it, a shim
+refuses to listen beyond loopback unless ``allow_unauthenticated`` (`check_exposure`).
+
+``app.state.shim`` is the `ShimRuntime`; its `drain()` lets an owner stop new work and wait
+for in-flight work before stopping the server (by the time the lifespan shuts down, the
+server has stopped accepting connections, so held KV could no longer be fetched).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
+import ipaddress
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from importlib import metadata
 
 import aiohttp
@@ -25,24 +34,40 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from config import RegistrySettings, Role, ShimSettings
-from engine_shim._http import ApiError, json_response
-from engine_shim._metrics import metrics_registry
-from engine_shim.backend import DecodeBackend, PrefillBackend
-from engine_shim.decode import DecodeWorker
-from engine_shim.prefill import PrefillShim
-from engine_shim.sim_engine import SimDecodeEngine, SimPrefillEngine
-from engine_shim.sim_profile import get_profile
-from engine_shim.wire import HEALTH_PATH, LOAD_PATH
-from registry.base import InstanceRecord, InstanceState, Registry
-from registry.heartbeat import Heartbeat
+from pdgate.config import RegistrySettings, Role, ShimSettings
+from pdgate.config.tracing import Tracing
+from pdgate.config.wire import EXT_BATCH_PREFILL, HEALTH_PATH, LOAD_PATH
+from pdgate.engine_shim._http import ApiError, ClusterAuth, json_response
+from pdgate.engine_shim._kv_sources import KvSources
+from pdgate.engine_shim._metrics import metrics_registry
+from pdgate.engine_shim.backend import DecodeBackend, PrefillBackend
+from pdgate.engine_shim.decode import DecodeWorker
+from pdgate.engine_shim.prefill import PrefillShim
+from pdgate.registry.base import InstanceRecord, InstanceState, Registry
+from pdgate.registry.heartbeat import Heartbeat
 
-__all__ = ["MAX_BODY_BYTES", "ShimRuntime", "build_shim_app", "instance_record"]
+__all__ = [
+    "ENGINES",
+    "MAX_BODY_BYTES",
+    "ShimRuntime",
+    "build_shim_app",
+    "check_exposure",
+    "instance_record",
+    "make_backend",
+]
 
 log = logging.getLogger("pdgate.shim")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
-ENGINES = ("sim", "vllm")  # more plug in behind engine_shim.backend
+
+# Engine backends by name, each ``"module:factory"``; a factory takes the `ShimSettings` and
+# returns the backend of ``settings.role``. Imported only when named: vLLM is an optional
+# extra and slow to import. An engine outside pdgate is named by its own "module:factory".
+ENGINES: Mapping[str, str] = {
+    "sim": "pdgate.engine_shim.sim_engine:make_backend",
+    "vllm": "pdgate.engine_shim.vllm_engine:make_vllm_backend",
+}
+_EXTRAS = {"vllm": "make vllm"}  # how to install what an engine needs
 
 
 def _version() -> str:
@@ -80,25 +105,53 @@ def instance_record(settings: ShimSettings) -> InstanceRecord:
         group=settings.group,
         capacity=settings.capacity,
         version=_version(),
+        extensions=(EXT_BATCH_PREFILL,) if settings.role is Role.PREFILL else (),
     )
 
 
-def make_backend(settings: ShimSettings) -> PrefillBackend | DecodeBackend:
-    if settings.engine not in ENGINES:
-        raise ValueError(f"unknown engine {settings.engine!r}; available: {', '.join(ENGINES)}")
-    if settings.engine == "vllm":
-        try:
-            # Imported here: vLLM is an optional extra (`make vllm`) and slow to import.
-            from engine_shim.vllm_engine import make_vllm_backend
-        except ImportError as exc:
-            raise ValueError(f"engine vllm needs vLLM installed (make vllm): {exc}") from None
-        return make_vllm_backend(settings)
-    profile = get_profile(settings.sim_profile)
-    if settings.role == Role.PREFILL:
-        return SimPrefillEngine(
-            profile, max_batch=settings.capacity, kv_wire_fraction=settings.sim_kv_wire_fraction
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(settings: ShimSettings, registry_settings: RegistrySettings) -> str | None:
+    """Refuse (ValueError) to serve a non-loopback address without the cluster token unless
+    that was asked for explicitly (a warning to log then), as the gateway does without keys:
+    whoever reached the port could run prompts and read or drop other requests' KV."""
+    if registry_settings.cluster_token is not None or _is_loopback(settings.host):
+        return None
+    if not settings.allow_unauthenticated:
+        raise ValueError(
+            f"refusing to listen on {settings.host} without a cluster token: anyone who can "
+            "reach it could run prompts and read other requests' KV. Set the registry's "
+            "cluster_token (PDGATE_REGISTRY_CLUSTER_TOKEN) on every gateway and shim, or "
+            "allow_unauthenticated = true if the network is closed to others."
         )
-    return SimDecodeEngine(profile, max_batch=settings.capacity)
+    return f"listening on {settings.host} WITHOUT a cluster token (allow_unauthenticated = true)"
+
+
+def make_backend(settings: ShimSettings) -> PrefillBackend | DecodeBackend:
+    """The engine backend named by ``settings.engine`` for ``settings.role``."""
+    name = settings.engine
+    target = ENGINES.get(name, name)
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        known = ", ".join(sorted(ENGINES))
+        raise ValueError(f"unknown engine {name!r}; built-in: {known}, or 'module:factory'")
+    try:
+        factory: Callable[[ShimSettings], PrefillBackend | DecodeBackend] = getattr(
+            importlib.import_module(module_name), attr
+        )
+    except ImportError as exc:
+        hint = f" ({_EXTRAS[name]})" if name in _EXTRAS else ""
+        raise ValueError(f"engine {name!r} cannot be imported{hint}: {exc}") from None
+    except AttributeError:
+        raise ValueError(f"engine {name!r}: module {module_name} has no {attr}") from None
+    return factory(settings)
 
 
 class ShimRuntime:
@@ -112,11 +165,15 @@ class ShimRuntime:
         registry: Registry,
         registry_settings: RegistrySettings,
         record: InstanceRecord,
+        sources: KvSources | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.settings = settings
         self.service = service
         self.backend = backend
         self.record = record
+        self._sources = sources
+        self._tracing = tracing
         self._heartbeat = Heartbeat(
             registry,
             record,
@@ -127,6 +184,8 @@ class ShimRuntime:
 
     async def startup(self) -> None:
         await self.backend.start()
+        if self._sources is not None:
+            await self._sources.start()
         if isinstance(self.service, DecodeWorker):
             # Few connections: the retrieval workers, plus DELETEs of abandoned KV.
             connector = aiohttp.TCPConnector(limit=2 * self.settings.kv_retrieval_workers + 4)
@@ -153,8 +212,12 @@ class ShimRuntime:
         finally:
             await self.service.aclose()
             await self.backend.aclose()
+            if self._sources is not None:
+                await self._sources.aclose()
             if self._session is not None:
                 await self._session.close()
+            if self._tracing is not None:
+                self._tracing.shutdown()
 
     def load(self) -> dict[str, object]:
         return self.service.load()
@@ -177,26 +240,64 @@ def build_shim_app(
     *,
     backend: PrefillBackend | DecodeBackend | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    tracing: Tracing | None = None,
 ) -> Starlette:
-    """The ASGI app of one shim. `backend` replaces the engine named by ``settings.engine``."""
+    """The ASGI app of one shim. `backend` replaces the engine named by ``settings.engine``;
+    `tracing` the one the ``OTEL_*`` variables describe (the app then does not shut it down).
+    Raises ValueError for a non-loopback address without a cluster token (`check_exposure`)."""
+    warning = check_exposure(settings, registry_settings)
+    if warning:
+        log.warning("%s", warning)
     record = instance_record(settings)
     if backend is None:
         backend = make_backend(settings)
+    owned_tracing = tracing is None
+    traces = Tracing.from_env("pdgate-shim") if tracing is None else tracing
+    token = registry_settings.cluster_token
+    auth = ClusterAuth(token.get_secret_value() if token else None)
     service: PrefillShim | DecodeWorker
+    sources: KvSources | None = None
     if settings.role == Role.PREFILL:
         if not isinstance(backend, PrefillBackend):
             raise TypeError("a prefill shim needs a PrefillBackend")
         service = PrefillShim(
-            settings, backend, instance_id=record.id, url=record.url, max_body_bytes=max_body_bytes
+            settings,
+            backend,
+            instance_id=record.id,
+            url=record.url,
+            max_body_bytes=max_body_bytes,
+            auth=auth,
+            tracing=traces,
         )
     else:
         if not isinstance(backend, DecodeBackend):
             raise TypeError("a decode worker needs a DecodeBackend")
-        service = DecodeWorker(
-            settings, backend, instance_id=record.id, max_body_bytes=max_body_bytes
+        # The decode pulls KV only from prefills in the registry it registers in.
+        sources = KvSources(
+            registry,
+            poll_interval_s=registry_settings.poll_interval_s,
+            max_instances=registry_settings.max_instances,
         )
-    runtime = ShimRuntime(settings, service, backend, registry, registry_settings, record)
-    metrics = metrics_registry(service.load)
+        service = DecodeWorker(
+            settings,
+            backend,
+            instance_id=record.id,
+            max_body_bytes=max_body_bytes,
+            sources=sources,
+            auth=auth,
+            tracing=traces,
+        )
+    runtime = ShimRuntime(
+        settings,
+        service,
+        backend,
+        registry,
+        registry_settings,
+        record,
+        sources,
+        traces if owned_tracing else None,
+    )
+    metrics = metrics_registry(service.load, service.histograms)
 
     async def health(request: Request) -> Response:
         if service.draining:

@@ -1,9 +1,10 @@
 """The engine backend seam: what the HTTP layer (prefill.py, decode.py) needs from an engine.
 
 The shims own HTTP, admission (slots, 429s), KV hand-off over the wire, registration and
-streaming; a backend owns tokenization, compute and the KV bytes. ``sim`` implements these
-protocols (sim_engine.py); ``torch`` and ``vllm`` backends plug in here without touching the
-HTTP layer.
+streaming; a backend owns tokenization, compute and the KV bytes. ``sim`` (sim_engine.py)
+and ``vllm`` (vllm_engine.py) implement these protocols; another engine plugs in by name
+(``engine = "package.module:factory"``, see `pdgate.engine_shim.app.make_backend`) without
+touching the HTTP layer.
 
 Prefill side: `PrefillBackend.prefill` computes a prompt and returns its first token and a
 `KvSource`, the contiguous KV buffer (P/D-Serve's block-free transfer: one buffer per
@@ -12,8 +13,21 @@ prompt, sent as a whole). The shim keeps the source until a decode has pulled it
 
 Decode side: the shim pulls the bytes and feeds them to a `KvSink` (a real engine scatters
 them into its paged blocks: P/D-Serve's RecvScatter), then `DecodeBackend.generate` joins the
-running batch and yields one text piece per generated token. Closing the generator
+running batch and yields one `Generated` per generated token. Closing the generator
 (``aclose``) removes the sequence from the batch at once.
+
+Chat requests reach an engine as a `ChatPrompt`: a backend that serves
+``/v1/chat/completions`` also implements `ChatTemplate` (render the conversation with the
+model's chat template and tokenize it); the shims refuse chat for one that does not.
+
+Every generated token carries its id (`Generated.token_id`, `PrefillOutput.first_token_id`)
+when the engine knows it, for vLLM's ``return_token_ids``: an engine that does not gets the
+field refused (400), like ``logprobs``.
+
+Sampling fields come as the client sent them (`Sampling`); an engine applies the ones it
+can. ``logprobs`` is one an engine must honour: asked for k, it attaches a `TokenLogprobs` to
+every token (the prefill's first token included); the shim refuses a request whose engine
+does not, rather than answer with less than was asked.
 """
 
 from __future__ import annotations
@@ -23,9 +37,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
+    "ChatPrompt",
+    "ChatTemplate",
     "DecodeBackend",
     "EngineBusy",
     "EngineStats",
+    "Generated",
     "InvalidRequest",
     "KvSink",
     "KvSource",
@@ -33,12 +50,13 @@ __all__ = [
     "PrefillOutput",
     "Prompt",
     "Sampling",
+    "TokenLogprobs",
 ]
 
 # A prompt as the OpenAI API carries it: text, or token ids.
 Prompt = str | Sequence[int]
-# The client's sampling fields (temperature, top_p, seed, ...) as sent; engines that sample
-# (vllm) apply them, the sim ignores them.
+# The client's sampling fields (temperature, top_p, seed, logprobs, ...) as sent; engines that
+# sample (vllm) apply them, the sim derives deterministic logprobs and ignores the rest.
 Sampling = Mapping[str, Any]
 
 
@@ -84,11 +102,55 @@ class KvSource(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Log-probabilities of one generated token, as OpenAI's completions ``logprobs`` carry them."""
+
+    token: str  # the sampled token as text
+    logprob: float  # of the sampled token
+    # The most likely tokens at this position, best first: the `logprobs` asked for, and the
+    # sampled token among them (vLLM adds it when it is not one of the top ones).
+    top: tuple[tuple[str, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Generated:
+    """One generated token."""
+
+    # Its piece of the completion's text; may be empty when an engine's text for several
+    # tokens arrives in one piece (the text is then on the first of them).
+    text: str
+    logprobs: TokenLogprobs | None = None  # set when the request asked for logprobs
+    token_id: int | None = None  # None: the engine does not say
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillOutput:
     first_token: str  # text of the first generated token
     prompt_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
     kv: KvSource
+    logprobs: TokenLogprobs | None = None  # of the first token, when asked for
+    first_token_id: int | None = None  # None: the engine does not say
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A chat request's conversation and the options that shape its rendered prompt."""
+
+    # OpenAI messages: role, content (text), and name / tool_calls / tool_call_id when set.
+    messages: Sequence[Mapping[str, Any]]
+    tools: Sequence[Mapping[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: Mapping[str, Any] | None = None
+
+
+@runtime_checkable
+class ChatTemplate(Protocol):
+    def render_chat(self, chat: ChatPrompt) -> list[int]:
+        """The token ids of `chat` rendered with the model's chat template; raises
+        ValueError for a conversation the template refuses."""
+        ...
 
 
 @runtime_checkable
@@ -146,8 +208,8 @@ class DecodeBackend(Protocol):
         max_tokens: int,
         kv: KvSink,
         sampling: Sampling | None = None,
-    ) -> AsyncGenerator[str, None]:
-        """Join the running batch with committed `kv`; yield one text piece per token.
+    ) -> AsyncGenerator[Generated, None]:
+        """Join the running batch with committed `kv`; yield each token as it is generated.
 
         Ends after `max_tokens` tokens, or earlier at an end-of-sequence token; ``aclose()``
         leaves the batch at once. Raises `EngineBusy` (on first iteration) when the batch is

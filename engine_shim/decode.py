@@ -9,45 +9,45 @@ failure after the headers went out is reported in-band (``data: {"error": ...}``
 ``data: [DONE]``); a non-streaming request still gets a real 502.
 
 A client that disconnects leaves the batch at once and frees its slot; a KV pull it no
-longer needs is cancelled or released at the prefill.
+longer needs is cancelled or released at the prefill. Streams go out through sse-starlette
+(`_sse.EventStream`: keep-alive pings, disconnect watch, send timeout).
+
+The decode pulls only from prefills registered in its own registry (`_kv_sources`), with
+the cluster token: ``kv_transfer_params`` naming another host get 400 (`unknown_kv_source`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any
 
 import aiohttp
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
-from config import Role, ShimSettings
-from engine_shim._completion import (
-    CompletionRequest,
-    CompletionShape,
-    check_length,
-    check_model,
-    parse_completion,
-    usage,
-)
-from engine_shim._http import (
+from pdgate.config import Role, ShimSettings
+from pdgate.config.openai_api import Api, ClientGone
+from pdgate.config.tracing import Span, Tracing
+from pdgate.config.wire import SSE_DONE, kv_url, valid_kv_id
+from pdgate.engine_shim._completion import ApiRequest, Shape, shape_for, usage
+from pdgate.engine_shim._http import (
     ApiError,
-    ClosingStreamingResponse,
+    ClusterAuth,
     bad_request,
     busy,
-    draining,
     json_response,
     until_disconnect,
 )
-from engine_shim._kv_pull import KvRetriever, KvTransferError, PullJob
-from engine_shim._slots import SlotPool
-from engine_shim._stop import StopMatcher
-from engine_shim.backend import DecodeBackend, EngineBusy, InvalidRequest
-from engine_shim.wire import SSE_DONE, ClientGone, kv_url, read_body
+from pdgate.engine_shim._kv_pull import KvRetriever, KvTransferError, PullJob
+from pdgate.engine_shim._kv_sources import KvSources
+from pdgate.engine_shim._service import ShimService, caller_request_id, end_span
+from pdgate.engine_shim._slots import SlotPool
+from pdgate.engine_shim._sse import EventStream
+from pdgate.engine_shim._stop import StopMatcher
+from pdgate.engine_shim.backend import DecodeBackend, EngineBusy, InvalidRequest, TokenLogprobs
 
 __all__ = ["DecodeWorker"]
 
@@ -57,11 +57,16 @@ _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 class _Progress:
-    __slots__ = ("finish_reason", "tokens")
+    __slots__ = ("finish_reason", "outcome", "tokens")
 
     def __init__(self) -> None:
         self.tokens = 0
         self.finish_reason = "length"
+        self.outcome = "cancelled"  # until it ends otherwise
+
+
+# (text, finish reason, logprobs and ids of the tokens behind the text) per piece
+_Piece = tuple[str, str | None, Sequence[TokenLogprobs], Sequence[int]]
 
 
 def _kv_error(exc: BaseException) -> ApiError:
@@ -70,8 +75,9 @@ def _kv_error(exc: BaseException) -> ApiError:
     )
 
 
-class DecodeWorker:
+class DecodeWorker(ShimService[DecodeBackend]):
     role = Role.DECODE
+    counts = ("admitted", "rejected", "completed", "cancelled", "failed")
 
     def __init__(
         self,
@@ -80,53 +86,32 @@ class DecodeWorker:
         *,
         instance_id: str,
         max_body_bytes: int,
+        sources: KvSources | None = None,
+        auth: ClusterAuth | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
-        self._settings = settings
-        self._backend = backend
-        self._instance_id = instance_id
-        self._max_body_bytes = max_body_bytes
-        self._slots = SlotPool(settings.capacity)
+        super().__init__(
+            settings,
+            backend,
+            SlotPool(settings.capacity),
+            instance_id=instance_id,
+            max_body_bytes=max_body_bytes,
+            auth=auth,
+            tracing=tracing,
+        )
+        # None only for a worker built without a registry to check against (unit tests).
+        self._sources = sources
         self._retriever = KvRetriever(
             backend,
             queue_size=settings.kv_retrieval_queue,
             workers=settings.kv_retrieval_workers,
             fetch_timeout_s=settings.kv_fetch_timeout_s,
-        )
-        self.draining = False
-        self._counts = dict.fromkeys(
-            ("admitted", "rejected", "completed", "cancelled", "failed"), 0
+            headers=self._auth.headers,
+            tracing=self._tracing,
         )
 
-    @property
-    def slots(self) -> SlotPool:
-        return self._slots
-
-    def routes(self) -> list[Route]:
-        return [Route("/v1/completions", self.completions, methods=["POST"])]
-
-    def load(self) -> dict[str, Any]:
-        stats = self._backend.stats()
-        return {
-            "role": self.role.value,
-            "instance_id": self._instance_id,
-            "model": self._settings.model,
-            "group": self._settings.group,
-            "draining": self.draining,
-            "capacity": self._slots.capacity,
-            "used": self._slots.used,
-            "free": self._slots.free,
-            "queued": self._retriever.queued,
-            "waiting": stats.waiting,
-            "running": stats.running,
-            "retrieving": self._retriever.retrieving,
-            "kv_held": 0,
-            "kv_sending": 0,
-            "prefix_cache_hit_tokens": stats.prefix_hit_tokens,
-            "prefix_cache_total_tokens": stats.prefix_query_tokens,
-            "kv_cache_usage": stats.kv_cache_usage,
-            "engine_aborted": stats.aborted,
-            **self._counts,
-        }
+    def _load(self) -> Mapping[str, Any]:
+        return {"queued": self._retriever.queued, "retrieving": self._retriever.retrieving}
 
     def start(self, session: aiohttp.ClientSession) -> None:
         self._retriever.start(session)
@@ -134,24 +119,11 @@ class DecodeWorker:
     async def aclose(self) -> None:
         await self._retriever.aclose()
 
-    # -- POST /v1/completions -------------------------------------------------------------
+    # -- POST /v1/completions, /v1/chat/completions --------------------------------------
 
-    async def completions(self, request: Request) -> Response:
-        try:
-            return await self._complete(request)
-        except ApiError as exc:
-            return exc.response()
-        except ClientGone:
-            return Response(status_code=499)  # nobody is listening; for the access log only
-
-    async def _complete(self, request: Request) -> Response:
+    async def _complete(self, request: Request, api: Api, span: Span) -> Response:
         settings = self._settings
-        if self.draining:
-            raise draining()
-        req = parse_completion(
-            await read_body(request, self._max_body_bytes), max_model_len=settings.max_model_len
-        )
-        check_model(req, settings.model)
+        req = await self._read(request, api)
         params = req.kv_transfer_params
         if not params or params.get("do_remote_prefill") is not True:
             raise bad_request(
@@ -160,114 +132,197 @@ class DecodeWorker:
                 "the KV (send them through the gateway)",
                 "kv_transfer_params",
             )
-        try:
-            url = kv_url(params)
-        except (TypeError, ValueError):
-            url = None
+        url = kv_url(params)
         if url is None:
             raise bad_request(
                 "kv_transfer_params needs remote_host, remote_port and remote_request_id",
                 "kv_transfer_params",
             )
-        try:
-            tokens = self._backend.tokenize(req.prompt)
-        except ValueError as exc:
-            raise bad_request(str(exc), "prompt") from None
-        check_length(len(tokens), req.max_tokens, settings.max_model_len)
+        kv_id = str(params.get("remote_request_id"))
+        if not valid_kv_id(kv_id):
+            # It becomes part of a URL this decode calls with the cluster token.
+            raise bad_request(
+                "kv_transfer_params.remote_request_id must be 8 to 64 ASCII letters and digits",
+                "kv_transfer_params",
+            )
+        host, port = params.get("remote_host"), params.get("remote_port")
+        # Known at once in the usual case; a miss may wait for one more read of the registry.
+        if (
+            self._sources is not None
+            and not self._sources.known(host, port)
+            and not await until_disconnect(request, self._sources.allowed(host, port))
+        ):
+            raise ApiError(
+                400,
+                "kv_transfer_params name no prefill instance of this cluster",
+                param="kv_transfer_params",
+                code="unknown_kv_source",
+            )
+        tokens = self._tokens(req)
 
         slot = self._slots.try_acquire()
         if slot is None:
             self._counts["rejected"] += 1
             raise busy("no free decode slot", code="no_free_slot")
-        request_id = str(params.get("remote_request_id"))
         try:
-            job = self._retriever.submit(url, tokens, request_id)
+            job = self._retriever.submit(url, tokens, kv_id, span)
         except asyncio.QueueFull:
             slot.release()
             self._counts["rejected"] += 1
             raise busy("KV retrieval queue is full", code="kv_queue_full") from None
         self._counts["admitted"] += 1
+        progress = _Progress()
 
         def close() -> None:
             self._retriever.abandon(job)
             slot.release()
 
+        shape = shape_for(req, settings.model, caller_request_id(request), tokens)
         if req.stream:
-            return ClosingStreamingResponse(
-                self._stream(req, tokens, job),
-                media_type="text/event-stream",
+
+            def close_stream() -> None:
+                close()
+                end_span(span, progress.outcome)
+
+            return EventStream(
+                self._stream(req, tokens, job, shape, progress, span),
                 headers=_SSE_HEADERS,
-                on_close=close,
+                on_close=close_stream,
+                ping_s=settings.sse_ping_interval_s,
+                send_timeout_s=settings.sse_send_timeout_s or None,
             )
         try:
-            return await until_disconnect(request, self._whole(req, tokens, job))
+            response = await until_disconnect(
+                request, self._whole(req, tokens, job, shape, progress, span)
+            )
         except ClientGone:
             self._counts["cancelled"] += 1
             raise
         finally:
             close()
+        end_span(span, "ok", 200)
+        return response
 
     async def _pieces(
-        self, req: CompletionRequest, tokens: Sequence[int], job: PullJob, progress: _Progress
-    ) -> AsyncGenerator[tuple[str, str | None], None]:
-        """(text, finish_reason) per generated token, after stop handling; the last one has a
-        finish reason. Raises `KvTransferError` before the first one."""
+        self,
+        req: ApiRequest,
+        tokens: Sequence[int],
+        job: PullJob,
+        progress: _Progress,
+        parent: Span,
+    ) -> AsyncGenerator[_Piece, None]:
+        """The completion after stop handling, piece by piece; the last piece has a finish
+        reason. Raises `KvTransferError` before the first one."""
         sink = await self._retriever.wait(job)
-        matcher = StopMatcher(req.stop)
-        generate = self._backend.generate(tokens, req.max_tokens, sink, req.sampling)
-        async with aclosing(generate) as pieces:
-            async for piece in pieces:
-                progress.tokens += 1
-                text, stopped = matcher.feed(piece)
-                if stopped:
-                    progress.finish_reason = "stop"
-                    yield text, "stop"
-                    return
-                if progress.tokens >= req.max_tokens:
-                    yield text + matcher.flush(), "length"
-                    return
-                if text:
-                    yield text, None
-        # The engine ended before max_tokens: it generated its end-of-sequence token.
-        progress.finish_reason = "stop"
-        yield matcher.flush(), "stop"
+        span = self._tracing.start("pdgate.shim.decode_stream", parent=parent)
+        matcher = StopMatcher(req.stop_sequences)
+        max_tokens = req.max_tokens or 0
+        want_logprobs = req.logprob_count is not None
+        want_ids = bool(req.return_token_ids)
+        # Logprobs and ids of the tokens whose text was not sent yet: they go with it.
+        logprobs: list[TokenLogprobs] = []
+        ids: list[int] = []
+
+        def piece(text: str, finish: str | None) -> _Piece:
+            out = text, finish, logprobs.copy(), ids.copy()
+            logprobs.clear()
+            ids.clear()
+            return out
+
+        try:
+            generate = self._backend.generate(tokens, max_tokens, sink, req.sampling())
+            async with aclosing(generate) as generated:
+                async for token in generated:
+                    progress.tokens += 1
+                    if want_logprobs:
+                        if token.logprobs is None:
+                            raise InvalidRequest("this engine does not produce logprobs")
+                        logprobs.append(token.logprobs)
+                    if want_ids:
+                        if token.token_id is None:
+                            raise InvalidRequest("this engine does not produce token ids")
+                        ids.append(token.token_id)
+                    text, stopped = matcher.feed(token.text)
+                    if stopped:
+                        progress.finish_reason = "stop"
+                        yield piece(text, "stop")
+                        return
+                    if progress.tokens >= max_tokens:
+                        yield piece(text + matcher.flush(), "length")
+                        return
+                    if text:
+                        yield piece(text, None)
+            # The engine ended before max_tokens: it generated its end-of-sequence token.
+            progress.finish_reason = "stop"
+            yield piece(matcher.flush(), "stop")
+        finally:
+            if span.is_recording():
+                span.set_attribute("pdgate.completion_tokens", progress.tokens)
+                span.set_attribute("pdgate.finish_reason", progress.finish_reason)
+            span.end()
 
     async def _stream(
-        self, req: CompletionRequest, tokens: Sequence[int], job: PullJob
+        self,
+        req: ApiRequest,
+        tokens: Sequence[int],
+        job: PullJob,
+        shape: Shape,
+        progress: _Progress,
+        span: Span,
     ) -> AsyncIterator[bytes]:
-        shape = CompletionShape(req.model or self._settings.model)
-        progress = _Progress()
+        started = False
         try:
             try:
-                async with aclosing(self._pieces(req, tokens, job, progress)) as pieces:
-                    async for text, finish in pieces:
-                        yield shape.chunk(text, finish)
+                async with aclosing(self._pieces(req, tokens, job, progress, span)) as pieces:
+                    async for text, finish, logprobs, token_ids in pieces:
+                        if not started:
+                            # After the KV arrived: a first event tells the gateway so.
+                            started = True
+                            if head := shape.start():
+                                yield head
+                        yield shape.chunk(text, finish, logprobs, token_ids)
             except (KvTransferError, EngineBusy, InvalidRequest) as exc:
+                progress.outcome = "failed"
                 yield self._failed(exc, job).sse()
                 yield SSE_DONE
                 return
             if req.include_usage:
                 yield shape.usage_chunk(usage(len(tokens), progress.tokens))
             yield SSE_DONE
+            progress.outcome = "ok"
             self._counts["completed"] += 1
         except (asyncio.CancelledError, GeneratorExit):
             self._counts["cancelled"] += 1
             raise
 
-    async def _whole(self, req: CompletionRequest, tokens: Sequence[int], job: PullJob) -> Response:
-        shape = CompletionShape(req.model or self._settings.model)
-        progress = _Progress()
+    async def _whole(
+        self,
+        req: ApiRequest,
+        tokens: Sequence[int],
+        job: PullJob,
+        shape: Shape,
+        progress: _Progress,
+        span: Span,
+    ) -> Response:
         parts: list[str] = []
+        logprobs: list[TokenLogprobs] = []
+        token_ids: list[int] = []
         try:
-            async with aclosing(self._pieces(req, tokens, job, progress)) as pieces:
-                async for text, _ in pieces:
+            async with aclosing(self._pieces(req, tokens, job, progress, span)) as pieces:
+                async for text, _, piece_logprobs, piece_ids in pieces:
                     parts.append(text)
+                    logprobs.extend(piece_logprobs)
+                    token_ids.extend(piece_ids)
         except (KvTransferError, EngineBusy, InvalidRequest) as exc:
             raise self._failed(exc, job) from None
         self._counts["completed"] += 1
         return json_response(
             shape.completion(
-                "".join(parts), progress.finish_reason, usage(len(tokens), progress.tokens)
+                "".join(parts),
+                progress.finish_reason,
+                usage(len(tokens), progress.tokens),
+                logprobs,
+                token_ids,
             )
         )
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -26,46 +26,43 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from config import PrefillAdmission, Role, ShimSettings
-from engine_shim._completion import (
-    CompletionRequest,
-    CompletionShape,
-    check_length,
-    check_model,
-    parse_completion,
-    usage,
-)
-from engine_shim._http import (
-    ApiError,
-    ClosingStreamingResponse,
-    bad_request,
-    busy,
-    draining,
-    json_response,
-    until_disconnect,
-)
-from engine_shim._kv_store import HeldKv, KvStore
-from engine_shim._slots import PoolFull, Slot, SlotPool
-from engine_shim._stop import StopMatcher
-from engine_shim.backend import EngineBusy, InvalidRequest, PrefillBackend, PrefillOutput
-from engine_shim.prefix_cache import BLOCK_SIZE
-from engine_shim.wire import (
-    BATCH_PATH,
+from pdgate.config import PrefillAdmission, Role, ShimSettings
+from pdgate.config.openai_api import Api, ClientGone, error_body, read_body
+from pdgate.config.tracing import Span, SpanKind, Tracing
+from pdgate.config.wire import (
+    BATCH_SUFFIX,
     KV_DIGEST_HEADER,
     KV_ID_HEADER,
     KV_PATH,
     KV_TOKENS_HEADER,
-    ClientGone,
-    error_body,
-    read_body,
+    MAX_BATCH,
+    valid_kv_id,
 )
+from pdgate.engine_shim._completion import ApiRequest, shape_for, usage
+from pdgate.engine_shim._http import (
+    ApiError,
+    ClosingStreamingResponse,
+    ClusterAuth,
+    bad_request,
+    busy,
+    conflict,
+    draining,
+    json_response,
+    until_disconnect,
+)
+from pdgate.engine_shim._kv_store import HeldKv, KvStore
+from pdgate.engine_shim._metrics import Histograms
+from pdgate.engine_shim._service import ShimService, caller_request_id, end_span
+from pdgate.engine_shim._slots import PoolFull, Slot, SlotPool
+from pdgate.engine_shim._stop import StopMatcher
+from pdgate.engine_shim.backend import EngineBusy, InvalidRequest, PrefillBackend, PrefillOutput
+from pdgate.engine_shim.prefix_cache import BLOCK_SIZE
 
 __all__ = ["PrefillShim"]
 
 log = logging.getLogger("pdgate.shim.prefill")
 
 KV_CHUNK_BYTES = 256 * 1024
-MAX_BATCH = 256  # requests in one batch call
 
 
 async def _unguarded(work: Awaitable[Any]) -> Any:
@@ -76,8 +73,18 @@ def _line(index: int, status: int, body: dict[str, Any]) -> bytes:
     return orjson.dumps({"index": index, "status": status, "body": body}) + b"\n"
 
 
-def parse_batch(body: bytes, *, max_items: int) -> tuple[list[dict[str, Any]], list[str]]:
-    """``{"requests": [completion body, ...], "kv_ids": [optional ids, ...]}``."""
+def _strings(raw: dict[str, Any], name: str) -> list[str]:
+    value = raw.get(name) or []
+    if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
+        raise bad_request(f"{name} must be a list of strings", name)
+    return value
+
+
+def parse_batch(
+    body: bytes, *, max_items: int
+) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """``{"requests": [completion body, ...], "kv_ids": [...], "request_ids": [...]}``, the
+    ids optional and matched to the requests by position."""
     try:
         raw = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -87,14 +94,25 @@ def parse_batch(body: bytes, *, max_items: int) -> tuple[list[dict[str, Any]], l
         raise bad_request("requests must be a non-empty list of completion requests", "requests")
     if len(items) > max_items:
         raise bad_request(f"at most {max_items} requests per batch", "requests")
-    kv_ids = raw.get("kv_ids") or []
-    if not isinstance(kv_ids, list) or not all(isinstance(k, str) for k in kv_ids):
-        raise bad_request("kv_ids must be a list of strings", "kv_ids")
-    return items, kv_ids
+    assert isinstance(raw, dict)
+    return items, _strings(raw, "kv_ids"), _strings(raw, "request_ids")
 
 
-class PrefillShim:
+def _nth(values: list[str], index: int) -> str:
+    return values[index] if index < len(values) else ""
+
+
+class PrefillShim(ShimService[PrefillBackend]):
     role = Role.PREFILL
+    counts = (
+        "admitted",
+        "rejected",
+        "completed",
+        "cancelled",
+        "kv_fetched",
+        "kv_lost",
+        "kv_released",
+    )
 
     def __init__(
         self,
@@ -104,113 +122,90 @@ class PrefillShim:
         instance_id: str,
         url: str,
         max_body_bytes: int,
+        auth: ClusterAuth | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
-        self._settings = settings
-        self._backend = backend
-        self._instance_id = instance_id
-        self._max_body_bytes = max_body_bytes
-        split = urlsplit(url)
-        self._remote_host = split.hostname or settings.host
-        self._remote_port = split.port or (443 if split.scheme == "https" else 80)
         queue_limit = (
             settings.local_queue_size if settings.admission == PrefillAdmission.QUEUE else 0
         )
-        self._slots = SlotPool(settings.capacity, queue_limit=queue_limit)
-        self._store = KvStore(settings.kv_hold_timeout_s)
-        self._sending = 0
-        self.draining = False
-        self._counts = dict.fromkeys(
-            (
-                "admitted",
-                "rejected",
-                "completed",
-                "cancelled",
-                "kv_fetched",
-                "kv_lost",
-                "kv_released",
-            ),
-            0,
+        super().__init__(
+            settings,
+            backend,
+            SlotPool(settings.capacity, queue_limit=queue_limit),
+            instance_id=instance_id,
+            max_body_bytes=max_body_bytes,
+            auth=auth,
+            tracing=tracing,
         )
-
-    @property
-    def slots(self) -> SlotPool:
-        return self._slots
+        split = urlsplit(url)
+        self._remote_host = split.hostname or settings.host
+        self._remote_port = split.port or (443 if split.scheme == "https" else 80)
+        self._store = KvStore(settings.kv_hold_timeout_s)
+        # KV ids of requests admitted and not yet in the store (computing): an id is in use
+        # from admission until its KV is let go, so a second request cannot claim it.
+        self._computing: set[str] = set()
+        self._sending = 0
 
     def routes(self) -> list[Route]:
         return [
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route(BATCH_PATH, self.completions_batch, methods=["POST"]),
+            *super().routes(),
+            Route(Api.COMPLETIONS.path + BATCH_SUFFIX, self.completions_batch, methods=["POST"]),
+            Route(Api.CHAT.path + BATCH_SUFFIX, self.chat_batch, methods=["POST"]),
             Route(KV_PATH, self.kv_get, methods=["GET"]),
             Route(KV_PATH, self.kv_delete, methods=["DELETE"]),
         ]
 
-    def load(self) -> dict[str, Any]:
-        stats = self._backend.stats()
+    def _load(self) -> Mapping[str, Any]:
+        holds = self._store.holds
         return {
-            "role": self.role.value,
-            "instance_id": self._instance_id,
-            "model": self._settings.model,
-            "group": self._settings.group,
             "admission": self._settings.admission.value,
-            "draining": self.draining,
-            "capacity": self._slots.capacity,
-            "used": self._slots.used,
-            "free": self._slots.free,
-            "queued": self._slots.queued,
-            "waiting": stats.waiting,
-            "running": stats.running,
-            "retrieving": 0,
             "kv_held": len(self._store),
             "kv_sending": self._sending,
-            "prefix_cache_hit_tokens": stats.prefix_hit_tokens,
-            "prefix_cache_total_tokens": stats.prefix_query_tokens,
-            "kv_cache_usage": stats.kv_cache_usage,
-            "engine_aborted": stats.aborted,
-            **self._counts,
             "kv_expired": self._store.expired,
             "kv_dropped_on_arrival": self._store.dropped_on_arrival,
+            # How long KV stayed held after its prefill ended (the hold timeout hides leaks).
+            "kv_hold_max_s": round(holds.max_s, 6),
+            "kv_hold_over_5s": holds.long,
         }
 
-    def start(self) -> None:
-        return None
+    def histograms(self) -> Histograms:
+        return {
+            "kv_hold_seconds": (
+                "Seconds a prefill's KV (and its slot) stayed held after the prefill finished, "
+                "by how the hold ended",
+                "outcome",
+                self._store.holds.by_outcome,
+            )
+        }
 
     async def aclose(self) -> None:
         self._store.close()
 
-    # -- POST /v1/completions -------------------------------------------------------------
+    # -- POST /v1/completions, /v1/chat/completions --------------------------------------
 
-    async def completions(self, request: Request) -> Response:
-        try:
-            return await self._complete(request)
-        except ApiError as exc:
-            return exc.response()
-        except ClientGone:
-            return Response(status_code=499)  # nobody is listening; for the access log only
-
-    async def _complete(self, request: Request) -> Response:
-        if self.draining:
-            raise draining()
-        req = parse_completion(
-            await read_body(request, self._max_body_bytes),
-            max_model_len=self._settings.max_model_len,
+    async def _complete(self, request: Request, api: Api, span: Span) -> Response:
+        req = await self._read(request, api)
+        kv_id = request.headers.get(KV_ID_HEADER, "")
+        rid = caller_request_id(request)
+        answer = await self._prefill_one(
+            req, kv_id, rid, lambda work: until_disconnect(request, work), span
         )
-        kv_id = self._kv_id(request.headers.get(KV_ID_HEADER, ""))
-        return json_response(
-            await self._prefill_one(req, kv_id, lambda work: until_disconnect(request, work))
-        )
+        end_span(span, "ok", 200)
+        return json_response(answer)
 
     async def _prefill_one(
         self,
-        req: CompletionRequest,
+        req: ApiRequest,
         kv_id: str,
+        rid: str | None,
         guard: Callable[[Awaitable[Any]], Awaitable[Any]],
+        span: Span,
     ) -> dict[str, Any]:
-        """Admit, compute and hold the KV of one request; its completion as a dict.
+        """Admit, compute and hold the KV of one request; its answer as a dict.
 
         `guard` runs each wait so that the caller's disconnect cancels it (the single
-        endpoint watches its own request; the batch endpoint cancels its items itself)."""
-        settings = self._settings
-        check_model(req, settings.model)
+        endpoint watches its own request; the batch endpoint cancels its items itself).
+        `span` is the request's trace span: admission and compute are its children."""
         params = req.kv_transfer_params
         if not params or params.get("do_remote_decode") is not True:
             raise bad_request(
@@ -218,42 +213,90 @@ class PrefillShim:
                 "kv_transfer_params with do_remote_decode=true (send them through the gateway)",
                 "kv_transfer_params",
             )
+        tokens = self._tokens(req)
+        kv_id = self._claim_kv_id(kv_id)
         try:
-            tokens = self._backend.tokenize(req.prompt)
-        except ValueError as exc:
-            raise bad_request(str(exc), "prompt") from None
-        check_length(len(tokens), req.max_tokens, settings.max_model_len)
+            return await self._compute(req, tokens, kv_id, rid, guard, span)
+        finally:
+            # In the store now, or never will be: either way no longer "computing".
+            self._computing.discard(kv_id)
 
-        slot = await self._admit(guard)
+    def _claim_kv_id(self, given: str) -> str:
+        """The caller may name the KV handle (``x-pdgate-kv-id``) so it can release it even if
+        it never reads the answer. An id is one request's from admission until its KV is let
+        go: a second request with it gets 409 and holds nothing."""
+        if not given:
+            kv_id = uuid.uuid4().hex
+        elif not valid_kv_id(given):
+            raise bad_request(f"{KV_ID_HEADER} must be 8 to 64 ASCII letters and digits")
+        elif given in self._computing or given in self._store:
+            raise conflict(
+                f"KV id {given} is already in use by another request", code="duplicate_kv_id"
+            )
+        else:
+            kv_id = given
+        self._computing.add(kv_id)
+        return kv_id
+
+    async def _compute(
+        self,
+        req: ApiRequest,
+        tokens: list[int],
+        kv_id: str,
+        rid: str | None,
+        guard: Callable[[Awaitable[Any]], Awaitable[Any]],
+        span: Span,
+    ) -> dict[str, Any]:
+        settings = self._settings
+        slot = await self._admit(guard, span)
+        compute = self._tracing.start("pdgate.shim.prefill_compute", parent=span)
+        if compute.is_recording():
+            compute.set_attribute("pdgate.prompt_tokens", len(tokens))
         # The engine call runs as its own task so that the slot follows the engine, not the
         # caller: a caller that leaves mid-prefill returns at once, but the slot is freed only
         # when the engine has dropped the prompt (see `_free_when_engine_done`).
-        work = asyncio.ensure_future(self._backend.prefill(tokens, req.sampling))
+        work = asyncio.ensure_future(self._backend.prefill(tokens, req.sampling()))
         try:
             out = await guard(asyncio.shield(work))
         except BaseException as exc:
             _free_when_engine_done(work, slot)
             if isinstance(exc, EngineBusy):
                 self._counts["rejected"] += 1
+                end_span(compute, "rejected", 429)
                 raise busy("prefill batch is full", code="no_free_slot") from None
             if isinstance(exc, InvalidRequest):
+                end_span(compute, "invalid", 400)
                 raise bad_request(str(exc)) from None
             if isinstance(exc, ClientGone | asyncio.CancelledError):
                 self._counts["cancelled"] += 1
+            end_span(compute, "cancelled" if isinstance(exc, ClientGone) else "failed")
             raise
-        self._store.put(HeldKv(kv_id, out.kv, slot))
+        if compute.is_recording():
+            compute.set_attribute("pdgate.cached_tokens", out.cached_tokens)
+            compute.set_attribute("pdgate.kv_bytes", out.kv.nbytes)
+        end_span(compute, "ok")
+        held = HeldKv(kv_id, out.kv, slot)
+        if req.logprob_count is not None and out.logprobs is None:
+            held.close()
+            raise bad_request("this engine does not produce logprobs", "logprobs")
+        if req.return_token_ids and out.first_token_id is None:
+            held.close()
+            raise bad_request("this engine does not produce token ids", "return_token_ids")
+        self._store.put(held)
         self._counts["completed"] += 1
 
-        matcher = StopMatcher(req.stop)
+        matcher = StopMatcher(req.stop_sequences)
         text, stopped = matcher.feed(out.first_token)
         if not stopped:
             text += matcher.flush()
         n_blocks = -(-out.prompt_tokens // BLOCK_SIZE)
-        shape = CompletionShape(req.model or settings.model)
+        shape = shape_for(req, settings.model, rid, tokens)
         return shape.completion(
             text,
             "stop" if stopped else "length",
             usage(out.prompt_tokens, 1, out.cached_tokens),
+            () if out.logprobs is None else (out.logprobs,),
+            () if out.first_token_id is None else (out.first_token_id,),
             kv_transfer_params={
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
@@ -266,40 +309,42 @@ class PrefillShim:
             },
         )
 
-    def _kv_id(self, given: str) -> str:
-        """The caller may name the KV handle (``x-pdgate-kv-id``) so it can release it even if
-        it never reads the answer; anything unusable gets a fresh id."""
-        if (
-            8 <= len(given) <= 64
-            and given.isascii()
-            and given.isalnum()
-            and given not in self._store
-        ):
-            return given
-        return uuid.uuid4().hex
-
-    async def _admit(self, guard: Callable[[Awaitable[Any]], Awaitable[Any]]) -> Slot:
+    async def _admit(self, guard: Callable[[Awaitable[Any]], Awaitable[Any]], parent: Span) -> Slot:
+        span = self._tracing.start("pdgate.shim.admission", parent=parent)
+        if span.is_recording():
+            span.set_attribute("pdgate.admission", self._settings.admission.value)
+            span.set_attribute("pdgate.free_slots", self._slots.free)
         if self._settings.admission == PrefillAdmission.REJECT:
             slot = self._slots.try_acquire()
             if slot is None:
                 self._counts["rejected"] += 1
+                end_span(span, "rejected", 429)
                 raise busy("no free prefill slot", code="no_free_slot")
         else:
             try:
                 slot = await guard(self._slots.acquire())
             except PoolFull:
                 self._counts["rejected"] += 1
+                end_span(span, "rejected", 429)
                 raise busy("prefill queue is full", code="queue_full") from None
             except (ClientGone, asyncio.CancelledError):
                 self._counts["cancelled"] += 1
+                end_span(span, "cancelled")
                 raise
         self._counts["admitted"] += 1
+        end_span(span, "accepted")
         return slot
 
     # -- POST /v1/completions/batch (pdgate extension) ----------------------------------------
 
     async def completions_batch(self, request: Request) -> Response:
-        """Several prefill requests in one call (P/D-Serve batch forwarding).
+        return await self._batch(request, Api.COMPLETIONS)
+
+    async def chat_batch(self, request: Request) -> Response:
+        return await self._batch(request, Api.CHAT)
+
+    async def _batch(self, request: Request, api: Api) -> Response:
+        """Several prefill requests of one API in one call (P/D-Serve batch forwarding).
 
         Admission happens in list order at once: the first requests take the free slots, the
         rest are rejected individually. The answer is NDJSON, one line per request as soon as
@@ -307,34 +352,52 @@ class PrefillShim:
         ``{"index": i, "status": 200 | 4xx, "body": completion | OpenAI error}``.
         """
         try:
+            self._auth.check(request)
             if self.draining:
                 raise draining()
-            items, kv_ids = parse_batch(
-                await read_body(request, self._max_body_bytes), max_items=MAX_BATCH
-            )
+            body = await read_body(request, self._max_body_bytes, self._settings.body_timeout_s)
+            items, kv_ids, request_ids = parse_batch(body, max_items=MAX_BATCH)
         except ApiError as exc:
             return exc.response()
         except ClientGone:
             return Response(status_code=499)
-        parsed: list[CompletionRequest | ApiError] = []
+        parsed: list[ApiRequest | ApiError] = []
         for raw in items:
             try:
-                parsed.append(
-                    parse_completion(orjson.dumps(raw), max_model_len=self._settings.max_model_len)
-                )
+                parsed.append(self._parse(orjson.dumps(raw), api))
             except ApiError as exc:
                 parsed.append(exc)
+        # One span for the call (it carries one traceparent), a child per item.
+        batch_span = self._tracing.start(
+            "pdgate.shim.prefill_batch", parent=Tracing.extract(request.headers),
+            kind=SpanKind.SERVER,
+        )  # fmt: skip
+        if batch_span.is_recording():
+            batch_span.set_attribute("pdgate.instance", self._instance_id)
+            batch_span.set_attribute("pdgate.api", api.value)
+            batch_span.set_attribute("pdgate.batch_size", len(parsed))
 
         async def run(index: int) -> bytes:
             item = parsed[index]
+            span = self._tracing.start("pdgate.shim.prefill", parent=batch_span)
             try:
                 if isinstance(item, ApiError):
                     raise item
-                kv_id = self._kv_id(kv_ids[index] if index < len(kv_ids) else "")
-                body = await self._prefill_one(item, kv_id, _unguarded)
+                rid = _nth(request_ids, index) or None
+                body = await self._prefill_one(item, _nth(kv_ids, index), rid, _unguarded, span)
+                end_span(span, "ok", 200)
                 return _line(index, 200, body)
             except ApiError as exc:
-                return _line(index, exc.status, error_body(exc.message, exc.type, code=exc.code))
+                end_span(span, "error", exc.status)
+                return _line(index, exc.status, exc.body())
+            except Exception:
+                # One item's bug must not end the others' answers.
+                log.exception("batch item %d failed", index)
+                end_span(span, "internal_error", 500)
+                return _line(index, 500, error_body("internal error", "internal_error"))
+            except BaseException:
+                end_span(span, "cancelled")
+                raise
 
         # Created in order, so admission (the first step of each) happens in list order.
         tasks = [asyncio.ensure_future(run(i)) for i in range(len(parsed))]
@@ -347,6 +410,7 @@ class PrefillShim:
             # The caller left (or the stream ended): unfinished prefills free their slots.
             for task in tasks:
                 task.cancel()
+            batch_span.end()
 
         return ClosingStreamingResponse(
             lines(), media_type="application/x-ndjson", on_close=cancel_rest
@@ -355,6 +419,10 @@ class PrefillShim:
     # -- KV hand-off ------------------------------------------------------------------------
 
     async def kv_get(self, request: Request) -> Response:
+        try:
+            self._auth.check(request)  # the KV is the prompt, in another form
+        except ApiError as exc:
+            return exc.response()
         request_id = request.path_params["request_id"]
         entry = self._store.take(request_id)
         if entry is None:
@@ -378,7 +446,7 @@ class PrefillShim:
             else:
                 self._counts["kv_lost"] += 1
                 log.info("KV reader of request %s left midway; KV dropped, slot freed", request_id)
-            entry.close()
+            entry.close("fetched" if sent else "lost")
 
         self._sending += 1
         return ClosingStreamingResponse(
@@ -393,13 +461,17 @@ class PrefillShim:
         )
 
     async def kv_delete(self, request: Request) -> Response:
+        try:
+            self._auth.check(request)
+        except ApiError as exc:
+            return exc.response()
         request_id = request.path_params["request_id"]
         entry = self._store.take(request_id)
         if entry is None:
             if len(request_id) <= 64:
                 self._store.release_unknown(request_id)
             return _unknown_kv(request_id)
-        entry.close()
+        entry.close("released")
         self._counts["kv_released"] += 1
         return Response(status_code=204)
 

@@ -12,27 +12,82 @@ Both engines are one loop task each, in the style of continuous batching:
 
 Real work done inside an iteration (hashing, bookkeeping) counts against the modelled time
 instead of adding to it.
+
+Text is generated autoregressively over token ids (`_sim_text`): each token is a function of
+the prompt's ids and the tokens before it, so a stream re-submitted as prompt + generated
+ids continues exactly where it stopped.
+
+Chat requests are rendered with one fixed template (`render_chat_text`) and tokenized
+like any text prompt::
+
+    <|tools|>\n[...tools as JSON...]<|end|>\n        (only when tools are given)
+    <|system|>\nYou are terse.<|end|>\n
+    <|user|>\nHello!<|end|>\n
+    <|assistant|>\nHi.<tool_calls>[...]</tool_calls><|end|>\n   (tool calls when present)
+    <|tool|>\n{"temp": 21}<|end|>\n
+    <|assistant|>\n                               (add_generation_prompt, the default)
+
+With ``continue_final_message`` the last (assistant) message is left open: no ``<|end|>``
+and no generation prompt. ``chat_template_kwargs`` are accepted and unused (the template
+has no variables).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
-from engine_shim import tokenizer
-from engine_shim._sim_kv import KvLink, SimKvBuffer, SimKvSink
-from engine_shim._sim_text import prompt_key, token_text
-from engine_shim.backend import EngineBusy, EngineStats, KvSink, PrefillOutput, Prompt, Sampling
-from engine_shim.prefix_cache import PrefixCache
-from engine_shim.sim_profile import SimProfile
+import orjson
 
-__all__ = ["SimDecodeEngine", "SimPrefillEngine", "tokenize"]
+from pdgate.config import Role, ShimSettings
+from pdgate.engine_shim import tokenizer
+from pdgate.engine_shim._sim_kv import KvLink, SimKvBuffer, SimKvSink
+from pdgate.engine_shim._sim_text import Context, next_token, token_logprobs
+from pdgate.engine_shim.backend import (
+    ChatPrompt,
+    EngineBusy,
+    EngineStats,
+    Generated,
+    KvSink,
+    PrefillOutput,
+    Prompt,
+    Sampling,
+)
+from pdgate.engine_shim.prefix_cache import PrefixCache
+from pdgate.engine_shim.sim_profile import SimProfile, get_profile
+
+__all__ = [
+    "SimDecodeEngine",
+    "SimPrefillEngine",
+    "make_backend",
+    "render_chat_text",
+    "tokenize",
+]
 
 log = logging.getLogger("pdgate.engine.sim")
+
+
+def make_backend(settings: ShimSettings) -> SimPrefillEngine | SimDecodeEngine:
+    """The ``sim`` engine of `settings.role`, on the settings' timing profile."""
+    profile = get_profile(settings.sim_profile)
+    if settings.sim_prefix_cache_blocks is not None:
+        profile = dataclasses.replace(profile, prefix_cache_blocks=settings.sim_prefix_cache_blocks)
+    if settings.role == Role.PREFILL:
+        return SimPrefillEngine(
+            profile, max_batch=settings.capacity, kv_wire_fraction=settings.sim_kv_wire_fraction
+        )
+    return SimDecodeEngine(profile, max_batch=settings.capacity)
+
+
+def _top_logprobs(sampling: Sampling | None) -> int | None:
+    """How many top logprobs the request asked for (None: none at all)."""
+    value = (sampling or {}).get("logprobs")
+    return None if value is None else int(value)
 
 
 def tokenize(prompt: Prompt) -> list[int]:
@@ -44,6 +99,29 @@ def tokenize(prompt: Prompt) -> list[int]:
         if not 0 <= t < tokenizer.VOCAB_SIZE:
             raise ValueError(f"token id {t} is outside the vocabulary [0, {tokenizer.VOCAB_SIZE})")
     return ids
+
+
+def render_chat_text(chat: ChatPrompt) -> str:
+    """`chat` in the sim's fixed chat template (see the module docstring)."""
+    out: list[str] = []
+    if chat.tools:
+        out.append("<|tools|>\n" + orjson.dumps(list(chat.tools)).decode() + "<|end|>\n")
+    last = len(chat.messages) - 1
+    for i, message in enumerate(chat.messages):
+        out.append(f"<|{message['role']}|>\n{message.get('content') or ''}")
+        if message.get("tool_calls"):
+            out.append(
+                "<tool_calls>" + orjson.dumps(message["tool_calls"]).decode() + "</tool_calls>"
+            )
+        if not (chat.continue_final_message and i == last):
+            out.append("<|end|>\n")
+    if chat.add_generation_prompt and not chat.continue_final_message:
+        out.append("<|assistant|>\n")
+    return "".join(out)
+
+
+def render_chat(chat: ChatPrompt) -> list[int]:
+    return tokenizer.encode(render_chat_text(chat))
 
 
 class _EngineLoop:
@@ -76,6 +154,7 @@ class _EngineLoop:
 class _PrefillJob:
     tokens: Sequence[int]
     future: asyncio.Future[PrefillOutput]
+    top_logprobs: int | None
     # Set when the job's batch is over (or the engine stopped): the prompt has left the engine.
     left: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -97,6 +176,9 @@ class SimPrefillEngine(_EngineLoop):
     def tokenize(self, prompt: Prompt) -> list[int]:
         return tokenize(prompt)
 
+    def render_chat(self, chat: ChatPrompt) -> list[int]:
+        return render_chat(chat)
+
     async def aclose(self) -> None:
         await super().aclose()
         while self._pending:
@@ -115,13 +197,15 @@ class SimPrefillEngine(_EngineLoop):
 
     async def prefill(
         self, tokens: Sequence[int], sampling: Sampling | None = None
-    ) -> PrefillOutput:  # the sim has no sampling: `sampling` is ignored
+    ) -> PrefillOutput:  # the sim does not sample: only `logprobs` is read
         if self._task is None:
             raise RuntimeError("engine is not started")
         # Bounded: the shim admits at most one batch of prompts at a time.
         if len(self._pending) >= self._max_batch:
             raise EngineBusy("prefill batch is full")
-        job = _PrefillJob(tokens, asyncio.get_running_loop().create_future())
+        job = _PrefillJob(
+            tokens, asyncio.get_running_loop().create_future(), _top_logprobs(sampling)
+        )
         self._pending.append(job)
         self._wakeup.set()
         try:
@@ -172,8 +256,10 @@ class SimPrefillEngine(_EngineLoop):
         for job, hit in zip(batch, cached, strict=True):
             nbytes = self._profile.kv_wire_bytes(len(job.tokens), self._wire_fraction)
             kv = await SimKvBuffer.build(job.tokens, nbytes)
-            first = token_text(prompt_key(job.tokens), 0)
-            outputs.append(PrefillOutput(first, len(job.tokens), hit, kv))
+            context = Context(job.tokens)
+            token_id, text = next_token(context)
+            lp = None if job.top_logprobs is None else token_logprobs(context, job.top_logprobs)
+            outputs.append(PrefillOutput(text, len(job.tokens), hit, kv, lp, token_id))
         await self._sleep_until(started + duration)
         for job, out in zip(batch, outputs, strict=True):
             if job.future.done():  # the client left while its batch was computing
@@ -184,12 +270,13 @@ class SimPrefillEngine(_EngineLoop):
 
 @dataclass(eq=False, slots=True)
 class _Sequence:
-    key: bytes
+    context: Context  # the prompt and every token generated so far
     prompt_len: int
     max_tokens: int
+    top_logprobs: int | None
     produced: int = 0
     left: bool = False
-    out: asyncio.Queue[str | None] = field(default_factory=asyncio.Queue)
+    out: asyncio.Queue[Generated | None] = field(default_factory=asyncio.Queue)
 
 
 class SimDecodeEngine(_EngineLoop):
@@ -207,6 +294,9 @@ class SimDecodeEngine(_EngineLoop):
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         return tokenize(prompt)
+
+    def render_chat(self, chat: ChatPrompt) -> list[int]:
+        return render_chat(chat)
 
     async def aclose(self) -> None:
         await super().aclose()
@@ -232,15 +322,15 @@ class SimDecodeEngine(_EngineLoop):
         tokens: Sequence[int],
         max_tokens: int,
         kv: KvSink,
-        sampling: Sampling | None = None,  # the sim has no sampling: ignored
-    ) -> AsyncGenerator[str, None]:
+        sampling: Sampling | None = None,  # the sim does not sample: only `logprobs` is read
+    ) -> AsyncGenerator[Generated, None]:
         if not isinstance(kv, SimKvSink) or not kv.committed:
             raise ValueError("generate needs a committed KV sink of this engine")
         if self._task is None:
             raise RuntimeError("engine is not running")
         if len(self._running) + len(self._joining) >= self._max_batch:
             raise EngineBusy("decode batch is full")
-        seq = _Sequence(prompt_key(tokens), len(tokens), max_tokens)
+        seq = _Sequence(Context(tokens), len(tokens), max_tokens, _top_logprobs(sampling))
         self._joining.append(seq)
         self._wakeup.set()
         try:
@@ -260,6 +350,15 @@ class SimDecodeEngine(_EngineLoop):
             with contextlib.suppress(ValueError):
                 self._joining.remove(seq)
 
+    @staticmethod
+    def _token(seq: _Sequence) -> Generated:
+        """The sequence's next token; its context moves past it."""
+        context = seq.context
+        token_id, text = next_token(context)
+        lp = None if seq.top_logprobs is None else token_logprobs(context, seq.top_logprobs)
+        context.append(token_id)
+        return Generated(text, lp, token_id)
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         running = self._running
@@ -276,7 +375,7 @@ class SimDecodeEngine(_EngineLoop):
             context = sum(s.prompt_len + s.produced for s in running.values())
             await self._sleep_until(started + self._profile.decode_step_s(len(running), context))
             for key, seq in list(running.items()):
-                seq.out.put_nowait(token_text(seq.key, seq.produced))
+                seq.out.put_nowait(self._token(seq))
                 seq.produced += 1
                 if seq.produced >= seq.max_tokens:
                     del running[key]

@@ -5,16 +5,17 @@ loads like any Hugging Face checkpoint, but models cannot be downloaded here and
 cores. `write_tiny_llama` writes one: ``config.json`` (LlamaForCausalLM: hidden 128, 2 layers,
 2 heads of 64, float32), ``model.safetensors`` with seeded random weights, and a byte-level BPE
 tokenizer trained with `tokenizers` on a fixed text, plus the ``tokenizer_config.json`` and
-``generation_config.json`` that transformers and vLLM read. Everything derives from `seed`, so
-two calls write byte-identical files and every process that loads them computes the same
-logits.
+``generation_config.json`` that transformers and vLLM read, with a small chat template
+(`CHAT_TEMPLATE`), so vLLM's chat API and the shims render conversations the same way.
+Everything derives from `seed`, so two calls write byte-identical files and every process
+that loads them computes the same logits.
 
 Weights are drawn with a larger spread than a trained model's initialisation: near-uniform
 logits would make greedy decoding flip between almost-tied tokens on float rounding (a prefill
 of many tokens and a decode step that re-reads transferred KV round differently), and the point
 of the model is a deterministic greedy output that a disaggregated run must reproduce exactly.
 
-Run ``python -m engine_shim.tiny_model DIR`` to write one by hand.
+Run ``python -m pdgate.engine_shim.tiny_model DIR`` to write one by hand.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TINY_MODEL_NAME", "TinyLlamaSpec", "write_tiny_llama"]
+__all__ = ["CHAT_TEMPLATE", "TINY_MODEL_NAME", "TinyLlamaSpec", "write_tiny_llama"]
 
 TINY_MODEL_NAME = "pdgate-tiny-llama"
 
@@ -86,6 +87,17 @@ class TinyLlamaSpec:
 
 _BOS, _EOS, _UNK = "<s>", "</s>", "<unk>"
 
+# Jinja, as Hugging Face tokenizers carry it: BOS, the tools if any, one block per message,
+# the assistant's header when a reply is wanted. Any role is rendered as itself.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|tools|>\n{{ tools | tojson }}<|end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] or '' }}<|end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
 
 def _write_tokenizer(directory: Path, vocab_size: int) -> int:
     """Train a byte-level BPE on `_CORPUS`; returns the real vocabulary size."""
@@ -117,6 +129,7 @@ def _write_tokenizer(directory: Path, vocab_size: int) -> int:
                 "unk_token": _UNK,
                 "model_max_length": 2048,
                 "clean_up_tokenization_spaces": False,
+                "chat_template": CHAT_TEMPLATE,
             },
             indent=1,
         )
@@ -198,7 +211,7 @@ def write_tiny_llama(
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m engine_shim.tiny_model DIR", file=sys.stderr)
+        print("usage: python -m pdgate.engine_shim.tiny_model DIR", file=sys.stderr)
         return 2
     print(write_tiny_llama(args[0]))
     return 0

@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 import zlib
 
-__all__ = ["VOCAB_SIZE", "count", "encode", "pieces"]
+__all__ = ["VOCAB_SIZE", "count", "encode", "piece_id", "pieces"]
 
 # Llama 3's vocabulary size, so token-id prompts written for it validate here too.
 VOCAB_SIZE = 128_256
@@ -37,6 +37,11 @@ _PIECE = re.compile(r"\s?[^\W\d_]{1,5}|\s?\d{1,3}|\s?[^\w\s]|\s?_|\s+")
 def pieces(text: str) -> list[str]:
     """The text pieces that become tokens, in order."""
     return _PIECE.findall(text)
+
+
+def piece_id(piece: str) -> int:
+    """The id of `piece` as one token (what `encode` gives each piece it cuts)."""
+    return zlib.crc32(piece.encode()) % VOCAB_SIZE
 
 
 def encode(text: str) -> list[int]:

@@ -22,8 +22,8 @@ Requests opt in through ``kv_transfer_params`` (set by the shims, never taken fr
   reported as failed blocks, which vLLM recomputes (``kv_load_failure_policy=recompute``).
 
 Configuration: ``kv_connector="PdgateConnector"``,
-``kv_connector_module_path="engine_shim.vllm_connector"``, ``kv_role="kv_both"`` and
-``kv_connector_extra_config={"spool_dir": DIR}`` (`engine_shim.vllm_engine` sets all of it).
+``kv_connector_module_path="pdgate.engine_shim.vllm_connector"``, ``kv_role="kv_both"`` and
+``kv_connector_extra_config={"spool_dir": DIR}`` (`pdgate.engine_shim.vllm_engine` sets all of it).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from engine_shim._vllm_kv_buffer import (
+from pdgate.engine_shim._vllm_kv_buffer import (
     KvBufferError,
     KvLayout,
     buffer_path,
@@ -120,6 +120,7 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
         self._layer_index: dict[str, int] = {}
         self._layout: KvLayout | None = None
         self._open: dict[str, torch.Tensor] = {}  # this step's save buffers, by name
+        self._gone: set[str] = set()  # this step's saves whose buffer was removed
         self._load_errors: set[int] = set()
 
     # -- scheduler side ------------------------------------------------------------------
@@ -288,13 +289,24 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
         layout = self._layout_of(kv_layer)
         index = self._layer_index[layer_name]
         for job in meta.saves:
+            if job.name in self._gone:
+                continue
             buf = self._open.get(job.name)
             if buf is None:
                 path = buffer_path(self._spool, job.name)
-                if job.create:
-                    buf = create_buffer(path, layout, job.total)
-                else:
-                    buf = open_buffer(path, layout, job.total, writable=True)  # next chunk
+                try:
+                    if job.create:
+                        buf = create_buffer(path, layout, job.total)
+                    else:
+                        buf = open_buffer(path, layout, job.total, writable=True)  # next chunk
+                except (KvBufferError, OSError) as exc:
+                    # The prefill was withdrawn (its client left) and the shim removed its
+                    # buffer while a step with its next chunk was already on its way: nobody
+                    # will read this KV, and failing here would kill the engine and with it
+                    # every other request in the step.
+                    log.info("KV buffer %s gone (%s); its save is dropped", job.name, exc)
+                    self._gone.add(job.name)
+                    continue
                 self._open[job.name] = buf
             first, last, kernel = self._blocks(job, kv_layer)
             buf[index, first:last] = kv_layer[kernel].reshape(last - first, -1).cpu()
@@ -302,6 +314,7 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
     def wait_for_save(self) -> None:
         # Drop this step's mappings: the data is in the (shared) file already.
         self._open.clear()
+        self._gone.clear()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

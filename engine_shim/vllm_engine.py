@@ -1,4 +1,4 @@
-"""The ``vllm`` backend: vLLM's engine in-process (AsyncLLM), behind `engine_shim.backend`.
+"""The ``vllm`` backend: vLLM's engine in-process (AsyncLLM), behind `pdgate.engine_shim.backend`.
 
 One `AsyncLLM` per shim process (vLLM runs its EngineCore and worker in child processes), with
 pdgate's KV connector (`vllm_connector.PdgateConnector`) configured on both roles. The shims in
@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any
 
 from vllm import SamplingParams
@@ -40,27 +40,32 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from config import Role, ShimSettings
-from engine_shim._vllm_spool import FileKvSink, FileKvSource, Spool
-from engine_shim.backend import (
+from pdgate.config import Role, ShimSettings
+from pdgate.engine_shim._vllm_spool import FileKvSink, FileKvSource, Spool
+from pdgate.engine_shim.backend import (
+    ChatPrompt,
     EngineBusy,
     EngineStats,
+    Generated,
     InvalidRequest,
     KvSink,
     PrefillOutput,
     Prompt,
     Sampling,
+    TokenLogprobs,
 )
-from engine_shim.vllm_connector import LOAD_KEY, SAVE_KEY
+from pdgate.engine_shim.vllm_connector import LOAD_KEY, SAVE_KEY
 
 __all__ = ["VllmDecodeEngine", "VllmPrefillEngine", "engine_args", "make_vllm_backend"]
 
 log = logging.getLogger("pdgate.engine.vllm")
 
-_CONNECTOR_MODULE = "engine_shim.vllm_connector"
+_CONNECTOR_MODULE = "pdgate.engine_shim.vllm_connector"
 # Spool files older than this are orphans (see Spool.sweep); checked this often.
 _SWEEP_INTERVAL_S = 30.0
 _OVERLOAD = (QueueOverflowError, MaxQueuedTokensError)
+# vLLM's OpenAI server clamps -inf the same way (JSON has no infinity).
+_MIN_LOGPROB = -9999.0
 
 
 def engine_args(settings: ShimSettings, spool_dir: str) -> AsyncEngineArgs:
@@ -207,8 +212,63 @@ class _VllmEngine:
                 raise ValueError(f"token id {t} is outside the vocabulary [0, {self._vocab})")
         return ids
 
+    def render_chat(self, chat: ChatPrompt) -> list[int]:
+        """The conversation in the model's chat template, tokenized as vLLM's chat API does
+        it: rendered to text, then encoded without adding special tokens (the template
+        writes its own BOS)."""
+        if self._tokenizer is None:
+            raise RuntimeError("engine is not started")
+        messages = [dict(m) for m in chat.messages]
+        try:
+            text = self._tokenizer.apply_chat_template(
+                messages,
+                tools=[dict(t) for t in chat.tools] if chat.tools else None,
+                add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=chat.continue_final_message,
+                tokenize=False,
+                **(chat.template_kwargs or {}),
+            )
+        except Exception as exc:  # jinja2 and transformers raise many kinds
+            # The template's own words (e.g. "roles must alternate"), never the messages.
+            raise ValueError(f"the chat template refused the conversation: {exc}") from None
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
     def stats(self) -> EngineStats:
         return self._stats.snapshot()
+
+    def _token_text(self, token_id: int, logprob: Any) -> str:
+        decoded = getattr(logprob, "decoded_token", None)
+        return decoded if decoded is not None else str(self._tokenizer.decode([token_id]))
+
+    def _logprobs(self, completion: Any) -> list[TokenLogprobs | None] | None:
+        """vLLM's logprobs of the tokens of one (delta) output, in pdgate's shape. vLLM gives,
+        per token, a mapping of candidate token id to ``Logprob`` (the top ones and the
+        sampled one), or None for a token it has none for."""
+        if completion.logprobs is None:
+            return None
+        out: list[TokenLogprobs | None] = []
+        for i, token_id in enumerate(completion.token_ids):
+            candidates: Mapping[int, Any] | None = completion.logprobs[i]
+            if candidates is None or token_id not in candidates:
+                out.append(None)
+                continue
+            top = sorted(
+                (
+                    (self._token_text(tid, lp), max(float(lp.logprob), _MIN_LOGPROB))
+                    for tid, lp in candidates.items()
+                ),
+                key=lambda entry: entry[1],
+                reverse=True,
+            )
+            chosen = candidates[token_id]
+            out.append(
+                TokenLogprobs(
+                    self._token_text(token_id, chosen),
+                    max(float(chosen.logprob), _MIN_LOGPROB),
+                    tuple(top),
+                )
+            )
+        return out
 
     def _params(self, max_tokens: int, sampling: Sampling | None, kv: dict[str, Any]) -> Any:
         try:
@@ -264,10 +324,17 @@ class VllmPrefillEngine(_VllmEngine):
         params = self._params(1, sampling, {SAVE_KEY: name})
         self._computing += 1
         done = False
+        first_logprobs = None
+        first_id: int | None = None
         try:
             last = None
             async for out in self._outputs(tokens, params):
                 last = out
+                logprobs = self._logprobs(out.outputs[0])
+                if logprobs and first_logprobs is None:
+                    first_logprobs = logprobs[0]
+                if first_id is None and out.outputs[0].token_ids:
+                    first_id = int(out.outputs[0].token_ids[0])
             if last is None or not last.finished:
                 raise RuntimeError("vLLM ended the prefill without a result")
             kv = await FileKvSource.open(spool.file(name), len(tokens))
@@ -281,6 +348,8 @@ class VllmPrefillEngine(_VllmEngine):
             prompt_tokens=len(tokens),
             cached_tokens=last.num_cached_tokens or 0,
             kv=kv,
+            logprobs=first_logprobs,
+            first_token_id=first_id,
         )
 
 
@@ -300,7 +369,7 @@ class VllmDecodeEngine(_VllmEngine):
         max_tokens: int,
         kv: KvSink,
         sampling: Sampling | None = None,
-    ) -> AsyncGenerator[str, None]:
+    ) -> AsyncGenerator[Generated, None]:
         if not isinstance(kv, FileKvSink) or not kv.committed:
             raise ValueError("generate needs a committed KV sink of this engine")
         if self._active >= self._max_batch:
@@ -311,13 +380,15 @@ class VllmDecodeEngine(_VllmEngine):
             async for out in self._outputs(tokens, params):
                 kv.discard()  # loaded into the engine's blocks by now: free the buffer
                 completion = out.outputs[0]
-                pieces = len(completion.token_ids)
-                if pieces:
-                    # One piece per token: the delta's text on the first, empty on the rest
-                    # (a delta carries several tokens when the reader fell behind).
-                    yield completion.text
-                    for _ in range(pieces - 1):
-                        yield ""
+                logprobs = self._logprobs(completion)
+                # One item per token: the delta's text on the first, empty on the rest (a
+                # delta carries several tokens when the reader fell behind).
+                for i, token_id in enumerate(completion.token_ids):
+                    yield Generated(
+                        completion.text if i == 0 else "",
+                        None if logprobs is None else logprobs[i],
+                        int(token_id),
+                    )
         finally:
             self._active -= 1
             kv.discard()

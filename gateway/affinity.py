@@ -6,8 +6,10 @@ the last block boundary, which is all an affinity hint needs (a block straddling
 boundary only shortens the match by one block). Block hashes are chained, so a block matches
 only if everything before it matched too, as in vLLM's prefix cache.
 
-Bounded twice: at most `max_entries` block hashes (LRU) and `max_instances_per_block` prefills
-remembered per block; memory is then at most about ``max_entries * (~200 B + 60 B per id)``.
+Bounded in bytes (`max_bytes`, LRU over block hashes) and in prefills remembered per block
+(`max_instances_per_block`). Each block costs about `ENTRY_BYTES` (its 12-byte hash, the LRU
+map's entry and a small tuple of instance ids, which are shared strings); measured with
+tracemalloc in tests/gateway/test_affinity.py.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
+
+# Bytes one indexed block costs (see the module docstring); the entry bound is derived from it.
+ENTRY_BYTES = 240
 
 
 def prefix_hashes(text: str, block_chars: int, max_blocks: int) -> list[bytes]:
@@ -35,17 +40,17 @@ class PrefixIndex:
         *,
         block_chars: int = 64,
         max_blocks: int = 512,
-        max_entries: int = 200_000,
+        max_bytes: int = 16 * 1024 * 1024,
         max_instances_per_block: int = 4,
     ) -> None:
-        if block_chars <= 0 or max_blocks <= 0 or max_entries <= 0 or max_instances_per_block <= 0:
+        if block_chars <= 0 or max_blocks <= 0 or max_bytes <= 0 or max_instances_per_block <= 0:
             raise ValueError("prefix index bounds must be positive")
         self.block_chars = block_chars
         self.max_blocks = max_blocks
-        self._max_entries = max_entries
+        self._max_entries = max(1, max_bytes // ENTRY_BYTES)
         self._per_block = max_instances_per_block
-        # block hash -> instance ids, most recent last (an ordered dict used as an LRU set)
-        self._blocks: OrderedDict[bytes, OrderedDict[str, None]] = OrderedDict()
+        # block hash -> instance ids, most recent last; the map itself is the LRU order
+        self._blocks: OrderedDict[bytes, tuple[str, ...]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -55,17 +60,17 @@ class PrefixIndex:
 
     def record(self, hashes: Iterable[bytes], instance_id: str) -> None:
         """`instance_id` just computed these blocks (it accepted and prefilled the prompt)."""
+        blocks = self._blocks
         for h in hashes:
-            owners = self._blocks.get(h)
+            owners = blocks.get(h)
             if owners is None:
-                owners = self._blocks[h] = OrderedDict()
-            else:
-                self._blocks.move_to_end(h)
-            owners[instance_id] = None
-            owners.move_to_end(instance_id)
-            while len(owners) > self._per_block:
-                owners.popitem(last=False)
-        while len(self._blocks) > self._max_entries:
+                blocks[h] = (instance_id,)
+                continue
+            blocks.move_to_end(h)
+            if owners[-1] != instance_id:
+                kept = tuple(i for i in owners if i != instance_id)
+                blocks[h] = (*kept[max(0, len(kept) - self._per_block + 1) :], instance_id)
+        while len(blocks) > self._max_entries:
             self._blocks.popitem(last=False)
 
     def match(self, hashes: list[bytes]) -> dict[str, int]:
@@ -77,7 +82,7 @@ class PrefixIndex:
             owners = self._blocks.get(h)
             if owners is None:
                 break
-            alive = set(owners) if alive is None else alive & owners.keys()
+            alive = set(owners) if alive is None else alive.intersection(owners)
             if not alive:
                 break
             for instance_id in alive:
@@ -89,11 +94,13 @@ class PrefixIndex:
         gone = set(departed)
         if not gone:
             return
-        for h in list(self._blocks):
-            owners = self._blocks[h]
-            for instance_id in gone & owners.keys():
-                del owners[instance_id]
-            if not owners:
+        for h, owners in list(self._blocks.items()):
+            if gone.isdisjoint(owners):
+                continue
+            kept = tuple(i for i in owners if i not in gone)
+            if kept:
+                self._blocks[h] = kept
+            else:
                 del self._blocks[h]
 
     def stats(self) -> Mapping[str, int]:

@@ -9,10 +9,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-import aiohttp
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -22,17 +21,25 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from config import GatewaySettings, RegistrySettings
-from engine_shim.wire import error_json
-from gateway.affinity import PrefixIndex
-from gateway.completions import CompletionsEndpoint
-from gateway.dispatch import Dispatcher
-from gateway.instances import InstanceTracker
-from gateway.metrics import GatewayMetrics
-from gateway.upstream import Upstream
-from policies import ExponentialBackoff, load_decode_policy, load_prefill_policy
-from registry.base import Registry
-from registry.membership import Membership
+from pdgate.config import GatewaySettings, RegistrySettings
+from pdgate.config.aio import ExponentialBackoff
+from pdgate.config.openai_api import error_json
+from pdgate.config.tracing import Tracing
+from pdgate.gateway.affinity import PrefixIndex
+from pdgate.gateway.auth import KeyRing
+from pdgate.gateway.completions import CompletionsEndpoint
+from pdgate.gateway.dashboard import dashboard_routes
+from pdgate.gateway.dispatch import Dispatcher
+from pdgate.gateway.errors import GatewayError
+from pdgate.gateway.fleet import Fleet
+from pdgate.gateway.http_upstream import HttpUpstream
+from pdgate.gateway.instances import InstanceTracker
+from pdgate.gateway.metrics import GatewayMetrics
+from pdgate.gateway.upstream import Upstream
+from pdgate.policies import Ranker, load_policy, needs
+from pdgate.registry.base import InstanceRecord, Registry
+from pdgate.registry.fleet import FleetStore, LocalFleet, RedisFleet
+from pdgate.registry.membership import Listener, Membership
 
 log = logging.getLogger("pdgate.gateway")
 
@@ -57,8 +64,13 @@ class _Late:
         await self.target(scope, receive, send)
 
 
+# The paths of the completions endpoint (one endpoint for both APIs).
+_API_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
 class GatewayApp:
-    """The Starlette app, except that ``POST /v1/completions`` goes straight to its endpoint.
+    """The Starlette app, except that ``POST /v1/completions`` and ``POST
+    /v1/chat/completions`` go straight to their endpoint.
 
     The endpoint is a plain ASGI callable that answers its own errors, so the hot path skips
     Starlette's middleware and router: measured (``pdgate bench profile``), their send
@@ -69,63 +81,124 @@ class GatewayApp:
         self._completions = completions
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] == "http"
-            and scope["path"] == "/v1/completions"
-            and scope["method"] == "POST"
-        ):
+        if scope["type"] == "http" and scope["path"] in _API_PATHS and scope["method"] == "POST":
             await self._completions(scope, receive, send)
         else:
             await self.app(scope, receive, send)
 
 
+def open_fleet_store(settings: GatewaySettings, registry_settings: RegistrySettings) -> FleetStore:
+    """Shared through the registry's Redis when there is one (and `fleet` is on); otherwise
+    this process's own view, with its part of every instance's slots under ``--workers``."""
+    if settings.fleet and registry_settings.url:
+        return RedisFleet(
+            registry_settings.url,
+            key_prefix=registry_settings.key_prefix,
+            gateway_id=settings.gateway_id,
+            ttl_s=settings.fleet_ttl_s,
+            window_s=settings.fleet_window_s,
+            connect_timeout_s=registry_settings.connect_timeout_s,
+        )
+    return LocalFleet(settings.gateway_id, share=(settings.worker_index, settings.workers))
+
+
+_RATIO_NOTE = (
+    "eq. 1 of P/D-Serve: n_p*b_p/T_p = n_d*b_d/T_d; desired_* are this gateway's share of the "
+    "fleet's need at the target utilization (sum over gateways)"
+)
+
+
+def _upstream_headers(
+    settings: GatewaySettings, registry_settings: RegistrySettings
+) -> dict[str, str]:
+    token = settings.upstream_api_key or registry_settings.cluster_token
+    return {"authorization": f"Bearer {token.get_secret_value()}"} if token else {}
+
+
+def _describe(policy: Ranker) -> dict[str, object]:
+    describe = getattr(policy, "describe", None)
+    return describe() if callable(describe) else {"name": policy.name}
+
+
+def _forget_departed(index: PrefixIndex) -> Listener:
+    # Departed instances took their prefix caches with them.
+    def listener(view: Mapping[str, InstanceRecord], departed: set[str]) -> None:
+        index.drop_instances(departed)
+
+    return listener
+
+
 def build_gateway_app(
-    settings: GatewaySettings, registry: Registry, registry_settings: RegistrySettings
+    settings: GatewaySettings,
+    registry: Registry,
+    registry_settings: RegistrySettings,
+    *,
+    upstream: Upstream | None = None,
+    tracing: Tracing | None = None,
 ) -> GatewayApp:
+    """The gateway's ASGI app. `upstream` replaces the HTTP client towards the instances
+    (tests pass a `MockUpstream`); the app then neither creates nor closes one."""
     # Fail at start-up, not on the first request, if a policy name is wrong.
-    prefill_policy = load_prefill_policy(settings.prefill_policy, settings.prefill_policy_options)
-    decode_policy = load_decode_policy(settings.decode_policy)
+    prefill_policy = load_policy(settings.prefill_policy, settings.prefill_policy_options)
+    keys = KeyRing.load(
+        [k.get_secret_value() for k in settings.api_keys],
+        settings.api_keys_file,
+        settings.admin_token.get_secret_value() if settings.admin_token else None,
+    )
+    decode_policy = load_policy(settings.decode_policy, settings.decode_policy_options)
     completions = _Late()
     started = time.time()
+    owns_tracing = tracing is None
+    traces = Tracing.from_env("pdgate-gateway") if tracing is None else tracing
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
-        tracker = InstanceTracker(busy_hold_s=settings.backoff_max_s)
+        tracker = InstanceTracker(reject_hold_s=settings.reject_hold_s)
         membership = Membership(
             registry,
             poll_interval_s=registry_settings.poll_interval_s,
             max_instances=registry_settings.max_instances,
         )
         membership.add_listener(tracker.update_membership)
-        connector = aiohttp.TCPConnector(
-            limit=settings.upstream_connections,
-            limit_per_host=0,
-            keepalive_timeout=30,
-            ttl_dns_cache=60,
-        )
-        # No cookie jar: cookies one upstream sets must never ride along on other clients'
-        # requests (and the jar's bookkeeping is per-call work on the hot path).
-        session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
-        )
-        upstream = Upstream(
-            session,
-            connect_timeout_s=settings.upstream_connect_timeout_s,
-            read_timeout_s=settings.upstream_read_timeout_s,
+        owned = upstream is None
+        client: Upstream = (
+            HttpUpstream.connect(
+                connections=settings.upstream_connections,
+                connect_timeout_s=settings.upstream_connect_timeout_s,
+                read_timeout_s=settings.upstream_read_timeout_s,
+                headers=_upstream_headers(settings, registry_settings),
+                header_timeout_s=settings.decode_header_timeout_s,
+            )
+            if upstream is None
+            else upstream
         )
         # Late-bound: the gauge reads the endpoint built just below.
-        metrics = GatewayMetrics(tracker.totals, lambda: endpoint.pending)
-        index = PrefixIndex(
-            block_chars=settings.affinity_block_chars,
-            max_blocks=settings.affinity_max_blocks,
-            max_entries=settings.affinity_max_entries,
+        metrics = GatewayMetrics(
+            tracker.totals,
+            lambda: endpoint.pending,
+            tracker.describe,
+            lambda: dispatcher.advisor.advise(tracker.records()),
         )
-        # Departed instances took their prefix caches with them.
-        membership.add_listener(lambda _view, departed: index.drop_instances(departed))
+        index: PrefixIndex | None = None
+        if "prefix" in needs(prefill_policy):
+            # Only a policy that scores prefix affinity pays for the index.
+            index = PrefixIndex(
+                block_chars=settings.affinity_block_chars,
+                max_blocks=settings.affinity_max_blocks,
+                max_bytes=settings.affinity_max_bytes,
+            )
+            membership.add_listener(_forget_departed(index))
+        fleet = Fleet(
+            open_fleet_store(settings, registry_settings),
+            tracker,
+            sync_interval_s=settings.fleet_sync_interval_s,
+            ttl_s=settings.fleet_ttl_s,
+            window_s=settings.fleet_window_s,
+        )
         dispatcher = Dispatcher(
             settings,
             tracker,
-            upstream,
+            client,
             prefill_policy,
             decode_policy,
             ExponentialBackoff(
@@ -133,10 +206,20 @@ def build_gateway_app(
             ),
             metrics,
             index,
+            fleet,
+            traces,
         )
-        endpoint = CompletionsEndpoint(settings, dispatcher, tracker, upstream, metrics)
-        await membership.start()
+        endpoint = CompletionsEndpoint(settings, dispatcher, tracker, metrics, keys, traces)
+        try:
+            await membership.start()
+        except BaseException:
+            # Refused credentials at start-up: what was opened must not leak.
+            await fleet.aclose()
+            if owned:
+                await client.aclose()
+            raise
         tracker.update_membership(membership.instances(), set())
+        await fleet.start()
         completions.target = endpoint
         try:
             yield {
@@ -145,14 +228,23 @@ def build_gateway_app(
                 "metrics": metrics,
                 "endpoint": endpoint,
                 "dispatcher": dispatcher,
+                "index": index,
+                "fleet": fleet,
             }
         finally:
             completions.target = None
+            # In this order: pending KV releases still need the upstream session, and the
+            # last slot leases go back to the fleet before it closes.
             await dispatcher.close()
+            await fleet.aclose()
             await membership.stop()
-            await session.close()
+            if owned:
+                await client.aclose()
+            if owns_tracing:
+                traces.shutdown()
 
     async def models(request: Request) -> Response:
+        keys.client(request.headers.get("authorization"))
         tracker: InstanceTracker = request.state.tracker
         data = [
             {"id": m, "object": "model", "created": int(started), "owned_by": "pdgate"}
@@ -173,25 +265,55 @@ def build_gateway_app(
                 "inflight": inflight,
                 "pending": request.state.endpoint.pending,
                 "queued": request.state.dispatcher.queued(),
+                "gateway_id": request.state.fleet.gateway_id,
+                "fleet": {
+                    "shared": request.state.fleet.shared,
+                    "degraded": request.state.fleet.degraded,
+                    "gateways": request.state.fleet.gateways,
+                },
+                "prefill_policy": _describe(prefill_policy),
+                "decode_policy": _describe(decode_policy),
             }
         )
 
     async def instances(request: Request) -> Response:
+        keys.admin(request.headers.get("authorization"))
         tracker: InstanceTracker = request.state.tracker
         return _ORJSONResponse({"instances": list(tracker.describe())})
 
+    async def queues(request: Request) -> Response:
+        keys.admin(request.headers.get("authorization"))
+        return _ORJSONResponse({"queues": request.state.dispatcher.describe_queues()})
+
+    async def series(request: Request) -> Response:
+        keys.admin(request.headers.get("authorization"))
+        return _ORJSONResponse(request.state.endpoint.series.snapshot())
+
+    async def ratio(request: Request) -> Response:
+        keys.admin(request.headers.get("authorization"))
+        tracker: InstanceTracker = request.state.tracker
+        fleet: Fleet = request.state.fleet
+        advice = [a.as_dict() for a in request.state.dispatcher.advisor.advise(tracker.records())]
+        return _ORJSONResponse({"gateways": fleet.gateways, "note": _RATIO_NOTE, "groups": advice})
+
     async def metrics(request: Request) -> Response:
+        if settings.metrics_auth:
+            keys.admin(request.headers.get("authorization"))
         m: GatewayMetrics = request.state.metrics
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         return Response(
-            error_json(str(exc.detail), "invalid_request_error", code=exc.status_code),
+            error_json(str(exc.detail), "invalid_request_error", code=f"http_{exc.status_code}"),
             status_code=exc.status_code,
             media_type="application/json",
             headers=exc.headers,
         )
+
+    async def gateway_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, GatewayError)
+        return exc.response()
 
     async def internal_error(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
@@ -204,12 +326,21 @@ def build_gateway_app(
     app = Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),  # GatewayApp takes POSTs
+            Route("/v1/chat/completions", completions, methods=["POST"]),  # (this one too)
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/admin/instances", instances, methods=["GET"]),
+            Route("/admin/queues", queues, methods=["GET"]),
+            Route("/admin/series", series, methods=["GET"]),
+            Route("/admin/ratio", ratio, methods=["GET"]),
+            *dashboard_routes(keys),
             Route("/metrics", metrics, methods=["GET"]),
         ],
         lifespan=lifespan,
-        exception_handlers={HTTPException: http_error, Exception: internal_error},
+        exception_handlers={
+            HTTPException: http_error,
+            GatewayError: gateway_error,
+            Exception: internal_error,
+        },
     )
     return GatewayApp(app, completions)

@@ -1,201 +1,133 @@
-"""``pdgate``: the command line (gateway, shim, up, bench)."""
+"""``pdgate gateway``: run the OpenAI-compatible gateway."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
-import signal
-import sys
-from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
-from typing import Any
+import socket
 
-from config import ClusterSettings, GatewaySettings, RegistrySettings, ShimSettings
+from pdgate.config.cli import overrides, registry_settings, serve_until_signalled
+from pdgate.config.settings import (
+    STATIC_DECODE_CAPACITY,
+    STATIC_PREFILL_CAPACITY,
+    GatewaySettings,
+)
+from pdgate.gateway._workers import READY
+from pdgate.gateway.auth import check_exposure
 
-log = logging.getLogger("pdgate")
+log = logging.getLogger("pdgate.gateway")
 
-
-def _overrides(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
-    """CLI flags that were given (None means "not given": env/TOML/defaults decide)."""
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdgate", description=__doc__)
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    sub = p.add_subparsers(dest="command", required=True)
-
-    def common(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument(
-            "--config",
-            type=Path,
-            help="TOML file with [gateway] [shim] [registry] [cluster] tables",
-        )
-        sp.add_argument(
-            "--registry-url", dest="registry_url", help="redis://... (default: in-memory)"
-        )
-
-    g = sub.add_parser("gateway", help="run the OpenAI-compatible gateway")
-    common(g)
-    g.add_argument("--host")
-    g.add_argument("--port", type=int)
-    g.add_argument("--prefill-policy", dest="prefill_policy")
-    g.add_argument("--decode-policy", dest="decode_policy")
-    g.add_argument("--ttft-timeout-s", dest="ttft_timeout_s", type=float)
-
-    s = sub.add_parser("shim", help="run one prefill shim or decode worker")
-    common(s)
-    s.add_argument("--role", choices=["prefill", "decode"])
-    s.add_argument("--engine", choices=["sim", "vllm"])
-    s.add_argument("--host")
-    s.add_argument("--port", type=int)
-    s.add_argument("--advertise-url", dest="advertise_url")
-    s.add_argument("--instance-id", dest="instance_id")
-    s.add_argument("--model")
-    s.add_argument("--group")
-    s.add_argument("--capacity", type=int)
-    s.add_argument("--admission", choices=["reject", "queue"])
-    s.add_argument("--sim-profile", dest="sim_profile")
-
-    u = sub.add_parser("up", help="gateway + simulated prefill and decode shims in one process")
-    common(u)
-    u.add_argument("--host")
-    u.add_argument("--port", type=int)
-    u.add_argument("--prefills", type=int)
-    u.add_argument("--decodes", type=int)
-    u.add_argument("--capacity", type=int, help="slots per shim")
-    u.add_argument("--engine", choices=["sim", "vllm"])
-    u.add_argument("--model", help="served model; with --engine vllm, the model directory")
-    u.add_argument("--sim-profile", dest="sim_profile")
-    u.add_argument("--prefill-policy", dest="prefill_policy")
-
-    # The benchmarks live in loadtest/ (their own parser): everything after `bench` is theirs.
-    b = sub.add_parser("bench", help="benchmarks: `pdgate bench scheduling|gateway --help`")
-    b.add_argument("bench_args", nargs=argparse.REMAINDER)
-    return p
+HELP = "run the OpenAI-compatible gateway"
+_FLAGS = [
+    "host",
+    "port",
+    "prefill_policy",
+    "decode_policy",
+    "ttft_timeout_s",
+    "workers",
+    "static_prefills",
+    "static_decodes",
+]
+_STATIC_HELP = (
+    "a {role} server fronted by URL, without registration (stock vLLM, any OpenAI server "
+    "with vLLM's kv_transfer_params handshake); repeatable: 'URL [capacity=N] [group=G] "
+    "[model=M] [id=ID]', capacity default {capacity}, model default: the server's "
+    "GET /v1/models. Replaces static_{role}s of the config file"
+)
 
 
-def _registry_settings(args: argparse.Namespace) -> RegistrySettings:
-    over = {"url": args.registry_url} if args.registry_url else {}
-    return RegistrySettings.load(args.config, **over)
-
-
-async def _until_signalled(run: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await run(stop)
-
-
-async def _gateway(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    from gateway._server import bind_socket, bound_port, serving
-    from gateway.app import build_gateway_app
-    from registry import open_registry
-
-    settings = GatewaySettings.load(
-        args.config,
-        **_overrides(args, ["host", "port", "prefill_policy", "decode_policy", "ttft_timeout_s"]),
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--prefill-policy", dest="prefill_policy")
+    p.add_argument("--decode-policy", dest="decode_policy")
+    p.add_argument("--ttft-timeout-s", dest="ttft_timeout_s", type=float)
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="worker processes on one port (they share load through the Redis registry)",
     )
-    reg_settings = _registry_settings(args)
+    p.add_argument(
+        "--prefill",
+        dest="static_prefills",
+        action="append",
+        metavar="'URL [capacity=N] ...'",
+        help=_STATIC_HELP.format(role="prefill", capacity=STATIC_PREFILL_CAPACITY),
+    )
+    p.add_argument(
+        "--decode",
+        dest="static_decodes",
+        action="append",
+        metavar="'URL [capacity=N] ...'",
+        help=_STATIC_HELP.format(role="decode", capacity=STATIC_DECODE_CAPACITY),
+    )
+    # Internal: a --workers supervisor hands each worker its listening socket.
+    p.add_argument("--listen-fd", dest="listen_fd", type=int, help=argparse.SUPPRESS)
+
+
+async def _serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    from pdgate.config.server import bind_socket, bound_port, serving
+    from pdgate.gateway.app import _upstream_headers, build_gateway_app
+    from pdgate.registry import check_access, open_registry
+    from pdgate.registry.static import with_static_instances
+
+    settings = GatewaySettings.load(args.config, **overrides(args, _FLAGS))
+    warning = check_exposure(
+        settings.host,
+        keys=bool(settings.api_keys or settings.api_keys_file),
+        allow_unauthenticated=settings.allow_unauthenticated,
+    )
+    if warning:
+        log.warning("%s", warning)
+    worker = args.listen_fd is not None
+    if settings.workers > 1 and not worker:
+        await _supervise(args, settings, stop)
+        return
+    reg_settings = registry_settings(args)
     registry = open_registry(reg_settings)
     try:
-        sock = bind_socket(settings.host, settings.port)
+        await check_access(registry)
+        # Static --prefill/--decode servers join the same membership (probed, never written).
+        registry = with_static_instances(
+            registry, settings, headers=_upstream_headers(settings, reg_settings)
+        )
+        sock = (
+            socket.socket(fileno=args.listen_fd)
+            if worker
+            else bind_socket(settings.host, settings.port)
+        )
+        sock.setblocking(False)
         async with serving(
             build_gateway_app(settings, registry, reg_settings),
             sock,
             access_log=settings.access_log,
         ):
-            print(f"pdgate gateway: http://{settings.host}:{bound_port(sock)}/v1", flush=True)
+            if worker:
+                print(f"{READY} {settings.worker_index}: ready", flush=True)
+            else:
+                print(f"pdgate gateway: http://{settings.host}:{bound_port(sock)}/v1", flush=True)
             await stop.wait()
     finally:
         await registry.aclose()
 
 
-async def _shim(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    from engine_shim.app import build_shim_app, drain_shim
-    from gateway._server import bind_socket, bound_port, serving
-    from registry import open_registry
+async def _supervise(
+    args: argparse.Namespace, settings: GatewaySettings, stop: asyncio.Event
+) -> None:
+    from pdgate.config.server import bind_socket, bound_port
+    from pdgate.gateway._workers import Supervisor
 
-    names = [
-        "role",
-        "engine",
-        "host",
-        "port",
-        "advertise_url",
-        "instance_id",
-        "model",
-        "group",
-        "capacity",
-        "admission",
-        "sim_profile",
-    ]
-    settings = ShimSettings.load(args.config, **_overrides(args, names))
-    reg_settings = _registry_settings(args)
-    registry = open_registry(reg_settings)
+    sock = bind_socket(settings.host, settings.port)
     try:
-        sock = bind_socket(settings.host, settings.port)
-        settings = settings.model_copy(update={"port": bound_port(sock)})
-        app = build_shim_app(settings, registry, reg_settings)
-        async with serving(app, sock):
-            print(
-                f"pdgate shim ({settings.role.value}, {settings.engine}): "
-                f"http://{settings.host}:{settings.port}",
-                flush=True,
-            )
-            await stop.wait()
-            await drain_shim(app, settings.drain_timeout_s)
+        url = f"http://{settings.host}:{bound_port(sock)}/v1"
+        supervisor = Supervisor(sock, settings.workers, args.argv, gateway_id=settings.gateway_id)
+        code = await supervisor.run(stop, f"pdgate gateway: {url} ({settings.workers} workers)")
     finally:
-        await registry.aclose()
+        sock.close()
+    if code:
+        raise SystemExit(code)
 
 
-async def _up(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    from gateway.cluster import embedded_cluster
-
-    gateway = GatewaySettings.load(
-        args.config, **_overrides(args, ["host", "port", "prefill_policy"])
-    )
-    shim = ShimSettings.load(
-        args.config, **_overrides(args, ["capacity", "sim_profile", "engine", "model"])
-    )
-    cluster = ClusterSettings.load(args.config, **_overrides(args, ["prefills", "decodes"]))
-    async with embedded_cluster(gateway, _registry_settings(args), shim, cluster) as info:
-        print(
-            f"pdgate up: send OpenAI requests to {info.gateway_url}/v1 "
-            f"({len(info.prefill_urls)} prefill, {len(info.decode_urls)} decode, "
-            f"{shim.engine} engine, {info.registry} registry); Ctrl-C stops",
-            flush=True,
-        )
-        await stop.wait()
-    print("pdgate up: stopped", flush=True)
-
-
-def _run(coro_fn: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    from gateway._server import run
-
-    run(_until_signalled(coro_fn))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "bench":
-        from loadtest.bench import main as bench_main
-
-        return bench_main(args.bench_args)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    commands = {"gateway": _gateway, "shim": _shim, "up": _up}
-    command = commands[args.command]
-    try:
-        _run(lambda stop: command(args, stop))
-    except (ValueError, OSError) as exc:
-        # Bad settings or a port in use: one line, not a traceback.
-        print(f"pdgate {args.command}: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def main(args: argparse.Namespace) -> int:
+    return serve_until_signalled(lambda stop: _serve(args, stop))

@@ -1,40 +1,67 @@
-"""``POST /v1/completions``: admission, validation, placement, relay.
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: admission, validation,
+placement, relay.
+
+One endpoint serves both APIs (`Api`, from the request's path): they differ only in the
+schema that parses the body, the path both legs go to, the answer's id prefix and the text
+the prefix-affinity index hashes (a chat's rendered conversation, see
+`ChatCompletionRequest.prompt_key`); the queue, the deadline, the counts and the relay are
+the same, and so are the limits (one ``max_pending`` for both).
 
 Written as a plain ASGI callable so one place owns the request's whole life: a task watches
 for the client's disconnect from the moment the body is read, and cancels whatever the
 request is doing (waiting for a prefill, prefilling, streaming); every count is released in
 one ``finally``.
+
+Admission counts a request only once its body is whole: uploads are bounded separately
+(`max_uploads`) and must finish within `body_timeout_s`, so clients that send headers and
+stall cannot lock everybody else out of `max_pending`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
-from config import GatewaySettings
-from gateway._body import ClientGone, read_body
-from gateway.dispatch import Dispatcher, Placement
-from gateway.errors import BadRequest, GatewayError, ModelNotFound, Overloaded, ServiceUnavailable
-from gateway.instances import InstanceTracker
-from gateway.metrics import GatewayMetrics
-from gateway.relay import relay_stream, relay_whole
-from gateway.schemas import CompletionRequest, parse_completion
-from gateway.upstream import Upstream
-from policies.base import RequestInfo
+from pdgate.config.aio import run_unless, wait_disconnect
+from pdgate.config.openai_api import (
+    Api,
+    ApiRequest,
+    ClientGone,
+    OpenAIError,
+    parse_api,
+    read_body,
+)
+from pdgate.config.settings import GatewaySettings
+from pdgate.config.tracing import SpanKind, Tracing
+from pdgate.config.wire import REQUEST_ID_HEADER, valid_request_id
+from pdgate.gateway.auth import ApiKey, KeyRing
+from pdgate.gateway.dispatch import Dispatcher, Placement
+from pdgate.gateway.errors import (
+    BadRequest,
+    GatewayError,
+    ModelNotFound,
+    Overloaded,
+    ServiceUnavailable,
+    from_openai_error,
+)
+from pdgate.gateway.groups import GROUP_HEADER, GroupResolver
+from pdgate.gateway.instances import InstanceTracker
+from pdgate.gateway.metrics import ANY_GROUP, GatewayMetrics
+from pdgate.gateway.relay import relay_stream, relay_whole
+from pdgate.gateway.series import Series
+from pdgate.policies import RequestInfo
 
 log = logging.getLogger("pdgate.completions")
 
 TTFT_HEADER = "x-pdgate-ttft-timeout-ms"
-GROUP_HEADER = "x-pdgate-group"
-T = TypeVar("T")
+# Set by the gateway on the prefill leg; a client that sends them would steer the handshake.
+_GATEWAY_ONLY = {"kv_transfer_params": "kv_transfer_params is set by the gateway, not by clients"}
 
 
 class CompletionsEndpoint:
@@ -43,22 +70,40 @@ class CompletionsEndpoint:
         settings: GatewaySettings,
         dispatcher: Dispatcher,
         tracker: InstanceTracker,
-        upstream: Upstream,
         metrics: GatewayMetrics,
+        keys: KeyRing,
+        tracing: Tracing | None = None,
     ) -> None:
         self._settings = settings
+        self._keys = keys
+        self._groups = GroupResolver(settings, tracker)
+        self.series = Series()
+        self._tracing = tracing or Tracing.off()
         self._dispatcher = dispatcher
         self._tracker = tracker
-        self._upstream = upstream
         self._metrics = metrics
-        self.pending = 0
+        self.pending = 0  # admitted: body whole, not finished
+        self.uploading = 0  # connections whose body is still arriving
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         arrived = time.monotonic()
         request = Request(scope, receive)
-        request_id = _request_id(request)
+        api = Api.CHAT if scope["path"] == Api.CHAT.path else Api.COMPLETIONS
+        request_id = _request_id(request, api)
+        try:
+            # Before reading a byte of the body: a caller without a key costs nothing.
+            key = self._keys.client(request.headers.get("authorization"))
+            self._keys.admit(key, self._settings.retry_after_max_s)
+            body = await self._read(request)
+        except GatewayError as exc:
+            self._metrics.requests.labels(_outcome(exc), ANY_GROUP).inc()
+            await exc.response()(scope, receive, send)
+            return
+        except ClientGone:
+            self._metrics.requests.labels("client_gone", ANY_GROUP).inc()
+            return
         if self.pending >= self._settings.max_pending:
-            self._metrics.requests.labels("overloaded").inc()
+            self._metrics.requests.labels("overloaded", ANY_GROUP).inc()
             err = Overloaded(
                 "the gateway is at its limit of pending requests",
                 retry_after=self._settings.retry_after_s,
@@ -66,50 +111,69 @@ class CompletionsEndpoint:
             await err.response()(scope, receive, send)
             return
         self.pending += 1
+        span = self._tracing.start(
+            "pdgate.request", parent=Tracing.extract(request.headers), kind=SpanKind.SERVER
+        )
         watcher: asyncio.Task[None] | None = None
         placement: Placement | None = None
+        info: RequestInfo | None = None
         outcome = "ok"
+        group = ANY_GROUP
         relaying = False  # the relay sends the response's start: past it, no status to send
         try:
-            body = await read_body(request, self._settings.max_body_bytes)
-            req, forward = parse_completion(
-                body,
-                max_tokens_limit=self._settings.max_tokens_limit,
-                default_max_tokens=self._settings.default_max_tokens,
-            )
-            info = self._request_info(req, forward, request.headers.get(GROUP_HEADER))
+            req, forward = self._parse(body, api)
+            info = self._request_info(req, forward, key, request.headers.get(GROUP_HEADER))
+            group = info.group or ANY_GROUP
             deadline = arrived + self._ttft_timeout(request, info.group)
-            watcher = asyncio.create_task(_wait_disconnect(receive))
-            placement = await _unless_gone(
-                self._dispatcher.place(info, forward, request_id=request_id, deadline=deadline),
+            watcher = asyncio.ensure_future(wait_disconnect(receive))
+            if span.is_recording():
+                span.set_attribute("pdgate.request_id", request_id)
+                span.set_attribute("pdgate.api", api.value)
+                span.set_attribute("pdgate.model", info.model)
+                span.set_attribute("pdgate.group", info.group or "")
+                span.set_attribute("pdgate.stream", req.stream)
+                span.set_attribute("pdgate.prompt_chars", info.prompt_chars)
+            placement = await run_unless(
+                self._dispatcher.place(
+                    info, forward, request_id=request_id, deadline=deadline, span=span, api=api
+                ),
                 watcher,
+                lost=ClientGone(),
             )
+            if span.is_recording():
+                span.set_attribute("pdgate.prefill", placement.prefill_id)
+                span.set_attribute("pdgate.decode", placement.decode_id)
+                span.set_attribute("pdgate.prefill_attempts", placement.prefill_attempts)
+                span.set_attribute("pdgate.prefill_rejections", placement.prefill_rejections)
+            relay_span = self._tracing.start("pdgate.relay", parent=span)
             self._metrics.placement.observe(time.monotonic() - arrived)
             relaying = True
+            settings = self._settings
             if req.stream:
-                outcome = await _unless_gone(
-                    relay_stream(
-                        placement,
-                        send,
-                        request_id=request_id,
-                        chunk_bytes=self._settings.stream_chunk_bytes,
-                        metrics=self._metrics,
-                        arrived=arrived,
-                    ),
-                    watcher,
+                relay = relay_stream(
+                    placement,
+                    send,
+                    request_id=request_id,
+                    chunk_bytes=settings.stream_chunk_bytes,
+                    metrics=self._metrics,
+                    arrived=arrived,
+                    group=group,
                 )
             else:
-                outcome = await _unless_gone(
-                    relay_whole(
-                        placement,
-                        send,
-                        self._upstream,
-                        request_id=request_id,
-                        metrics=self._metrics,
-                        arrived=arrived,
-                    ),
-                    watcher,
+                relay = relay_whole(
+                    placement,
+                    send,
+                    request_id=request_id,
+                    chunk_bytes=settings.stream_chunk_bytes,
+                    max_bytes=settings.max_response_bytes,
+                    metrics=self._metrics,
+                    arrived=arrived,
+                    group=group,
                 )
+            try:
+                outcome = await run_unless(relay, watcher, lost=ClientGone())
+            finally:
+                relay_span.end()
         except GatewayError as exc:
             outcome = _outcome(exc)
             await exc.response()(scope, receive, send)
@@ -128,10 +192,77 @@ class CompletionsEndpoint:
             if watcher is not None:
                 watcher.cancel()
             self.pending -= 1
-            self._metrics.requests.labels(outcome).inc()
+            self._metrics.requests.labels(outcome, group).inc()
+            self._observe(outcome, info, placement, arrived)
+            if span.is_recording():
+                span.set_attribute("pdgate.outcome", outcome)
+            span.end()
+
+    def _observe(
+        self, outcome: str, info: RequestInfo | None, placement: Placement | None, arrived: float
+    ) -> None:
+        """The operator's history and the P/D ratio advice's inputs."""
+        first = placement.first_token_at if placement is not None else None
+        self.series.record(
+            outcome,
+            None if first is None else first - arrived,
+            placement.prefill_rejections if placement is not None else 0,
+        )
+        advisor = self._dispatcher.advisor
+        if placement is not None:
+            advisor.arrival(placement.prefill_group)
+            if outcome == "ok" and first is not None and placement.tokens > 0:
+                advisor.decode(
+                    placement.decode_group,
+                    first - placement.opened_at,
+                    placement.tokens,
+                    placement.gaps_s / max(placement.tokens - 1, 1),
+                )
+        elif info is not None:
+            # Demand that found no room counts too: it is what the ratio must serve.
+            groups = [info.group] if info.group else sorted(self._tracker.groups(info.model))
+            if len(groups) == 1:
+                advisor.arrival(groups[0])
+
+    async def _read(self, request: Request) -> bytes:
+        settings = self._settings
+        if self.uploading >= settings.max_uploads:
+            raise Overloaded(
+                "the gateway is at its limit of requests being uploaded",
+                retry_after=settings.retry_after_s,
+            )
+        self.uploading += 1
+        try:
+            body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+        except OpenAIError as exc:
+            raise from_openai_error(exc) from exc
+        finally:
+            self.uploading -= 1
+        if not body:
+            raise BadRequest("request body is empty; expected a JSON object")
+        return body
+
+    def _parse(self, body: bytes, api: Api) -> tuple[ApiRequest, dict[str, Any]]:
+        try:
+            req, forward = parse_api(
+                api,
+                body,
+                max_tokens_limit=self._settings.max_tokens_limit,
+                default_max_tokens=self._settings.default_max_tokens,
+            )
+        except OpenAIError as exc:
+            raise from_openai_error(exc) from exc
+        for key, why in _GATEWAY_ONLY.items():
+            if forward.get(key) is not None:
+                raise BadRequest(why, param=key)
+        return req, forward
 
     def _request_info(
-        self, req: CompletionRequest, forward: dict[str, Any], group: str | None
+        self,
+        req: ApiRequest,
+        forward: dict[str, Any],
+        key: ApiKey | None,
+        header: str | None,
     ) -> RequestInfo:
         models = self._tracker.models()
         model = req.model
@@ -148,29 +279,17 @@ class CompletionsEndpoint:
                     "no instances are registered", retry_after=self._settings.retry_after_s
                 )
             raise ModelNotFound(f"the model {model!r} does not exist", param="model")
+        prompt = req.prompt_key
         return RequestInfo(
             model=model,
-            group=self._check_group(model, group),
-            prompt=req.prompt_text,
-            prompt_chars=len(req.prompt_text),
+            group=self._groups.resolve(model, key, header, len(prompt)),
+            prompt=prompt,
+            prompt_chars=len(prompt),
             max_tokens=int(forward["max_tokens"]),
         )
 
-    def _check_group(self, model: str, group: str | None) -> str | None:
-        """A scenario group the client names must exist (else every request to a typo would
-        wait out its deadline); no header means any group of the model."""
-        if group is None:
-            return None
-        if group not in self._tracker.groups(model):
-            raise BadRequest(
-                f"no instance of model {model!r} is in group {group!r}", param=GROUP_HEADER
-            )
-        return group
-
     def _ttft_timeout(self, request: Request, group: str | None) -> float:
-        timeout = self._settings.group_ttft_timeout_s.get(
-            group or "", self._settings.ttft_timeout_s
-        )
+        timeout = self._groups.ttft_timeout_s(group)
         raw = request.headers.get(TTFT_HEADER)
         if raw is not None:
             try:
@@ -186,39 +305,17 @@ class CompletionsEndpoint:
         return timeout
 
 
-def _request_id(request: Request) -> str:
-    given = request.headers.get("x-request-id", "")
-    if 0 < len(given) <= 128 and given.isascii() and given.isprintable():
+def _request_id(request: Request, api: Api = Api.COMPLETIONS) -> str:
+    """The client's ``x-request-id`` if it is usable, else a new one (``cmpl-``, or
+    ``chatcmpl-`` for chat, as OpenAI's ids). It is sent upstream on both legs, and pdgate's
+    shims use it as the answer's ``id``: one id everywhere."""
+    given = request.headers.get(REQUEST_ID_HEADER, "")
+    if valid_request_id(given):
         return given
-    return f"cmpl-{uuid.uuid4().hex}"
+    return f"{api.id_prefix}-{uuid.uuid4().hex}"
 
 
 def _outcome(exc: GatewayError) -> str:
     if exc.status < 500:
         return "client_error"
     return exc.code or "server_error"
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _unless_gone(work: Awaitable[T], watcher: asyncio.Task[None]) -> T:
-    """Run `work`; cancel it and raise `ClientGone` if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
-        raise
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
-    raise ClientGone

@@ -6,26 +6,28 @@ until the request's TTFT deadline. ``dispatch = "direct"`` is the paper's baseli
 one try at the top-ranked prefill (which may queue locally), no retries.
 
 Decode leg: the prefill's ``kv_transfer_params`` go to a decode chosen by the decode policy;
-a 429 tries the next one, then waits for a freed slot or a back-off, until the deadline.
+a 429 tries the next one, then waits for a freed slot or a back-off, until the deadline. The
+decode leg always streams, whatever the client asked: its first event is the moment the KV
+has left the prefill (the decode pulls it before it generates), which is when the prefill's
+slot frees, and a non-streaming answer is assembled from the stream (gateway/_assemble.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import aiohttp
-
-from config import DispatchMode, GatewaySettings, Role
-from engine_shim.wire import prefill_kv_request
-from gateway.affinity import PrefixIndex
-from gateway.errors import (
+from pdgate.config.aio import Background, Backoff, shielded
+from pdgate.config.openai_api import Api
+from pdgate.config.settings import DispatchMode, GatewaySettings
+from pdgate.config.tracing import Span, Tracing
+from pdgate.config.wire import COMPLETIONS_PATH, Role, prefill_kv_request
+from pdgate.gateway.affinity import PrefixIndex
+from pdgate.gateway.errors import (
     BadGateway,
     BadRequest,
     DeadlineExceeded,
@@ -36,12 +38,17 @@ from gateway.errors import (
     UpstreamStatus,
     UpstreamUnreachable,
 )
-from gateway.forwarder import ForwardingOptions, PrefillForwarder, PrefillGrant
-from gateway.instances import InstanceTracker, Lease
-from gateway.metrics import GatewayMetrics
-from gateway.queue import Waiter, WaitQueue
-from gateway.upstream import Upstream, upstream_error_message
-from policies.base import Backoff, DecodePolicy, InstanceLoad, PrefillPolicy, RequestInfo
+from pdgate.gateway.fleet import Fleet
+from pdgate.gateway.forwarder import ForwardingOptions, PrefillForwarder, PrefillGrant, Shared
+from pdgate.gateway.groups import GroupResolver
+from pdgate.gateway.health import Ejector, RetryBudget
+from pdgate.gateway.instances import InstanceTracker, Lease
+from pdgate.gateway.metrics import GatewayMetrics
+from pdgate.gateway.queue import Waiter, WaitQueue
+from pdgate.gateway.ratio import RatioAdvisor
+from pdgate.gateway.upstream import DecodeStream, Upstream, upstream_error_message
+from pdgate.policies import InstanceLoad, Ranker, RequestInfo
+from pdgate.registry.fleet import LocalFleet
 
 log = logging.getLogger("pdgate.dispatch")
 
@@ -49,27 +56,64 @@ log = logging.getLogger("pdgate.dispatch")
 _MAX_QUEUES = 1024
 
 
-@dataclass
 class Placement:
-    """A request placed on a prefill and a decode; the decode's response is open."""
+    """A request placed on a prefill and a decode; the decode's stream is open.
 
-    response: aiohttp.ClientResponse
-    prefill_id: str
-    decode_id: str
-    leases: list[Lease] = field(default_factory=list)
-    prefill_attempts: int = 1
-    prefill_rejections: int = 0
+    Owns every count of the request: the open-stream leases of both instances (whole life),
+    the decode's slot, and the prefill's slot until `first_byte` says the KV has left the
+    prefill. `close()` releases whatever is still held, exactly once."""
+
+    def __init__(
+        self,
+        stream: DecodeStream,
+        grant: PrefillGrant,
+        decode: InstanceLoad,
+        decode_leases: list[Lease],
+        on_first_byte: Callable[[], None] = lambda: None,
+    ) -> None:
+        grant.take()
+        self._on_first_byte = on_first_byte
+        self.stream = stream
+        self.prefill_id = grant.instance.id
+        self.decode_id = decode.id
+        self.prefill_attempts = grant.attempts
+        self.prefill_rejections = grant.rejections
+        self.prefill_group = grant.instance.group
+        self.decode_group = decode.group
+        # What the relay saw, for the P/D ratio advice (gateway/ratio.py).
+        self.opened_at = time.monotonic()  # the decode accepted
+        self.first_token_at: float | None = None
+        self.tokens = 0  # events that carried output
+        self.gaps_s = 0.0  # sum of the gaps between them
+        self._grant = grant
+        self._leases = [grant.stream, *decode_leases]
+        self._kv_taken = False
+        self._closed = False
+
+    def first_byte(self) -> None:
+        """The decode sent its first event: it holds the KV, the prefill's slot is free."""
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        if not self._kv_taken:
+            self._kv_taken = True
+            self._grant.inflight.release()
+            self._on_first_byte()
 
     def close(self) -> None:
         """Release every count and the upstream connection; safe to call more than once.
 
         Closing (not releasing) the decode connection mid-stream is what tells the decode
-        the client is gone, so it frees the slot at once.
-        """
-        for lease in self.leases:
+        the client is gone, so it frees the slot at once. A decode that never sent a byte may
+        not have pulled the KV: it is released at the prefill before that slot counts free."""
+        if self._closed:
+            return
+        self._closed = True
+        self.stream.close()
+        for lease in self._leases:
             lease.release()
-        if not self.response.closed:
-            self.response.close()
+        if not self._kv_taken:
+            self._kv_taken = True
+            self._grant.release_kv_then([self._grant.inflight])
 
 
 class Dispatcher:
@@ -78,12 +122,15 @@ class Dispatcher:
         settings: GatewaySettings,
         tracker: InstanceTracker,
         upstream: Upstream,
-        prefill_policy: PrefillPolicy,
-        decode_policy: DecodePolicy,
+        prefill_policy: Ranker,
+        decode_policy: Ranker,
         backoff: Backoff,
         metrics: GatewayMetrics,
         index: PrefixIndex | None,
+        fleet: Fleet | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
+        self._tracing = tracing or Tracing.off()
         self._settings = settings
         self._tracker = tracker
         self._upstream = upstream
@@ -93,6 +140,23 @@ class Dispatcher:
         self._metrics = metrics
         self._index = index
         self._forwarders: dict[tuple[str, str | None], PrefillForwarder] = {}
+        self._groups = GroupResolver(settings, tracker)
+        # KV releases and batch calls outlive the requests that started them; shutdown waits
+        # for them before the upstream session closes.
+        self.background = Background("pdgate-dispatch")
+        self.fleet = fleet or Fleet(LocalFleet(settings.gateway_id), tracker)
+        self.fleet.set_heads(self.heads)
+        self.ejector = Ejector(
+            tracker,
+            metrics,
+            consecutive=settings.eject_after_failures,
+            base_s=settings.eject_base_s,
+            max_s=settings.eject_max_s,
+        )
+        self.budget = RetryBudget(settings.retry_budget_ratio, settings.retry_budget_burst)
+        self.advisor = RatioAdvisor(
+            window_s=settings.ratio_window_s, target_utilization=settings.ratio_target_utilization
+        )
         self._options = ForwardingOptions(
             batch_forwarding=settings.batch_forwarding,
             batch_endpoint=settings.prefill_batch_endpoint,
@@ -100,59 +164,106 @@ class Dispatcher:
             client_error=client_error,
             early_drop=settings.early_drop,
             prefill_estimate_quantile=settings.prefill_estimate_quantile,
+            try_timeout_s=settings.prefill_try_timeout_s,
+        )
+        self._shared = Shared(
+            tracker,
+            upstream,
+            backoff,
+            metrics,
+            index,
+            self._options,
+            self.background,
+            self.fleet,
+            self.ejector,
+            self.budget,
+            self._tracing,
+            self.advisor,
         )
 
     async def close(self) -> None:
         for fwd in self._forwarders.values():
             await fwd.close()
         self._forwarders.clear()
+        await self.background.aclose()
+
+    def heads(self) -> dict[str, float | None]:
+        """Per queue, ms to its most urgent request's deadline (the fleet's deadline order)."""
+        return {f.key: f.head_in_ms() for f in self._forwarders.values()}
+
+    def describe_queues(self) -> list[dict[str, object]]:
+        """Rows for ``GET /admin/queues``."""
+        return [
+            {
+                "model": f.model,
+                "group": f.group,
+                "queued": len(f.queue),
+                "waiting": f.waiting,
+                "head_ms": f.head_in_ms(),
+            }
+            for f in self._forwarders.values()
+        ]
 
     def queued(self) -> int:
         """Requests waiting at the gateway for a prefill (queued or being tried)."""
         return sum(f.waiting for f in self._forwarders.values())
 
     async def place(
-        self, info: RequestInfo, forward: dict[str, Any], *, request_id: str, deadline: float
+        self,
+        info: RequestInfo,
+        forward: dict[str, Any],
+        *,
+        request_id: str,
+        deadline: float,
+        span: Span | None = None,
+        api: Api = Api.COMPLETIONS,
     ) -> Placement:
+        """A prefill that computed the request and a decode that took its KV. `span` is the
+        request's trace span (the legs' spans are its children). Both legs go to `api`'s
+        path (chat: the client's messages on both, ``max_tokens`` already its only limit)."""
+        self.budget.deposit()
         body = {k: v for k, v in forward.items() if k != "stream_options"}
         body.update(max_tokens=1, stream=False, kv_transfer_params=prefill_kv_request())
-        grant = await self._prefill(info, body, request_id, deadline)
-        leases = [grant.stream, grant.inflight]
-        kv_params: dict[str, Any] = grant.reply["kv_transfer_params"]
+        grant = await self._prefill(info, body, request_id, deadline, span, path=api.path)
         try:
-            decode_body = {**forward, "kv_transfer_params": kv_params}
-            decode, response, decode_leases = await self._decode(
-                info, decode_body, request_id, deadline
+            decode_body = {**forward, "kv_transfer_params": grant.kv_params, "stream": True}
+            if not forward.get("stream"):
+                decode_body["stream_options"] = {"include_usage": True}
+            decode, stream, decode_leases = await self._decode(
+                info, decode_body, request_id, deadline, span, path=api.path
             )
         except BaseException:
-            for lease in leases:
-                lease.release()
-            # Shielded: a cancelled (disconnected) request must still free the prefill's KV.
-            await _shielded(self._upstream.release_kv(kv_params, request_id=request_id))
+            grant.close()
             raise
-        # The decode owns the KV pull from here; the prefill frees its slot once pulled.
-        grant.inflight.release()
         self._metrics.prefill_rejections.observe(grant.rejections)
         return Placement(
-            response=response,
-            prefill_id=grant.instance.id,
-            decode_id=decode.id,
-            leases=[*leases, *decode_leases],
-            prefill_attempts=grant.attempts,
-            prefill_rejections=grant.rejections,
+            stream,
+            grant,
+            decode,
+            decode_leases,
+            on_first_byte=lambda: self.ejector.success(decode.id),
         )
 
     async def _prefill(
-        self, info: RequestInfo, body: dict[str, Any], request_id: str, deadline: float
+        self,
+        info: RequestInfo,
+        body: dict[str, Any],
+        request_id: str,
+        deadline: float,
+        span: Span | None,
+        *,
+        path: str = COMPLETIONS_PATH,
     ) -> PrefillGrant:
         if self._settings.dispatch is DispatchMode.DIRECT:
-            return await self._prefill_direct(info, body, request_id, deadline)
+            return await self._prefill_direct(info, body, request_id, deadline, path=path)
         waiter = Waiter(
             info=info,
             body=body,
             request_id=request_id,
             deadline=deadline,
             future=asyncio.get_running_loop().create_future(),
+            span=span,
+            path=path,
         )
         return await self._forwarder(info).acquire(waiter)
 
@@ -166,24 +277,27 @@ class Dispatcher:
             fwd = self._forwarders[key] = PrefillForwarder(
                 info.model,
                 info.group,
-                WaitQueue(self._settings.queue_size, self._settings.queue_order),
-                self._tracker,
-                self._upstream,
+                WaitQueue(self._groups.queue_size(info.group), self._settings.queue_order),
                 self._prefill_policy,
-                self._backoff,
-                self._metrics,
-                self._index,
-                self._options,
+                self._shared,
             )
         return fwd
 
     async def _prefill_direct(
-        self, info: RequestInfo, body: dict[str, Any], request_id: str, deadline: float
+        self,
+        info: RequestInfo,
+        body: dict[str, Any],
+        request_id: str,
+        deadline: float,
+        *,
+        path: str = COMPLETIONS_PATH,
     ) -> PrefillGrant:
-        """The paper's original gateway: the top-ranked prefill or nothing."""
+        """The paper's original gateway: the top-ranked prefill or nothing. Its ranking sees
+        every ready prefill (the baseline does not know which one has room)."""
         ranked = self._prefill_policy.rank(
-            info, self._tracker.loads(Role.PREFILL, info.model, info.group)
-        )
+            info,
+            [c for c in self._tracker.loads(Role.PREFILL, info.model, info.group) if not c.ejected],
+        ) or self._tracker.loads(Role.PREFILL, info.model, info.group)
         if not ranked:
             raise DeadlineExceeded(
                 "no prefill instance is available", retry_after=self._settings.retry_after_s
@@ -192,41 +306,80 @@ class Dispatcher:
         stream, inflight = self._tracker.open_stream(inst.id), self._tracker.begin(inst.id)
         counter = self._metrics.prefill_attempts
         kv_id = uuid.uuid4().hex
+        upstream = self._upstream
+
+        async def release(
+            params: dict[str, Any] | None,
+            *,
+            slot_freed: bool,
+            leases: Sequence[Lease] = (stream, inflight),
+        ) -> None:
+            try:
+                if params is None:
+                    await upstream.release_kv_id(inst.url, kv_id, request_id=request_id)
+                else:
+                    await upstream.release_kv(params, request_id=request_id)
+            finally:
+                for lease in leases:
+                    lease.release(slot_freed=slot_freed)
+
         try:
             remaining = max(deadline - time.monotonic(), 0.001)
-            reply = await self._upstream.prefill(
-                inst.url, body, request_id=request_id, timeout_s=remaining, kv_id=kv_id
+            reply = await upstream.prefill(
+                inst.url, body, request_id=request_id, timeout_s=remaining, kv_id=kv_id, path=path
             )
-        except BaseException as exc:
-            if isinstance(exc, asyncio.CancelledError | TimeoutError | UpstreamUnreachable):
-                # The prefill may hold KV for an answer we will never read.
-                await _shielded(
-                    self._upstream.release_kv_id(inst.url, kv_id, request_id=request_id)
-                )
+        except UpstreamRejected as exc:
             _release_after(exc, stream, inflight)
-            if isinstance(exc, UpstreamRejected):
-                self._tracker.rejected(inst.id)
-                counter.labels("rejected").inc()
-                raise DeadlineExceeded(
-                    "the prefill instance is busy", retry_after=self._settings.retry_after_s
-                ) from exc
-            if isinstance(exc, UpstreamStatus) and exc.is_client_error:
+            self._tracker.rejected(inst.id)
+            counter.labels("rejected").inc()
+            raise DeadlineExceeded(
+                "the prefill instance is busy", retry_after=self._settings.retry_after_s
+            ) from exc
+        except UpstreamStatus as exc:
+            if exc.is_client_error:
+                _release_after(exc, stream, inflight)
                 raise client_error(exc) from exc
-            if isinstance(exc, TimeoutError | UpstreamError):
-                counter.labels("failed").inc()
-                raise DeadlineExceeded(
-                    "the prefill did not answer before the TTFT deadline",
-                    retry_after=self._settings.retry_after_s,
-                ) from exc
+            await shielded(release(None, slot_freed=False))
+            counter.labels("failed").inc()
+            raise DeadlineExceeded(
+                "the prefill failed before the TTFT deadline",
+                retry_after=self._settings.retry_after_s,
+            ) from exc
+        except UpstreamError as exc:
+            # Timed out or lost: the prefill may hold KV for an answer we will never read.
+            await shielded(release(None, slot_freed=False))
+            counter.labels("failed").inc()
+            raise DeadlineExceeded(
+                "the prefill did not answer before the TTFT deadline",
+                retry_after=self._settings.retry_after_s,
+            ) from exc
+        except BaseException:
+            await shielded(release(None, slot_freed=False))
             raise
         counter.labels("accepted").inc()
         if self._index is not None:
             self._index.record(self._index.hashes(info.prompt), inst.id)
-        return PrefillGrant(inst, reply, stream, inflight, attempts=1, rejections=0)
+        params: dict[str, Any] = reply["kv_transfer_params"]
+        return PrefillGrant(
+            inst,
+            reply,
+            stream,
+            inflight,
+            lambda leases: self.background.spawn(release(params, slot_freed=True, leases=leases)),
+            attempts=1,
+            rejections=0,
+        )
 
     async def _decode(
-        self, info: RequestInfo, body: dict[str, Any], request_id: str, deadline: float
-    ) -> tuple[InstanceLoad, aiohttp.ClientResponse, list[Lease]]:
+        self,
+        info: RequestInfo,
+        body: dict[str, Any],
+        request_id: str,
+        deadline: float,
+        parent: Span | None,
+        *,
+        path: str = COMPLETIONS_PATH,
+    ) -> tuple[InstanceLoad, DecodeStream, list[Lease]]:
         counter = self._metrics.decode_attempts
         round_no = 0
         failures: list[str] = []
@@ -234,17 +387,31 @@ class Dispatcher:
             ranked = self._decode_policy.rank(
                 info, self._tracker.loads(Role.DECODE, info.model, info.group)
             )
-            for inst in ranked[: self._settings.max_candidates]:
+            for inst in ranked[: self._settings.decode_candidates]:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 stream, inflight = self._tracker.open_stream(inst.id), self._tracker.begin(inst.id)
+                span = self._tracing.start("pdgate.decode_attempt", parent=parent)
+                headers: dict[str, str] = {}
+                self._tracing.inject(span, headers)
+                if span.is_recording():
+                    span.set_attribute("pdgate.instance", inst.id)
+                    span.set_attribute("server.address", inst.url)
                 try:
                     response = await self._upstream.open_decode(
-                        inst.url, body, request_id=request_id, connect_timeout_s=remaining
+                        inst.url,
+                        body,
+                        request_id=request_id,
+                        connect_timeout_s=remaining,
+                        headers=headers,
+                        path=path,
                     )
                 except BaseException as exc:
                     _release_after(exc, stream, inflight)
+                    if span.is_recording():
+                        span.set_attribute("pdgate.outcome", _decode_outcome(exc))
+                    span.end()
                     if isinstance(exc, UpstreamRejected):
                         self._tracker.rejected(inst.id)
                         counter.labels("rejected").inc()
@@ -253,17 +420,21 @@ class Dispatcher:
                         counter.labels("client_error").inc()
                         raise client_error(exc) from exc
                     if isinstance(exc, UpstreamError):
-                        # The KV pull may have consumed the prefill's copy: do not try another
-                        # decode with the same kv_transfer_params.
                         self._tracker.failed(inst.id)
+                        self.ejector.failure(inst.id, "decode")
                         counter.labels("failed").inc()
                         log.warning("decode %s failed: %s", inst.id, exc)
                         failures.append(str(exc))
                         if isinstance(exc, UpstreamStatus):
+                            # It answered: its KV pull may have consumed the prefill's copy,
+                            # so another decode cannot be given the same kv_transfer_params.
                             raise BadGateway("the decode instance failed") from exc
-                        continue
+                        continue  # never reached it: the KV is still at the prefill
                     raise
                 counter.labels("accepted").inc()
+                if span.is_recording():
+                    span.set_attribute("pdgate.outcome", "accepted")
+                span.end()
                 return inst, response, [stream, inflight]
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -277,6 +448,16 @@ class Dispatcher:
                 raise DeadlineExceeded(what, retry_after=self._settings.retry_after_s)
             await self._tracker.wait_freed(min(self._backoff.delay(round_no), remaining))
             round_no += 1
+
+
+def _decode_outcome(exc: BaseException) -> str:
+    if isinstance(exc, UpstreamRejected):
+        return "rejected"
+    if isinstance(exc, UpstreamStatus) and exc.is_client_error:
+        return "client_error"
+    if isinstance(exc, UpstreamError):
+        return "failed"
+    return "abandoned"
 
 
 def _release_after(exc: BaseException, *leases: Lease) -> None:
@@ -293,9 +474,3 @@ def client_error(exc: UpstreamStatus) -> GatewayError:
     if exc.status == 413:
         return PayloadTooLarge(message)
     return BadRequest(message)
-
-
-async def _shielded(coro: Awaitable[None]) -> None:
-    task = asyncio.ensure_future(coro)
-    with contextlib.suppress(asyncio.CancelledError):
-        await asyncio.shield(task)

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from engine_shim.wire import OpenAIError
+from pdgate.config.openai_api import OpenAIError
 
 
 class GatewayError(OpenAIError):
@@ -29,6 +29,12 @@ class GatewayError(OpenAIError):
 class BadRequest(GatewayError):
     status = 400
     type = "invalid_request_error"
+
+
+class RequestTimeout(GatewayError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class PayloadTooLarge(GatewayError):
@@ -60,10 +66,30 @@ class DeadlineExceeded(ServiceUnavailable):
     code = "ttft_deadline_exceeded"
 
 
+class OverShare(GatewayError):
+    """429, the one rule: the fleet is busy and this tenant holds more than its share of the
+    queue (back off and retry). 503 means the fleet has no capacity for anyone: the deadline
+    passed with no prefill free, the request could not be prefilled in time, or the queue is
+    full for everyone."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "tenant_over_share"
+
+
 class BadGateway(GatewayError):
     status = 502
     type = "upstream_error"
     code = "upstream_error"
+
+
+def from_openai_error(exc: OpenAIError) -> GatewayError:
+    """A shared-schema or body-reading error as one of the gateway's own types, so its
+    handlers and metrics see one tree."""
+    kind: type[GatewayError] = {413: PayloadTooLarge, 408: RequestTimeout}.get(
+        exc.status, BadRequest
+    )
+    return kind(exc.message, param=exc.param)
 
 
 # -- upstream (instance) failures; never shown to a client as-is ---------------------------

@@ -1,13 +1,19 @@
 """On-demand forwarding of queued requests to idle prefills (P/D-Serve section 3.5).
 
 One `PrefillForwarder` per (model, group) owns that queue. It looks at the head request,
-asks the policy to rank the prefills that have room (not recently rejected, fewer of our
-requests in flight than their capacity), sends the head to the best one and, with batch
-forwarding, keeps sending the following requests to that same prefill while it has room, so
-it runs a full batch. A 429 puts the request back at its old place in the queue and marks the
-prefill busy until one of our requests to it finishes (or a short hold passes: other
-gateways share it). With nobody to send to, the forwarder sleeps until a slot frees or a
-back-off passes: no busy loop. Each request waits for its grant only until its deadline.
+asks the policy to rank the prefills that may take it (not recently rejected, fewer requests
+in flight than their slots), sends the head to the best one and, with batch forwarding, keeps
+sending the following requests to that same prefill while it has room, so it runs a full
+batch. A 429 puts the request back at its old place in the queue and marks the prefill busy
+until one of our requests there frees its slot (or `reject_hold_s` passes: other gateways
+share it). With nobody to send to, the forwarder sleeps until a slot frees or a back-off
+passes: no busy loop. Each request waits for its grant only until its deadline.
+
+A prefill slot counts as taken from the call until the KV has left the prefill: a decode
+pulled it (the decode's first byte says so, see `Placement.first_byte`) or it was released.
+Every call that is abandoned (deadline, client gone, timeout, failure) releases its KV by the
+id the gateway chose for it, and only then gives back the count: the prefill frees the slot
+when the release arrives, not before.
 """
 
 from __future__ import annotations
@@ -18,44 +24,94 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
 
-from config import Role
-from gateway.affinity import PrefixIndex
-from gateway.errors import (
+from pdgate.config.aio import Background, Backoff
+from pdgate.config.tracing import Span, Tracing
+from pdgate.config.wire import EXT_BATCH_PREFILL, Role
+from pdgate.gateway.affinity import PrefixIndex
+from pdgate.gateway.errors import (
+    BadGateway,
     DeadlineExceeded,
     GatewayError,
     Overloaded,
+    OverShare,
     UpstreamError,
     UpstreamRejected,
     UpstreamStatus,
 )
-from gateway.instances import InstanceTracker, Lease
-from gateway.metrics import GatewayMetrics
-from gateway.prefill_time import PrefillTimes
-from gateway.queue import Waiter, WaiterState, WaitQueue
-from gateway.upstream import Upstream
-from policies.base import Backoff, InstanceLoad, PrefillPolicy
+from pdgate.gateway.fleet import Fleet, SlotLease, monotonic_ms_left
+from pdgate.gateway.health import Ejector, RetryBudget
+from pdgate.gateway.instances import InstanceTracker, Lease
+from pdgate.gateway.metrics import GatewayMetrics
+from pdgate.gateway.prefill_time import PrefillTimes
+from pdgate.gateway.queue import Admission, Waiter, WaiterState, WaitQueue
+from pdgate.gateway.ratio import RatioAdvisor
+from pdgate.gateway.upstream import Upstream
+from pdgate.policies import InstanceLoad, Ranker, RequestInfo
 
 log = logging.getLogger("pdgate.forwarder")
 
 _MAX_REMEMBERED = 4096
 
 
-@dataclass
 class PrefillGrant:
-    """A prefill accepted and computed the request; the leases now belong to the caller."""
+    """A prefill accepted and computed the request. Its owner either hands the KV to a decode
+    (`take`, then `Placement` owns the counts) or abandons it (`close`: the KV is released at
+    the prefill, then the counts)."""
 
-    instance: InstanceLoad
-    reply: dict[str, Any]
-    stream: Lease
-    inflight: Lease
-    attempts: int
-    rejections: int
+    __slots__ = (
+        "_closed",
+        "_release",
+        "attempts",
+        "inflight",
+        "instance",
+        "rejections",
+        "reply",
+        "stream",
+    )
+
+    def __init__(
+        self,
+        instance: InstanceLoad,
+        reply: dict[str, Any],
+        stream: Lease,
+        inflight: Lease,
+        release: Callable[[Sequence[Lease]], None],
+        attempts: int,
+        rejections: int,
+    ) -> None:
+        self.instance = instance
+        self.reply = reply
+        self.stream = stream  # the request's open stream through this prefill, whole life
+        self.inflight = inflight  # the prefill's slot, until the KV has left it
+        self._release = release
+        self.attempts = attempts
+        self.rejections = rejections
+        self._closed = False
+
+    @property
+    def kv_params(self) -> dict[str, Any]:
+        params: dict[str, Any] = self.reply["kv_transfer_params"]
+        return params
+
+    def take(self) -> None:
+        """A decode accepted: from now on the caller owns the counts (see `Placement`)."""
+        self._closed = True
+
+    def release_kv_then(self, leases: Sequence[Lease]) -> None:
+        """Release the KV at the prefill, then `leases` (for an owner that took the grant)."""
+        self._release(leases)
+
+    def close(self) -> None:
+        """Nobody will use this KV: release it at the prefill, then the counts. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._release([self.stream, self.inflight])
 
 
 @dataclass
@@ -64,11 +120,19 @@ class _Call:
 
     waiter: Waiter
     stream: Lease
-    inflight: Lease
+    inflight: Lease  # the prefill slot (with its fleet lease), until the KV has left
+    work: Lease  # the prompt tokens being computed, until the prefill answers
     kv_id: str  # our name for the KV handle, to release it without the answer
+    span: Span
     started: float = 0.0  # monotonic, when the call was sent
 
+    def trace_headers(self, tracing: Tracing) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        tracing.inject(self.span, headers)
+        return headers
+
     def release(self, *, slot_freed: bool) -> None:
+        self.work.release()
         self.stream.release(slot_freed=slot_freed)
         self.inflight.release(slot_freed=slot_freed)
 
@@ -82,79 +146,119 @@ class ForwardingOptions:
     early_drop: bool = True
     # The quantile of recent prefill rates behind the early-drop estimate.
     prefill_estimate_quantile: float = 0.1
+    # Longest one prefill call may take before the request moves on (a prefill that accepted
+    # the connection and hangs); None: adaptive, from recent prefill times.
+    try_timeout_s: float | None = None
     client_error: Callable[[UpstreamStatus], GatewayError] = field(
         default=lambda exc: GatewayError(str(exc))
     )
 
 
+@dataclass(frozen=True)
+class Shared:
+    """What every forwarder of one gateway shares (built once, in the dispatcher)."""
+
+    tracker: InstanceTracker
+    upstream: Upstream
+    backoff: Backoff
+    metrics: GatewayMetrics
+    index: PrefixIndex | None
+    options: ForwardingOptions
+    background: Background
+    fleet: Fleet
+    ejector: Ejector
+    budget: RetryBudget
+    tracing: Tracing = field(default_factory=Tracing.off)
+    advisor: RatioAdvisor = field(default_factory=RatioAdvisor)
+
+
 class PrefillForwarder:
     def __init__(
-        self,
-        model: str,
-        group: str | None,
-        queue: WaitQueue,
-        tracker: InstanceTracker,
-        upstream: Upstream,
-        policy: PrefillPolicy,
-        backoff: Backoff,
-        metrics: GatewayMetrics,
-        index: PrefixIndex | None,
-        options: ForwardingOptions,
+        self, model: str, group: str | None, queue: WaitQueue, policy: Ranker, shared: Shared
     ) -> None:
         self.model = model
         self.group = group
+        self.key = f"{model}|{group or ''}"  # this queue's name in the fleet
         self.queue = queue
-        self._tracker = tracker
-        self._upstream = upstream
         self._policy = policy
-        self._backoff = backoff
-        self._metrics = metrics
-        self._index = index
-        self._options = options
+        self._fleet = shared.fleet
+        self._tracker = shared.tracker
+        self._upstream = shared.upstream
+        self._backoff = shared.backoff
+        self._metrics = shared.metrics
+        self._index = shared.index
+        self._options = shared.options
+        self._background = shared.background
+        self._ejector = shared.ejector
+        self._budget = shared.budget
+        self._tracing = shared.tracing
+        self._advisor = shared.advisor
         self._task: asyncio.Task[None] | None = None
         self._hashes: dict[int, list[bytes]] = {}  # id(waiter) -> prompt block hashes
         self.waiting = 0  # requests waiting for a prefill grant: queued or being tried
-        self._cleanups: set[asyncio.Task[None]] = set()
-        # Prefill URLs that answered 404/405 to the batch endpoint (LRU-bounded).
+        # Prefill URL + API path pairs whose batch endpoint answered 404/405 (LRU-bounded).
         self._no_batch_endpoint: OrderedDict[str, None] = OrderedDict()
-        self.prefill_times = PrefillTimes(quantile=options.prefill_estimate_quantile)
+        self.prefill_times = PrefillTimes(quantile=shared.options.prefill_estimate_quantile)
 
     @property
     def idle(self) -> bool:
         return not self.waiting and (self._task is None or self._task.done())
 
     async def acquire(self, waiter: Waiter) -> PrefillGrant:
-        """Queue `waiter` and wait for a prefill to accept it, until its deadline."""
-        if not self.queue.push(waiter):
+        """Queue `waiter` and wait for a prefill to accept it, until its deadline.
+
+        A grant that lands as the caller gives up (deadline, cancellation) in the same loop
+        iteration is closed here: whoever abandons a result closes it."""
+        estimate = self.prefill_times.lower_bound_s(waiter.info.prompt_chars)
+        if estimate is not None:
+            waiter.latest_start = waiter.deadline - estimate
+        admission = self.queue.push(waiter)
+        if admission is Admission.FULL:
             raise _queue_full(self._options.retry_after_s)
+        if admission is Admission.OVER_SHARE:
+            raise OverShare(
+                f"the fleet is busy and tenant {waiter.tenant!r} holds more than its share of "
+                "the queue; back off and retry",
+                retry_after=self._options.retry_after_s,
+            )
         self.waiting += 1
         if self._index is not None:
             self._hashes[id(waiter)] = self._index.hashes(waiter.info.prompt)
         self._wake()
+        returned = False
+        wait = self._tracing.start("pdgate.queue_wait", parent=waiter.span)
         try:
-            remaining = waiter.deadline - time.monotonic()
-            grant: PrefillGrant = await asyncio.wait_for(
-                asyncio.shield(waiter.future), max(remaining, 0)
-            )
+            try:
+                async with asyncio.timeout(max(waiter.deadline - time.monotonic(), 0)):
+                    grant: PrefillGrant = await asyncio.shield(waiter.future)
+            except TimeoutError:
+                raise DeadlineExceeded(
+                    "no prefill instance accepted the request before its TTFT deadline",
+                    retry_after=self._options.retry_after_s,
+                ) from None
+            returned = True
             return grant
-        except TimeoutError:
-            raise DeadlineExceeded(
-                "no prefill instance accepted the request before its TTFT deadline",
-                retry_after=self._options.retry_after_s,
-            ) from None
         finally:
             self.waiting -= 1
-            self._withdraw(waiter)
+            self._withdraw(waiter, granted=returned)
+            if wait.is_recording():
+                wait.set_attribute("pdgate.queue", self.key)
+                wait.set_attribute("pdgate.granted", returned)
+                wait.set_attribute("pdgate.prefill_attempts", waiter.attempts)
+            wait.end()
 
-    def _withdraw(self, waiter: Waiter) -> None:
+    def _withdraw(self, waiter: Waiter, *, granted: bool) -> None:
         """The waiter stops waiting (granted, expired, cancelled): take it out everywhere."""
         self._hashes.pop(id(waiter), None)
         self.queue.remove(waiter)
-        if not waiter.future.done():
-            waiter.future.cancel()
+        future = waiter.future
+        if not future.done():
+            future.cancel()
+        elif not granted and not future.cancelled() and future.exception() is None:
+            future.result().close()  # granted just as the waiter gave up
         if waiter.attempt_task is not None and not waiter.attempt_task.done():
             # Early intervention: an attempt still running past the deadline (or for a client
-            # that left) is cancelled, which aborts the HTTP call and frees the prefill slot.
+            # that left) is cancelled, which aborts the HTTP call; its KV is then released.
             waiter.attempt_task.cancel()
         waiter.state = WaiterState.DONE
 
@@ -170,6 +274,11 @@ class PrefillForwarder:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
+    def head_in_ms(self) -> float | None:
+        """Milliseconds to the deadline of this queue's most urgent request (None: empty)."""
+        head = self.queue.peek()
+        return None if head is None else monotonic_ms_left(head.deadline)
+
     async def _run(self) -> None:
         round_no = 0
         while True:
@@ -178,33 +287,58 @@ class PrefillForwarder:
                 return  # restarted by the next acquire()
             if self._hopeless(head):
                 continue
-            target = self._first_with_room(head)
-            if target is None:
-                # Everyone is full or just rejected: wait for one of our requests to finish
-                # somewhere (the likeliest moment a prefill accepts again) or a back-off.
-                await self._tracker.wait_freed(self._backoff.delay(round_no))
+            # The policy's filters drop prefills that are full or just rejected.
+            ranked = self._policy.rank(self._with_affinity(head), self._candidates())
+            want = 1
+            if ranked and self._options.batch_forwarding:
+                # Batch forwarding: as many queued requests as the best prefill has room for.
+                want = max(1, min(len(self.queue), ranked[0].capacity - ranked[0].inflight))
+            slots = await self._fleet.acquire(
+                self.key,
+                ranked,
+                want,
+                head_in_ms=monotonic_ms_left(head.deadline),
+                next_head_in_ms=self._next_head_ms(want),
+            )
+            if slots.instance is None:
+                # Everyone is full or just rejected: wait for a request to free a slot
+                # somewhere (the likeliest moment a prefill accepts again) or a back-off. A
+                # gateway that yielded to a more urgent one elsewhere retries after the
+                # fleet's priority window.
+                wait = self._fleet.window_s if slots.yielded else self._backoff.delay(round_no)
+                await self._tracker.wait_freed(wait)
                 round_no += 1
                 continue
             round_no = 0
-            sent = [self._reserve(head, target)]
-            while self._options.batch_forwarding and self._tracker.has_room(
-                target.id, target.capacity
-            ):
-                nxt = self.queue.peek()
+            target = slots.instance
+            leases = list(slots.leases)
+            sent: list[_Call] = []
+            while leases:
+                nxt = self.queue.peek()  # the queue may have changed while we asked the fleet
                 if nxt is None:
                     break
                 if self._hopeless(nxt):
                     continue
-                sent.append(self._reserve(nxt, target))
-            if (
-                self._options.batch_endpoint
-                and len(sent) > 1
-                and target.url not in self._no_batch_endpoint
-            ):
-                self._background(self._attempt_batch(sent, target))
-            else:
-                for call in sent:
-                    call.waiter.attempt_task = asyncio.create_task(self._attempt(call, target))
+                sent.append(self._reserve(nxt, target, leases.pop()))
+            for unused in leases:
+                unused.release()
+            if not sent:
+                continue
+            # Each API has its own batch endpoint: one batch call per API in the run.
+            by_path: dict[str, list[_Call]] = {}
+            for call in sent:
+                by_path.setdefault(call.waiter.path, []).append(call)
+            for path, calls in by_path.items():
+                if (
+                    self._options.batch_endpoint
+                    and len(calls) > 1
+                    and self._speaks_batch(target)
+                    and target.url + path not in self._no_batch_endpoint
+                ):
+                    self._background.spawn(self._attempt_batch(calls, target))
+                else:
+                    for call in calls:
+                        call.waiter.attempt_task = asyncio.create_task(self._attempt(call, target))
             # Let the attempts start (and fast 429s arrive) before ranking again.
             await asyncio.sleep(0)
 
@@ -226,29 +360,40 @@ class PrefillForwarder:
             )
         return True
 
-    def _first_with_room(self, waiter: Waiter) -> InstanceLoad | None:
-        ranked = self._policy.rank(self._with_affinity(waiter), self._candidates())
-        return next((c for c in ranked if self._tracker.has_room(c.id, c.capacity)), None)
+    def _next_head_ms(self, placing: int) -> float | None:
+        """Ms to the deadline of the request that will head the queue once `placing` requests
+        left it (None: empty). Only the fleet's deadline order needs it."""
+        if not self._fleet.shared:
+            return None
+        deadline = self.queue.deadline_after(placing)
+        return None if deadline is None else monotonic_ms_left(deadline)
 
     def _candidates(self) -> list[InstanceLoad]:
         return self._tracker.loads(Role.PREFILL, self.model, self.group)
 
-    def _with_affinity(self, waiter: Waiter) -> Any:
+    def _with_affinity(self, waiter: Waiter) -> RequestInfo:
         hashes = self._hashes.get(id(waiter))
         if self._index is None or not hashes:
             return waiter.info
         return replace(waiter.info, prefix_blocks=self._index.match(hashes))
 
-    def _reserve(self, waiter: Waiter, inst: InstanceLoad) -> _Call:
+    def _reserve(self, waiter: Waiter, inst: InstanceLoad, slot: SlotLease) -> _Call:
         """Take the waiter out of the queue and count it against `inst` before the call."""
         popped = self.queue.pop()
         assert popped is waiter
         waiter.attempts += 1
+        span = self._tracing.start("pdgate.prefill_attempt", parent=waiter.span)
+        if span.is_recording():
+            span.set_attribute("pdgate.instance", inst.id)
+            span.set_attribute("server.address", inst.url)
+            span.set_attribute("pdgate.attempt", waiter.attempts)
         return _Call(
             waiter,
             self._tracker.open_stream(inst.id),
-            self._tracker.begin(inst.id),
+            self._tracker.begin(inst.id, also=slot.release),
+            self._tracker.work(inst.id, _tokens(waiter.info.prompt_chars)),
             uuid.uuid4().hex,
+            span,
         )
 
     async def _attempt(self, call: _Call, inst: InstanceLoad) -> None:
@@ -260,8 +405,10 @@ class PrefillForwarder:
                 inst.url,
                 waiter.body,
                 request_id=waiter.request_id,
-                timeout_s=remaining,
+                timeout_s=min(remaining, self._try_timeout_s(waiter.info.prompt_chars)),
                 kv_id=call.kv_id,
+                headers=call.trace_headers(self._tracing),
+                path=waiter.path,
             )
         except UpstreamRejected:
             self._settle(call, inst, 429, None)
@@ -274,10 +421,8 @@ class PrefillForwarder:
             # now and hold KV for an answer nobody reads. Release it by the id we chose.
             # Not a freed slot: a prefill drops an abandoned prompt only at its next step
             # (pdgate shims hold the slot until then), so this is no moment to send it more.
-            call.release(slot_freed=False)
-            self._background(
-                self._upstream.release_kv_id(inst.url, call.kv_id, request_id=waiter.request_id)
-            )
+            self._release_then_free(call, inst, slot_freed=False)
+            _end(call.span, "abandoned")
             raise
         else:
             self._settle(call, inst, 200, reply)
@@ -291,13 +436,17 @@ class PrefillForwarder:
         for c in calls:
             c.started = started
         last_deadline = max(c.waiter.deadline for c in calls)
+        try_timeout = self._try_timeout_s(max(c.waiter.info.prompt_chars for c in calls))
+        path = calls[0].waiter.path  # one API per batch call
         try:
             async for index, status, body in self._upstream.prefill_batch(
                 inst.url,
                 [c.waiter.body for c in calls],
                 kv_ids=[c.kv_id for c in calls],
                 request_id=calls[0].waiter.request_id,
-                timeout_s=max(last_deadline - time.monotonic(), 0.001),
+                timeout_s=min(max(last_deadline - time.monotonic(), 0.001), try_timeout),
+                headers=calls[0].trace_headers(self._tracing),
+                path=path,
             ):
                 call = pending.pop(index, None)
                 if call is not None:
@@ -308,7 +457,7 @@ class PrefillForwarder:
         except UpstreamStatus as exc:
             if exc.status in (404, 405) and len(pending) == len(calls):
                 # Not a pdgate shim (e.g. plain vLLM): one call per request to it from now on.
-                self._remember_no_batch(inst.url)
+                self._remember_no_batch(inst.url + path)
                 for call in calls:
                     call.waiter.attempt_task = asyncio.create_task(self._attempt(call, inst))
                 return
@@ -319,11 +468,27 @@ class PrefillForwarder:
                 self._settle(call, inst, 502, exc)
         except asyncio.CancelledError:  # gateway shutdown
             for call in pending.values():
-                call.release(slot_freed=False)
+                self._release_then_free(call, inst, slot_freed=False)
+                _end(call.span, "abandoned")
             raise
         else:
             for call in pending.values():  # the prefill never answered for these
                 self._settle(call, inst, 502, UpstreamError(inst.url, "missing from batch answer"))
+
+    def _try_timeout_s(self, prompt_chars: int) -> float:
+        """How long one prefill call may take: the setting, or four times the slowest recent
+        prefills of this length (at least 2 s). Past it the call counts as failed and the
+        request moves on, instead of waiting on a prefill that hangs until its deadline."""
+        if self._options.try_timeout_s is not None:
+            return self._options.try_timeout_s
+        slow = self.prefill_times.upper_bound_s(prompt_chars)
+        return float("inf") if slow is None else max(2.0, 4 * slow)
+
+    def _speaks_batch(self, inst: InstanceLoad) -> bool:
+        """Whether `inst` registered the batch endpoint (pdgate shims do; stock servers get
+        exactly vLLM's handshake). A 404/405 from one that claims it is remembered below."""
+        record = self._tracker.records().get(inst.id)
+        return record is not None and EXT_BATCH_PREFILL in record.extensions
 
     def _remember_no_batch(self, url: str) -> None:
         log.info("prefill %s has no batch endpoint; sending it one request per call", url)
@@ -331,24 +496,72 @@ class PrefillForwarder:
         while len(self._no_batch_endpoint) > _MAX_REMEMBERED:
             self._no_batch_endpoint.popitem(last=False)
 
+    def _release_then_free(
+        self,
+        call: _Call,
+        inst: InstanceLoad,
+        *,
+        slot_freed: bool,
+        kv_params: dict[str, Any] | None = None,
+        leases: Sequence[Lease] | None = None,
+    ) -> None:
+        """Release the call's KV at the prefill (by the answer's params when there is one, by
+        our id otherwise), then give back `leases` (default: the call's): the prefill frees
+        the slot only when the release arrives, so counting it free earlier invites a 429."""
+        request_id = call.waiter.request_id
+        held = (call.work, call.stream, call.inflight) if leases is None else tuple(leases)
+
+        async def run() -> None:
+            try:
+                if kv_params is not None:
+                    await self._upstream.release_kv(kv_params, request_id=request_id)
+                else:
+                    await self._upstream.release_kv_id(inst.url, call.kv_id, request_id=request_id)
+            finally:
+                for lease in held:
+                    lease.release(slot_freed=slot_freed)
+
+        self._background.spawn(run())
+
     def _settle(self, call: _Call, inst: InstanceLoad, status: int, answer: Any) -> None:
         """One prefill call's outcome, whichever way it was made."""
         waiter, counter = call.waiter, self._metrics.prefill_attempts
+        call.work.release()  # the prefill is no longer computing it, whatever the outcome
+        _end(
+            call.span,
+            {200: "accepted", 429: "rejected"}.get(
+                status, "client_error" if 400 <= status < 500 else "failed"
+            ),
+            status,
+        )
         if status == 200:
+            params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+            if not isinstance(params, dict):
+                self._settle(call, inst, 502, UpstreamError(inst.url, "no kv_transfer_params"))
+                return
             if waiter.future.done():
                 # The waiter left while the prefill computed: free the KV held for it.
-                call.release(slot_freed=True)
-                params = answer.get("kv_transfer_params") or {}
-                self._background(self._upstream.release_kv(params, request_id=waiter.request_id))
+                self._release_then_free(call, inst, slot_freed=True, kv_params=params)
                 return
             counter.labels("accepted").inc()
-            self.prefill_times.record(waiter.info.prompt_chars, time.monotonic() - call.started)
+            self._ejector.success(inst.id)
+            took = time.monotonic() - call.started
+            self.prefill_times.record(waiter.info.prompt_chars, took)
+            self._advisor.prefill(inst.group, took)
             hashes = self._hashes.get(id(waiter))
             if self._index is not None and hashes:
                 self._index.record(hashes, inst.id)
             waiter.future.set_result(
                 PrefillGrant(
-                    inst, answer, call.stream, call.inflight, waiter.attempts, waiter.rejections
+                    inst,
+                    answer,
+                    call.stream,
+                    call.inflight,
+                    lambda leases: self._release_then_free(
+                        call, inst, slot_freed=True, kv_params=params, leases=leases
+                    ),
+                    waiter.attempts,
+                    waiter.rejections,
                 )
             )
         elif status == 429:
@@ -365,16 +578,22 @@ class PrefillForwarder:
                     answer = UpstreamStatus(inst.url, status, orjson.dumps(answer))
                 waiter.future.set_exception(self._options.client_error(answer))
         else:
-            call.release(slot_freed=False)
+            # 5xx, timeout, connection lost, a bad answer: the prefill may have stored KV
+            # before failing (or before our timeout fired). Nobody will fetch it.
+            self._release_then_free(call, inst, slot_freed=False)
             self._tracker.failed(inst.id)
+            self._ejector.failure(inst.id, "prefill")
             counter.labels("failed").inc()
             log.warning("prefill %s failed: %s", inst.id, answer)
+            if not self._budget.withdraw():
+                # A fleet-wide failure must not multiply the load on what is left.
+                self._metrics.retry_budget_exhausted.inc()
+                if not waiter.future.done():
+                    waiter.future.set_exception(
+                        BadGateway("the prefill instances are failing; not retried")
+                    )
+                return
             self._retry(waiter)
-
-    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
-        self._cleanups.add(task)  # keep a reference until done (bounded by in-flight calls)
-        task.add_done_callback(self._cleanups.discard)
 
     def _retry(self, waiter: Waiter) -> None:
         if waiter.future.done() or waiter.state is WaiterState.DONE:
@@ -383,6 +602,20 @@ class PrefillForwarder:
             return  # acquire() is about to time out and answer 503
         self.queue.requeue(waiter)
         self._wake()
+
+
+def _end(span: Span, outcome: str, status: int | None = None) -> None:
+    if span.is_recording():
+        span.set_attribute("pdgate.outcome", outcome)
+        if status is not None:
+            span.set_attribute("http.response.status_code", status)
+    span.end()
+
+
+def _tokens(prompt_chars: int) -> int:
+    # About four characters per token for the usual tokenizers: the token-work signal only
+    # compares instances, so a consistent estimate serves without the model's tokenizer.
+    return prompt_chars // 4 + 1
 
 
 def _queue_full(retry_after_s: int) -> GatewayError:

@@ -1,5 +1,6 @@
-"""What this gateway knows about each instance: its open streams, in-flight requests and
-recent rejections, combined with registry membership into policy snapshots.
+"""What this gateway knows about each instance: its own open streams, in-flight requests,
+prompt work in flight and recent rejections, plus the rest of the fleet's share of the same
+counts (gateway/fleet.py), combined with registry membership into policy snapshots.
 
 Counts are changed only through `Lease`s, released exactly once whatever path a request
 takes; a lease holds its counter object, not an id, so an instance that leaves and rejoins
@@ -14,35 +15,58 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from config import Role
-from policies.base import InstanceLoad
-from registry.base import InstanceRecord, InstanceState
+from pdgate.config.wire import Role
+from pdgate.policies import InstanceLoad
+from pdgate.registry.base import InstanceRecord, InstanceState
 
 
 @dataclass(slots=True)
 class _Counters:
     open_streams: int = 0
     inflight: int = 0
+    inflight_tokens: int = 0
     busy_until: float = 0.0  # monotonic; a 429 makes the instance "busy" until then
+    ejected_until: float = 0.0  # monotonic; outlier ejection (gateway/health.py)
     accepted: int = 0
     rejected: int = 0
     failed: int = 0
+    # The other gateways' share (fleet view, refreshed by gateway/fleet.py).
+    others_streams: int = 0
+    others_tokens: int = 0
+    others_slots: int = 0
 
 
 class Lease:
-    """One unit of `open_streams` or `inflight` on one instance; `release()` is idempotent."""
+    """`weight` units of one count on one instance; `release()` is idempotent."""
 
-    __slots__ = ("_counters", "_kind", "_on_release", "_released", "instance_id")
+    __slots__ = (
+        "_also",
+        "_counters",
+        "_kind",
+        "_on_release",
+        "_released",
+        "_weight",
+        "instance_id",
+    )
 
     def __init__(
-        self, instance_id: str, counters: _Counters, kind: str, on_release: Callable[[], None]
+        self,
+        instance_id: str,
+        counters: _Counters,
+        kind: str,
+        on_release: Callable[[], None],
+        *,
+        weight: int = 1,
+        also: Callable[[], None] | None = None,
     ) -> None:
         self.instance_id = instance_id
         self._counters = counters
         self._kind = kind
         self._on_release = on_release
+        self._weight = weight
+        self._also = also  # released together (a fleet slot lease)
         self._released = False
-        setattr(counters, kind, getattr(counters, kind) + 1)
+        setattr(counters, kind, getattr(counters, kind) + weight)
 
     @property
     def released(self) -> bool:
@@ -55,7 +79,9 @@ class Lease:
         if self._released:
             return
         self._released = True
-        setattr(self._counters, self._kind, getattr(self._counters, self._kind) - 1)
+        setattr(self._counters, self._kind, getattr(self._counters, self._kind) - self._weight)
+        if self._also is not None:
+            self._also()
         if slot_freed:
             # A finished request is the best sign the instance has a free slot again.
             self._counters.busy_until = 0.0
@@ -66,7 +92,9 @@ class Lease:
 class InstanceTracker:
     """Per-instance state, bounded by membership: departed instances are dropped."""
 
-    busy_hold_s: float = 0.5
+    # How long a 429 (or a failure) keeps an instance out of the candidates, unless one of
+    # our requests there frees a slot first.
+    reject_hold_s: float = 0.2
     _counters: dict[str, _Counters] = field(default_factory=dict)
     _records: Mapping[str, InstanceRecord] = field(default_factory=dict)
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -78,7 +106,7 @@ class InstanceTracker:
         self._records = dict(records)
         for gone in [i for i in self._counters if i not in self._records]:
             del self._counters[gone]
-        self._pulse()  # a new instance is new capacity
+        self.pulse()  # a new instance is new capacity
 
     def _for(self, instance_id: str) -> _Counters:
         c = self._counters.get(instance_id)
@@ -93,7 +121,8 @@ class InstanceTracker:
         return self._records
 
     def loads(self, role: Role, model: str | None, group: str | None = None) -> list[InstanceLoad]:
-        """Policy snapshot of ready instances of `role` serving `model` in `group` (None: any)."""
+        """Policy snapshot of ready instances of `role` serving `model` in `group` (None: any),
+        with the whole fleet's counts."""
         now = time.monotonic()
         out: list[InstanceLoad] = []
         for rec in self._records.values():
@@ -110,22 +139,23 @@ class InstanceTracker:
                     url=rec.url,
                     group=rec.group,
                     capacity=rec.capacity,
-                    open_streams=c.open_streams,
-                    inflight=c.inflight,
+                    open_streams=c.open_streams + c.others_streams,
+                    inflight=c.inflight + c.others_slots,
                     busy=c.busy_until > now,
+                    role=rec.role,
+                    inflight_tokens=c.inflight_tokens + c.others_tokens,
+                    ejected=c.ejected_until > now,
                 )
             )
         return out
 
     def has_room(self, instance_id: str, capacity: int) -> bool:
-        """Worth a try: not recently rejected and fewer of our requests than its slots.
-
-        Our own count is a lower bound of its load (other gateways share it); a 429 corrects it.
-        """
+        """Worth a try: not recently rejected and fewer requests in flight (this gateway's
+        and, as last seen, the fleet's) than its slots."""
         c = self._counters.get(instance_id)
         if c is None:
             return instance_id in self._records
-        return c.busy_until <= time.monotonic() and c.inflight < capacity
+        return c.busy_until <= time.monotonic() and c.inflight + c.others_slots < capacity
 
     def groups(self, model: str) -> set[str]:
         return {r.group for r in self._records.values() if r.model == model}
@@ -134,25 +164,73 @@ class InstanceTracker:
         return sorted({r.model for r in self._records.values() if r.state == InstanceState.READY})
 
     def open_stream(self, instance_id: str) -> Lease:
-        return Lease(instance_id, self._for(instance_id), "open_streams", self._pulse)
+        return Lease(instance_id, self._for(instance_id), "open_streams", self.pulse)
 
-    def begin(self, instance_id: str) -> Lease:
+    def begin(self, instance_id: str, *, also: Callable[[], None] | None = None) -> Lease:
+        """A request now occupies a slot of the instance (`also`: released with it)."""
         c = self._for(instance_id)
         c.accepted += 1
-        return Lease(instance_id, c, "inflight", self._pulse)
+        return Lease(instance_id, c, "inflight", self.pulse, also=also)
+
+    def work(self, instance_id: str, tokens: int) -> Lease:
+        """Prompt tokens the instance is computing for us (token-work load)."""
+        return Lease(
+            instance_id, self._for(instance_id), "inflight_tokens", _nothing, weight=tokens
+        )
 
     def rejected(self, instance_id: str) -> None:
         c = self._for(instance_id)
         c.rejected += 1
-        c.busy_until = time.monotonic() + self.busy_hold_s
+        c.busy_until = time.monotonic() + self.reject_hold_s
 
     def failed(self, instance_id: str) -> None:
         c = self._for(instance_id)
         c.failed += 1
-        c.busy_until = time.monotonic() + self.busy_hold_s
+        c.busy_until = time.monotonic() + self.reject_hold_s
 
-    def _pulse(self) -> None:
-        # Wake everyone waiting now; later waiters wait for the next release.
+    def eject(self, instance_id: str, until: float) -> None:
+        self._for(instance_id).ejected_until = until
+
+    # -- the fleet's share (gateway/fleet.py) ----------------------------------------------
+
+    def own_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """This gateway's (open streams, prompt tokens in flight) per instance, non-zero."""
+        streams = {i: c.open_streams for i, c in self._counters.items() if c.open_streams}
+        tokens = {i: c.inflight_tokens for i, c in self._counters.items() if c.inflight_tokens}
+        return streams, tokens
+
+    def set_others(
+        self,
+        streams: Mapping[str, int],
+        tokens: Mapping[str, int],
+        slots: Mapping[str, int],
+    ) -> None:
+        """The rest of the fleet's counts per instance (totals minus this gateway's)."""
+        for instance_id, c in self._counters.items():
+            c.others_streams = max(0, streams.get(instance_id, 0))
+            c.others_tokens = max(0, tokens.get(instance_id, 0))
+            c.others_slots = max(0, slots.get(instance_id, 0))
+        for instance_id in self._records:
+            if instance_id not in self._counters and (
+                streams.get(instance_id) or tokens.get(instance_id) or slots.get(instance_id)
+            ):
+                c = self._for(instance_id)
+                c.others_streams = max(0, streams.get(instance_id, 0))
+                c.others_tokens = max(0, tokens.get(instance_id, 0))
+                c.others_slots = max(0, slots.get(instance_id, 0))
+
+    def note_slots(self, fleet_used: Mapping[str, int]) -> None:
+        """Fleet-wide used slots just seen (an acquire's answer), this gateway's included."""
+        for instance_id, used in fleet_used.items():
+            c = self._counters.get(instance_id)
+            if c is not None:
+                c.others_slots = max(0, used - c.inflight)
+
+    # -- waking forwarders -----------------------------------------------------------------
+
+    def pulse(self) -> None:
+        """A slot likely freed somewhere: wake everyone waiting now; later waiters wait for the
+        next release."""
         freed, self._freed = self._freed, asyncio.Event()
         freed.set()
 
@@ -164,14 +242,14 @@ class InstanceTracker:
             await asyncio.wait_for(self._freed.wait(), max_wait_s)
 
     def totals(self) -> tuple[int, int]:
-        """(open streams, in flight) over all instances; both 0 when nothing leaked."""
+        """(open streams, in flight) of this gateway over all instances; 0 when nothing leaked."""
         return (
             sum(c.open_streams for c in self._counters.values()),
             sum(c.inflight for c in self._counters.values()),
         )
 
     def describe(self) -> Iterator[dict[str, object]]:
-        """Rows for ``GET /admin/instances``."""
+        """Rows for ``GET /admin/instances``: this gateway's counts and the fleet's."""
         now = time.monotonic()
         for rec in sorted(self._records.values(), key=lambda r: (r.role, r.id)):
             c = self._for(rec.id)
@@ -185,10 +263,18 @@ class InstanceTracker:
                 "capacity": rec.capacity,
                 "open_streams": c.open_streams,
                 "inflight": c.inflight,
+                "inflight_tokens": c.inflight_tokens,
+                "fleet_open_streams": c.open_streams + c.others_streams,
+                "fleet_inflight": c.inflight + c.others_slots,
                 "busy": c.busy_until > now,
+                "ejected": c.ejected_until > now,
                 "accepted": c.accepted,
                 "rejected": c.rejected,
                 "failed": c.failed,
                 "version": rec.version,
                 "started_at": rec.started_at,
             }
+
+
+def _nothing() -> None:
+    return None

@@ -1,20 +1,50 @@
-"""Prometheus metrics, on a per-app registry (no process-global state)."""
+"""Prometheus metrics, on a per-app registry (no process-global state).
+
+Label values are bounded: outcomes, roles and results are fixed sets; groups and instances
+come from the registry (bounded by `max_instances`), never from free client input (a client's
+group header is checked against the registry's groups first). Per-instance series are read
+from the tracker at scrape time, so departed instances simply stop being reported.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+# Time to first token of LLM serving: tens of ms to seconds, finest around the usual TTFT
+# targets (0.2-2 s), up to the longest deadlines.
+_TTFT_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1, 1.5, 2, 3, 5, 7.5, 10, 20, 30, 60,
+)  # fmt: skip
+# Inter-token latency: a decode step is 5-50 ms on GPUs; long gaps mean trouble.
+_ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5,
+)  # fmt: skip
+
+ANY_GROUP = "*"  # the group label of a request that did not name one
 
 
 class GatewayMetrics:
-    def __init__(self, totals: Callable[[], tuple[int, int]], pending: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        totals: Callable[[], tuple[int, int]],
+        pending: Callable[[], int],
+        instances: Callable[[], Iterable[Mapping[str, Any]]] = tuple,
+        ratio: Callable[[], Iterable[Any]] = tuple,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "pdgate_requests", "Completed client requests by outcome", ["outcome"], registry=r
+            "pdgate_requests",
+            "Completed client requests by outcome and scenario group ('*': any group)",
+            ["outcome", "group"],
+            registry=r,
         )
         self.prefill_attempts = Counter(
             "pdgate_prefill_attempts", "Prefill calls by result", ["result"], registry=r
@@ -25,19 +55,37 @@ class GatewayMetrics:
             "would have ended past their deadline",
             registry=r,
         )
+        self.ejections = Counter(
+            "pdgate_ejections",
+            "Instances ejected after consecutive failures (outlier ejection)",
+            ["role"],
+            registry=r,
+        )
+        self.retry_budget_exhausted = Counter(
+            "pdgate_retry_budget_exhausted",
+            "Failover retries refused because the retry budget was spent",
+            registry=r,
+        )
         self.decode_attempts = Counter(
             "pdgate_decode_attempts", "Decode calls by result", ["result"], registry=r
         )
         self.ttft = Histogram(
             "pdgate_ttft_seconds",
-            "Request arrival to first byte relayed",
-            buckets=_LATENCY_BUCKETS,
+            "Request arrival to the first token relayed, by scenario group",
+            ["group"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdgate_inter_token_seconds",
+            "Gaps between successive chunks of a relayed stream (inter-token latency)",
+            buckets=_ITL_BUCKETS,
             registry=r,
         )
         self.placement = Histogram(
             "pdgate_placement_seconds",
             "Request arrival to a decode accepting it (queueing + retries + prefill)",
-            buckets=_LATENCY_BUCKETS,
+            buckets=_TTFT_BUCKETS,
             registry=r,
         )
         self.prefill_rejections = Histogram(
@@ -55,3 +103,104 @@ class GatewayMetrics:
         Gauge(
             "pdgate_pending", "Requests admitted by the gateway and not finished", registry=r
         ).set_function(lambda: float(pending()))
+        r.register(_InstanceCollector(instances))
+        r.register(_RatioCollector(ratio))
+
+
+class _InstanceCollector(Collector):
+    """Per-instance series from the tracker, at scrape time (bounded by membership)."""
+
+    def __init__(self, rows: Callable[[], Iterable[Mapping[str, Any]]]) -> None:
+        self._rows = rows
+
+    def describe(self) -> Iterable[Any]:
+        return []  # the series come and go with the instances
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        labels = ["instance", "role", "group"]
+        gauges = {
+            name: GaugeMetricFamily(f"pdgate_instance_{name}", text, labels=labels)
+            for name, text in (
+                ("open_streams", "Open client streams through the instance, whole fleet"),
+                ("inflight", "Requests at the instance, whole fleet (prefill: until KV taken)"),
+                ("capacity", "Slots the instance declares"),
+                ("ejected", "1 while the instance is ejected as an outlier"),
+                ("busy", "1 while the instance is skipped after a 429"),
+            )
+        }
+        counters = {
+            name: CounterMetricFamily(f"pdgate_instance_{name}", text, labels=labels)
+            for name, text in (
+                ("accepted", "Calls this gateway sent to the instance"),
+                ("rejected", "429s from the instance to this gateway"),
+                ("failed", "Failed calls to the instance from this gateway"),
+            )
+        }
+        for row in self._rows():
+            values = [str(row["id"]), str(row["role"]), str(row["group"])]
+            gauges["open_streams"].add_metric(values, float(row["fleet_open_streams"]))
+            gauges["inflight"].add_metric(values, float(row["fleet_inflight"]))
+            gauges["capacity"].add_metric(values, float(row["capacity"]))
+            gauges["ejected"].add_metric(values, float(bool(row["ejected"])))
+            gauges["busy"].add_metric(values, float(bool(row["busy"])))
+            for name, family in counters.items():
+                family.add_metric(values, float(row[name]))
+        yield from gauges.values()
+        yield from counters.values()
+
+
+class _RatioCollector(Collector):
+    """P/D ratio advice (gateway/ratio.py) as gauges an autoscaler can act on. The desired
+    counts are this gateway's share of the traffic: sum them over the gateways."""
+
+    def __init__(self, advice: Callable[[], Iterable[Any]]) -> None:
+        self._advice = advice
+
+    def describe(self) -> Iterable[Any]:
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        desired = GaugeMetricFamily(
+            "pdgate_ratio_desired_instances",
+            "Instances of each role this gateway's traffic needs at the target utilization "
+            "(eq. 1 of P/D-Serve; fractional: sum over gateways)",
+            labels=["group", "role"],
+        )
+        current = GaugeMetricFamily(
+            "pdgate_ratio_current_instances",
+            "Ready instances of each role",
+            labels=["group", "role"],
+        )
+        capacity = GaugeMetricFamily(
+            "pdgate_ratio_capacity_rps",
+            "Requests/s each role of the group can serve (n b / T)",
+            labels=["group", "role"],
+        )
+        demand = GaugeMetricFamily(
+            "pdgate_ratio_demand_rps",
+            "Requests/s this gateway sends to the group",
+            labels=["group"],
+        )
+        advised = GaugeMetricFamily(
+            "pdgate_ratio_advised", "Advised prefill:decode instance ratio", labels=["group"]
+        )
+        reason = GaugeMetricFamily(
+            "pdgate_ratio_bottleneck",
+            "1 for the group's bottleneck (prefill, decode, balanced, insufficient_data)",
+            labels=["group", "bottleneck"],
+        )
+        for a in self._advice():
+            for role, want, have, cap in (
+                ("prefill", a.desired_prefills, a.prefills, a.prefill_capacity_rps),
+                ("decode", a.desired_decodes, a.decodes, a.decode_capacity_rps),
+            ):
+                current.add_metric([a.group, role], float(have))
+                if want is not None:
+                    desired.add_metric([a.group, role], float(want))
+                if cap is not None:
+                    capacity.add_metric([a.group, role], float(cap))
+            demand.add_metric([a.group], a.demand_rps)
+            if a.ratio is not None:
+                advised.add_metric([a.group], a.ratio)
+            reason.add_metric([a.group, a.bottleneck], 1.0)
+        yield from (desired, current, capacity, demand, advised, reason)

@@ -94,6 +94,15 @@ class PrefillTimes:
                 return None
         return window.quantile(self._quantile) * prompt_chars
 
+    def upper_bound_s(self, prompt_chars: int, quantile: float = 0.99) -> float | None:
+        """A pessimistic prefill time (a high quantile); None while too few samples."""
+        window = self._by_class.get(self._class(prompt_chars))
+        if window is None or len(window) < self._min_samples:
+            window = self._all
+            if len(window) < self._min_samples:
+                return None
+        return window.quantile(quantile) * prompt_chars
+
     def hopeless(self, prompt_chars: int, remaining_s: float) -> bool:
         """Even an optimistic prefill would end after the request's deadline."""
         estimate = self.lower_bound_s(prompt_chars)

@@ -1,78 +1,179 @@
-"""Routing policies, chosen by name from configuration.
+"""Routing policies, composed from named plugins in configuration.
 
-A name is either a built-in (below) or ``"package.module:factory"`` for a policy that lives
-outside pdgate; either way the gateway code never changes to add one.
+A policy is a **profile** (a named list of filters, weighted scorers and a picker) with
+optional overrides, or a whole ranker written by hand and named ``"package.module:factory"``.
+Every plugin is named the same way: a built-in name below, or ``"package.module:factory"``
+for one that lives outside pdgate. Adding one never touches gateway code
+(docs/extending.md has a worked example).
+
+Options (``prefill_policy_options`` / ``decode_policy_options``)::
+
+    filters = ["not_ejected", "not_busy", "has_room"]       # replace the profile's filters
+    scorers = {prefix_affinity = 1.0, open_streams = 0.2}   # replace its scorers and weights
+    picker = "power_of_two"                                 # replace its picker
+    prefix_affinity = {load_guard = 4}                      # a plugin's keyword arguments
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from policies.affinity_sse import AffinitySSE
-from policies.backoff import ConstantBackoff, ExponentialBackoff
-from policies.base import Backoff, DecodePolicy, InstanceLoad, PrefillPolicy, RequestInfo
-from policies.least_loaded import LeastLoaded
-from policies.least_sse import LeastSSE
-from policies.power_of_two import PowerOfTwo
-from policies.round_robin import RoundRobin
+from pdgate.policies.base import (
+    Filter,
+    InstanceLoad,
+    Picker,
+    Policy,
+    Ranker,
+    RequestInfo,
+    Scorer,
+)
+from pdgate.policies.filters import HasRoom, NotBusy, NotEjected
+from pdgate.policies.pickers import MaxScore, PowerOfTwo, RoundRobin
+from pdgate.policies.scorers import (
+    FreeRoom,
+    Inflight,
+    InflightTokens,
+    Load,
+    OpenStreams,
+    PrefixAffinity,
+    PrefixHash,
+)
 
-PREFILL_POLICIES: Mapping[str, Callable[..., PrefillPolicy]] = {
-    "least_sse": LeastSSE,
-    "affinity_sse": AffinitySSE,
+FILTERS: Mapping[str, Callable[..., Filter]] = {
+    "has_room": HasRoom,
+    "not_busy": NotBusy,
+    "not_ejected": NotEjected,
+}
+SCORERS: Mapping[str, Callable[..., Scorer]] = {
+    "open_streams": OpenStreams,
+    "inflight": Inflight,
+    "inflight_tokens": InflightTokens,
+    "load": Load,
+    "free_room": FreeRoom,
+    "prefix_affinity": PrefixAffinity,
+    "prefix_hash": PrefixHash,
+}
+PICKERS: Mapping[str, Callable[..., Picker]] = {
+    "max_score": MaxScore,
     "round_robin": RoundRobin,
     "power_of_two": PowerOfTwo,
 }
 
-DECODE_POLICIES: Mapping[str, Callable[..., DecodePolicy]] = {
-    "least_loaded": LeastLoaded,
-    "least_sse": LeastSSE,
-    "round_robin": RoundRobin,
-    "power_of_two": PowerOfTwo,
+
+@dataclass(frozen=True)
+class Profile:
+    filters: tuple[str, ...]
+    scorers: Mapping[str, float]
+    picker: str
+
+
+# What may be tried at all: the same for every built-in profile and both legs.
+DEFAULT_FILTERS = ("not_ejected", "not_busy", "has_room")
+
+PROFILES: Mapping[str, Profile] = {
+    # The paper's gateway: fewest open SSE streams; in-flight requests break ties.
+    "least_sse": Profile(DEFAULT_FILTERS, {"open_streams": 1.0, "inflight": 0.01}, "max_score"),
+    # Prefix-cache affinity first (with a load guard); for a prefix nobody has seen, the
+    # prefill its hash names (the same at every gateway); open streams last.
+    "affinity_sse": Profile(
+        DEFAULT_FILTERS,
+        {"prefix_affinity": 1.0, "prefix_hash": 0.5, "open_streams": 0.1, "inflight": 0.001},
+        "max_score",
+    ),
+    "round_robin": Profile(DEFAULT_FILTERS, {}, "round_robin"),
+    "power_of_two": Profile(DEFAULT_FILTERS, {"load": 1.0}, "power_of_two"),
+    # Decode choice: the most free room, then the fewest open streams.
+    "least_loaded": Profile(DEFAULT_FILTERS, {"free_room": 1.0, "open_streams": 0.01}, "max_score"),
 }
 
+_COMPOSITION = ("filters", "scorers", "picker")
 
-def _resolve(
-    name: str, builtins: Mapping[str, Callable[..., Any]], kind: str, options: Mapping[str, Any]
-) -> Any:
+
+def _factory(name: str, builtins: Mapping[str, Callable[..., Any]], kind: str) -> Any:
     if name in builtins:
-        factory = builtins[name]
-    elif ":" in name:
+        return builtins[name]
+    if ":" in name:
         module_name, _, attr = name.partition(":")
         try:
-            factory = getattr(importlib.import_module(module_name), attr)
+            return getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
-            raise ValueError(f"cannot load {kind} policy {name!r}: {exc}") from exc
-    else:
-        known = ", ".join(sorted(builtins))
-        raise ValueError(f"unknown {kind} policy {name!r}; built-in: {known}, or 'module:factory'")
+            raise ValueError(f"cannot load {kind} {name!r}: {exc}") from exc
+    known = ", ".join(sorted(builtins))
+    raise ValueError(f"unknown {kind} {name!r}; built-in: {known}, or 'package.module:factory'")
+
+
+def _build(name: str, builtins: Mapping[str, Callable[..., Any]], kind: str, kwargs: Any) -> Any:
+    factory = _factory(name, builtins, kind)
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"options of {kind} {name!r} must be a table of keyword arguments")
     try:
-        return factory(**options)
-    except TypeError as exc:
-        raise ValueError(f"bad options for {kind} policy {name!r}: {exc}") from exc
+        return factory(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"bad options for {kind} {name!r}: {exc}") from exc
 
 
-def load_prefill_policy(name: str, options: Mapping[str, Any] | None = None) -> PrefillPolicy:
-    policy: PrefillPolicy = _resolve(name, PREFILL_POLICIES, "prefill", options or {})
-    return policy
+def load_policy(name: str, options: Mapping[str, Any] | None = None) -> Ranker:
+    """The policy `name` (a profile, or ``module:factory`` of a whole ranker) with `options`.
+
+    Raises ValueError for unknown names or options: a typo fails at start-up, not on the
+    first request."""
+    options = dict(options or {})
+    if name not in PROFILES:
+        if ":" not in name:
+            known = ", ".join(sorted(PROFILES))
+            raise ValueError(f"unknown policy {name!r}; built-in: {known}, or 'module:factory'")
+        ranker = _build(name, {}, "policy", options)
+        if not isinstance(ranker, Ranker):
+            raise ValueError(f"policy {name!r} has no rank(request, candidates) method")
+        return ranker
+    profile = PROFILES[name]
+    filters = options.pop("filters", profile.filters)
+    scorers = options.pop("scorers", profile.scorers)
+    picker = options.pop("picker", profile.picker)
+    if not isinstance(filters, list | tuple) or not isinstance(scorers, Mapping):
+        raise ValueError("policy options: filters is a list of names, scorers a table of weights")
+    used = {*filters, *scorers, picker}
+    unknown = sorted(k for k in options if k not in used)
+    if unknown:
+        raise ValueError(
+            f"policy {name!r}: options {unknown} name no plugin of the policy; a plugin's "
+            f"options go under its name (e.g. prefix_affinity = {{load_guard = 4}}), and "
+            f"{', '.join(_COMPOSITION)} change the composition"
+        )
+    try:
+        weights = [(s, float(w)) for s, w in scorers.items()]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"policy {name!r}: scorer weights must be numbers") from exc
+    return Policy(
+        name,
+        [_build(f, FILTERS, "filter", options.get(f, {})) for f in filters],
+        [(_build(s, SCORERS, "scorer", options.get(s, {})), w) for s, w in weights],
+        _build(picker, PICKERS, "picker", options.get(picker, {})),
+    )
 
 
-def load_decode_policy(name: str, options: Mapping[str, Any] | None = None) -> DecodePolicy:
-    policy: DecodePolicy = _resolve(name, DECODE_POLICIES, "decode", options or {})
-    return policy
+def needs(ranker: Ranker) -> frozenset[str]:
+    """Signals a ranker asks the gateway for (``"prefix"``: the affinity index)."""
+    return frozenset(getattr(ranker, "needs", frozenset()))
 
 
 __all__ = [
-    "DECODE_POLICIES",
-    "PREFILL_POLICIES",
-    "Backoff",
-    "ConstantBackoff",
-    "DecodePolicy",
-    "ExponentialBackoff",
+    "DEFAULT_FILTERS",
+    "FILTERS",
+    "PICKERS",
+    "PROFILES",
+    "SCORERS",
+    "Filter",
     "InstanceLoad",
-    "PrefillPolicy",
+    "Picker",
+    "Policy",
+    "Profile",
+    "Ranker",
     "RequestInfo",
-    "load_decode_policy",
-    "load_prefill_policy",
+    "Scorer",
+    "load_policy",
+    "needs",
 ]

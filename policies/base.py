@@ -1,27 +1,55 @@
-"""The policy seams. Policies are pure: they see snapshots and return rankings; no I/O.
+"""The policy seams: filters, then weighted scorers, then a picker (llm-d's scheduler shape).
 
-A policy is chosen by name from configuration (see `policies.load_*`), so adding one never
-touches gateway code.
+Policies are pure: they see snapshots (`InstanceLoad`, `RequestInfo`) and return rankings;
+no I/O, no clocks. One `Policy` ranks both legs (prefill and decode): the gateway asks it for
+the candidates to try, in order.
+
+* A **filter** drops candidates that must not be tried now (no free slot, just rejected,
+  ejected). Filters are the same for both legs.
+* A **scorer** rates every remaining candidate in [0, 1], higher is better. A policy adds
+  its scorers' ratings with configured weights, so a new signal is a new scorer, not an
+  edit of the old ones.
+* A **picker** turns the weighted scores into the order of tries (best first, a rotation,
+  two random choices, ...).
+
+Each plugin is named in configuration (pdgate's built-ins by name, anything else as
+``"package.module:factory"``): adding one never touches gateway code.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
+
+from pdgate.config.wire import Role
+
+__all__ = [
+    "Candidates",
+    "Filter",
+    "InstanceLoad",
+    "Picker",
+    "Policy",
+    "Ranker",
+    "RequestInfo",
+    "Scorer",
+]
 
 
 @dataclass(frozen=True, slots=True)
 class InstanceLoad:
-    """What one gateway knows about one instance at the moment of a decision."""
+    """What the gateway knows about one instance at the moment of a decision."""
 
     id: str
     url: str
     group: str
     capacity: int
-    open_streams: int  # client requests this gateway has open through the instance, whole lifetime
-    inflight: int  # requests this gateway has at the instance now (prefill: until KV handed off)
-    busy: bool = False  # the instance rejected (429) recently and has not been seen to free a slot
+    open_streams: int  # client requests open through the instance, for their whole life
+    inflight: int  # requests at the instance now (prefill: until its KV was taken)
+    busy: bool = False  # the instance rejected (429) recently and has not freed a slot since
+    role: Role = Role.PREFILL
+    inflight_tokens: int = 0  # prompt tokens of the requests in flight (token-work load)
+    ejected: bool = False  # failing (outlier ejection): not tried until its cool-down ends
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,31 +58,104 @@ class RequestInfo:
 
     model: str
     group: str | None  # None: any group serving the model
-    prompt: str
+    prompt: str  # the prompt as text (token ids as a string) for hashing and lengths
     prompt_chars: int
     max_tokens: int
     # Instance id -> leading prompt blocks that instance recently prefilled (the gateway's
-    # prefix-affinity index); empty when affinity is not tracked.
+    # prefix-affinity index); empty unless a scorer asked for it (`needs = {"prefix"}`).
     prefix_blocks: Mapping[str, int] = field(default_factory=dict)
+    tenant: str = "anonymous"  # whose request: the API key's name (fairness, metrics)
+    priority: int = 1  # priority class: 0 most urgent (high), 1 normal, 2 low
+    weight: float = 1.0  # the tenant's share weight in the queue's fairness
 
 
-class PrefillPolicy(Protocol):
+Candidates = Sequence[InstanceLoad]
+
+
+class Filter(Protocol):
     name: str
 
-    def rank(self, request: RequestInfo, candidates: Sequence[InstanceLoad]) -> list[InstanceLoad]:
-        """Candidates in the order they should be tried (a subset is allowed)."""
+    def filter(self, request: RequestInfo, candidates: Candidates) -> list[InstanceLoad]:
+        """The candidates that may be tried now (a subset, order kept)."""
         ...
 
 
-class DecodePolicy(Protocol):
+class Scorer(Protocol):
     name: str
 
-    def rank(self, request: RequestInfo, candidates: Sequence[InstanceLoad]) -> list[InstanceLoad]:
-        """Decode workers in the order they should be tried."""
+    def score(self, request: RequestInfo, candidates: Candidates) -> list[float]:
+        """One rating per candidate, in [0, 1], higher is better."""
         ...
 
 
-class Backoff(Protocol):
-    def delay(self, attempt: int) -> float:
-        """Seconds to wait after round `attempt` (0-based) in which every candidate rejected."""
+class Picker(Protocol):
+    name: str
+
+    def order(
+        self, request: RequestInfo, candidates: Candidates, scores: Sequence[float]
+    ) -> list[InstanceLoad]:
+        """The candidates in the order they should be tried."""
         ...
+
+
+@runtime_checkable
+class Ranker(Protocol):
+    """What the gateway calls: anything that ranks candidates (a `Policy`, or a whole policy
+    written by hand and named as ``module:factory``)."""
+
+    name: str
+
+    def rank(self, request: RequestInfo, candidates: Candidates) -> list[InstanceLoad]:
+        """Candidates to try, best first (filtered: possibly fewer than given)."""
+        ...
+
+
+class Policy:
+    """Filters, then weighted scorers, then a picker."""
+
+    def __init__(
+        self,
+        name: str,
+        filters: Sequence[Filter],
+        scorers: Sequence[tuple[Scorer, float]],
+        picker: Picker,
+    ) -> None:
+        if any(weight < 0 for _, weight in scorers):
+            raise ValueError("scorer weights must be >= 0")
+        self.name = name
+        self.filters = tuple(filters)
+        self.scorers = tuple(scorers)
+        self.picker = picker
+
+    @property
+    def needs(self) -> frozenset[str]:
+        """Signals the gateway must compute for this policy's plugins (e.g. ``"prefix"``: the
+        prefix-affinity index, built only when some scorer reads it)."""
+        out: set[str] = set()
+        for plugin in (*self.filters, *(s for s, _ in self.scorers), self.picker):
+            out |= set(getattr(plugin, "needs", ()))
+        return frozenset(out)
+
+    def rank(self, request: RequestInfo, candidates: Candidates) -> list[InstanceLoad]:
+        kept: Sequence[InstanceLoad] = candidates
+        for f in self.filters:
+            if not kept:
+                return []
+            kept = f.filter(request, kept)
+        if not kept:
+            return []
+        totals = [0.0] * len(kept)
+        for scorer, weight in self.scorers:
+            if weight == 0:
+                continue
+            for i, s in enumerate(scorer.score(request, kept)):
+                totals[i] += weight * s
+        return self.picker.order(request, kept, totals)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "filters": [f.name for f in self.filters],
+            "scorers": {s.name: w for s, w in self.scorers},
+            "picker": self.picker.name,
+        }

@@ -4,21 +4,23 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from config import RegistrySettings
-from registry.base import (
+from pdgate.config import RegistrySettings
+from pdgate.registry.base import (
     EventKind,
     EventStream,
     InstanceRecord,
     InstanceState,
     Registry,
+    RegistryAuthError,
     RegistryError,
     RegistryEvent,
     RegistryUnavailable,
 )
-from registry.heartbeat import Heartbeat
-from registry.membership import Listener, Membership
-from registry.memory import MemoryRegistry
-from registry.redis import RedisRegistry, redact_url
+from pdgate.registry.heartbeat import Heartbeat
+from pdgate.registry.membership import Listener, Membership
+from pdgate.registry.memory import MemoryRegistry
+from pdgate.registry.redis import RedisRegistry, redact_url
+from pdgate.registry.signing import RecordSigner, SigningRegistry
 
 _REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
 
@@ -29,6 +31,25 @@ def open_registry(settings: RegistrySettings) -> Registry:
     Nothing is connected yet: the first call on the result does that (and may raise
     `RegistryUnavailable`), so a process can start while Redis is still coming up.
     """
+    registry = _open(settings)
+    if settings.cluster_token is not None:
+        # Records are signed and checked: Redis write access alone adds no instance.
+        return SigningRegistry(registry, RecordSigner(settings.cluster_token.get_secret_value()))
+    return registry
+
+
+async def check_access(registry: Registry) -> None:
+    """Fail at once (`RegistryAuthError`) if the registry refuses our credentials; an
+    unreachable registry is fine here (processes start while Redis is still coming up)."""
+    try:
+        await registry.snapshot()
+    except RegistryAuthError:
+        raise
+    except RegistryUnavailable:
+        pass
+
+
+def _open(settings: RegistrySettings) -> Registry:
     if not settings.url:  # an empty PDGATE_REGISTRY_URL means unset too
         return MemoryRegistry(max_instances=settings.max_instances)
     scheme = urlsplit(settings.url).scheme.lower()
@@ -59,9 +80,12 @@ __all__ = [
     "MemoryRegistry",
     "RedisRegistry",
     "Registry",
+    "RegistryAuthError",
     "RegistryError",
     "RegistryEvent",
     "RegistryUnavailable",
+    "SigningRegistry",
+    "check_access",
     "open_registry",
     "redact_url",
 ]

@@ -16,7 +16,8 @@ from typing import Any, Protocol, Self, runtime_checkable
 
 import orjson
 
-from config import Role
+from pdgate.config import Role
+from pdgate.config.wire import MAX_EXTENSION_CHARS, MAX_EXTENSIONS
 
 
 class InstanceState(StrEnum):
@@ -35,6 +36,10 @@ class InstanceRecord:
     state: InstanceState = InstanceState.READY
     version: str = ""
     started_at: float = field(default_factory=time.time)
+    # pdgate extensions the instance speaks (config/wire.py EXT_*); empty for stock servers.
+    extensions: tuple[str, ...] = ()
+    # HMAC of the other fields with the fleet's cluster token (registry/signing.py).
+    signature: str = ""
 
     def with_state(self, state: InstanceState) -> InstanceRecord:
         return replace(self, state=state)
@@ -65,7 +70,18 @@ class InstanceRecord:
             state=InstanceState(data.get("state", InstanceState.READY)),
             version=str(data.get("version", "")),
             started_at=float(data.get("started_at", 0.0)),
+            extensions=_extensions(data.get("extensions", ())),
+            signature=str(data.get("signature", "")),
         )
+
+
+def _extensions(raw: object) -> tuple[str, ...]:
+    if not isinstance(raw, list | tuple) or len(raw) > MAX_EXTENSIONS:
+        raise ValueError(f"extensions must be a list of at most {MAX_EXTENSIONS} names")
+    names = tuple(str(x) for x in raw)
+    if any(not 0 < len(n) <= MAX_EXTENSION_CHARS for n in names):
+        raise ValueError(f"an extension name has 1 to {MAX_EXTENSION_CHARS} characters")
+    return names
 
 
 class EventKind(StrEnum):
@@ -86,6 +102,26 @@ class RegistryError(Exception):
 
 class RegistryUnavailable(RegistryError):
     """The backing store cannot be reached; callers keep their last known view."""
+
+
+class RegistryAuthError(RegistryUnavailable):
+    """The backing store refused this process's credentials (no or a wrong password or ACL
+    user, a missing TLS certificate). At start-up it is fatal: a configuration error must
+    be loud, not a process that serves while nobody can see it."""
+
+    user_facing = True  # the CLI prints it as one line and exits 2
+
+
+def is_auth_failure(exc: BaseException) -> bool:
+    """Whether a Redis/socket error means "bad credentials" rather than "unreachable"."""
+    from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
+
+    if isinstance(exc, AuthenticationError | AuthorizationError):
+        return True
+    text = str(exc)
+    return isinstance(exc, ResponseError) and any(
+        code in text for code in ("NOAUTH", "WRONGPASS", "NOPERM")
+    )
 
 
 @runtime_checkable

@@ -11,10 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from policies.backoff import ExponentialBackoff
-from policies.base import Backoff
-from registry._aio import cancel_and_wait
-from registry.base import InstanceRecord, InstanceState, Registry, RegistryError
+from pdgate.config.aio import Backoff, ExponentialBackoff, cancel_and_wait
+from pdgate.registry.base import (
+    InstanceRecord,
+    InstanceState,
+    Registry,
+    RegistryAuthError,
+    RegistryError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +65,10 @@ class Heartbeat:
         for registry failures: those are logged and retried."""
         if self._task is not None or self._stopped:
             raise RuntimeError("heartbeat already started or stopped")
-        await self._beat()
+        failure = await self._beat()
+        if isinstance(failure, RegistryAuthError):
+            # Bad credentials will not heal by retrying: fail start-up, loudly.
+            raise failure
         self._task = asyncio.create_task(self._run(), name=f"heartbeat:{self._record.id}")
 
     async def set_state(self, state: InstanceState) -> None:
@@ -104,14 +111,14 @@ class Heartbeat:
             next_beat += self._interval_s
             await self._beat()
 
-    async def _beat(self) -> None:
+    async def _beat(self) -> Exception | None:
         async with self._lock:
             record, announce = self._record, self._announce
             try:
                 await self._registry.put(record, self._ttl_s, announce=announce)
             except Exception as exc:  # an instance must outlive registry bugs too
                 self._failed(exc)
-                return
+                return exc
             if record is self._record:
                 self._announce = False
             if self._failures:
@@ -121,6 +128,7 @@ class Heartbeat:
                     self._failures,
                 )
                 self._failures = 0
+        return None
 
     def _failed(self, exc: Exception) -> None:
         self._failures += 1

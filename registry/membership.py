@@ -15,14 +15,13 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from types import MappingProxyType
 
-from policies.backoff import ExponentialBackoff
-from policies.base import Backoff
-from registry._aio import cancel_and_wait
-from registry.base import (
+from pdgate.config.aio import Backoff, ExponentialBackoff, cancel_and_wait
+from pdgate.registry.base import (
     EventKind,
     EventStream,
     InstanceRecord,
     Registry,
+    RegistryAuthError,
     RegistryEvent,
     RegistryUnavailable,
 )
@@ -118,7 +117,10 @@ class Membership:
         if self._tasks:
             raise RuntimeError("membership already started")
         stream = await self._subscribe()
-        await self._poll_once()
+        failure = await self._poll_once()
+        if isinstance(failure, RegistryAuthError):
+            await _aclose(stream)
+            raise failure  # bad credentials will not heal: fail start-up, loudly
         self._tasks = [
             asyncio.create_task(self._poll_loop(), name="membership:poll"),
             asyncio.create_task(self._events_loop(stream), name="membership:events"),
@@ -141,7 +143,7 @@ class Membership:
                     await self._poll_now.wait()
             await self._poll_once()
 
-    async def _poll_once(self) -> None:
+    async def _poll_once(self) -> Exception | None:
         self._poll_now.clear()
         self._during_poll = []
         try:
@@ -149,13 +151,13 @@ class Membership:
         except RegistryUnavailable as exc:
             self._poll_failures += 1
             self._set_health(poll_ok=False, reason=exc)
-            return
+            return exc
         except Exception as exc:  # keep the last view whatever went wrong
             self._poll_failures += 1
             if self._poll_failures == 1:  # a bug, probably: one traceback, not one per poll
                 logger.exception("registry snapshot failed")
             self._set_health(poll_ok=False, reason=exc)
-            return
+            return exc
         finally:
             replay, self._during_poll = self._during_poll, None
         self._poll_failures = 0
@@ -164,6 +166,7 @@ class Membership:
             self._apply(view, event)
         self._commit(view)
         self._set_health(poll_ok=True)
+        return None
 
     def _bounded(self, records: Iterable[InstanceRecord]) -> dict[str, InstanceRecord]:
         view: dict[str, InstanceRecord] = {}

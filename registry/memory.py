@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from registry.base import (
+from pdgate.registry.base import (
     EventKind,
     InstanceRecord,
     RegistryError,

@@ -28,7 +28,14 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import RedisError
 
-from registry.base import EventKind, InstanceRecord, RegistryEvent, RegistryUnavailable
+from pdgate.registry.base import (
+    EventKind,
+    InstanceRecord,
+    RegistryAuthError,
+    RegistryEvent,
+    RegistryUnavailable,
+    is_auth_failure,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -367,4 +374,9 @@ class RedisRegistry:
         self._over_limit = over
 
     def _unavailable(self, op: str, exc: BaseException) -> RegistryUnavailable:
+        if is_auth_failure(exc):
+            return RegistryAuthError(
+                f"redis registry {self._safe_url}: {op}: Redis refused the credentials "
+                f"(password, ACL user or TLS settings in the URL): {exc}"
+            )
         return RegistryUnavailable(f"redis registry {self._safe_url}: {op} failed: {exc!r}")

@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 
-from config import ClusterSettings, GatewaySettings, RegistrySettings, ShimSettings
-from gateway.cluster import ClusterInfo, embedded_cluster
+from pdgate.config import ClusterSettings, GatewaySettings, RegistrySettings, ShimSettings
+from pdgate.loadtest.embedded import ClusterInfo, embedded_cluster
 
 
 class ThreadedCluster:
@@ -90,7 +90,8 @@ class ThreadedCluster:
         return self.info.gateway_url
 
     def instances(self) -> list[dict[str, Any]]:
-        return get_instances(self.url)
+        token = self.gateway_settings.admin_token
+        return get_instances(self.url, token.get_secret_value() if token else None)
 
     def wait_for(
         self, predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition"
@@ -98,8 +99,9 @@ class ThreadedCluster:
         wait_for(predicate, timeout, what)
 
 
-def get_instances(gateway_url: str) -> list[dict[str, Any]]:
-    resp = httpx.get(gateway_url + "/admin/instances", timeout=5)
+def get_instances(gateway_url: str, admin_token: str | None = None) -> list[dict[str, Any]]:
+    headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
+    resp = httpx.get(gateway_url + "/admin/instances", headers=headers, timeout=5)
     resp.raise_for_status()
     rows: list[dict[str, Any]] = resp.json()["instances"]
     return rows
@@ -150,7 +152,7 @@ class Subprocess:
     ) -> None:
         full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", *args],
+            [sys.executable, "-m", "pdgate.config.cli", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -189,3 +191,26 @@ class Subprocess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
+
+
+def registry_env(
+    url: str, prefix: str, *, ttl: float = 1.0, heartbeat: float = 0.25, poll: float = 0.25
+) -> dict[str, str]:
+    return {
+        "PDGATE_REGISTRY_URL": url,
+        "PDGATE_REGISTRY_KEY_PREFIX": prefix,
+        "PDGATE_REGISTRY_TTL_S": str(ttl),
+        "PDGATE_REGISTRY_HEARTBEAT_INTERVAL_S": str(heartbeat),
+        "PDGATE_REGISTRY_POLL_INTERVAL_S": str(poll),
+    }
+
+
+def start(procs: list[Subprocess], args: list[str], env: dict[str, str]) -> Subprocess:
+    p = Subprocess(args, env=env)
+    procs.append(p)
+    return p
+
+
+def gateway_url(p: Subprocess) -> str:
+    line = next(line for line in p.lines if line.startswith("pdgate gateway:"))
+    return line.split()[-1].removesuffix("/v1")

@@ -76,7 +76,13 @@ class RedisServer:
         *,
         binary: str = "redis-server",
         startup_timeout_s: float = 10.0,
+        password: str | None = None,
+        tls: tuple[Path, Path] | None = None,
     ) -> None:
+        """`password`: started with ``requirepass``. `tls`: (certificate, key) of a
+        self-signed certificate; the server then speaks TLS only (``rediss://``)."""
+        self.password = password
+        self.tls = tls
         self._fixed_port = port is not None
         self.port = port if port is not None else free_port()
         self._binary = binary
@@ -86,7 +92,10 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        if self.tls is None:
+            return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls[0]}"
 
     @property
     def running(self) -> bool:
@@ -152,10 +161,19 @@ class RedisServer:
 
     def _spawn(self, exe: str) -> None:
         log = self._dir / "redis.log"
-        args = [
-            exe,
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
+        args = [exe, "--bind", "127.0.0.1"]
+        if self.tls is None:
+            args += ["--port", str(self.port)]
+        else:
+            cert, key = self.tls
+            args += [
+                "--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(cert),
+                "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
+                "--tls-auth-clients", "no",
+            ]  # fmt: skip
+        if self.password:
+            args += ["--requirepass", self.password]
+        args += [
             "--save", "",
             "--appendonly", "no",
             "--dir", str(self._dir),

@@ -16,6 +16,7 @@ from typing import NoReturn
 import pytest
 from redis.exceptions import RedisError
 
+from tests._cluster import Subprocess
 from tests._redis import RedisServer, RedisServerError, delete_prefix, find_shared_redis
 
 
@@ -63,3 +64,12 @@ def private_redis() -> Iterator[RedisServer]:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Subprocess]]:
+    """`pdgate` child processes a test started; killed afterwards whatever happened."""
+    started: list[Subprocess] = []
+    yield started
+    for p in started:
+        p.kill()

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from config import GatewaySettings, RegistrySettings, Role, ShimSettings
+from pdgate.config import GatewaySettings, RegistrySettings, Role, ShimSettings
 
 
 def test_defaults_are_usable() -> None:
@@ -54,11 +54,11 @@ def test_invalid_values_are_rejected(tmp_path: Path) -> None:
 
 
 def test_readme_documents_every_setting() -> None:
-    from config._docs import MODELS, settings_markdown
+    from pdgate.config._docs import MODELS, settings_markdown
 
     for _table, model in MODELS:
         for name, info in model.model_fields.items():
             assert info.description, f"{model.__name__}.{name} has no description"
     readme = (Path(__file__).parents[2] / "README.md").read_text()
-    # README carries the generated table verbatim: regenerate with `python -m config._docs`.
+    # README carries the generated table verbatim: regenerate with `python -m pdgate.config._docs`.
     assert settings_markdown() in readme

@@ -14,10 +14,10 @@ import pytest
 from multidict import CIMultiDictProxy
 from starlette.applications import Starlette
 
-from config import RegistrySettings, Role, ShimSettings
-from engine_shim.app import build_shim_app
-from gateway._server import bind_socket, bound_port, serving
-from registry.memory import MemoryRegistry
+from pdgate.config import RegistrySettings, Role, ShimSettings
+from pdgate.config.server import bind_socket, bound_port, serving
+from pdgate.engine_shim.app import build_shim_app
+from pdgate.registry.memory import MemoryRegistry
 
 MODEL = "sim-llama-3.1-8b"
 REGISTRY_SETTINGS = RegistrySettings(heartbeat_interval_s=0.2, ttl_s=1.0)
@@ -97,11 +97,12 @@ def assert_openai_error(body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def sse_events(resp: aiohttp.ClientResponse) -> list[Any]:
-    """Payloads of every ``data:`` line until ``[DONE]`` (as the string "[DONE]")."""
+    """Payloads of every ``data:`` line until ``[DONE]`` (as the string "[DONE]"); comments
+    (keep-alive pings) are skipped, as SSE clients do."""
     events: list[Any] = []
     async for raw in resp.content:
         line = raw.decode().strip()
-        if not line:
+        if not line or line.startswith(":"):
             continue
         assert line.startswith("data: "), line
         data = line.removeprefix("data: ")

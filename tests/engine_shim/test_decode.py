@@ -16,11 +16,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from config import Role
-from engine_shim import tokenizer
-from engine_shim.wire import KV_DIGEST_HEADER, KV_TOKENS_HEADER
-from gateway._server import bind_socket, bound_port, serving
-from registry.memory import MemoryRegistry
+from pdgate.config import Role
+from pdgate.config.server import bind_socket, bound_port, serving
+from pdgate.config.wire import KV_DIGEST_HEADER, KV_TOKENS_HEADER
+from pdgate.engine_shim import tokenizer
+from pdgate.registry.base import InstanceRecord
+from pdgate.registry.memory import MemoryRegistry
 from tests.engine_shim.conftest import (
     MODEL,
     Shim,
@@ -209,16 +210,25 @@ async def test_client_disconnect_mid_stream_frees_the_decode_slot(start_shim: St
     assert events[-1] == "[DONE]"
 
 
+async def _register_prefill(registry: MemoryRegistry, port: int) -> None:
+    """A prefill record for 127.0.0.1:`port`: decodes pull KV from registered prefills only."""
+    record = InstanceRecord(
+        id=f"fake-prefill-{port}", role=Role.PREFILL, url=f"http://127.0.0.1:{port}", model=MODEL
+    )
+    await registry.put(record, ttl_s=60, announce=True)
+
+
 @contextlib.asynccontextmanager
-async def _fake_prefill(handler: Any) -> AsyncIterator[int]:
-    """A server answering ``GET /v1/kv/{id}`` with `handler`; yields its port."""
+async def _fake_prefill(handler: Any, registry: MemoryRegistry) -> AsyncIterator[int]:
+    """A registered server answering ``GET /v1/kv/{id}`` with `handler`; yields its port."""
     sock = bind_socket("127.0.0.1", 0)
     app = Starlette(routes=[Route("/v1/kv/{request_id}", handler, methods=["GET", "DELETE"])])
+    await _register_prefill(registry, bound_port(sock))
     async with serving(app, sock):
         yield bound_port(sock)
 
 
-def _params(port: int, rid: str = "abc") -> dict[str, Any]:
+def _params(port: int, rid: str = "abcdefgh") -> dict[str, Any]:
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -256,35 +266,42 @@ async def _expect_inband_error(decode: Shim, params: dict[str, Any]) -> dict[str
     return err
 
 
-async def test_kv_digest_mismatch_is_an_inband_error(start_shim: StartShim) -> None:
+async def test_kv_digest_mismatch_is_an_inband_error(
+    start_shim: StartShim, registry: MemoryRegistry
+) -> None:
     decode = await start_shim(Role.DECODE, capacity=2)
     n = tokenizer.count(PROMPT)
 
     async def corrupt(request: Request) -> Response:
         return _kv_response(n, b"\x01" * 64, digest="0" * 32)
 
-    async with _fake_prefill(corrupt) as port:
+    async with _fake_prefill(corrupt, registry) as port:
         err = await _expect_inband_error(decode, _params(port))
     assert "digest" in err["message"]
     assert (await decode.load())["failed"] == 2
 
 
-async def test_kv_of_another_prompt_is_an_inband_error(start_shim: StartShim) -> None:
+async def test_kv_of_another_prompt_is_an_inband_error(
+    start_shim: StartShim, registry: MemoryRegistry
+) -> None:
     decode = await start_shim(Role.DECODE, capacity=2)
 
     async def wrong_prompt(request: Request) -> Response:
         return _kv_response(tokenizer.count(PROMPT) + 1, b"\x01" * 64)
 
-    async with _fake_prefill(wrong_prompt) as port:
+    async with _fake_prefill(wrong_prompt, registry) as port:
         err = await _expect_inband_error(decode, _params(port))
     assert "tokens" in err["message"]
 
 
-async def test_prefill_gone_is_an_inband_error(start_shim: StartShim) -> None:
+async def test_prefill_gone_is_an_inband_error(
+    start_shim: StartShim, registry: MemoryRegistry
+) -> None:
     decode = await start_shim(Role.DECODE, capacity=2)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    await _register_prefill(registry, port)
     await _expect_inband_error(decode, _params(port))
 
 
@@ -296,7 +313,7 @@ async def test_kv_already_taken_is_an_inband_error(pair: tuple[Shim, Shim]) -> N
 
 
 async def test_full_retrieval_queue_rejects_and_abandoned_pulls_free_the_prefill(
-    start_shim: StartShim,
+    start_shim: StartShim, registry: MemoryRegistry
 ) -> None:
     prefill = await start_shim(Role.PREFILL, capacity=4)
     decode = await start_shim(
@@ -310,7 +327,7 @@ async def test_full_retrieval_queue_rejects_and_abandoned_pulls_free_the_prefill
         await unstick.wait()
         return Response(status_code=500)
 
-    async with _fake_prefill(stuck) as port, contextlib.AsyncExitStack() as stack:
+    async with _fake_prefill(stuck, registry) as port, contextlib.AsyncExitStack() as stack:
         stack.callback(unstick.set)  # lets the fake server shut down at once
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True}
         first = await decode.http.post(
@@ -477,3 +494,142 @@ async def test_null_profile_answers_at_once(start_shim: StartShim) -> None:
     assert status == 200
     assert body["usage"]["completion_tokens"] == 200
     assert loop.time() - started < 200 * 0.006  # well below the H100 profile's pace
+
+
+# -- logprobs -------------------------------------------------------------------------------
+
+
+def _merged(lps: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    return {k: [v for lp in lps for v in lp[k]] for k in keys}
+
+
+async def test_logprobs_go_through_prefill_and_decode(pair: tuple[Shim, Shim]) -> None:
+    prefill, decode = pair
+    status, reply, _ = await prefill.post(prefill_body(PROMPT, logprobs=2))
+    assert status == 200, reply
+    first = reply["choices"][0]["logprobs"]
+    events = await _stream(decode, _decode_body(reply, max_tokens=12, logprobs=2))
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    # Every chunk carries the logprobs of its own tokens.
+    for c in chunks:
+        lp = c["choices"][0]["logprobs"]
+        assert "".join(lp["tokens"]) == c["choices"][0]["text"]
+    got = _merged([c["choices"][0]["logprobs"] for c in chunks])
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert len(got["tokens"]) == 12
+    assert "".join(got["tokens"]) == text
+    assert got["text_offset"] == [len("".join(got["tokens"][:i])) for i in range(12)]
+    for token, logprob, top in zip(
+        got["tokens"], got["token_logprobs"], got["top_logprobs"], strict=True
+    ):
+        assert len(top) == 2
+        assert list(top.values()) == sorted(top.values(), reverse=True)
+        assert next(iter(top)) == token  # greedy: the sampled token is the most likely
+        assert top[token] == logprob < 0
+    # The decode's token 0 is the prefill's, logprobs included.
+    assert got["tokens"][0] == first["tokens"][0]
+    assert got["token_logprobs"][0] == first["token_logprobs"][0]
+    assert got["top_logprobs"][0] == first["top_logprobs"][0]
+
+    # Whole, the same logprobs in one piece; deterministic.
+    _, again, _ = await prefill.post(prefill_body(PROMPT, logprobs=2))
+    status, whole, _ = await decode.post(_decode_body(again, max_tokens=12, logprobs=2))
+    assert status == 200, whole
+    assert whole["choices"][0]["text"] == text
+    assert whole["choices"][0]["logprobs"] == got
+
+    # logprobs=0: just the sampled token's; none asked: null.
+    _, third, _ = await prefill.post(prefill_body(PROMPT))
+    status, plain, _ = await decode.post(_decode_body(third, max_tokens=3, logprobs=0))
+    assert all(len(top) == 1 for top in plain["choices"][0]["logprobs"]["top_logprobs"])
+    assert plain["choices"][0]["logprobs"]["token_logprobs"] == got["token_logprobs"][:3]
+
+
+async def test_logprobs_with_a_stop_sequence_cover_every_generated_token(
+    pair: tuple[Shim, Shim],
+) -> None:
+    prefill, decode = pair
+    events = await _stream(decode, _decode_body(await _prefill(prefill), max_tokens=40))
+    full = "".join(e["choices"][0]["text"] for e in events[:-1])
+    stop = full[len(full) // 2 : len(full) // 2 + 4]
+    body = _decode_body(await _prefill(prefill), max_tokens=40, stop=stop, logprobs=1)
+    status, whole, _ = await decode.post(body)
+    assert status == 200, whole
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == whole["usage"]["completion_tokens"]
+    # The tokens' text runs up to and through the stop sequence; the text stops before it.
+    assert "".join(lp["tokens"]).startswith(choice["text"] + stop[:1])
+
+
+# -- SSE ------------------------------------------------------------------------------------
+
+
+async def test_stream_waiting_for_its_kv_sends_pings_and_vllm_framing(
+    start_shim: StartShim, registry: MemoryRegistry
+) -> None:
+    decode = await start_shim(Role.DECODE, capacity=2, sse_ping_interval_s=0.05)
+    n = tokenizer.count(PROMPT)
+
+    async def slow(request: Request) -> Response:
+        await asyncio.sleep(0.4)
+        return _kv_response(n, b"\x01" * 64)
+
+    async with _fake_prefill(slow, registry) as port:
+        body = {
+            "model": MODEL,
+            "prompt": PROMPT,
+            "max_tokens": 3,
+            "stream": True,
+            "kv_transfer_params": _params(port),
+        }
+        async with decode.http.post(decode.url + "/v1/completions", data=orjson.dumps(body)) as r:
+            assert r.status == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            raw = await r.read()
+    head, _, rest = raw.partition(b"data: ")
+    assert head.count(b": ping\n\n") >= 3, raw  # while the KV was on its way
+    assert head.replace(b": ping\n\n", b"") == b""
+    # vLLM's framing: "data: {json}\n\n" per event, then "data: [DONE]\n\n".
+    frames = (b"data: " + rest).split(b"\n\n")
+    assert frames[-2:] == [b"data: [DONE]", b""]
+    data = [f for f in frames[:-2] if not f.startswith(b": ")]
+    assert len(data) == 3
+    assert all(f.startswith(b"data: {") and orjson.loads(f[6:])["choices"] for f in data)
+
+
+async def test_no_shutdown_watcher_of_sse_starlette_runs(pair: tuple[Shim, Shim]) -> None:
+    # pdgate owns shutdown (see engine_shim/_sse.py): no process-wide polling task.
+    prefill, decode = pair
+    events = await _stream(decode, _decode_body(await _prefill(prefill), max_tokens=2))
+    assert events[-1] == "[DONE]"
+    names = {t.get_coro().__qualname__ for t in asyncio.all_tasks()}  # type: ignore[union-attr]
+    assert "_shutdown_watcher" not in names, sorted(names)
+
+
+async def test_a_client_that_stops_reading_is_dropped_after_the_send_timeout(
+    start_shim: StartShim,
+) -> None:
+    prefill = await start_shim(Role.PREFILL, capacity=2, sim_profile="null")
+    decode = await start_shim(Role.DECODE, capacity=1, sim_profile="null", sse_send_timeout_s=0.3)
+    reply = await _prefill(prefill)
+    body = orjson.dumps(_decode_body(reply, max_tokens=30000, stream=True))
+    host, port = decode.url.removeprefix("http://").split(":")
+    loop = asyncio.get_running_loop()
+    with socket.socket() as sock:
+        # A reader that never reads, with a small window: the decode's writes back up.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, (host, int(port)))
+        await loop.sock_sendall(
+            sock,
+            b"POST /v1/completions HTTP/1.1\r\nhost: decode\r\n"
+            + f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+            + body,
+        )
+        await wait_load(decode, "running", 1)
+        load = await wait_load(decode, "used", 0, within=5.0)  # connection still open
+        assert (load["running"], load["cancelled"], load["completed"]) == (0, 1, 0)

@@ -9,15 +9,17 @@ from typing import Any
 import orjson
 import pytest
 
-from config import Role, ShimSettings
-from engine_shim import tokenizer
-from engine_shim.app import build_shim_app
-from engine_shim.wire import KV_DIGEST_HEADER, KV_TOKENS_HEADER, kv_url
-from gateway._server import bind_socket, bound_port, serving
-from registry.memory import MemoryRegistry
+from pdgate.config import Role, ShimSettings
+from pdgate.config.server import bind_socket, bound_port, serving
+from pdgate.config.wire import KV_DIGEST_HEADER, KV_ID_HEADER, KV_TOKENS_HEADER, kv_url
+from pdgate.engine_shim import tokenizer
+from pdgate.engine_shim._kv_store import HoldTimes
+from pdgate.engine_shim.app import build_shim_app
+from pdgate.registry.memory import MemoryRegistry
 from tests.engine_shim.conftest import (
     MODEL,
     REGISTRY_SETTINGS,
+    Shim,
     StartShim,
     assert_openai_error,
     prefill_body,
@@ -375,3 +377,131 @@ async def test_shutdown_deregisters(registry: MemoryRegistry) -> None:
         if event.kind.value == "leave":
             break
     assert seen == [("join", "ready"), ("join", "draining"), ("leave", None)]
+
+
+# -- KV ids ---------------------------------------------------------------------------------
+
+
+async def _post_with_kv_id(
+    shim: Shim, body: dict[str, Any], kv_id: str
+) -> tuple[int, dict[str, Any]]:
+    async with shim.http.post(
+        shim.url + "/v1/completions", data=orjson.dumps(body), headers={KV_ID_HEADER: kv_id}
+    ) as resp:
+        return resp.status, orjson.loads(await resp.read())
+
+
+async def test_duplicate_kv_id_is_a_409_that_holds_nothing(start_shim: StartShim) -> None:
+    shim = await start_shim(Role.PREFILL, capacity=3)
+    kv_id = "dup0" * 4
+    # The first request is still computing (~0.5 s) when the second arrives with its id.
+    first = asyncio.create_task(_post_with_kv_id(shim, prefill_body("long " * 4000), kv_id))
+    await wait_load(shim, "running", 1)
+    status, body = await _post_with_kv_id(shim, prefill_body("second"), kv_id)
+    assert status == 409, body
+    err = assert_openai_error(body)
+    assert err["code"] == "duplicate_kv_id"
+    load = await shim.load()
+    assert (load["used"], load["admitted"]) == (1, 1)  # the 409 took no slot
+
+    status, body = await first
+    assert status == 200, body
+    assert body["kv_transfer_params"]["remote_request_id"] == kv_id
+    # Held, not yet fetched: still in use.
+    status, body = await _post_with_kv_id(shim, prefill_body("third"), kv_id)
+    assert status == 409, body
+    load = await shim.load()
+    assert (load["used"], load["kv_held"], load["completed"]) == (1, 1, 1)
+
+    # Once let go, the id may name a new request.
+    async with shim.http.delete(f"{shim.url}/v1/kv/{kv_id}") as resp:
+        assert resp.status == 204
+    status, body = await _post_with_kv_id(shim, prefill_body("fourth"), kv_id)
+    assert status == 200, body
+    async with shim.http.delete(f"{shim.url}/v1/kv/{kv_id}") as resp:
+        assert resp.status == 204
+    load = await shim.load()
+    assert (load["used"], load["kv_held"]) == (0, 0)
+
+
+@pytest.mark.parametrize("kv_id", ["short", "x" * 65, "not-alnum-id", "caf\u00e9" * 3])
+async def test_malformed_kv_id_is_a_400(start_shim: StartShim, kv_id: str) -> None:
+    shim = await start_shim(Role.PREFILL, capacity=1)
+    async with shim.http.post(
+        shim.url + "/v1/completions",
+        data=orjson.dumps(prefill_body()),
+        headers={KV_ID_HEADER: kv_id.encode().decode("latin-1")},
+    ) as resp:
+        assert resp.status == 400
+        assert KV_ID_HEADER in assert_openai_error(await resp.json())["message"]
+    assert (await shim.load())["used"] == 0
+
+
+# -- logprobs -------------------------------------------------------------------------------
+
+
+async def test_prefill_returns_logprobs_of_its_token(start_shim: StartShim) -> None:
+    shim = await start_shim(Role.PREFILL, capacity=2)
+    status, body, _ = await shim.post(prefill_body(logprobs=3))
+    assert status == 200, body
+    (choice,) = body["choices"]
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [choice["text"]]
+    assert lp["text_offset"] == [0]
+    ((token, top),) = zip(lp["tokens"], lp["top_logprobs"], strict=True)
+    assert len(top) == 3
+    assert list(top.values()) == sorted(top.values(), reverse=True)
+    # The sim is greedy: its token is the most likely one.
+    assert next(iter(top)) == token
+    assert top[token] == lp["token_logprobs"][0] < 0
+    # Deterministic.
+    _, again, _ = await shim.post(prefill_body(logprobs=3))
+    assert again["choices"][0]["logprobs"] == lp
+
+
+# -- the KV hold, measured ------------------------------------------------------------------
+
+
+async def test_kv_hold_times_are_recorded_by_outcome(start_shim: StartShim) -> None:
+    shim = await start_shim(Role.PREFILL, capacity=2, kv_hold_timeout_s=1.0)
+    load = await shim.load()
+    assert (load["kv_hold_max_s"], load["kv_hold_over_5s"]) == (0, 0)
+
+    _, fetched, _ = await shim.post(prefill_body("fetched"))
+    await asyncio.sleep(0.1)
+    url = kv_url(fetched["kv_transfer_params"])
+    assert url is not None
+    async with shim.http.get(url) as resp:
+        await resp.read()
+    load = await wait_load(shim, "used", 0)
+    assert 0.1 <= load["kv_hold_max_s"] < 1.0
+
+    await shim.post(prefill_body("expires"))
+    load = await wait_load(shim, "kv_expired", 1, within=3.0)
+    assert 1.0 <= load["kv_hold_max_s"] < 3.0
+    assert load["kv_hold_over_5s"] == 0
+
+    async with shim.http.get(shim.url + "/metrics") as resp:
+        text = await resp.text()
+    counts = {
+        outcome: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pdgate_shim_kv_hold_seconds_count")
+        for outcome in ("fetched", "expired", "released")
+        if f'outcome="{outcome}"' in line
+    }
+    assert counts == {"fetched": 1.0, "expired": 1.0, "released": 0.0}
+    assert "pdgate_shim_kv_hold_seconds_bucket{" in text
+    assert "pdgate_shim_kv_hold_max_s" in text
+    assert "pdgate_shim_kv_hold_over_5s_total" in text
+
+
+def test_hold_times_count_holds_over_five_seconds() -> None:
+    holds = HoldTimes()
+    for seconds, outcome in ((0.2, "fetched"), (5.0, "released"), (31.0, "expired")):
+        holds.observe(seconds, outcome)
+    assert (holds.max_s, holds.long) == (31.0, 1)  # over 5 s, not at 5 s
+    expired = holds.by_outcome["expired"]
+    assert (expired.count, expired.sum) == (1, 31.0)
+    assert expired.cumulative()[-2:] == [("60.0", 1.0), ("+Inf", 1.0)]
+    assert expired.cumulative()[0] == ("0.005", 0.0)

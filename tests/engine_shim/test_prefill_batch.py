@@ -83,3 +83,26 @@ def test_delete_before_the_kv_exists_drops_it_on_arrival(prefill: str) -> None:
     load = shim_load(prefill)
     assert load["kv_dropped_on_arrival"] >= 1
     assert load["used"] == 0
+
+
+def test_duplicate_kv_ids_fail_alone_and_the_stream_goes_on(prefill: str) -> None:
+    # Index 1 repeats index 0's id: a 409 line for it, the others are served and the NDJSON
+    # answer has a line for every request.
+    body = {
+        "requests": [item(f"dup {i}") for i in range(2)],
+        "kv_ids": ["d" * 16, "d" * 16],
+        "request_ids": ["req-a", "req-b"],
+    }
+    resp = httpx.post(prefill + "/v1/completions/batch", json=body, timeout=10)
+    assert resp.status_code == 200
+    lines = {e["index"]: e for e in map(orjson.loads, resp.text.splitlines())}
+    assert sorted(lines) == [0, 1]
+    assert lines[0]["status"] == 200
+    assert lines[0]["body"]["id"] == "req-a"
+    assert lines[1]["status"] == 409
+    assert lines[1]["body"]["error"]["code"] == "duplicate_kv_id"
+    assert set(lines[1]["body"]["error"]) == {"message", "type", "param", "code"}
+    load = shim_load(prefill)
+    assert (load["used"], load["kv_held"]) == (1, 1)
+    assert httpx.delete(f"{prefill}/v1/kv/{'d' * 16}").status_code == 204
+    assert shim_load(prefill)["used"] == 0

@@ -7,13 +7,13 @@ import math
 
 import pytest
 
-from engine_shim import tokenizer
-from engine_shim._slots import PoolFull, SlotPool
-from engine_shim._stop import StopMatcher
-from engine_shim.backend import DecodeBackend, PrefillBackend
-from engine_shim.prefix_cache import BLOCK_SIZE, PrefixCache, block_hashes
-from engine_shim.sim_engine import SimDecodeEngine, SimPrefillEngine
-from engine_shim.sim_profile import PROFILES, get_profile
+from pdgate.engine_shim import tokenizer
+from pdgate.engine_shim._slots import PoolFull, SlotPool
+from pdgate.engine_shim._stop import StopMatcher
+from pdgate.engine_shim.backend import DecodeBackend, PrefillBackend
+from pdgate.engine_shim.prefix_cache import BLOCK_SIZE, PrefixCache, block_hashes
+from pdgate.engine_shim.sim_engine import SimDecodeEngine, SimPrefillEngine
+from pdgate.engine_shim.sim_profile import PROFILES, get_profile
 
 ENGLISH = (
     "The gateway ranks prefill candidates by the number of open streaming connections and by "
@@ -223,7 +223,8 @@ async def test_sim_prefill_batches_concurrent_prompts_and_matches_decode_token_0
             await sink.commit()
             pieces = [t async for t in decode.generate(p, 3, sink)]
             assert len(pieces) == 3
-            assert pieces[0] == out.first_token
+            assert pieces[0].text == out.first_token
+            assert all(t.logprobs is None for t in pieces)  # not asked for
         again = await prefill.prefill(prompts[0])
         assert again.cached_tokens > 0
         assert prefill.stats().prefix_hit_tokens == again.cached_tokens

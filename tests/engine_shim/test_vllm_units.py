@@ -12,9 +12,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from engine_shim._completion import parse_completion
-from engine_shim._http import ApiError
-from engine_shim._vllm_spool import FileKvSink, FileKvSource, Spool
+from pdgate.config.openai_api import OpenAIError
+from pdgate.engine_shim._completion import parse_request
+from pdgate.engine_shim._vllm_spool import FileKvSink, FileKvSource, Spool
 
 
 @pytest.fixture
@@ -71,15 +71,22 @@ def _body(**extra: object) -> bytes:
 
 
 def test_sampling_fields_are_collected_and_checked() -> None:
-    req = parse_completion(
-        _body(temperature=0, top_p=0.9, seed=7, ignore_eos=True, stop="x", user="u"),
+    # What an engine is handed: the sampling fields the client set, logprobs included.
+    req = parse_request(
+        _body(temperature=0, top_p=0.9, seed=7, ignore_eos=True, logprobs=2, stop="x", user="u"),
         max_model_len=100,
     )
-    assert req.sampling == {"temperature": 0, "top_p": 0.9, "seed": 7, "ignore_eos": True}
-    assert parse_completion(_body(), max_model_len=100).sampling == {}
-    for bad in ({"seed": 1.5}, {"ignore_eos": "yes"}, {"min_p": "0.1"}):
-        with pytest.raises(ApiError) as err:
-            parse_completion(_body(**bad), max_model_len=100)
+    assert req.sampling() == {
+        "temperature": 0,
+        "top_p": 0.9,
+        "seed": 7,
+        "ignore_eos": True,
+        "logprobs": 2,
+    }
+    assert parse_request(_body(), max_model_len=100).sampling() == {}
+    for bad in ({"seed": 1.5}, {"ignore_eos": "yes"}, {"min_p": "0.1"}, {"max_tokens": 101}):
+        with pytest.raises(OpenAIError) as err:
+            parse_request(_body(**bad), max_model_len=100)
         assert err.value.status == 400
 
 
@@ -88,7 +95,7 @@ def test_kv_buffer_format(tmp_path: Path) -> None:
     # Needs torch (the vllm extra): runs in the vllm suite, which fails under CI=true without it.
     import torch
 
-    from engine_shim._vllm_kv_buffer import (
+    from pdgate.engine_shim._vllm_kv_buffer import (
         KvBufferError,
         KvLayout,
         buffer_path,
@@ -120,7 +127,7 @@ def test_kv_buffer_format(tmp_path: Path) -> None:
 
 @pytest.mark.vllm
 def test_tiny_model_is_deterministic(tmp_path: Path) -> None:
-    from engine_shim.tiny_model import write_tiny_llama
+    from pdgate.engine_shim.tiny_model import write_tiny_llama
 
     a, b = write_tiny_llama(tmp_path / "a"), write_tiny_llama(tmp_path / "b")
     names = sorted(p.name for p in a.iterdir())

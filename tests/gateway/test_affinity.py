@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import hashlib
+import os
+import tracemalloc
+
 import pytest
 
-from gateway.affinity import PrefixIndex, prefix_hashes
-from policies.affinity_sse import AffinitySSE
-from policies.base import InstanceLoad, RequestInfo
+from pdgate.gateway.affinity import ENTRY_BYTES, PrefixIndex, prefix_hashes
+from pdgate.policies import InstanceLoad, RequestInfo, load_policy
 
 SYSTEM = "You are a helpful assistant for the travel desk. " * 8  # ~400 chars
 
@@ -38,7 +41,7 @@ def test_departed_instances_are_forgotten() -> None:
 
 
 def test_index_is_bounded_in_entries_and_owners() -> None:
-    idx = PrefixIndex(block_chars=8, max_entries=100, max_instances_per_block=2)
+    idx = PrefixIndex(block_chars=8, max_bytes=100 * ENTRY_BYTES, max_instances_per_block=2)
     for i in range(1000):
         idx.record(idx.hashes(f"prompt number {i:06d} padding"), f"p{i % 7}")
     assert len(idx) <= 100
@@ -49,7 +52,7 @@ def test_index_is_bounded_in_entries_and_owners() -> None:
 
 
 def test_lru_keeps_recently_prefilled_prefixes() -> None:
-    idx = PrefixIndex(block_chars=8, max_entries=4)
+    idx = PrefixIndex(block_chars=8, max_bytes=4 * ENTRY_BYTES)
     idx.record(idx.hashes("hot-hot-"), "p1")
     for i in range(3):
         idx.record(idx.hashes(f"cold{i:04d}"), "p2")
@@ -57,6 +60,28 @@ def test_lru_keeps_recently_prefilled_prefixes() -> None:
     idx.record(idx.hashes("new-new-"), "p2")
     assert idx.match(idx.hashes("hot-hot-")) == {"p1": 1}
     assert idx.match(idx.hashes("cold0000")) == {}
+
+
+def test_byte_bound_holds_for_real_memory() -> None:
+    """The bound an operator sets is in bytes: measure what a full index really costs."""
+    ids = [f"prefill-10.0.0.{i}-8100-a1b2c3" for i in range(4)]
+    budget = 2 * 1024 * 1024
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        idx = PrefixIndex(block_chars=8, max_bytes=budget)
+        for i in range(3 * budget // ENTRY_BYTES):  # three times what fits: LRU must evict
+            block = hashlib.blake2b(os.urandom(8), digest_size=12).digest()
+            idx.record([block], ids[i % 4])
+            idx.record([block], ids[(i + 1) % 4])
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(idx) == budget // ENTRY_BYTES
+    assert used <= budget * 1.1, f"{used} bytes for a {budget}-byte index"
+
+
+AFFINITY = load_policy("affinity_sse")
 
 
 def inst(i: str, streams: int, busy: bool = False) -> InstanceLoad:
@@ -72,28 +97,47 @@ def req(hits: dict[str, int]) -> RequestInfo:
 
 
 def test_affinity_beats_a_few_more_streams() -> None:
-    ranked = AffinitySSE(load_guard=4).rank(req({"warm": 5}), [inst("cold", 0), inst("warm", 3)])
+    ranked = load_policy("affinity_sse", {"prefix_affinity": {"load_guard": 4}}).rank(
+        req({"warm": 5}), [inst("cold", 0), inst("warm", 3)]
+    )
     assert [c.id for c in ranked] == ["warm", "cold"]
 
 
 def test_load_guard_stops_affinity_from_piling_up() -> None:
-    ranked = AffinitySSE(load_guard=4).rank(req({"warm": 5}), [inst("cold", 0), inst("warm", 5)])
+    ranked = load_policy("affinity_sse", {"prefix_affinity": {"load_guard": 4}}).rank(
+        req({"warm": 5}), [inst("cold", 0), inst("warm", 5)]
+    )
     assert [c.id for c in ranked] == ["cold", "warm"]
 
 
-def test_longer_match_wins_and_busy_goes_last() -> None:
-    policy = AffinitySSE()
-    ranked = policy.rank(
+def test_longer_match_wins_and_busy_is_not_tried() -> None:
+    ranked = AFFINITY.rank(
         req({"a": 2, "b": 6, "c": 9}), [inst("a", 0), inst("b", 0), inst("c", 0, busy=True)]
     )
-    assert [c.id for c in ranked] == ["b", "a", "c"]
+    assert [c.id for c in ranked] == ["b", "a"]
 
 
-def test_without_hits_it_is_least_sse() -> None:
-    ranked = AffinitySSE().rank(req({}), [inst("a", 3), inst("b", 1), inst("c", 2)])
-    assert [c.id for c in ranked] == ["b", "c", "a"]
+def test_without_hits_the_prefix_hash_picks_the_same_prefill_everywhere() -> None:
+    cands = [inst("a", 3), inst("b", 1), inst("c", 2)]
+    first = {load_policy("affinity_sse").rank(req({}), cands)[0].id for _ in range(3)}
+    assert len(first) == 1  # a fresh policy object (another gateway) agrees
+    ranked = AFFINITY.rank(req({}), cands)
+    rest = [c for c in ranked[1:]]
+    assert [c.open_streams for c in rest] == sorted(c.open_streams for c in rest)
+    plain = load_policy(
+        "affinity_sse", {"scorers": {"prefix_affinity": 1.0, "open_streams": 0.1}}
+    ).rank(req({}), cands)
+    assert [c.id for c in plain] == ["b", "c", "a"]  # without the hash: least open streams
+
+
+def test_the_prefix_hash_is_guarded_against_piling_up() -> None:
+    hashed = load_policy("least_sse", {"scorers": {"prefix_hash": 1.0}})
+    cands = [inst("a", 0), inst("b", 0)]
+    winner = hashed.rank(req({}), cands)[0].id
+    loaded = [inst(c.id, 9 if c.id == winner else 0) for c in cands]
+    assert hashed.rank(req({}), loaded)[0].id != winner
 
 
 def test_bad_options_are_rejected() -> None:
     with pytest.raises(ValueError, match="load_guard"):
-        AffinitySSE(load_guard=-1)
+        load_policy("affinity_sse", {"prefix_affinity": {"load_guard": -1}})

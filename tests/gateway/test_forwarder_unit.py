@@ -1,161 +1,216 @@
-"""The forwarder against a test double of its upstream seam (gateway/upstream.py)."""
+"""The forwarder against `MockUpstream`: batch fallback, early drop, and the hand-off rules
+(every abandoned prefill call releases its KV, a grant nobody takes is closed)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 
-from config import QueueOrder, Role
-from gateway.dispatch import client_error
-from gateway.errors import DeadlineExceeded, UpstreamStatus
-from gateway.forwarder import ForwardingOptions, PrefillForwarder
-from gateway.instances import InstanceTracker
-from gateway.metrics import GatewayMetrics
-from gateway.queue import Waiter, WaitQueue
-from gateway.upstream import Upstream
-from policies import ConstantBackoff, RequestInfo
-from policies.least_sse import LeastSSE
-from registry.base import InstanceRecord
-
-
-class PlainVllmPrefill(Upstream):
-    """A prefill without pdgate's batch endpoint: 404 there, normal answers otherwise."""
-
-    def __init__(self) -> None:
-        self.batch_calls = 0
-        self.single_calls = 0
-
-    async def prefill(self, base_url: str, body: dict[str, Any], **kw: Any) -> dict[str, Any]:
-        self.single_calls += 1
-        await asyncio.sleep(0.01)
-        return {"choices": [{"text": "x"}], "kv_transfer_params": {"remote_request_id": "r"}}
-
-    async def prefill_batch(
-        self, base_url: str, bodies: list[dict[str, Any]], **kw: Any
-    ) -> AsyncIterator[tuple[int, int, dict[str, Any]]]:
-        self.batch_calls += 1
-        raise UpstreamStatus(base_url + "/v1/completions/batch", 404, b"{}")
-        yield  # pragma: no cover - makes this an async generator
-
-
-def waiter(i: int) -> Waiter:
-    info = RequestInfo(model="m", group=None, prompt=f"p{i}", prompt_chars=2, max_tokens=1)
-    return Waiter(
-        info=info,
-        body={},
-        request_id=str(i),
-        deadline=time.monotonic() + 5,
-        future=asyncio.get_running_loop().create_future(),
-    )
-
-
-def forwarder(
-    upstream: Upstream,
-    options: ForwardingOptions,
-    *,
-    capacity: int = 1,
-    order: QueueOrder = QueueOrder.EDF,
-) -> tuple[PrefillForwarder, InstanceTracker, GatewayMetrics]:
-    """A forwarder for one prefill ``p`` of `capacity` slots behind `upstream`."""
-    tracker = InstanceTracker()
-    tracker.update_membership(
-        {
-            "p": InstanceRecord(
-                id="p", role=Role.PREFILL, url="http://p", model="m", capacity=capacity
-            )
-        }
-    )
-    metrics = GatewayMetrics(tracker.totals, lambda: 0)
-    fwd = PrefillForwarder(
-        "m",
-        None,
-        WaitQueue(100, order),
-        tracker,
-        upstream,
-        LeastSSE(),
-        ConstantBackoff(0.01),
-        metrics,
-        None,
-        options,
-    )
-    return fwd, tracker, metrics
+from pdgate.config import QueueOrder
+from pdgate.gateway.dispatch import client_error
+from pdgate.gateway.errors import DeadlineExceeded
+from pdgate.gateway.forwarder import ForwardingOptions
+from pdgate.gateway.mock_upstream import MockUpstream, Reply
+from tests.gateway._fakes import FakeCluster, eventually, forwarder, info, tracker_for, waiter
 
 
 async def test_prefill_without_batch_endpoint_falls_back_to_single_calls() -> None:
-    upstream = PlainVllmPrefill()
-    fwd, tracker, _ = forwarder(
+    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.01), batch_endpoint=False)
+    tracker = tracker_for([8])
+    fwd, _, background = forwarder(
         upstream,
+        tracker,
         ForwardingOptions(batch_forwarding=True, batch_endpoint=True, client_error=client_error),
-        capacity=8,
         order=QueueOrder.FIFO,
     )
+    batch_tries = 0
+    real_batch = upstream.prefill_batch
+
+    def counting_batch(*a: object, **kw: object) -> object:
+        nonlocal batch_tries
+        batch_tries += 1
+        return real_batch(*a, **kw)  # type: ignore[arg-type]
+
+    upstream.prefill_batch = counting_batch  # type: ignore[method-assign]
     for round_no in range(2):
-        waiters = [waiter(i) for i in range(4)]
-        grants = await asyncio.gather(*(fwd.acquire(w) for w in waiters))
-        assert [g.instance.id for g in grants] == ["p"] * 4
+        grants = await asyncio.gather(*(fwd.acquire(waiter(i)) for i in range(4)))
+        assert [g.instance.id for g in grants] == ["p0"] * 4
         for g in grants:
-            g.stream.release()
-            g.inflight.release()
+            g.close()
         # Tried once, then remembered: the second run goes straight to single calls.
-        assert upstream.batch_calls == 1
-        assert upstream.single_calls == 4 * (round_no + 1)
-    assert tracker.totals() == (0, 0)
+        assert batch_tries == 1
+        prefills = [c for c in upstream.calls if c.leg == "prefill"]
+        assert len(prefills) == 4 * (round_no + 1)
+    await eventually(lambda: tracker.totals() == (0, 0))
     await fwd.close()
+    await background.aclose()
 
 
-class SlowPrefill(PlainVllmPrefill):
-    """Every prefill takes `seconds`."""
-
-    def __init__(self, seconds: float) -> None:
-        super().__init__()
-        self.seconds = seconds
-
-    async def prefill(self, base_url: str, body: dict[str, Any], **kw: Any) -> dict[str, Any]:
-        self.single_calls += 1
-        await asyncio.sleep(self.seconds)
-        return {"choices": [{"text": "x"}], "kv_transfer_params": {"remote_request_id": "r"}}
-
-
-def short_waiter(chars: int, deadline_s: float) -> Waiter:
-    w = waiter(0)
-    w.info = RequestInfo(
-        model="m", group=None, prompt="x" * chars, prompt_chars=chars, max_tokens=1
+async def test_a_prefill_that_declares_no_batch_endpoint_never_gets_a_batch_call() -> None:
+    """A stock server (static, announced) gets exactly vLLM's handshake: one call per request,
+    batch forwarding still filling its slots."""
+    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.01))
+    tracker = tracker_for([8], stock=True)
+    fwd, _, background = forwarder(
+        upstream,
+        tracker,
+        ForwardingOptions(batch_forwarding=True, batch_endpoint=True, client_error=client_error),
+        order=QueueOrder.FIFO,
     )
-    w.deadline = time.monotonic() + deadline_s
+    batch_tries = 0
+
+    def no_batch(*a: object, **kw: object) -> object:
+        nonlocal batch_tries
+        batch_tries += 1
+        raise AssertionError("a batch call to a server that declared none")
+
+    upstream.prefill_batch = no_batch  # type: ignore[method-assign]
+    grants = await asyncio.gather(*(fwd.acquire(waiter(i)) for i in range(4)))
+    assert [g.instance.id for g in grants] == ["p0"] * 4
+    for g in grants:
+        g.close()
+    assert batch_tries == 0
+    assert [c.leg for c in upstream.calls] == ["prefill"] * 4
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()
+
+
+def short_waiter(chars: int, deadline_s: float) -> object:
+    w = waiter(0, deadline_s=deadline_s)
+    w.info = info("x" * chars)
     return w
 
 
 async def test_hopeless_request_is_dropped_without_a_prefill_call() -> None:
-    upstream = SlowPrefill(0.05)
-    fwd, _, metrics = forwarder(upstream, ForwardingOptions(early_drop=True))
+    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.05))
+    fwd, metrics, background = forwarder(
+        upstream, tracker_for([1]), ForwardingOptions(early_drop=True, client_error=client_error)
+    )
     for _ in range(32):  # recent history: 100 chars took 0.2 s
         fwd.prefill_times.record(100, 0.2)
     began = time.monotonic()
     with pytest.raises(DeadlineExceeded, match="cannot be prefilled"):
-        await fwd.acquire(short_waiter(100, 0.1))
+        await fwd.acquire(short_waiter(100, 0.1))  # type: ignore[arg-type]
     assert time.monotonic() - began < 0.05  # at once, not at its deadline
-    assert upstream.single_calls == 0
+    assert upstream.calls == []
     assert fwd.queue.peek() is None and fwd.waiting == 0
     assert metrics.registry.get_sample_value("pdgate_early_drops_total") == 1
     # A request with time enough is sent as usual (and its call time recorded).
-    grant = await fwd.acquire(short_waiter(100, 1.0))
-    grant.stream.release()
-    grant.inflight.release()
-    assert upstream.single_calls == 1 and len(fwd.prefill_times) == 33
+    grant = await fwd.acquire(short_waiter(100, 1.0))  # type: ignore[arg-type]
+    grant.close()
+    assert len(upstream.calls) == 1 and len(fwd.prefill_times) == 33
     await fwd.close()
+    await background.aclose()
 
 
 async def test_without_early_drop_the_same_request_is_sent_and_expires() -> None:
-    upstream = SlowPrefill(0.5)
-    fwd, _, metrics = forwarder(upstream, ForwardingOptions(early_drop=False))
-    for _ in range(32):  # the same history: it would be dropped with early drop on
+    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.5))
+    fwd, metrics, background = forwarder(
+        upstream, tracker_for([1]), ForwardingOptions(early_drop=False, client_error=client_error)
+    )
+    for _ in range(32):
         fwd.prefill_times.record(100, 0.2)
     with pytest.raises(DeadlineExceeded, match="before its TTFT deadline"):
-        await fwd.acquire(short_waiter(100, 0.1))
-    assert upstream.single_calls == 1
+        await fwd.acquire(short_waiter(100, 0.1))  # type: ignore[arg-type]
+    assert [c.leg for c in upstream.calls] == ["prefill"]
     assert metrics.registry.get_sample_value("pdgate_early_drops_total") == 0
     await fwd.close()
+    await background.aclose()
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [Reply(unreachable=True), Reply(status=500, json={"error": {"message": "boom"}})],
+    ids=["unreachable-or-timeout", "5xx"],
+)
+async def test_a_failed_prefill_call_releases_its_kv_and_the_request_moves_on(
+    failure: Reply,
+) -> None:
+    """Issue 9: the 502 branch released the counts but never the KV id, so a prefill that had
+    stored the KV kept the slot for its whole hold timeout."""
+    cluster = FakeCluster(prefill_script=[failure])
+    upstream = MockUpstream(cluster)
+    tracker = tracker_for([1, 1])
+    fwd, _, background = forwarder(upstream, tracker)
+    grant = await fwd.acquire(waiter(0))
+    first = next(c for c in upstream.calls if c.leg == "prefill")
+    assert first.kv_id is not None
+    await eventually(lambda: any(url.endswith("/" + first.kv_id) for url in upstream.released()))
+    assert grant.instance.id != first.url.rsplit("/", 1)[-1]  # tried the other prefill
+    grant.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()
+
+
+async def test_a_call_abandoned_at_the_deadline_releases_its_kv_then_its_count() -> None:
+    release_gate = asyncio.Event()
+
+    class SlowRelease(MockUpstream):
+        async def release_kv_id(self, base_url: str, kv_id: str, *, request_id: str) -> None:
+            await release_gate.wait()
+            await super().release_kv_id(base_url, kv_id, request_id=request_id)
+
+    upstream = SlowRelease(FakeCluster(prefill_delay_s=1.0))
+    tracker = tracker_for([1])
+    fwd, _, background = forwarder(
+        upstream, tracker, ForwardingOptions(early_drop=False, client_error=client_error)
+    )
+    with pytest.raises(DeadlineExceeded):
+        await fwd.acquire(waiter(0, deadline_s=0.05))
+    await asyncio.sleep(0.05)
+    # The prefill frees its slot when the release arrives, so the gateway's count waits too.
+    assert tracker.totals() == (1, 1)
+    release_gate.set()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    assert len(upstream.released()) == 1
+    await fwd.close()
+    await background.aclose()
+
+
+async def test_a_grant_landing_as_the_caller_is_cancelled_is_closed() -> None:
+    """Issue 9: when the cancel and the grant land in the same loop iteration, the grant was
+    neither returned nor released: its leases, in-flight count and KV leaked."""
+    cluster = FakeCluster()
+    upstream = MockUpstream(cluster)
+    tracker = tracker_for([1])
+    fwd, _, background = forwarder(upstream, tracker)
+    acquiring: asyncio.Task[object] | None = None
+
+    async def answer_and_cancel(call: object) -> Reply:
+        reply = await FakeCluster()(call)  # type: ignore[arg-type]
+        # Queued before the grant's own callbacks: the caller is cancelled in the very
+        # iteration in which its grant becomes ready.
+        assert acquiring is not None
+        asyncio.get_running_loop().call_soon(acquiring.cancel)
+        return reply
+
+    upstream.handler = answer_and_cancel
+    acquiring = asyncio.ensure_future(fwd.acquire(waiter(0)))
+    with pytest.raises(asyncio.CancelledError):
+        await acquiring
+    await eventually(lambda: tracker.totals() == (0, 0))
+    assert len(upstream.released()) == 1  # the KV computed for it was released
+    await fwd.close()
+    await background.aclose()
+
+
+async def test_a_rejection_requeues_at_the_old_place_and_marks_the_prefill_busy() -> None:
+    cluster = FakeCluster(prefill_script=[Reply(status=429, json={"error": {}})])
+    upstream = MockUpstream(cluster)
+    tracker = tracker_for([1])
+    fwd, metrics, background = forwarder(upstream, tracker)
+    grant = await fwd.acquire(waiter(0))
+    assert grant.rejections == 1 and grant.attempts == 2
+    assert (
+        metrics.registry.get_sample_value("pdgate_prefill_attempts_total", {"result": "rejected"})
+        == 1
+    )
+    assert upstream.released() == []  # a 429 holds nothing at the prefill
+    grant.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()

@@ -138,10 +138,14 @@ def test_direct_mode_is_one_try_without_retries() -> None:
 
 def test_affinity_sends_a_known_prefix_back_to_its_prefill() -> None:
     system = "You are the assistant of the travel desk; answer politely and briefly. " * 6
+    # The affinity index alone (without the prefix hash, which would place the unrelated
+    # streams by their own prefixes rather than by load).
+    index_only = {"scorers": {"prefix_affinity": 1.0, "open_streams": 0.1, "inflight": 0.001}}
     for policy, expect_warm in (("affinity_sse", True), ("least_sse", False)):
-        with ThreadedCluster(
-            prefills=2, decodes=1, shim={"capacity": 8}, gateway={"prefill_policy": policy}
-        ) as c:
+        gateway = {"prefill_policy": policy}
+        if policy == "affinity_sse":
+            gateway["prefill_policy_options"] = index_only  # type: ignore[assignment]
+        with ThreadedCluster(prefills=2, decodes=1, shim={"capacity": 8}, gateway=gateway) as c:
             first = httpx.post(
                 c.url + "/v1/completions", json={**BODY, "prompt": system + "Q1"}, timeout=30
             )

@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-from config import Role
-from gateway.instances import InstanceTracker
-from registry.base import InstanceRecord, InstanceState
+from pdgate.config import Role
+from pdgate.gateway.instances import InstanceTracker
+from pdgate.registry.base import InstanceRecord, InstanceState
 
 
 def rec(
@@ -48,7 +48,7 @@ async def test_snapshot_filters_role_model_and_draining() -> None:
 
 
 async def test_rejection_marks_busy_until_a_release() -> None:
-    t = InstanceTracker(busy_hold_s=60)
+    t = InstanceTracker(reject_hold_s=60)
     t.update_membership({"p": rec("p")})
     lease = t.begin("p")
     t.rejected("p")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.prefill_time import PrefillTimes
+from pdgate.gateway.prefill_time import PrefillTimes
 
 
 def test_no_estimate_until_enough_samples() -> None:

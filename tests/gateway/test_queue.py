@@ -1,17 +1,22 @@
+"""The gateway-held queue: order (priority, deadline guard, tenant fairness, FIFO/EDF), bounds,
+the 429-or-503 rule, and lazy deletion."""
+
 from __future__ import annotations
 
 import asyncio
+import time
+from dataclasses import replace
 
-from config import QueueOrder
-from gateway.queue import Waiter, WaiterState, WaitQueue
-from policies.base import RequestInfo
+from pdgate.config import QueueOrder
+from pdgate.gateway.queue import Admission, Waiter, WaiterState, WaitQueue
+from pdgate.policies.base import RequestInfo
 
-INFO = RequestInfo(model="m", group=None, prompt="p", prompt_chars=1, max_tokens=1)
+INFO = RequestInfo(model="m", group=None, prompt="p", prompt_chars=4, max_tokens=1)
 
 
-def waiter(deadline: float, name: str) -> Waiter:
+def waiter(deadline: float, name: str, **info: object) -> Waiter:
     return Waiter(
-        info=INFO,
+        info=replace(INFO, **info),  # type: ignore[arg-type]
         body={},
         request_id=name,
         deadline=deadline,
@@ -30,7 +35,7 @@ async def test_fifo_keeps_arrival_order_and_requeue_keeps_the_turn() -> None:
     q = WaitQueue(10, QueueOrder.FIFO)
     a, b, c = waiter(3, "a"), waiter(1, "b"), waiter(2, "c")
     for w in (a, b, c):
-        assert q.push(w)
+        assert q.push(w) is Admission.OK
     first = q.pop()
     assert first is a
     q.requeue(a)  # rejected by a prefill: back in front of b and c
@@ -47,12 +52,12 @@ async def test_edf_serves_earliest_deadline_first() -> None:
 async def test_bound_refuses_when_full_and_removed_entries_free_room() -> None:
     q = WaitQueue(2, QueueOrder.FIFO)
     a, b, c = waiter(1, "a"), waiter(1, "b"), waiter(1, "c")
-    assert q.push(a)
-    assert q.push(b)
-    assert not q.push(c)
+    assert q.push(a) is Admission.OK
+    assert q.push(b) is Admission.OK
+    assert q.push(c) is Admission.FULL
     q.remove(a)
     assert a.state is WaiterState.DONE
-    assert q.push(c)
+    assert q.push(c) is Admission.OK
     assert len(q) == 2
     assert drain(q) == ["b", "c"]
 
@@ -66,8 +71,63 @@ async def test_removed_waiters_do_not_accumulate() -> None:
         q.push(w)
         q.remove(w)
     assert len(q) == 1
-    assert len(q._heap) < 200  # lazy deletion compacts
+    assert len(q._deadlines.entries) < 200  # lazy deletion compacts
     assert q.peek() is keep
+
+
+async def test_a_higher_priority_class_always_goes_first() -> None:
+    q = WaitQueue(10, QueueOrder.EDF)
+    q.push(waiter(1, "low", priority=2))
+    q.push(waiter(5, "normal", priority=1))
+    q.push(waiter(9, "high", priority=0))
+    assert drain(q) == ["high", "normal", "low"]
+
+
+async def test_tenants_share_by_token_cost_not_by_request_count() -> None:
+    q = WaitQueue(100, QueueOrder.FIFO)
+    # The heavy tenant queued first, many large requests; the light one a few small ones.
+    for i in range(6):
+        q.push(waiter(1, f"heavy{i}", tenant="heavy", prompt_chars=4000, max_tokens=200))
+    for i in range(3):
+        q.push(waiter(1, f"light{i}", tenant="light", prompt_chars=40, max_tokens=20))
+    order = drain(q)
+    # One heavy request costs as much as many light ones: the light tenant is not stuck
+    # behind the heavy tenant's backlog.
+    assert order.index("light2") < order.index("heavy1")
+
+
+async def test_an_idle_tenant_earns_no_credit() -> None:
+    q = WaitQueue(100, QueueOrder.FIFO)
+    for i in range(5):
+        q.push(waiter(1, f"a{i}", tenant="a"))
+    drain(q)  # "a" was charged for 5 requests while "b" was idle
+    q.push(waiter(1, "a-late", tenant="a"))
+    for i in range(3):
+        q.push(waiter(1, f"b{i}", tenant="b"))
+    order = drain(q)
+    # "b" starts at "a"'s level: it gets no run of 5 requests ahead of "a".
+    assert order.index("a-late") <= 1
+
+
+async def test_the_guard_lets_a_long_deadline_request_start_in_time() -> None:
+    q = WaitQueue(100, QueueOrder.EDF)
+    now = time.monotonic()
+    doc = waiter(now + 4.0, "document")
+    doc.latest_start = now + 0.1  # a long prefill: it must start within 0.1 s
+    q.push(doc)
+    for i in range(5):
+        q.push(waiter(now + 1.0 + i * 0.1, f"chat{i}"))  # earlier deadlines, short prefills
+    assert q.pop() is doc
+
+
+async def test_a_tenant_over_its_share_is_told_429_not_503() -> None:
+    q = WaitQueue(8, QueueOrder.FIFO)
+    for i in range(3):
+        assert q.push(waiter(1, f"light{i}", tenant="light")) is Admission.OK
+    admissions = [q.push(waiter(1, f"heavy{i}", tenant="heavy")) for i in range(5)]
+    assert admissions == [Admission.OK] * 4 + [Admission.OVER_SHARE]
+    assert q.push(waiter(1, "light3", tenant="light")) is Admission.OK
+    assert q.push(waiter(1, "new", tenant="new")) is Admission.FULL
 
 
 async def test_wait_nonempty_wakes_on_push() -> None:

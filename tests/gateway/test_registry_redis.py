@@ -3,46 +3,21 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
 
-from tests._cluster import Subprocess, ThreadedCluster, get_instances, wait_for
+from tests._cluster import (
+    Subprocess,
+    ThreadedCluster,
+    gateway_url,
+    get_instances,
+    registry_env,
+    start,
+    wait_for,
+)
 
 BODY = {"model": "sim-llama-3.1-8b", "prompt": "registry test", "max_tokens": 3}
-
-
-def registry_env(
-    url: str, prefix: str, *, ttl: float = 1.0, heartbeat: float = 0.25, poll: float = 0.25
-) -> dict[str, str]:
-    return {
-        "PDGATE_REGISTRY_URL": url,
-        "PDGATE_REGISTRY_KEY_PREFIX": prefix,
-        "PDGATE_REGISTRY_TTL_S": str(ttl),
-        "PDGATE_REGISTRY_HEARTBEAT_INTERVAL_S": str(heartbeat),
-        "PDGATE_REGISTRY_POLL_INTERVAL_S": str(poll),
-    }
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Subprocess]]:
-    started: list[Subprocess] = []
-    yield started
-    for p in started:
-        p.kill()
-
-
-def start(procs: list[Subprocess], args: list[str], env: dict[str, str]) -> Subprocess:
-    p = Subprocess(args, env=env)
-    procs.append(p)
-    return p
-
-
-def gateway_url(p: Subprocess) -> str:
-    line = next(line for line in p.lines if line.startswith("pdgate gateway:"))
-    return line.split()[-1].removesuffix("/v1")
 
 
 def ids(url: str) -> set[str]:

@@ -1,29 +1,34 @@
+"""Policies: filters, weighted scorers, pickers, profiles and loading by name."""
+
 from __future__ import annotations
 
-import random
 from collections import Counter
 
 import pytest
 
-from policies import (
-    DECODE_POLICIES,
-    PREFILL_POLICIES,
-    ExponentialBackoff,
+from pdgate.policies import (
+    PROFILES,
     InstanceLoad,
+    Policy,
     RequestInfo,
-    load_decode_policy,
-    load_prefill_policy,
+    load_policy,
+    needs,
 )
-from policies.least_loaded import LeastLoaded
-from policies.least_sse import LeastSSE
-from policies.power_of_two import PowerOfTwo
-from policies.round_robin import RoundRobin
+from pdgate.policies.filters import HasRoom, NotBusy, NotEjected
+from pdgate.policies.pickers import MaxScore
+from pdgate.policies.scorers import OpenStreams, lower_is_better
 
 REQ = RequestInfo(model="m", group=None, prompt="hello", prompt_chars=5, max_tokens=8)
 
 
 def inst(
-    i: str, streams: int = 0, inflight: int = 0, busy: bool = False, capacity: int = 4
+    i: str,
+    streams: int = 0,
+    inflight: int = 0,
+    busy: bool = False,
+    capacity: int = 4,
+    ejected: bool = False,
+    tokens: int = 0,
 ) -> InstanceLoad:
     return InstanceLoad(
         id=i,
@@ -33,6 +38,8 @@ def inst(
         open_streams=streams,
         inflight=inflight,
         busy=busy,
+        ejected=ejected,
+        inflight_tokens=tokens,
     )
 
 
@@ -42,77 +49,98 @@ def ids(ranked: list[InstanceLoad]) -> list[str]:
 
 def test_least_sse_orders_by_open_streams_then_inflight() -> None:
     cands = [inst("a", 3), inst("b", 1, 2), inst("c", 1, 0), inst("d", 0)]
-    assert ids(LeastSSE().rank(REQ, cands)) == ["d", "c", "b", "a"]
+    assert ids(load_policy("least_sse").rank(REQ, cands)) == ["d", "c", "b", "a"]
 
 
-def test_least_sse_puts_recently_rejected_last_even_if_idle() -> None:
-    cands = [inst("idle-but-busy", 0, busy=True), inst("loaded", 5)]
-    assert ids(LeastSSE().rank(REQ, cands)) == ["loaded", "idle-but-busy"]
+def test_filters_drop_busy_full_and_ejected_for_every_profile() -> None:
+    cands = [
+        inst("busy", busy=True),
+        inst("full", inflight=4),
+        inst("ejected", ejected=True),
+        inst("ok", streams=9),
+    ]
+    for name in PROFILES:
+        assert ids(load_policy(name).rank(REQ, cands)) == ["ok"], name
 
 
-@pytest.mark.parametrize("name", sorted(PREFILL_POLICIES))
-def test_every_prefill_policy_returns_a_permutation(name: str) -> None:
-    policy = load_prefill_policy(name)
-    cands = [inst(str(i), i % 3, i % 2, busy=i == 4) for i in range(7)]
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_every_profile_ranks_a_permutation_of_the_eligible(name: str) -> None:
+    policy = load_policy(name)
+    cands = [inst(str(i), i % 3, i % 2) for i in range(7)]
     for _ in range(20):
-        ranked = policy.rank(REQ, cands)
-        assert sorted(ids(ranked)) == sorted(ids(cands))
+        assert sorted(ids(policy.rank(REQ, cands))) == sorted(ids(cands))
     assert policy.rank(REQ, []) == []
 
 
-@pytest.mark.parametrize("name", sorted(DECODE_POLICIES))
-def test_every_decode_policy_returns_a_permutation(name: str) -> None:
-    policy = load_decode_policy(name)
-    cands = [inst(str(i), i) for i in range(5)]
-    assert sorted(ids(policy.rank(REQ, cands))) == sorted(ids(cands))
-
-
 def test_round_robin_rotates_the_first_choice() -> None:
-    rr = RoundRobin()
+    rr = load_policy("round_robin")
     cands = [inst("a"), inst("b"), inst("c")]
     firsts = [rr.rank(REQ, cands)[0].id for _ in range(6)]
     assert firsts == ["a", "b", "c", "a", "b", "c"]
 
 
-def test_round_robin_tries_busy_instances_last() -> None:
-    rr = RoundRobin()
-    cands = [inst("a", busy=True), inst("b"), inst("c")]
-    for _ in range(6):
-        assert rr.rank(REQ, cands)[-1].id == "a"
-
-
-def test_power_of_two_prefers_the_less_loaded_of_its_sample() -> None:
-    p2 = PowerOfTwo(random.Random(7))
+def test_power_of_two_prefers_the_better_of_its_sample() -> None:
+    p2 = load_policy("power_of_two", {"power_of_two": {"seed": 7}})
     cands = [inst("a", 4), inst("b", 0), inst("c", 2), inst("d", 1)]
     firsts = Counter(p2.rank(REQ, cands)[0].id for _ in range(400))
-    # "a" is the most loaded: it can only come first if sampled with... nothing lighter, never.
+    # "a" is the most loaded: it can only come first if sampled with nothing lighter: never.
     assert firsts["a"] == 0
     assert firsts["b"] > firsts["c"] > 0
 
 
 def test_least_loaded_decode_prefers_free_room() -> None:
     cands = [inst("small", 1, capacity=2), inst("big", 3, capacity=16)]
-    assert ids(LeastLoaded().rank(REQ, cands)) == ["big", "small"]
+    assert ids(load_policy("least_loaded").rank(REQ, cands)) == ["big", "small"]
 
 
-def test_unknown_policy_names_are_rejected_with_the_choices() -> None:
+def test_weights_combine_scorers() -> None:
+    # "a" has fewer streams, "b" less token work; the weights decide.
+    cands = [inst("a", streams=1, tokens=900), inst("b", streams=3, tokens=100)]
+    by_streams = load_policy(
+        "least_sse", {"scorers": {"open_streams": 1.0, "inflight_tokens": 0.5}}
+    )
+    by_tokens = load_policy("least_sse", {"scorers": {"open_streams": 0.5, "inflight_tokens": 1.0}})
+    assert ids(by_streams.rank(REQ, cands))[0] == "a"
+    assert ids(by_tokens.rank(REQ, cands))[0] == "b"
+
+
+def test_lower_is_better_normalises_to_unit_range() -> None:
+    assert lower_is_better([0, 5, 10]) == [1.0, 0.5, 0.0]
+    assert lower_is_better([3, 3]) == [1.0, 1.0]
+    assert lower_is_better([]) == []
+
+
+def test_composition_by_hand() -> None:
+    policy = Policy(
+        "custom", [NotEjected(), NotBusy(), HasRoom()], [(OpenStreams(), 1.0)], MaxScore()
+    )
+    assert ids(policy.rank(REQ, [inst("x", 2), inst("y", 1)])) == ["y", "x"]
+    assert policy.describe()["scorers"] == {"open_streams": 1.0}
+
+
+def test_the_affinity_index_is_needed_only_by_affinity_scoring() -> None:
+    assert needs(load_policy("least_sse")) == frozenset()
+    assert needs(load_policy("affinity_sse")) == {"prefix"}
+    assert needs(load_policy("least_sse", {"scorers": {"prefix_affinity": 1}})) == {"prefix"}
+
+
+def test_unknown_names_and_options_are_rejected_with_the_choices() -> None:
     with pytest.raises(ValueError, match="least_sse"):
-        load_prefill_policy("fastest")
+        load_policy("fastest")
     with pytest.raises(ValueError, match="cannot load"):
-        load_prefill_policy("nosuchmodule:Policy")
+        load_policy("nosuchmodule:Policy")
+    with pytest.raises(ValueError, match="unknown scorer"):
+        load_policy("least_sse", {"scorers": {"speed": 1}})
+    with pytest.raises(ValueError, match="name no plugin"):
+        load_policy("least_sse", {"load_guard": 4})
+    with pytest.raises(ValueError, match="bad options for scorer 'prefix_affinity'"):
+        load_policy("affinity_sse", {"prefix_affinity": {"nope": 1}})
+    with pytest.raises(ValueError, match="weights must be numbers"):
+        load_policy("least_sse", {"scorers": {"open_streams": "heavy"}})
 
 
-def test_policies_load_from_a_dotted_path() -> None:
-    policy = load_prefill_policy("policies.least_sse:LeastSSE")
-    assert policy.name == "least_sse"
-
-
-def test_exponential_backoff_grows_caps_and_jitters() -> None:
-    b = ExponentialBackoff(0.01, 0.08, jitter=0.0)
-    assert [b.delay(i) for i in range(6)] == [0.01, 0.02, 0.04, 0.08, 0.08, 0.08]
-    j = ExponentialBackoff(0.01, 1.0, jitter=0.5, rng=random.Random(1))
-    delays = [j.delay(3) for _ in range(50)]
-    assert all(0.04 <= d <= 0.08 for d in delays)
-    assert len(set(delays)) > 1
-    with pytest.raises(ValueError, match="initial"):
-        ExponentialBackoff(0.0, 1.0)
+def test_plugins_and_whole_policies_load_from_a_dotted_path() -> None:
+    scorer = load_policy("least_sse", {"scorers": {"pdgate.policies.scorers:Inflight": 1.0}})
+    assert ids(scorer.rank(REQ, [inst("a", inflight=3), inst("b", inflight=1)])) == ["b", "a"]
+    with pytest.raises(ValueError, match="no rank"):
+        load_policy("pdgate.policies.pickers:MaxScore")  # a picker is not a whole policy

@@ -7,8 +7,8 @@ import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from config import Role
-from registry import InstanceRecord, InstanceState, RegistryEvent
+from pdgate.config import Role
+from pdgate.registry import InstanceRecord, InstanceState, RegistryEvent
 
 
 def make_record(

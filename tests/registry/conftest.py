@@ -4,7 +4,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from registry import MemoryRegistry, RedisRegistry, Registry
+from pdgate.registry import MemoryRegistry, RedisRegistry, Registry
 
 
 @pytest.fixture

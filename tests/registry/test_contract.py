@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from registry import EventKind, EventStream, InstanceState, Registry
+from pdgate.registry import EventKind, EventStream, InstanceState, Registry
 from tests.registry._util import eventually, make_record, next_event, no_event
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from registry import (
+from pdgate.registry import (
     EventKind,
     EventStream,
     Heartbeat,
@@ -112,7 +112,7 @@ async def test_outage_logged_once_and_first_success_announced(
 ) -> None:
     reg = FlakyRegistry()
     hb = Heartbeat(reg, make_record("p1"), interval_s=0.05, ttl_s=0.5)
-    with caplog.at_level(logging.DEBUG, logger="registry.heartbeat"):
+    with caplog.at_level(logging.DEBUG, logger="pdgate.registry.heartbeat"):
         await hb.start()
         await eventually(lambda: len(reg.puts) >= 3, what="refreshes")
         assert [announce for _, announce in reg.puts[:3]] == [True, False, False]
@@ -138,7 +138,7 @@ async def test_start_tolerates_a_down_registry(caplog: pytest.LogCaptureFixture)
     reg = FlakyRegistry()
     reg.down = True
     hb = Heartbeat(reg, make_record("p1"), interval_s=0.05, ttl_s=0.5)
-    with caplog.at_level(logging.WARNING, logger="registry.heartbeat"):
+    with caplog.at_level(logging.WARNING, logger="pdgate.registry.heartbeat"):
         await hb.start()  # must not raise
     assert not hb.registered
     assert "retrying" in caplog.text

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Mapping
 
 import pytest
 
-from policies.backoff import ExponentialBackoff
-from registry import (
+from pdgate.config.aio import ExponentialBackoff
+from pdgate.registry import (
     Heartbeat,
     InstanceRecord,
     InstanceState,
@@ -244,7 +244,7 @@ async def test_start_with_registry_down_then_recover(
     m = Membership(reg, poll_interval_s=30, backoff=FAST)
     started.append(m)
     try:
-        with caplog.at_level(logging.WARNING, logger="registry.membership"):
+        with caplog.at_level(logging.WARNING, logger="pdgate.registry.membership"):
             await m.start()  # must not raise
         assert not m.healthy
         assert m.instances() == {}
@@ -275,7 +275,7 @@ async def test_redis_outage_keeps_view_and_recovers(
         await hb.start()
         await eventually(lambda: "p1" in m.instances(), within=1.0, what="join")
 
-        with caplog.at_level(logging.INFO, logger="registry.membership"):
+        with caplog.at_level(logging.INFO, logger="pdgate.registry.membership"):
             await private_redis.astop()
             await eventually(lambda: not m.healthy, within=2.0, what="outage noticed")
             await asyncio.sleep(0.3)  # several failed reconnects and polls

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from registry import EventKind, MemoryRegistry, RegistryError, RegistryUnavailable
+from pdgate.registry import EventKind, MemoryRegistry, RegistryError, RegistryUnavailable
 from tests.registry._util import make_record, next_event
 
 

@@ -11,8 +11,8 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from config import RegistrySettings
-from registry import (
+from pdgate.config import RegistrySettings
+from pdgate.registry import (
     EventKind,
     MemoryRegistry,
     RedisRegistry,
@@ -87,7 +87,7 @@ async def test_corrupt_records_are_skipped_without_logging_them(
         await raw.set(f"{registry_prefix}:instance:{instance_id}", value, px=60_000)
         await raw.zadd(members, {instance_id: far})
 
-    with caplog.at_level(logging.WARNING, logger="registry.redis"):
+    with caplog.at_level(logging.WARNING, logger="pdgate.registry.redis"):
         assert await redis_registry.snapshot() == [good]
         assert await redis_registry.snapshot() == [good]
     warned = [r for r in caplog.records if "corrupt" in r.getMessage()]
@@ -113,7 +113,7 @@ async def test_snapshot_bounded_by_max_instances(
     try:
         for i in range(5):  # later ones expire later: "freshest" first
             await reg.put(make_record(f"i{i}"), 10.0 + i)
-        with caplog.at_level(logging.WARNING, logger="registry.redis"):
+        with caplog.at_level(logging.WARNING, logger="pdgate.registry.redis"):
             snap = await reg.snapshot()
         assert sorted(r.id for r in snap) == ["i2", "i3", "i4"]
         assert "max_instances=3" in caplog.text

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,13 @@ PROMPTS = (
     "Hello there, general Kenobi. Explain disaggregated serving.",
     "Once upon a time, in a land far away, there lived a small model with random weights "
     "and a big heart, and it decided to explain the prefill and the decode to everyone.",
+)
+# Chats answered by the aggregated engine too (LLM.chat: the model's chat template).
+CHATS: tuple[list[dict[str, str]], ...] = (
+    [
+        {"role": "system", "content": "You are a small model with random weights."},
+        {"role": "user", "content": "Explain the prefill and the decode, in one paragraph."},
+    ],
 )
 START_TIMEOUT_S = 300.0  # three engines loading at once on two cores
 # vLLM on the CPU, offline: no hub lookups; VLLM_CPU_CI_ENV relaxes vLLM's CPU checks for CI.
@@ -118,12 +125,13 @@ class VllmCluster:
     decode_url: str
     reference: dict[str, dict[str, Any]]  # prompt -> aggregated greedy output
     procs: dict[str, Proc]
+    chat_reference: list[dict[str, Any]] = field(default_factory=list)  # one per CHATS entry
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _require_vllm()
-    from engine_shim.tiny_model import write_tiny_llama
+    from pdgate.engine_shim.tiny_model import write_tiny_llama
 
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
@@ -146,11 +154,18 @@ def vllm_cluster(redis_url: str, tiny_model: Path) -> Iterator[VllmCluster]:
         "PDGATE_SHIM_VLLM_KV_CACHE_BYTES": str(64 << 20),
         "PDGATE_SHIM_PORT": "0",
     }
-    cli = ["-m", "gateway.cli"]
+    cli = ["-m", "pdgate.config.cli"]
     procs: dict[str, Proc] = {}
     try:
         procs["reference"] = Proc(
-            ["-m", "tests.vllm._reference", str(tiny_model), str(REFERENCE_TOKENS), *PROMPTS],
+            [
+                "-m",
+                "tests.vllm._reference",
+                str(tiny_model),
+                str(REFERENCE_TOKENS),
+                *PROMPTS,
+                *("chat:" + json.dumps(chat) for chat in CHATS),
+            ],
             {},
             "reference",
         )
@@ -180,10 +195,12 @@ def vllm_cluster(redis_url: str, tiny_model: Path) -> Iterator[VllmCluster]:
             prompt: json.loads(line.removeprefix("REFERENCE "))
             for prompt, line in zip(PROMPTS, lines, strict=True)
         }
+        chat_lines = procs["reference"].wait_lines("REFERENCE_CHAT ", len(CHATS), 60)
+        chat_reference = [json.loads(line.removeprefix("REFERENCE_CHAT ")) for line in chat_lines]
         wait_for(
             lambda: len(get_instances(gateway_url)) == 2, timeout=15, what="both shims registered"
         )
-        yield VllmCluster(gateway_url, prefill_url, decode_url, reference, procs)
+        yield VllmCluster(gateway_url, prefill_url, decode_url, reference, procs, chat_reference)
     finally:
         for proc in procs.values():
             proc.stop()

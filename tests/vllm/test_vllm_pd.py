@@ -2,11 +2,16 @@
 
 * A greedy streamed completion through the gateway equals, token for token, the same model's
   greedy output from one aggregated vLLM engine, and the decode really used the transferred
-  KV (its prefix hits count the loaded prompt tokens) instead of recomputing the prompt.
+  KV (its prefix hits count the loaded prompt tokens) instead of recomputing the prompt; with
+  ``logprobs``, every token's log-probability equals the aggregated engine's.
 * A request that finds the prefill's only slot taken gets 429 there and the gateway retries
   it until the slot frees.
 * A client that disconnects aborts the vLLM request: on the decode while streaming, on the
   prefill while its long prompt is still being computed.
+* A chat through the gateway (the model's chat template on both legs) equals the aggregated
+  engine's ``LLM.chat``, prompt token ids and greedy output alike.
+* A greedy run re-submitted as prompt ids + its first k generated ids (what a mid-stream
+  decode migration sends) continues with exactly the uninterrupted run's tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import orjson
 import pytest
 
 from tests._cluster import hold_prefill_slot, shim_load, wait_for
-from tests.vllm.conftest import MODEL, PROMPTS, REFERENCE_TOKENS, VllmCluster
+from tests.vllm.conftest import CHATS, MODEL, PROMPTS, REFERENCE_TOKENS, VllmCluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -81,6 +86,61 @@ def test_disaggregated_greedy_equals_aggregated(vllm_cluster: VllmCluster, promp
     assert loaded >= prompt_tokens - 1, (loaded, prompt_tokens)
     wait_for(lambda: shim_load(vllm_cluster.prefill_url)["used"] == 0, what="prefill slot free")
     assert shim_load(vllm_cluster.prefill_url)["kv_held"] == 0
+
+
+def test_logprobs_through_prefill_and_decode_match_one_engine(vllm_cluster: VllmCluster) -> None:
+    prompt = PROMPTS[0]
+    ref = vllm_cluster.reference[prompt]
+    tokens: list[str] = []
+    logprobs: list[float] = []
+    tops: list[dict[str, float]] = []
+    texts: list[str] = []
+    with httpx.stream(
+        "POST",
+        vllm_cluster.gateway_url + "/v1/completions",
+        json={**_greedy(prompt), "logprobs": 2, "stream": True},
+        timeout=60,
+    ) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = orjson.loads(line.removeprefix("data: "))
+            assert "error" not in event, event
+            for choice in event["choices"]:
+                texts.append(choice["text"])
+                tokens += choice["logprobs"]["tokens"]
+                logprobs += choice["logprobs"]["token_logprobs"]
+                tops += choice["logprobs"]["top_logprobs"]
+    assert "".join(texts) == ref["text"]  # greedy output unchanged by asking for logprobs
+    assert tokens == [t["token"] for t in ref["logprobs"]]
+    # The same model on the same KV: the same log-probabilities, to float32 rounding.
+    assert logprobs == pytest.approx([t["logprob"] for t in ref["logprobs"]], abs=1e-3)
+    for token, logprob, top in zip(tokens, logprobs, tops, strict=True):
+        assert 2 <= len(top) <= 3  # the top 2, plus the sampled token when not among them
+        assert list(top.values()) == sorted(top.values(), reverse=True)
+        assert top[token] == logprob
+        assert max(top.values()) == logprob  # greedy: the sampled token is the most likely
+
+    # The prefill leg returns its one token's logprobs too.
+    resp = httpx.post(
+        vllm_cluster.prefill_url + "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": 1,
+            "temperature": 0,
+            "logprobs": 2,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+        },
+        timeout=30,
+    )
+    assert resp.status_code == 200, resp.text
+    first = resp.json()["choices"][0]["logprobs"]
+    assert first["tokens"] == tokens[:1]
+    assert first["token_logprobs"] == pytest.approx(logprobs[:1], abs=1e-3)
+    rid = resp.json()["kv_transfer_params"]["remote_request_id"]
+    assert httpx.delete(f"{vllm_cluster.prefill_url}/v1/kv/{rid}", timeout=10).status_code == 204
 
 
 def test_busy_prefill_429_is_retried_by_the_gateway(vllm_cluster: VllmCluster) -> None:
@@ -196,3 +256,88 @@ def test_sampling_vllm_refuses_is_a_400(vllm_cluster: VllmCluster) -> None:
     )
     assert resp.status_code == 400, resp.text
     assert shim_load(vllm_cluster.prefill_url)["used"] == 0
+
+
+def test_the_gateway_serves_again_after_a_client_left_mid_prefill(
+    vllm_cluster: VllmCluster,
+) -> None:
+    """Runs after `test_client_disconnect_aborts_the_prefill`: the prefill's only slot, freed
+    at the shim, must be usable through the gateway again (its count and lease released)."""
+    resp = httpx.post(
+        vllm_cluster.gateway_url + "/v1/completions",
+        json={"model": MODEL, "prompt": "Hello again", "max_tokens": 3},
+        timeout=30,
+    )
+    assert resp.status_code == 200, resp.text
+
+
+def test_chat_through_pd_equals_the_aggregated_chat(vllm_cluster: VllmCluster) -> None:
+    import openai
+
+    ref = vllm_cluster.chat_reference[0]
+    client = openai.OpenAI(base_url=vllm_cluster.gateway_url + "/v1", api_key="unused",
+                           max_retries=0, timeout=60)  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=CHATS[0],  # type: ignore[arg-type]
+            max_tokens=REFERENCE_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref["text"]
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.prompt_tokens == len(ref["prompt_token_ids"])
+    assert chunks[-1].usage.completion_tokens == len(ref["token_ids"])
+    # Non-streaming, with the token ids: the same rendered prompt, the same tokens.
+    whole = httpx.post(
+        vllm_cluster.gateway_url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": CHATS[0], "max_tokens": REFERENCE_TOKENS,
+              "temperature": 0, "return_token_ids": True},
+        timeout=60,
+    ).json()  # fmt: skip
+    assert whole["prompt_token_ids"] == ref["prompt_token_ids"]
+    assert whole["choices"][0]["token_ids"] == ref["token_ids"]
+    assert whole["choices"][0]["message"]["content"] == ref["text"]
+    wait_for(lambda: shim_load(vllm_cluster.prefill_url)["used"] == 0, what="prefill slot free")
+
+
+def _token_ids(gateway_url: str, prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
+    """A greedy streamed completion with ``return_token_ids``: prompt ids and generated ids."""
+    prompt_ids: list[int] | None = None
+    ids: list[int] = []
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "return_token_ids": True}  # fmt: skip
+    with httpx.stream("POST", gateway_url + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = orjson.loads(line.removeprefix("data: "))
+            assert "error" not in event, event
+            for choice in event["choices"]:
+                prompt_ids = prompt_ids or choice.get("prompt_token_ids")
+                ids += choice["token_ids"]
+    assert prompt_ids is not None
+    return {"prompt_token_ids": prompt_ids, "token_ids": ids}
+
+
+def test_greedy_continues_exactly_from_prompt_and_generated_ids(
+    vllm_cluster: VllmCluster,
+) -> None:
+    prompt = PROMPTS[0]
+    ref = vllm_cluster.reference[prompt]
+    run = _token_ids(vllm_cluster.gateway_url, prompt, REFERENCE_TOKENS)
+    assert run["token_ids"] == ref["token_ids"]
+    assert run["prompt_token_ids"] == ref["prompt_token_ids"]
+    for k in (1, REFERENCE_TOKENS // 2, REFERENCE_TOKENS - 2):
+        # What the gateway sends when a decode died after streaming k tokens.
+        resumed = _token_ids(
+            vllm_cluster.gateway_url, run["prompt_token_ids"] + run["token_ids"][:k],
+            REFERENCE_TOKENS - k,
+        )  # fmt: skip
+        assert resumed["token_ids"] == ref["token_ids"][k:], k

@@ -1,0 +1,121 @@
+"""The P/D handshake both sides of the wire share: roles, paths, headers, limits.
+
+Neutral ground: this module imports nothing of pdgate's (and only the standard library), so
+the gateway and the shims agree on it without depending on each other. The gateway never
+imports the shim package: it fronts stock vLLM as well as pdgate's shims.
+
+It is vLLM's OpenAI API plus vLLM's disaggregation handshake (``kv_transfer_params``), so
+the gateway can front real vLLM and any vLLM-compatible router can front pdgate's shims:
+
+1. gateway -> prefill ``POST /v1/completions``: the client body with ``max_tokens=1``,
+   ``stream=false``, no ``stream_options`` and ``kv_transfer_params = prefill_kv_request()``.
+   A prefill with no free slot answers 429 (OpenAI error body, ``Retry-After``) at once.
+2. prefill -> gateway: a completion whose ``kv_transfer_params`` name where the KV lives
+   (vLLM's NIXL field names: ``remote_engine_id``, ``remote_host``, ``remote_port``,
+   ``remote_block_ids``, ``remote_request_id``).
+3. gateway -> decode ``POST /v1/completions``: the client's body plus those params.
+   The decode pulls ``GET {prefill}/v1/kv/{remote_request_id}`` (pdgate extension) and streams.
+   ``POST /v1/chat/completions`` goes through the same two legs with the client's messages.
+4. ``DELETE {prefill}/v1/kv/{remote_request_id}`` (pdgate extension) releases KV nobody will
+   fetch (decode rejected, client gone); the prefill's hold timeout is the backstop.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+# -- paths ---------------------------------------------------------------------------------
+
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"  # the same two legs with the client's messages
+KV_PATH = "/v1/kv/{request_id}"
+BATCH_SUFFIX = "/batch"  # pdgate extension: several prefill legs in one call, per API
+BATCH_PATH = COMPLETIONS_PATH + BATCH_SUFFIX
+CHAT_BATCH_PATH = CHAT_PATH + BATCH_SUFFIX
+LOAD_PATH = "/load"
+HEALTH_PATH = "/health"
+
+# -- extensions ----------------------------------------------------------------------------
+
+# What an instance's registry record says it speaks beyond vLLM's API. A gateway uses an
+# extension only with instances that declare it, so a stock server (static, announced) gets
+# exactly vLLM's handshake and is never probed with a pdgate-only call.
+EXT_BATCH_PREFILL = "batch_prefill"  # POST {api}/batch (BATCH_SUFFIX)
+MAX_EXTENSIONS = 16
+MAX_EXTENSION_CHARS = 64
+
+# -- headers -------------------------------------------------------------------------------
+
+REQUEST_ID_HEADER = "x-request-id"
+# Request header of the prefill leg: the caller's name for the KV handle (pdgate extension),
+# so it can DELETE the KV of a call it abandoned without ever reading the answer.
+KV_ID_HEADER = "x-pdgate-kv-id"
+# Response headers of the KV pull.
+KV_TOKENS_HEADER = "x-pdgate-kv-tokens"
+KV_DIGEST_HEADER = "x-pdgate-kv-digest"  # blake2b-128 hex of the body, checked by the decode
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+# -- limits --------------------------------------------------------------------------------
+
+MAX_BATCH = 256  # prefill legs in one batch call
+MAX_STOP_SEQUENCES = 4
+MAX_CHAT_MESSAGES = 4096  # messages in one chat request
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+MAX_REQUEST_ID_CHARS = 128
+KV_ID_CHARS = (8, 64)  # a caller-chosen KV id: alphanumeric ASCII of this length
+
+
+def valid_kv_id(kv_id: str) -> bool:
+    low, high = KV_ID_CHARS
+    return low <= len(kv_id) <= high and kv_id.isascii() and kv_id.isalnum()
+
+
+def valid_request_id(request_id: str) -> bool:
+    """A caller's ``x-request-id`` that is safe to log and to echo back in headers."""
+    return (
+        0 < len(request_id) <= MAX_REQUEST_ID_CHARS
+        and request_id.isascii()
+        and request_id.isprintable()
+    )
+
+
+# -- the handshake -------------------------------------------------------------------------
+
+
+def prefill_kv_request() -> dict[str, Any]:
+    """``kv_transfer_params`` the gateway sends to a prefill."""
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+
+
+def kv_release_url(base_url: str, kv_id: str) -> str:
+    return base_url.rstrip("/") + KV_PATH.format(request_id=kv_id)
+
+
+def kv_url(params: dict[str, Any]) -> str | None:
+    """Where a decode pulls the KV named by a prefill's ``kv_transfer_params``."""
+    host, port = params.get("remote_host"), params.get("remote_port")
+    rid = params.get("remote_request_id")
+    if not host or not port or not rid:
+        return None
+    try:
+        port = int(port)
+    except (TypeError, ValueError):
+        return None
+    # IPv6 literals need brackets in a URL.
+    netloc = f"[{host}]" if ":" in str(host) and not str(host).startswith("[") else str(host)
+    return f"http://{netloc}:{port}" + KV_PATH.format(request_id=rid)

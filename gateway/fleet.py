@@ -1,0 +1,281 @@
+"""The gateway's side of fleet-shared load (registry/fleet.py): slot leases, sync, wake-ups.
+
+`Fleet` wraps a `FleetStore`. Forwarders ask it for prefill slot leases before each call
+(`acquire`); a lease is given back with the request's in-flight count (`SlotLease.release`,
+coalesced: all releases of one event-loop iteration go to Redis in one call). Three
+background tasks keep the rest up to date: a sync every `sync_interval_s` (this gateway's
+counts and queue heads out, the fleet's sums in, into the `InstanceTracker`), lease renewal
+(every third of the lease TTL), and a subscription that wakes the forwarders whenever
+another gateway frees a slot.
+
+When Redis cannot be reached the fleet degrades to this gateway's own view (it keeps
+serving: leases are then counted locally, against each instance's whole capacity) and
+recovers by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pdgate.config.aio import ExponentialBackoff, cancel_and_wait
+from pdgate.gateway.instances import InstanceTracker
+from pdgate.policies import InstanceLoad
+from pdgate.registry.base import RegistryUnavailable
+from pdgate.registry.fleet import Candidate, FleetStore, LocalFleet
+
+__all__ = ["Fleet", "SlotLease", "Slots"]
+
+log = logging.getLogger("pdgate.fleet")
+
+
+class SlotLease:
+    """One prefill slot held fleet-wide; `release()` is idempotent."""
+
+    __slots__ = ("_fleet", "_released", "instance_id", "lease_id", "local")
+
+    def __init__(self, fleet: Fleet, instance_id: str, lease_id: str, *, local: bool) -> None:
+        self._fleet = fleet
+        self.instance_id = instance_id
+        self.lease_id = lease_id
+        self.local = local  # granted while degraded: Redis never heard of it
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._fleet._give_back(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Slots:
+    """An acquire's answer: leases on `instance`, or none (`yielded`: a more urgent request
+    elsewhere in the fleet has the first try at a slot that just freed)."""
+
+    instance: InstanceLoad | None
+    leases: tuple[SlotLease, ...] = ()
+    yielded: bool = False
+
+
+class Fleet:
+    def __init__(
+        self,
+        store: FleetStore,
+        tracker: InstanceTracker,
+        *,
+        sync_interval_s: float = 0.1,
+        ttl_s: float = 2.0,
+        window_s: float = 0.02,
+        heads: Callable[[], dict[str, float | None]] = dict,
+    ) -> None:
+        self.store = store
+        self._tracker = tracker
+        self._sync_interval_s = sync_interval_s
+        self._ttl_s = ttl_s
+        self.window_s = window_s
+        self._heads = heads
+        self._live: dict[str, dict[str, SlotLease]] = {}  # instance -> lease id -> lease
+        self._to_release: list[SlotLease] = []
+        self._flush_scheduled = False
+        self._local = LocalFleet(store.gateway_id)  # the degraded mode's own counting
+        self._local_seq = itertools.count()
+        self._degraded = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._flushes: set[asyncio.Task[None]] = set()
+        self.gateways = 1  # live gateways in the fleet, as last synced
+
+    @property
+    def shared(self) -> bool:
+        return self.store.shared
+
+    @property
+    def degraded(self) -> bool:
+        return self._degraded
+
+    @property
+    def gateway_id(self) -> str:
+        return self.store.gateway_id
+
+    def set_heads(self, heads: Callable[[], dict[str, float | None]]) -> None:
+        self._heads = heads
+
+    async def start(self) -> None:
+        if self.store.shared:
+            self._tasks = [
+                asyncio.create_task(self._sync_loop(), name="fleet:sync"),
+                asyncio.create_task(self._renew_loop(), name="fleet:renew"),
+                asyncio.create_task(self._freed_loop(), name="fleet:freed"),
+            ]
+
+    async def aclose(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        await cancel_and_wait(tasks)
+        await self._flush()
+        if self._flushes:
+            await asyncio.wait(set(self._flushes), timeout=2.0)
+        await self.store.aclose()
+
+    # -- leases ----------------------------------------------------------------------------
+
+    async def acquire(
+        self,
+        queue: str,
+        ranked: Sequence[InstanceLoad],
+        want: int,
+        *,
+        head_in_ms: float | None,
+        next_head_in_ms: float | None,
+    ) -> Slots:
+        """Up to `want` slots on the first of `ranked` with room, fleet-wide."""
+        if not ranked or want <= 0:
+            return Slots(None)
+        candidates = [Candidate(c.id, c.capacity) for c in ranked]
+        local = self._degraded or not self.store.shared
+        try:
+            if local:
+                grant = await self._local.acquire(
+                    queue, candidates, want, head_in_ms=None, next_head_in_ms=None
+                )
+            else:
+                grant = await self.store.acquire(
+                    queue,
+                    candidates,
+                    want,
+                    head_in_ms=head_in_ms,
+                    next_head_in_ms=next_head_in_ms,
+                )
+        except RegistryUnavailable as exc:
+            self._degrade(exc)
+            return await self.acquire(
+                queue, ranked, want, head_in_ms=head_in_ms, next_head_in_ms=next_head_in_ms
+            )
+        if not local:
+            # The new leases are ours but not yet in the tracker's own count: not "others".
+            granted = len(grant.lease_ids)
+            self._tracker.note_slots(
+                {i: n - (granted if i == grant.instance_id else 0) for i, n in grant.used.items()}
+            )
+        if grant.instance_id is None:
+            return Slots(None, yielded=grant.yielded)
+        instance = next(c for c in ranked if c.id == grant.instance_id)
+        leases = tuple(
+            SlotLease(self, grant.instance_id, lid, local=local) for lid in grant.lease_ids
+        )
+        held = self._live.setdefault(grant.instance_id, {})
+        for lease in leases:
+            held[lease.lease_id] = lease
+        return Slots(instance, leases)
+
+    def _give_back(self, lease: SlotLease) -> None:
+        held = self._live.get(lease.instance_id)
+        if held is not None:
+            held.pop(lease.lease_id, None)
+            if not held:
+                del self._live[lease.instance_id]
+        if lease.local or not self.store.shared:
+            # A local lease (no Redis, or granted while Redis was away) lives here only.
+            self._local_release(lease)
+            return
+        self._to_release.append(lease)
+        if not self._flush_scheduled:
+            # Coalesced: every release of this loop iteration goes to Redis in one call.
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._start_flush)
+
+    def _local_release(self, lease: SlotLease) -> None:
+        task = asyncio.ensure_future(self._local.release([(lease.instance_id, lease.lease_id)]))
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
+    def _start_flush(self) -> None:
+        self._flush_scheduled = False
+        task = asyncio.ensure_future(self._flush())
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
+    async def _flush(self) -> None:
+        batch, self._to_release = self._to_release, []
+        if not batch:
+            return
+        try:
+            await self.store.release([(x.instance_id, x.lease_id) for x in batch])
+        except RegistryUnavailable as exc:
+            # They expire on their own within the lease TTL.
+            self._degrade(exc)
+
+    # -- background ------------------------------------------------------------------------
+
+    def _degrade(self, exc: BaseException) -> None:
+        if not self._degraded:
+            log.warning("fleet state unreachable (%s): serving from this gateway's own counts", exc)
+        self._degraded = True
+
+    def _recover(self) -> None:
+        if self._degraded:
+            log.info("fleet state reachable again")
+        self._degraded = False
+
+    async def _sync_loop(self) -> None:
+        backoff = ExponentialBackoff(self._sync_interval_s, max(1.0, self._sync_interval_s))
+        failures = 0
+        while True:
+            await asyncio.sleep(backoff.delay(failures - 1) if failures else self._sync_interval_s)
+            try:
+                await self.sync_once()
+            except RegistryUnavailable as exc:
+                failures += 1
+                self._degrade(exc)
+                continue
+            failures = 0
+
+    async def sync_once(self) -> None:
+        streams, tokens = self._tracker.own_counts()
+        instances = list(self._tracker.records())
+        view = await self.store.sync(streams, tokens, self._heads(), instances)
+        self._recover()
+        self.gateways = view.gateways
+        # Subtract exactly what is ours: the rest is the other gateways' share. Our leases
+        # still in Redis include those given back but not yet flushed.
+        flushing: dict[str, int] = {}
+        for lease in self._to_release:
+            flushing[lease.instance_id] = flushing.get(lease.instance_id, 0) + 1
+        self._tracker.set_others(
+            {i: n - streams.get(i, 0) for i, n in view.streams.items()},
+            {i: n - tokens.get(i, 0) for i, n in view.tokens.items()},
+            {i: n - len(self._live.get(i, ())) - flushing.get(i, 0) for i, n in view.slots.items()},
+        )
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._ttl_s / 3)
+            live = {
+                i: [lid for lid, lease in held.items() if not lease.local]
+                for i, held in self._live.items()
+            }
+            with contextlib.suppress(RegistryUnavailable):
+                await self.store.renew(live)
+
+    async def _freed_loop(self) -> None:
+        backoff = ExponentialBackoff(0.1, 2.0)
+        attempt = 0
+        while True:
+            try:
+                async for _instance in self.store.freed():
+                    attempt = 0
+                    # Another gateway freed a slot: our forwarders may try again now.
+                    self._tracker.pulse()
+            except RegistryUnavailable as exc:
+                self._degrade(exc)
+            attempt += 1
+            await asyncio.sleep(backoff.delay(attempt - 1))
+
+
+def monotonic_ms_left(deadline: float) -> float:
+    """Milliseconds from now to a monotonic `deadline` (the fleet compares them by the Redis
+    server's clock, so each gateway sends durations, never its own timestamps)."""
+    return max(0.0, (deadline - time.monotonic()) * 1000)

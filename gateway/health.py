@@ -1,0 +1,102 @@
+"""Passive health: outlier ejection of failing instances, and a retry budget.
+
+Ejection (Envoy's outlier detection, passive): an instance that fails `consecutive` times in
+a row (connection refused or reset, 5xx, a timeout before its first byte) is ejected, i.e.
+left out of every ranking, for a cool-down that doubles with each ejection in a row up to a
+cap. When the cool-down ends it is half-open: eligible again, and its next outcome decides
+(a success closes it and resets the multiplier; a failure ejects it at once for longer).
+A 429 is not a failure: it is the queue-less design working.
+
+Retry budget: failures are retried on other instances (failover), but never beyond a
+fraction of the traffic: each request deposits `ratio` of a retry into a bucket (at most
+`burst` deep) and each failover retry takes one. When a whole pool fails, the gateway then
+fails requests fast instead of multiplying the load on what is left. Rejections (429) are
+not budgeted: retrying them until the deadline is the P/D-Serve design.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from pdgate.gateway.instances import InstanceTracker
+from pdgate.gateway.metrics import GatewayMetrics
+
+__all__ = ["Ejector", "RetryBudget"]
+
+log = logging.getLogger("pdgate.health")
+
+
+@dataclass(slots=True)
+class _State:
+    failures: int = 0  # consecutive
+    ejections: int = 0  # consecutive ejections (grows the cool-down)
+    half_open: bool = False
+
+
+class Ejector:
+    def __init__(
+        self,
+        tracker: InstanceTracker,
+        metrics: GatewayMetrics,
+        *,
+        consecutive: int = 5,
+        base_s: float = 5.0,
+        max_s: float = 300.0,
+    ) -> None:
+        if consecutive < 1 or base_s <= 0 or max_s < base_s:
+            raise ValueError("consecutive >= 1 and 0 < base_s <= max_s required")
+        self._tracker = tracker
+        self._metrics = metrics
+        self._consecutive = consecutive
+        self._base_s = base_s
+        self._max_s = max_s
+        self._states: dict[str, _State] = {}
+
+    def forget(self, departed: set[str]) -> None:
+        """Membership listener hook: bounded by the instances that exist."""
+        for instance_id in departed:
+            self._states.pop(instance_id, None)
+
+    def success(self, instance_id: str) -> None:
+        state = self._states.get(instance_id)
+        if state is None:
+            return
+        if state.half_open:
+            log.info("instance %s answered again after its ejection", instance_id)
+        del self._states[instance_id]
+
+    def failure(self, instance_id: str, role: str) -> None:
+        if instance_id not in self._tracker.records():
+            return
+        state = self._states.setdefault(instance_id, _State())
+        state.failures += 1
+        if state.half_open or state.failures >= self._consecutive:
+            cool = min(self._max_s, self._base_s * 2.0**state.ejections)
+            state.ejections += 1
+            state.failures = 0
+            state.half_open = True  # after the cool-down, its next outcome decides
+            self._tracker.eject(instance_id, time.monotonic() + cool)
+            self._metrics.ejections.labels(role).inc()
+            log.warning("ejected %s %s for %.0f s after repeated failures", role, instance_id, cool)
+
+
+class RetryBudget:
+    def __init__(self, ratio: float = 0.2, burst: float = 10.0) -> None:
+        if not 0 <= ratio <= 1 or burst < 1:
+            raise ValueError("0 <= ratio <= 1 and burst >= 1 required")
+        self._ratio = ratio
+        self._burst = burst
+        self._tokens = burst
+
+    def deposit(self) -> None:
+        """One request arrived."""
+        self._tokens = min(self._burst, self._tokens + self._ratio)
+
+    def withdraw(self) -> bool:
+        """May one failover retry happen?"""
+        if self._tokens >= 1:
+            self._tokens -= 1
+            return True
+        return False

@@ -1,0 +1,103 @@
+"""``pdgate bench gateway`` and ``pdgate bench profile``: the gateway's own cost.
+
+``gateway`` (bench.py) prints one JSON line and, unless ``--quick`` or ``--no-doc``, writes
+the generated block of docs/performance.md. ``profile`` (profile.py) prints py-spy's view of
+the gateway's hot path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import orjson
+
+from pdgate.loadtest.lib.children import run_main
+from pdgate.loadtest.lib.docs import update_block
+from pdgate.loadtest.lib.log import to_stderr
+
+__all__ = [
+    "GATEWAY_HELP",
+    "PROFILE_HELP",
+    "configure_gateway",
+    "configure_profile",
+    "gateway_main",
+    "profile_main",
+    "update_gateway_doc",
+]
+
+GATEWAY_HELP = "the gateway's own cost vs vllm-router and no router"
+PROFILE_HELP = "py-spy profile of the gateway on the hot path"
+
+
+def configure_gateway(g: argparse.ArgumentParser) -> None:
+    g.add_argument("--quick", action="store_true", help="short windows, 1,000 idle streams (<90 s)")
+    g.add_argument("--doc", type=Path, help="default: docs/performance.md (not with --quick)")
+    g.add_argument("--no-doc", action="store_true")
+    g.add_argument("--no-router", action="store_true", help="skip vllm-router")
+    g.add_argument(
+        "--workers",
+        help="comma-separated gateway worker counts, each its own front (default 1)",
+    )
+    g.add_argument(
+        "--no-plain",
+        action="store_true",
+        help="skip pdgate_plain (pdgate without the shims' batch endpoint, like vllm-router)",
+    )
+    g.add_argument("--idle-streams", type=int, help="open idle streams (default 10000; 0: skip)")
+    g.add_argument("--ttft-requests", type=int, help="c=1 probes per front (default 300)")
+    g.add_argument("--concurrencies", help="comma-separated (default 32,256)")
+    g.add_argument("--rounds", type=int, help="windows per front and concurrency (default 3)")
+    g.add_argument("--window-s", type=float, help="seconds per window (default 10)")
+
+
+def configure_profile(pr: argparse.ArgumentParser) -> None:
+    pr.add_argument("--concurrency", type=int, default=1)
+    pr.add_argument("--seconds", type=float, default=15.0)
+    pr.add_argument("--top", type=int, default=25, help="functions listed")
+    pr.add_argument("--out", type=Path, default=Path("gateway-profile.txt"), help="raw stacks")
+
+
+def profile_main(args: argparse.Namespace, command: str) -> int:
+    from pdgate.loadtest.gateway_cost.profile import ProfilePlan, profile_gateway
+
+    plan = ProfilePlan(
+        concurrency=args.concurrency, seconds=args.seconds, top=args.top, out=args.out
+    )
+    print(run_main(profile_gateway(plan)), end="", flush=True)
+    return 0
+
+
+def gateway_main(args: argparse.Namespace, command: str) -> int:
+    from pdgate.loadtest.gateway_cost.bench import QUICK, GatewayPlan, run_gateway_bench
+    from pdgate.loadtest.gateway_cost.report import json_line, markdown
+
+    plan = QUICK if args.quick else GatewayPlan()
+    if args.idle_streams is not None:
+        plan = replace(plan, idle_streams=args.idle_streams)
+    for field in ("ttft_requests", "rounds", "window_s"):
+        if getattr(args, field) is not None:
+            plan = replace(plan, **{field: getattr(args, field)})
+    if args.concurrencies:
+        plan = replace(plan, concurrencies=tuple(int(c) for c in args.concurrencies.split(",")))
+    if args.no_router:
+        plan = replace(plan, with_router=False)
+    if args.workers:
+        plan = replace(plan, workers=tuple(int(w) for w in args.workers.split(",")))
+    if args.no_plain:
+        plan = replace(plan, plain=False)
+    load_before = os.getloadavg()
+    result = run_main(run_gateway_bench(plan, to_stderr))
+    doc = args.doc or (None if args.quick else Path("docs/performance.md"))
+    if doc is not None and not args.no_doc:
+        load = f"load average before {load_before[0]:.2f}, after {result['load_avg_1m_after']:.2f}"
+        update_gateway_doc(doc, markdown(result, command, load))
+    print(orjson.dumps(json_line(result)).decode(), flush=True)
+    return 0
+
+
+def update_gateway_doc(doc: Path, block: str) -> None:
+    """Replace the text between the doc's gateway markers, or write the block alone."""
+    update_block(doc, "bench-gateway", block, append=True)

@@ -1,0 +1,112 @@
+"""``pdgate bench profile``: where the gateway's CPU goes on the hot path, with py-spy.
+
+The same null-profile shims and pdgate process as ``pdgate bench gateway``; closed-loop
+clients at a chosen concurrency for a while, and py-spy (``pip install py-spy``; a tool, not
+a dependency) sampling only the gateway's process. Prints the functions with the most
+samples, by self time (where the CPU is spent) and inclusive time (which call paths cost
+it), and keeps the raw collapsed stacks for a flame graph (``--out``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from pdgate.loadtest.gateway_cost.bench import running_fronts
+from pdgate.loadtest.gateway_cost.load import run_window
+from pdgate.loadtest.gateway_cost.shims import ShimSpec
+from pdgate.loadtest.lib.children import Child, find_binary
+from pdgate.loadtest.lib.log import to_stderr
+from pdgate.loadtest.lib.redis import private_redis
+
+__all__ = ["ProfilePlan", "profile_gateway", "summarize_stacks"]
+
+
+@dataclass(frozen=True, slots=True)
+class ProfilePlan:
+    concurrency: int = 1
+    seconds: float = 15.0
+    rate_hz: int = 1000
+    max_tokens: int = 16
+    top: int = 25
+    out: Path = Path("gateway-profile.txt")
+
+
+def _frame_name(frame: str) -> str:
+    # py-spy raw frames read "function (path/to/file.py:line)": keep function and file.
+    name, _, where = frame.partition(" (")
+    path = where.rstrip(")").rsplit(":", 1)[0]
+    for marker in ("site-packages/", "lib/python3"):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+            break
+    else:
+        path = path.rsplit("/main/", 1)[-1]
+    return f"{name} ({path})"
+
+
+def summarize_stacks(raw: str, top: int) -> str:
+    """Top functions by self and inclusive samples from py-spy's raw (collapsed) output."""
+    own: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        frames = [_frame_name(f) for f in stack.split(";") if f and not f.startswith("process ")]
+        if not frames:
+            continue
+        total += count
+        own[frames[-1]] += count
+        for name in set(frames):
+            inclusive[name] += count
+    if not total:
+        return "no samples\n"
+    lines = [f"{total} samples\n", "self %   function"]
+    lines += [f"{100 * n / total:6.1f}   {name}" for name, n in own.most_common(top)]
+    lines += ["", "incl %   function"]
+    lines += [f"{100 * n / total:6.1f}   {name}" for name, n in inclusive.most_common(top)]
+    return "\n".join(lines) + "\n"
+
+
+async def profile_gateway(plan: ProfilePlan) -> str:
+    pyspy = find_binary("py-spy")
+    if pyspy is None:
+        raise RuntimeError("py-spy not found (pip install py-spy)")
+
+    async with (
+        private_redis() as redis_url,
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session,
+    ):
+        spec = ShimSpec(registry_url=redis_url, prefill_capacity=1024, decode_capacity=1024,
+                        key_prefix="pdgate-profile")  # fmt: skip
+        async with running_fronts(session, spec, 256, False, to_stderr) as (fronts, procs, _):
+            spy = Child(
+                "py-spy",
+                [pyspy, "record", "--pid", str(procs["pdgate"].pid), "--format", "raw",
+                 "--rate", str(plan.rate_hz), "--duration", str(round(plan.seconds)),
+                 "--nonblocking", "--output", str(plan.out)],
+            )  # fmt: skip
+            try:
+                await spy.start("")
+                window = await run_window(
+                    session, fronts["pdgate"], concurrency=plan.concurrency, warmup_s=0.5,
+                    window_s=plan.seconds, max_tokens=plan.max_tokens,
+                )  # fmt: skip
+                # py-spy stops by itself after --duration; the bound covers a hung one.
+                code = await spy.wait(plan.seconds + 30)
+                if code != 0:
+                    raise RuntimeError(f"py-spy failed: {spy.output_tail()}")
+            finally:
+                await spy.stop()
+    head = (
+        f"pdgate bench profile: concurrency {plan.concurrency}, {window.requests} requests in "
+        f"{window.window_s:.1f} s ({window.requests / window.window_s:.0f}/s), "
+        f"raw stacks in {plan.out}\n"
+    )
+    return head + summarize_stacks(plan.out.read_text(), plan.top)

@@ -1,0 +1,47 @@
+"""A throw-away ``redis-server`` on a free port: the registry of a cluster deployed as
+separate processes (gateways and shims find each other through it, as in production)."""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import AsyncIterator
+
+from pdgate.loadtest.lib.children import Child, find_binary, free_port
+
+__all__ = ["INSTALL_HINT", "private_redis", "redis_binary"]
+
+INSTALL_HINT = "redis-server not found (make redis-server installs Debian's package)"
+_ATTEMPTS = 3  # a port picked free can be taken before redis binds it: pick another
+
+
+def redis_binary() -> str | None:
+    # Debian installs it in /usr/bin, which a trimmed PATH (cron, systemd) may lack.
+    return find_binary("redis-server", "/usr/bin", "/usr/sbin", "/usr/local/bin")
+
+
+@contextlib.asynccontextmanager
+async def private_redis() -> AsyncIterator[str]:
+    """Start a redis-server that keeps nothing on disk; yield its URL; stop it on exit."""
+    binary = redis_binary()
+    if binary is None:
+        raise RuntimeError(INSTALL_HINT)
+    with tempfile.TemporaryDirectory(prefix="pdgate-bench-redis-") as workdir:
+        for attempt in range(_ATTEMPTS):
+            port = free_port()
+            redis = Child(
+                "redis",
+                [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", workdir, "--daemonize", "no"],
+            )  # fmt: skip
+            try:
+                await redis.start("Ready to accept connections", timeout_s=10)
+            except RuntimeError:
+                if attempt == _ATTEMPTS - 1:
+                    raise
+                continue
+            try:
+                yield f"redis://127.0.0.1:{port}/0"
+            finally:
+                await redis.stop()
+            return

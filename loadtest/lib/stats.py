@@ -1,0 +1,123 @@
+"""Per-request outcomes and their summary: success rate, goodput, TTFT and E2E percentiles;
+and the spread of a figure over repeated runs (min / median / max over seeds).
+
+Success is judged on the client, by one rule for every mode: the first token arrived within
+the request's TTFT deadline *and* the stream completed (``[DONE]``, no in-band error). A
+request the gateway ended early (503 after waiting out its deadline in the gateway queue,
+or a prefill call aborted at the deadline in the baseline) counts as a failure, as does one
+whose first token came late: the denominator is every request issued in the window.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["RequestResult", "Spread", "Summary", "percentile", "summarize"]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestResult:
+    scenario: str
+    deadline_s: float
+    status: int  # HTTP status; 0 when the connection failed
+    ttft_s: float | None  # time to the first SSE data event, None when none came
+    e2e_s: float  # time to the end of the response (or of the failure)
+    completed: bool  # saw [DONE] and no in-band error
+    gateway: int = 0  # index of the gateway (of a fleet) the request went to
+
+    @property
+    def success(self) -> bool:
+        return (
+            self.status == 200
+            and self.completed
+            and self.ttft_s is not None
+            and self.ttft_s <= self.deadline_s
+        )
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) by linear interpolation between closest ranks (numpy's
+    default); NaN for no values."""
+    if not 0 <= q <= 100:
+        raise ValueError("q must be within [0, 100]")
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    requests: int
+    successes: int
+    success_rate: float
+    goodput_rps: float  # successful requests per second of the measurement window
+    throughput_rps: float  # completed streams (late or not) per second
+    ttft_p50_s: float  # over requests that got a first token
+    ttft_p99_s: float
+    e2e_p50_s: float  # over completed requests
+    e2e_p99_s: float
+    status_counts: dict[int, int]
+    success_by_scenario: dict[str, float]
+    success_by_gateway: dict[int, float]
+
+
+def summarize(results: Iterable[RequestResult], window_s: float) -> Summary:
+    """Summary of the requests issued during a measurement window of `window_s` seconds."""
+    if window_s <= 0:
+        raise ValueError("window_s must be positive")
+    rows = list(results)
+    ok = [r for r in rows if r.success]
+    ttfts = [r.ttft_s for r in rows if r.ttft_s is not None]
+    e2es = [r.e2e_s for r in rows if r.completed]
+    statuses: dict[int, int] = {}
+    per_scenario: dict[str, list[int]] = {}
+    per_gateway: dict[int, list[int]] = {}
+    for r in rows:
+        statuses[r.status] = statuses.get(r.status, 0) + 1
+        for tally in (
+            per_scenario.setdefault(r.scenario, [0, 0]),
+            per_gateway.setdefault(r.gateway, [0, 0]),
+        ):
+            tally[0] += r.success
+            tally[1] += 1
+    return Summary(
+        requests=len(rows),
+        successes=len(ok),
+        success_rate=len(ok) / len(rows) if rows else math.nan,
+        goodput_rps=len(ok) / window_s,
+        throughput_rps=len(e2es) / window_s,
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p99_s=percentile(ttfts, 99),
+        e2e_p50_s=percentile(e2es, 50),
+        e2e_p99_s=percentile(e2es, 99),
+        status_counts=dict(sorted(statuses.items())),
+        success_by_scenario={k: s / n for k, (s, n) in sorted(per_scenario.items())},
+        success_by_gateway={k: s / n for k, (s, n) in sorted(per_gateway.items())},
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """One figure over repeated runs (seeds): a single run can be lucky or unlucky, so the
+    benchmarks report the range and the middle rather than one number."""
+
+    min: float
+    median: float
+    max: float
+    n: int  # runs that reported the figure (NaNs, "not measured", are left out)
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Spread:
+        known = [v for v in values if not math.isnan(v)]
+        if not known:
+            return cls(math.nan, math.nan, math.nan, 0)
+        return cls(min(known), percentile(known, 50), max(known), len(known))
+
+    def as_dict(self) -> dict[str, float]:
+        return {"min": self.min, "median": self.median, "max": self.max}

@@ -1,0 +1,165 @@
+"""The scheduling benchmark's cluster, from the parent's side, in either deployment:
+
+* ``inprocess`` (the default): one child process hosts every shim and gateway on one event
+  loop with the in-memory registry (``python -m pdgate.loadtest.scheduling.cluster``);
+  cheap to start, and its event-loop lag is measured from inside;
+* ``processes``: as deployed (loadtest/lib/deployed.py): every shim and every gateway its
+  own ``pdgate`` process, membership through a private Redis. What the fault and fleet
+  measurements see, and the only way gateways of a fleet can each have a core.
+
+Both give the runner the same handle: URLs, readiness and CPU readings. The servers get the
+same settings either way (modes.py: `shim_fields`, `gateway_fields`).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from types import TracebackType
+
+import aiohttp
+import orjson
+
+from pdgate.loadtest.lib.children import Child
+from pdgate.loadtest.lib.deployed import DeployedCluster, Deployment
+from pdgate.loadtest.lib.probes import wait_instances
+from pdgate.loadtest.scheduling.modes import ClusterSpec, Mode, gateway_fields, shim_fields
+
+__all__ = [
+    "DEPLOYS",
+    "Cluster",
+    "ClusterUrls",
+    "InProcessCluster",
+    "ProcessCluster",
+    "open_cluster",
+]
+
+DEPLOYS = ("inprocess", "processes")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterUrls:
+    gateways: list[str]
+    prefills: list[str]
+    decodes: list[str]
+
+
+class Cluster:
+    """A running cluster: ``async with open_cluster(spec, mode, deploy) as cluster``."""
+
+    deploy = ""
+
+    def __init__(self, spec: ClusterSpec, mode: Mode) -> None:
+        self.spec = spec
+        self.mode = mode
+        self._urls: ClusterUrls | None = None
+
+    @property
+    def urls(self) -> ClusterUrls:
+        assert self._urls is not None, "the cluster is not running"
+        return self._urls
+
+    async def wait_ready(self, session: aiohttp.ClientSession, timeout_s: float = 30.0) -> None:
+        """Until every gateway sees every instance ready (membership is eventually consistent)."""
+        want = self.spec.prefills + self.spec.decodes
+        deadline = time.monotonic() + timeout_s  # one bound for all gateways together
+        for gateway in self.urls.gateways:
+            await wait_instances(session, gateway, want, max(0.0, deadline - time.monotonic()))
+
+    async def stats(self) -> dict[str, float]:
+        """``cpu_s`` (the cluster's CPU seconds so far), ``gateway_cpu_s`` (the gateways' part,
+        NaN where they share a process with the shims), ``wall_s`` (a monotonic clock) and,
+        in-process only, ``lag_*`` (event-loop lag since the previous call, ms)."""
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Cluster:
+        raise NotImplementedError
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        raise NotImplementedError
+
+
+class InProcessCluster(Cluster):
+    deploy = "inprocess"
+
+    def __init__(self, spec: ClusterSpec, mode: Mode) -> None:
+        super().__init__(spec, mode)
+        argv = [sys.executable, "-m", "pdgate.loadtest.scheduling.cluster",
+                orjson.dumps(spec.to_json()).decode(), mode.name]  # fmt: skip
+        # It answers `stats` lines on stdout and stops at the end of its stdin.
+        self._child = Child(f"cluster ({mode.name})", argv, quits_on_eof=True, replies=True)
+
+    async def __aenter__(self) -> InProcessCluster:
+        match = await self._child.start(r"^\{", timeout_s=60.0)
+        data = orjson.loads(match.string)
+        self._urls = ClusterUrls(data["gateways"], data["prefills"], data["decodes"])
+        return self
+
+    async def stats(self) -> dict[str, float]:
+        data: dict[str, float] = orjson.loads(await self._child.ask(b"stats"))
+        return {"gateway_cpu_s": math.nan, **data}
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._child.stop()
+
+
+class ProcessCluster(Cluster):
+    deploy = "processes"
+
+    def __init__(self, spec: ClusterSpec, mode: Mode, *, log_level: str = "WARNING") -> None:
+        super().__init__(spec, mode)
+        self._deployed = DeployedCluster(
+            Deployment(
+                prefills=spec.prefills,
+                decodes=spec.decodes,
+                gateways=spec.gateways,
+                prefill_settings=shim_fields(spec, mode, "prefill"),
+                decode_settings=shim_fields(spec, mode, "decode"),
+                gateway_settings=gateway_fields(spec, mode),
+                key_prefix=f"pdgate-bench-{mode.name}",
+                log_level=log_level,
+            )
+        )
+
+    @property
+    def deployed(self) -> DeployedCluster:
+        return self._deployed
+
+    async def __aenter__(self) -> ProcessCluster:
+        d = await self._deployed.__aenter__()
+        self._urls = ClusterUrls(d.gateway_urls, d.prefill_urls, d.decode_urls)
+        return self
+
+    async def stats(self) -> dict[str, float]:
+        self._deployed.check_alive()
+        gateways = sum(c.cpu_s() for c in self._deployed.gateways)
+        shims = sum(c.cpu_s() for c in (*self._deployed.prefills, *self._deployed.decodes))
+        return {"cpu_s": gateways + shims, "gateway_cpu_s": gateways, "wall_s": time.monotonic()}
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._deployed.__aexit__(exc_type, exc, tb)
+
+
+def open_cluster(spec: ClusterSpec, mode: Mode, deploy: str) -> Cluster:
+    if deploy == "inprocess":
+        return InProcessCluster(spec, mode)
+    if deploy == "processes":
+        return ProcessCluster(spec, mode)
+    raise ValueError(f"unknown deployment {deploy!r}; known: {', '.join(DEPLOYS)}")

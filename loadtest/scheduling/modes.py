@@ -1,0 +1,153 @@
+"""What is compared: the paper's baseline and on-demand forwarding, on one cluster shape.
+
+* ``baseline``: P/D-Serve's "original version" (section 4, Fig. 14a): every prefill has a
+  local FIFO queue (shim ``admission=queue``) and the gateway sends each request once to the
+  prefill with the fewest open SSE streams (``dispatch=direct``, ``least_sse``), no retry.
+* ``least_sse``: on-demand forwarding (section 3.5): queue-less prefills that answer 429 when
+  full (``admission=reject``), a gateway-held queue with retries until the deadline
+  (``dispatch=queue``), prefills ranked by open SSE streams.
+* ``affinity_sse``: the same, with prefills ranked by prefix-cache affinity first.
+* ``router_*`` (issue 5, item 5): the same queue-less prefills behind vllm-router instead of
+  pdgate (loadtest/lib/router.py), with one of its policies and retries on. The router does
+  not know the requests' deadlines; the client judges every mode by the same rule.
+
+`ClusterSpec` is everything else, identical for every mode; `shim_fields` and
+`gateway_fields` turn both into the servers' settings, the same for either deployment
+(in-process or separate processes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "EXTRA_MODES",
+    "MODES",
+    "ROUTER_MODES",
+    "ClusterSpec",
+    "Mode",
+    "gateway_fields",
+    "mode_named",
+    "shim_fields",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    name: str
+    admission: str  # ShimSettings.admission of the prefills
+    dispatch: str  # GatewaySettings.dispatch
+    prefill_policy: str
+    queue_order: str = "edf"  # GatewaySettings.queue_order (dispatch=queue only)
+    # Who fronts the cluster: "pdgate", or "vllm_router" with `router_policy` (the cluster's
+    # own gateway then only serves the readiness check).
+    front: str = "pdgate"
+    router_policy: str = ""
+
+
+MODES: tuple[Mode, ...] = (
+    Mode("baseline", admission="queue", dispatch="direct", prefill_policy="least_sse"),
+    Mode("least_sse", admission="reject", dispatch="queue", prefill_policy="least_sse"),
+    Mode("affinity_sse", admission="reject", dispatch="queue", prefill_policy="affinity_sse"),
+)
+# Not in the default comparison: on-demand forwarding with the gateway's default FIFO queue,
+# to show what ordering the one mixed-scenario queue by deadline contributes.
+EXTRA_MODES: tuple[Mode, ...] = (
+    Mode(
+        "least_sse_fifo",
+        admission="reject",
+        dispatch="queue",
+        prefill_policy="least_sse",
+        queue_order="fifo",
+    ),
+)
+
+
+def _router_mode(policy: str) -> Mode:
+    return Mode(
+        f"router_{policy}",
+        admission="reject",
+        dispatch="queue",
+        prefill_policy="least_sse",
+        front="vllm_router",
+        router_policy=policy,
+    )
+
+
+# vllm-router's prefix-aware policy (its default), its load-aware one, and round robin.
+ROUTER_MODES: tuple[Mode, ...] = tuple(
+    _router_mode(p) for p in ("cache_aware", "power_of_two", "round_robin")
+)
+
+
+def mode_named(name: str) -> Mode:
+    for mode in (*MODES, *EXTRA_MODES, *ROUTER_MODES):
+        if mode.name == name:
+            return mode
+    known = ", ".join(m.name for m in (*MODES, *EXTRA_MODES, *ROUTER_MODES))
+    raise ValueError(f"unknown mode {name!r}; known: {known}")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """One simulated P/D cluster: gateways, prefills and decodes."""
+
+    model: str = "sim-llama-3.1-8b"
+    sim_profile: str = "llama-3.1-8b-a100"
+    # Users are split evenly across them (user i sends to gateway i mod N), as a load
+    # balancer in front of a fleet would; they share the registry and nothing else.
+    gateways: int = 1
+    prefills: int = 8
+    # One decode, as the decode is never the bottleneck here: its larger batch makes each
+    # token step (and so each SSE stream) longer, which is what P/D-Serve says makes the
+    # open-stream count a poor sign of a prefill's load.
+    decodes: int = 1
+    # Slots per prefill. 1: a prefill accepts only when idle, P/D-Serve's rule ("if the
+    # prefill is idle, it accepts new requests"); with more, a busy prefill still accepts and
+    # the request waits in its engine behind the running batch (a small local queue).
+    prefill_capacity: int = 1
+    decode_capacity: int = 256  # running sequences per decode: never the bottleneck
+    # Prefix-cache blocks (16 tokens) per prefill (ShimSettings.sim_prefix_cache_blocks);
+    # None keeps the profile's value. The profile's timing constants are never changed, only
+    # how much HBM is left for the cache.
+    prefix_cache_blocks: int | None = 192
+    # Bytes actually sent per KV token relative to the real size (transfer time is still
+    # modelled at full size): the smallest value, so two CPU cores are not spent on KV bytes.
+    kv_wire_fraction: float = 1 / 131072
+    local_queue_size: int = 1024  # baseline prefills' local queue bound: never the limit
+    gateway_ttft_timeout_s: float = 10.0  # upper bound; requests shorten it by header
+    gateway: dict[str, Any] = field(default_factory=dict)  # extra GatewaySettings fields
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ClusterSpec:
+        return cls(**data)
+
+
+def shim_fields(spec: ClusterSpec, mode: Mode, role: str) -> dict[str, Any]:
+    """ShimSettings fields of a `role` ("prefill" or "decode") instance, role itself aside."""
+    fields: dict[str, Any] = {
+        "model": spec.model,
+        "sim_profile": spec.sim_profile,
+        "capacity": spec.prefill_capacity if role == "prefill" else spec.decode_capacity,
+        "admission": mode.admission,
+        "local_queue_size": spec.local_queue_size,
+        "sim_kv_wire_fraction": spec.kv_wire_fraction,
+    }
+    if spec.prefix_cache_blocks is not None:
+        fields["sim_prefix_cache_blocks"] = spec.prefix_cache_blocks
+    return fields
+
+
+def gateway_fields(spec: ClusterSpec, mode: Mode) -> dict[str, Any]:
+    """GatewaySettings fields of every gateway of the cluster."""
+    return {
+        "dispatch": mode.dispatch,
+        "prefill_policy": mode.prefill_policy,
+        "queue_order": mode.queue_order,
+        "ttft_timeout_s": spec.gateway_ttft_timeout_s,
+        **spec.gateway,
+    }

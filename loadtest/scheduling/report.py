@@ -1,0 +1,244 @@
+"""Writing an experiment's results: CSV, a PNG in the style of Fig. 14a, markdown tables,
+the one JSON line, and the generated block of docs/scheduling.md.
+
+The generated block sits between ``<!-- scheduling:KIND:begin -->`` and
+``<!-- scheduling:KIND:end -->`` (KIND = quick or full), so the prose around it is kept.
+With several seeds, the CSV and the main table have one row per seed, a second table gives
+min / median / max over seeds, and the JSON's figures are medians with the spread beside.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pdgate.loadtest.lib.docs import update_block
+from pdgate.loadtest.lib.stats import Spread
+from pdgate.loadtest.scheduling.experiment import Result
+from pdgate.loadtest.scheduling.runner import Point
+
+__all__ = [
+    "calibration_table",
+    "markdown_table",
+    "spread_table",
+    "summary_json",
+    "update_doc",
+    "write_csv",
+    "write_plot",
+]
+
+_LABELS = {
+    "baseline": "baseline (local queue + least SSE, no retry)",
+    "least_sse": "on-demand forwarding, least SSE (EDF queue)",
+    "affinity_sse": "on-demand forwarding, affinity + SSE (EDF queue)",
+    "least_sse_fifo": "on-demand forwarding, least SSE (FIFO queue)",
+}
+
+
+_SPREAD = {"success": "success_rate", "goodput": "goodput_rps"}
+
+
+def _per_gateway(result: Result) -> dict[str, dict[str, list[float]]]:
+    """``{series: {"1": [success of gateway 0, 1, ...]}}``, medians over seeds."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for series, by_k in result.points.items():
+        out[series] = {}
+        for k, pts in sorted(by_k.items()):
+            gateways = sorted({g for p in pts for g in p.summary.success_by_gateway})
+            out[series][str(k)] = [
+                Spread.of(p.summary.success_by_gateway.get(g, math.nan) for p in pts).median
+                for g in gateways
+            ]
+    return out
+
+
+def summary_json(result: Result) -> dict[str, Any]:
+    """The one-line answer: success, goodput and prefix hit rate by series and load multiple
+    (medians over seeds); the prefills' longest KV hold and holds over 5 s (worst seed);
+    how the cluster was deployed; and, where they apply, success per gateway and the spread
+    over seeds."""
+    plan = result.plan
+    out: dict[str, Any] = {
+        "success": result.metric("success_rate"),
+        "goodput": result.metric("goodput_rps"),
+        "prefix_hit_rate": result.metric("prefix_hit_rate"),
+        "kv_hold_max_s": result.worst("kv_hold_max_s"),
+        "kv_hold_over_5s": result.worst("kv_hold_over_5s"),
+        "kv_stranded": result.worst("kv_stranded"),
+        "deploy": list(plan.deploys) if len(plan.deploys) > 1 else plan.deploys[0],
+        "gateways": plan.spec.gateways,
+        "seeds": list(plan.seeds),
+    }
+    if plan.spec.gateways > 1:
+        out["success_by_gateway"] = _per_gateway(result)
+    if len(plan.seeds) > 1:
+        out["spread"] = {
+            key: {
+                series: {k: spread.as_dict() for k, spread in by_k.items()}
+                for series, by_k in result.spread(column).items()
+            }
+            for key, column in _SPREAD.items()
+        }
+    return out
+
+
+def _rows(result: Result) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for point in result.calibration:
+        rows.append({"phase": "calibration", "multiple": "", **point.row()})
+    for by_k in result.points.values():
+        for k, pts in sorted(by_k.items()):
+            for point in pts:
+                rows.append({"phase": "run", "multiple": k, **point.row()})
+    return rows
+
+
+def write_csv(result: Result, path: Path) -> None:
+    rows = _rows(result)
+    fields: list[str] = []
+    for row in rows:
+        fields.extend(k for k in row if k not in fields)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _fmt_csv(v) for k, v in row.items()})
+
+
+def _fmt_csv(value: Any) -> Any:
+    return round(value, 5) if isinstance(value, float) and not math.isnan(value) else value
+
+
+def write_plot(result: Result, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; chosen here so importing this module changes nothing
+    # Its INFO lines (e.g. about "1A" looking like a time of day) would drown the progress.
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    import matplotlib.pyplot as plt
+
+    panels = (
+        ("success_rate", "success rate (TTFT <= deadline, completed)", 100.0, "%"),
+        ("goodput_rps", "goodput (successful requests/s)", 1.0, ""),
+        ("prefix_hit_rate", "prefix-cache hit rate (tokens)", 100.0, "%"),
+    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), layout="constrained")
+    for ax, (metric, ylabel, scale, unit) in zip(axes, panels, strict=True):
+        for mode, by_k in result.spread(metric).items():
+            ks = list(by_k)
+            xs = [f"{k}A" for k in ks]
+            (line,) = ax.plot(
+                xs,
+                [scale * by_k[k].median for k in ks],
+                marker="o",
+                label=_LABELS.get(mode, mode),
+            )
+            if len(result.plan.seeds) > 1:  # the range over seeds around the median
+                lows = [scale * by_k[k].min for k in ks]
+                highs = [scale * by_k[k].max for k in ks]
+                ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
+        ax.set_ylabel(ylabel + (f" [{unit}]" if unit else ""))
+        ax.set_xlabel(f"load (A = {result.base_users} closed-loop users)")
+        ax.grid(alpha=0.3)
+        if metric == "success_rate":
+            ax.set_ylim(0, 102)
+        elif unit == "%":
+            ax.set_ylim(0, min(102.0, ax.get_ylim()[1] * 1.2))
+    axes[0].legend(fontsize=8, loc="lower left")
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _pct(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{100 * x:.1f}%"
+
+
+def _s(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.2f}"
+
+
+def _n(x: float, digits: int = 0) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
+
+
+def _ms(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.0f} ms"
+
+
+def markdown_table(result: Result) -> str:
+    """One row per point (per seed, with several), every measured column."""
+    seeds = len(result.plan.seeds) > 1
+    gateways = result.plan.spec.gateways > 1
+    columns = ["mode", "load", *(["seed"] if seeds else []), "users", "requests", "success",
+               *(["success per gateway"] if gateways else []), "goodput/s",
+               "TTFT p50 / p99 s", "E2E p50 / p99 s", "prefix hit", "prefill 429s",
+               "retries/req", "503s", "CPU cluster / box", "loop lag p99",
+               "KV hold max s / >5 s / stranded"]  # fmt: skip
+    lines = ["| " + " | ".join(columns) + " |\n", "|---" * len(columns) + "|\n"]
+    for mode, by_k in result.points.items():
+        for k, pts in sorted(by_k.items()):
+            for p in pts:
+                lines.append(_table_row(mode, f"{k}A", p, seeds=seeds, gateways=gateways))
+    return "".join(lines)
+
+
+def _table_row(mode: str, load: str, p: Point, *, seeds: bool, gateways: bool) -> str:
+    s = p.summary
+    h = p.holds
+    cells = [mode, load, *([str(p.seed)] if seeds else []), str(p.users), str(s.requests),
+             _pct(s.success_rate),
+             *([" / ".join(_pct(v) for v in s.success_by_gateway.values())] if gateways else []),
+             f"{s.goodput_rps:.2f}", f"{_s(s.ttft_p50_s)} / {_s(s.ttft_p99_s)}",
+             f"{_s(s.e2e_p50_s)} / {_s(s.e2e_p99_s)}", _pct(p.prefix_hit_rate),
+             f"{p.rejections_429:.0f}", _s(p.retries_per_request),
+             str(s.status_counts.get(503, 0)), f"{p.cluster_cpu:.2f} / {p.host_cpu:.2f}",
+             _ms(p.loop_lag.get("lag_p99_ms", math.nan)),
+             f"{_s(h.max_s)} / {_n(h.over_5s)} / {_n(h.stranded)}"]  # fmt: skip
+    return "| " + " | ".join(cells) + " |\n"
+
+
+def spread_table(result: Result) -> str:
+    """Min / median / max over seeds of success and goodput; empty with one seed."""
+    if len(result.plan.seeds) < 2:
+        return ""
+    success, goodput = result.spread("success_rate"), result.spread("goodput_rps")
+    hold = result.spread("kv_hold_max_s")
+    lines = [
+        "| mode | load | seeds | success min / median / max | goodput/s min / median / max "
+        "| KV hold max s (worst) |\n",
+        "|---|---|---|---|---|---|\n",
+    ]
+    for mode, by_k in success.items():
+        for k, sp in by_k.items():
+            g = goodput[mode][k]
+            lines.append(
+                f"| {mode} | {k}A | {sp.n} | {_pct(sp.min)} / {_pct(sp.median)} / "
+                f"{_pct(sp.max)} | {g.min:.2f} / {g.median:.2f} / {g.max:.2f} | "
+                f"{_s(hold[mode][k].max)} |\n"
+            )
+    return "".join(lines)
+
+
+def calibration_table(points: Sequence[Point], target: float) -> str:
+    if not points:
+        return ""
+    lines = ["| baseline users | requests | success | goodput/s | TTFT p99 s | meets target |\n"]
+    lines.append("|---|---|---|---|---|---|\n")
+    for p in points:
+        s = p.summary
+        ok = "yes" if s.success_rate >= target else "no"
+        lines.append(
+            f"| {p.users} | {s.requests} | {_pct(s.success_rate)} | {s.goodput_rps:.2f} | "
+            f"{_s(s.ttft_p99_s)} | {ok} |\n"
+        )
+    return "".join(lines)
+
+
+def update_doc(doc: Path, kind: str, block: str) -> bool:
+    """Replace the generated block `kind` of `doc`; False when the markers are missing."""
+    return update_block(doc, f"scheduling:{kind}", block)

@@ -1,0 +1,196 @@
+"""One measured point: a number of closed-loop users against a running cluster.
+
+warm-up (discarded) -> snapshot -> measurement window -> snapshot -> drain (every request
+issued in the window is followed to its end). The point carries the client-side summary,
+the server-side counter deltas and how busy the cluster and the client were, so a CPU-bound
+run can be told from a scheduler effect; and the prefills' KV holds over the whole point
+(warm-up to drain): the longest hold so far, the holds over 5 s, and KV still held a few
+seconds after the last request ended (stranded: nobody will fetch it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from pdgate.loadtest.lib.probes import (
+    Counters,
+    HoldSnapshot,
+    delta,
+    read_counters,
+    read_holds,
+    wait_kv_released,
+)
+from pdgate.loadtest.lib.procfs import host_busy_s, own_cpu_s
+from pdgate.loadtest.lib.stats import Summary, summarize
+from pdgate.loadtest.scheduling.closed_loop import ClosedLoop
+from pdgate.loadtest.scheduling.clusters import Cluster
+from pdgate.loadtest.scheduling.workload import Workload
+
+__all__ = ["Holds", "Point", "Timing", "run_point"]
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    warmup_s: float
+    measure_s: float
+    drain_s: float = 60.0  # a bound; the drain ends when the last request does
+    # After the drain, how long KV may take to be released before what is left counts as
+    # stranded (a decode pulls it within milliseconds of its request's first token).
+    release_s: float = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class Holds:
+    """The prefills' KV holds over one point (NaN: the prefills do not report them)."""
+
+    max_s: float = math.nan  # longest hold since the cluster started, as of the point's end
+    over_5s: float = math.nan  # holds over 5 s that ended during the point
+    stranded: float = math.nan  # KV still held `Timing.release_s` after the drain
+
+    @classmethod
+    def between(cls, before: HoldSnapshot, after: HoldSnapshot) -> Holds:
+        return cls(after.max_s, after.over_5s - before.over_5s, after.held)
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    mode: str
+    users: int
+    summary: Summary
+    counters: Counters  # server-side deltas over the window
+    cluster_cpu: float  # cores used by the cluster process during the window (1.0 = one core)
+    client_cpu: float  # cores used by the load generator
+    host_cpu: float  # cores busy on the whole machine (NaN where /proc/stat is missing)
+    loop_lag: dict[str, float]  # cluster event-loop lag during the window, ms (in-process)
+    wall_s: float  # the whole point, warm-up and drain included
+    gateway_cpu: float = math.nan  # cores used by the gateway processes (processes only)
+    holds: Holds = field(default_factory=Holds)
+    seed: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        total = self.counters.get("shim_prefix_cache_total_tokens", 0.0)
+        return self.counters.get("shim_prefix_cache_hit_tokens", 0.0) / total if total else math.nan
+
+    @property
+    def rejections_429(self) -> float:
+        """429s answered by prefills (every one is a retry for on-demand forwarding and a
+        failed request for the baseline, whose prefills only reject when their queue is full)."""
+        return self.counters.get("shim_rejected", 0.0)
+
+    @property
+    def retries_per_request(self) -> float:
+        """Rejected prefill attempts per request issued in the window (NaN without pdgate's
+        metrics, e.g. behind another router)."""
+        n = self.summary.requests
+        if not n or "attempts_rejected" not in self.counters:
+            return math.nan
+        return self.counters["attempts_rejected"] / n
+
+    def row(self) -> dict[str, Any]:
+        s = self.summary
+        return {
+            "mode": self.mode,
+            "users": self.users,
+            "requests": s.requests,
+            "success_rate": s.success_rate,
+            "goodput_rps": s.goodput_rps,
+            "throughput_rps": s.throughput_rps,
+            "ttft_p50_s": s.ttft_p50_s,
+            "ttft_p99_s": s.ttft_p99_s,
+            "e2e_p50_s": s.e2e_p50_s,
+            "e2e_p99_s": s.e2e_p99_s,
+            "prefix_hit_rate": self.prefix_hit_rate,
+            "prefill_429s": self.rejections_429,
+            "retries_per_request": self.retries_per_request,
+            "gateway_503s": s.status_counts.get(503, 0),
+            "cluster_cpu_cores": self.cluster_cpu,
+            "client_cpu_cores": self.client_cpu,
+            "host_cpu_cores": self.host_cpu,
+            "loop_lag_p99_ms": self.loop_lag.get("lag_p99_ms", math.nan),
+            "gateway_cpu_cores": self.gateway_cpu,
+            "kv_hold_max_s": self.holds.max_s,
+            "kv_hold_over_5s": self.holds.over_5s,
+            "kv_stranded": self.holds.stranded,
+            "seed": self.seed,
+            **{f"success_{k}": v for k, v in s.success_by_scenario.items()},
+            **(
+                {f"success_gateway{k}": v for k, v in s.success_by_gateway.items()}
+                if len(s.success_by_gateway) > 1
+                else {}
+            ),
+        }
+
+
+async def run_point(
+    cluster: Cluster,
+    session: aiohttp.ClientSession,
+    workload: Workload,
+    users: int,
+    timing: Timing,
+    *,
+    user_offset: int = 0,
+    fronts: Sequence[str] | None = None,
+    seed: int = 0,
+    name: str | None = None,
+    ramp_s: float | None = None,
+) -> Point:
+    """`fronts`: base URLs the users send to, when not the cluster's own gateways (another
+    router); the gateways' metrics are then left out of the counters. `name`: the point's
+    series (default: the mode's name). `ramp_s`: the users start over this long (default
+    0.5 s or half the warm-up, if shorter)."""
+    urls = cluster.urls
+    metrics_from = urls.gateways if fronts is None else []
+    began = time.monotonic()
+    holds0 = await read_holds(session, urls.prefills)
+    loop = ClosedLoop(
+        session,
+        [url + "/v1/completions" for url in (urls.gateways if fronts is None else fronts)],
+        cluster.spec.model,
+        workload,
+        users,
+        user_offset=user_offset,
+        ramp_s=min(0.5, timing.warmup_s / 2) if ramp_s is None else ramp_s,
+    )
+    loop.start()
+    try:
+        await asyncio.sleep(timing.warmup_s)
+        before, child0 = await asyncio.gather(
+            read_counters(session, metrics_from, urls.prefills), cluster.stats()
+        )
+        own0, host0 = own_cpu_s(), host_busy_s()
+        loop.open_window()
+        await asyncio.sleep(timing.measure_s)
+        window = loop.close_window()
+        after, child1 = await asyncio.gather(
+            read_counters(session, metrics_from, urls.prefills), cluster.stats()
+        )
+        own1, host1 = own_cpu_s(), host_busy_s()
+        cancelled = await loop.stop(timing.drain_s)
+    finally:
+        await loop.stop(0.0)  # on a failure above: no user may outlive the point
+    if cancelled:
+        raise RuntimeError(f"{cancelled} requests did not end within {timing.drain_s} s")
+    elapsed = child1["wall_s"] - child0["wall_s"]
+    holds1 = await wait_kv_released(session, urls.prefills, timing.release_s)
+    return Point(
+        mode=name or cluster.mode.name,
+        users=users,
+        summary=summarize(loop.results, window),
+        counters=delta(before, after),
+        cluster_cpu=(child1["cpu_s"] - child0["cpu_s"]) / elapsed,
+        client_cpu=(own1 - own0) / elapsed,
+        host_cpu=(host1 - host0) / elapsed,
+        loop_lag={k: v for k, v in child1.items() if k.startswith("lag_")},
+        wall_s=time.monotonic() - began,
+        gateway_cpu=(child1["gateway_cpu_s"] - child0["gateway_cpu_s"]) / elapsed,
+        holds=Holds.between(holds0, holds1),
+        seed=seed,
+    )

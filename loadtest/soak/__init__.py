@@ -1,0 +1,1 @@
+"""``pdgate bench soak``: the gateway's memory over a long steady run, as deployed."""

@@ -1,0 +1,77 @@
+"""``pdgate bench upgrade``: a rolling upgrade of the whole fleet under streaming load.
+
+Every prefill, then every decode, then every gateway is replaced one at a time (SIGTERM,
+drain, exit, a new process, registered) while closed-loop users keep long streams open
+through 2 gateways. A client may resend a request to another gateway only if it got no
+response start; a stream that broke counts as failed. Progress goes to stderr; stdout gets
+one JSON line (failures in all and per phase, reconnects, TTFT p50/p99 per phase and their
+ratio to the steady phase's, each restart's drain and start times). Files: ``OUT/KIND.csv``
+(every request), ``OUT/KIND.png`` (the timeline), ``OUT/KIND.md`` and, unless ``--no-doc``,
+the ``upgrade:KIND`` block of the doc (KIND = quick or full, or ``--kind``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import orjson
+
+from pdgate.loadtest.lib.children import run_main
+
+__all__ = ["HELP", "configure", "main"]
+
+HELP = "restart every shim and gateway one by one under streaming load: failures, TTFT bump"
+
+_NUMBERS = ("prefills", "decodes", "gateways", "users", "max_tokens", "seed")
+_SECONDS = ("drain_timeout_s", "gateway_prestop_s", "steady_s", "settle_s", "after_s")
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="1 prefill, 1 decode, short streams")
+    p.add_argument("--out", type=Path, default=Path("docs/upgrade"), help="output folder")
+    p.add_argument("--doc", type=Path, default=Path("docs/operations.md"))
+    p.add_argument("--no-doc", action="store_true", help="do not update the doc's block")
+    p.add_argument("--kind", help="name of the outputs and the doc block; default quick or full")
+    for name in _NUMBERS:
+        p.add_argument(f"--{name.replace('_', '-')}", type=int)
+    for name in _SECONDS:
+        p.add_argument(f"--{name.replace('_', '-')}", type=float)
+    p.add_argument("--roles", help="what to restart, in order (default prefill,decode,gateway)")
+
+
+def main(args: argparse.Namespace, command: str) -> int:
+    from pdgate.loadtest.upgrade.report import (
+        markdown,
+        summary_json,
+        update_doc,
+        write_csv,
+        write_plot,
+    )
+    from pdgate.loadtest.upgrade.run import QUICK, UpgradePlan, run_upgrade
+
+    plan = QUICK if args.quick else UpgradePlan()
+    given = {n: getattr(args, n) for n in (*_NUMBERS, *_SECONDS) if getattr(args, n) is not None}
+    if args.roles:
+        given["roles"] = tuple(r.strip() for r in args.roles.split(",") if r.strip())
+    plan = replace(plan, **given)
+    kind = args.kind or ("quick" if args.quick else "full")
+    result = run_main(run_upgrade(plan))
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(result, out / f"{kind}.csv")
+    plot: str | None = f"{out.name}/{kind}.png"
+    try:
+        write_plot(result, out / f"{kind}.png", f"pdgate bench upgrade ({kind})")
+    except ImportError:
+        print("no plot: matplotlib is missing (pip install -e '.[loadtest]')", file=sys.stderr)
+        plot = None
+    block = markdown(result, command, plot)
+    (out / f"{kind}.md").write_text(block)
+    doc: Path | None = None if args.no_doc else args.doc
+    if doc is not None and doc.exists() and not update_doc(doc, kind, block):
+        print(f"{doc}: no upgrade:{kind} markers; see {out}/{kind}.md", file=sys.stderr)
+    print(orjson.dumps(summary_json(result)).decode(), flush=True)
+    return 0

@@ -1,0 +1,36 @@
+"""Built-in filters: which candidates may be tried now. The same filters serve both legs."""
+
+from __future__ import annotations
+
+from pdgate.policies.base import Candidates, InstanceLoad, RequestInfo
+
+__all__ = ["HasRoom", "NotBusy", "NotEjected"]
+
+
+class HasRoom:
+    """Fewer requests in flight than its slots. A prefill's slot is held until its KV was
+    taken, a decode's for the whole stream; the count is a lower bound of the instance's
+    load when other clients share it (a 429 corrects it)."""
+
+    name = "has_room"
+
+    def filter(self, request: RequestInfo, candidates: Candidates) -> list[InstanceLoad]:
+        return [c for c in candidates if c.inflight < c.capacity]
+
+
+class NotBusy:
+    """Not rejected (429) recently: it is the least likely to accept now."""
+
+    name = "not_busy"
+
+    def filter(self, request: RequestInfo, candidates: Candidates) -> list[InstanceLoad]:
+        return [c for c in candidates if not c.busy]
+
+
+class NotEjected:
+    """Not ejected as an outlier (consecutive failures), until its cool-down ends."""
+
+    name = "not_ejected"
+
+    def filter(self, request: RequestInfo, candidates: Candidates) -> list[InstanceLoad]:
+        return [c for c in candidates if not c.ejected]

@@ -1,0 +1,602 @@
+"""Load shared by the gateways of one fleet: prefill slot leases, gossiped counts, queue heads.
+
+Gateways that share a registry share what they route on, so that N gateway processes act as
+one (P/D-Serve runs many gateways in front of one pool):
+
+* **Slot leases (exact, per request).** A gateway takes a lease on a prefill slot before it
+  sends a request there, and gives it back when the KV has left the prefill. The lease count
+  never exceeds the prefill's declared slots across the fleet, which keeps the queue-less
+  rule for a stock server that would queue instead of answering 429, and spares pdgate
+  shims the 429s that N gateways probing the same free slot would draw.
+* **A fleet-wide deadline order.** Each gateway publishes the deadline of its most urgent
+  queued request per (model, group). For a short window after a slot frees, only the gateway
+  with the fleet's most urgent request may take it; the others yield (and are woken again
+  when the window ends). After the window anyone may, so a slot never idles waiting for a
+  gateway that does not come.
+* **Gossiped counts (every `sync_interval_s`).** Open streams and prompt tokens in flight
+  per instance, summed over the fleet, for ranking; eventually consistent, off the request
+  path.
+* **Freed-slot notifications** over pub/sub wake every gateway's forwarders at once.
+
+Liveness: a gateway's entry, its leases and its counts expire `ttl_s` after its last
+renewal, so a gateway that dies (kill -9) leaves no phantom load beyond that bound.
+
+All server-side logic is Lua, timed by the Redis server's clock (never the gateways'), so
+hosts with skewed clocks agree. Redis is never on the per-token path: per request, one
+acquire and one (coalesced) release.
+
+`LocalFleet` is the same seam without Redis: one process's leases, optionally a share of
+each instance's slots (``--workers`` without Redis split the slots between them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import secrets
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.exceptions import RedisError
+
+from pdgate.registry.base import RegistryAuthError, RegistryUnavailable, is_auth_failure
+from pdgate.registry.redis import redact_url
+
+__all__ = [
+    "Candidate",
+    "FleetStore",
+    "FleetView",
+    "Grant",
+    "LocalFleet",
+    "RedisFleet",
+]
+
+log = logging.getLogger(__name__)
+
+_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    instance_id: str
+    capacity: int
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """The outcome of one acquire: leases on the first candidate with room, or none."""
+
+    instance_id: str | None
+    lease_ids: tuple[str, ...] = ()
+    # A more urgent request at another gateway has the first try at this freed slot.
+    yielded: bool = False
+    # Fleet-wide used slots of the candidates examined (after this grant).
+    used: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetView:
+    """What a sync returns: the fleet's view, this gateway's own share included."""
+
+    gateways: int  # live gateways, this one included
+    streams: Mapping[str, int]  # instance -> open streams, whole fleet
+    tokens: Mapping[str, int]  # instance -> prompt tokens in flight, whole fleet
+    slots: Mapping[str, int]  # instance -> leased prefill slots, whole fleet
+
+
+class FleetStore(Protocol):
+    gateway_id: str
+    shared: bool  # False: this process's own view only
+
+    async def acquire(
+        self,
+        queue: str,
+        candidates: Sequence[Candidate],
+        want: int,
+        *,
+        head_in_ms: float | None,
+        next_head_in_ms: float | None,
+    ) -> Grant:
+        """Up to `want` slot leases on the first candidate (in order) with room.
+
+        `head_in_ms`: milliseconds left to the deadline of the request being placed (None:
+        no deadline order); `next_head_in_ms`: the same for this queue's next request once
+        these are placed (None: the queue will be empty). Raises `RegistryUnavailable`."""
+        ...
+
+    async def release(self, leases: Sequence[tuple[str, str]]) -> None:
+        """Give back ``(instance_id, lease_id)`` leases and tell the fleet the slots freed.
+        Raises `RegistryUnavailable` (the leases then expire on their own)."""
+        ...
+
+    async def renew(self, leases: Mapping[str, Sequence[str]]) -> None:
+        """Keep this gateway's live leases (instance -> lease ids) from expiring."""
+        ...
+
+    async def sync(
+        self,
+        streams: Mapping[str, int],
+        tokens: Mapping[str, int],
+        heads: Mapping[str, float | None],
+        instances: Sequence[str],
+    ) -> FleetView:
+        """Publish this gateway's counts (absolute, per instance) and queue heads (queue ->
+        ms to the most urgent deadline, None = empty), renew its liveness, and read the
+        fleet's sums for `instances`. Raises `RegistryUnavailable`."""
+        ...
+
+    def freed(self) -> AsyncIterator[str]:
+        """Instance ids whose slots another gateway just freed (best effort; ends or raises
+        `RegistryUnavailable` on failure, the caller re-subscribes)."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+# -- without Redis -------------------------------------------------------------------------
+
+
+class LocalFleet:
+    """One process's leases. With ``share=(index, workers)``, each of `workers` processes on
+    one node uses its own part of every instance's slots (they add up to the capacity), so
+    the queue-less rule holds without shared state."""
+
+    shared = False
+
+    def __init__(self, gateway_id: str | None = None, share: tuple[int, int] = (0, 1)) -> None:
+        index, workers = share
+        if workers < 1 or not 0 <= index < workers:
+            raise ValueError("share must be (index, workers) with 0 <= index < workers")
+        self.gateway_id = gateway_id or f"gw-{secrets.token_hex(4)}"
+        self._index, self._workers = index, workers
+        self._leases: dict[str, set[str]] = {}
+        self._seq = itertools.count()
+
+    def share_of(self, capacity: int) -> int:
+        base, extra = divmod(capacity, self._workers)
+        return base + (1 if self._index < extra else 0)
+
+    async def acquire(
+        self,
+        queue: str,
+        candidates: Sequence[Candidate],
+        want: int,
+        *,
+        head_in_ms: float | None,
+        next_head_in_ms: float | None,
+    ) -> Grant:
+        used: dict[str, int] = {}
+        for c in candidates:
+            held = self._leases.get(c.instance_id, set())
+            free = self.share_of(c.capacity) - len(held)
+            used[c.instance_id] = len(held)
+            if free > 0:
+                ids = tuple(f"{self.gateway_id}:{next(self._seq)}" for _ in range(min(free, want)))
+                self._leases.setdefault(c.instance_id, set()).update(ids)
+                used[c.instance_id] += len(ids)
+                return Grant(c.instance_id, ids, used=used)
+        return Grant(None, used=used)
+
+    async def release(self, leases: Sequence[tuple[str, str]]) -> None:
+        for instance_id, lease_id in leases:
+            held = self._leases.get(instance_id)
+            if held is not None:
+                held.discard(lease_id)
+                if not held:
+                    del self._leases[instance_id]
+
+    async def renew(self, leases: Mapping[str, Sequence[str]]) -> None:
+        return None
+
+    async def sync(
+        self,
+        streams: Mapping[str, int],
+        tokens: Mapping[str, int],
+        heads: Mapping[str, float | None],
+        instances: Sequence[str],
+    ) -> FleetView:
+        return FleetView(
+            1,
+            dict(streams),
+            dict(tokens),
+            {i: len(self._leases.get(i, ())) for i in instances},
+        )
+
+    async def freed(self) -> AsyncIterator[str]:
+        await asyncio.Event().wait()  # nobody else frees slots
+        yield ""  # pragma: no cover
+
+    async def aclose(self) -> None:
+        self._leases.clear()
+
+
+# -- on Redis ------------------------------------------------------------------------------
+
+# KEYS: gw, freed_at, then per candidate: slots key.  ARGV: me, ttl_ms, window_ms,
+# tolerance_ms, want, head_in_ms (-1: none), next_head_in_ms (-1: empty), heads key,
+# lease base, n, then per candidate: instance id, capacity.
+# Returns {index of the granting candidate (0: none), yielded (0/1), used..., lease ids...}.
+_ACQUIRE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local me, ttl, window, tol = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local want, head, nxt = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local heads_key, base, n = ARGV[8], ARGV[9], tonumber(ARGV[10])
+redis.call('ZADD', KEYS[1], now + ttl, me)
+local function others_first(instance)
+  if head < 0 then return false end
+  local freed = tonumber(redis.call('HGET', KEYS[2], instance) or '0')
+  if now - freed >= window then return false end
+  local mine = now + head
+  local rows = redis.call('ZRANGE', heads_key, 0, 7, 'WITHSCORES')
+  for i = 1, #rows, 2 do
+    local gw, due = rows[i], tonumber(rows[i + 1])
+    if due >= mine - tol then return false end
+    -- (a head whose deadline passed is a stale entry: that request is gone)
+    if gw ~= me and due >= now then
+      local alive = tonumber(redis.call('ZSCORE', KEYS[1], gw) or '0')
+      if alive >= now then return true end
+    end
+  end
+  return false
+end
+local used, granted, yielded, ids = {}, 0, 0, {}
+for i = 1, n do
+  local key, instance, cap = KEYS[2 + i], ARGV[9 + 2 * i], tonumber(ARGV[10 + 2 * i])
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  local busy = redis.call('ZCARD', key)
+  used[i] = busy
+  if granted == 0 and busy < cap then
+    if others_first(instance) then
+      yielded = 1
+    else
+      local k = math.min(want, cap - busy)
+      for j = 1, k do
+        local id = base .. ':' .. j
+        redis.call('ZADD', key, now + ttl, id)
+        ids[#ids + 1] = id
+      end
+      used[i] = busy + k
+      granted = i
+    end
+  end
+end
+if nxt >= 0 then
+  redis.call('ZADD', heads_key, now + nxt, me)
+elseif granted > 0 then
+  redis.call('ZREM', heads_key, me)
+end
+redis.call('PEXPIRE', heads_key, ttl * 4)
+local out = {granted, yielded}
+for i = 1, n do out[#out + 1] = used[i] end
+for i = 1, #ids do out[#out + 1] = ids[i] end
+return out
+"""
+
+# KEYS: freed_at, then per lease: its slots key.  ARGV: channel, then per lease: instance, id.
+_RELEASE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local freed = {}
+for i = 2, #KEYS do
+  local instance, id = ARGV[2 * i - 2], ARGV[2 * i - 1]
+  if redis.call('ZREM', KEYS[i], id) == 1 and not freed[instance] then
+    freed[instance] = true
+    redis.call('HSET', KEYS[1], instance, now)
+    redis.call('PUBLISH', ARGV[1], instance)
+  end
+end
+return 0
+"""
+
+# KEYS: per instance: its slots key.  ARGV: ttl_ms, then per instance: count, ids...
+_RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl, a = tonumber(ARGV[1]), 2
+for i = 1, #KEYS do
+  local count = tonumber(ARGV[a]); a = a + 1
+  for j = 1, count do
+    redis.call('ZADD', KEYS[i], 'XX', 'GT', now + ttl, ARGV[a]); a = a + 1
+  end
+end
+return 0
+"""
+
+# The per-gateway hashes never expire on their own: a live gateway's sync removes a dead one's
+# counts from the sums and then its hash, so the two cannot disagree.
+# KEYS: gw, sums (hash instance -> "streams tokens"), mine (hash, same), then per queue: heads
+# key, then per instance read: its slots key.
+# ARGV: me, ttl_ms, prefix of the per-gateway hashes, n_queues, n_read, n_counts, then per
+# queue: ms to its head (-1: empty); per read instance: its id; per count: instance, streams,
+# tokens.
+# Returns {live gateways, then per read instance: streams, tokens, slots}.
+_SYNC = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local me, ttl, gw_prefix = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local nq, nr, nc = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local gw, sums, mine = KEYS[1], KEYS[2], KEYS[3]
+-- the dead take their counts with them
+local dead = redis.call('ZRANGEBYSCORE', gw, '-inf', now)
+for _, g in ipairs(dead) do
+  if g ~= me then
+    local key = gw_prefix .. g
+    local rows = redis.call('HGETALL', key)
+    for i = 1, #rows, 2 do
+      local s, k = string.match(rows[i + 1], '(%-?%d+) (%-?%d+)')
+      redis.call('HINCRBY', sums, rows[i] .. '|s', 0 - tonumber(s))
+      redis.call('HINCRBY', sums, rows[i] .. '|t', 0 - tonumber(k))
+    end
+    redis.call('DEL', key)
+    redis.call('ZREM', gw, g)
+  end
+end
+redis.call('ZADD', gw, now + ttl, me)
+-- my counts: apply the change since my last sync to the fleet's sums
+local a = 7 + nq + nr
+local seen = {}
+for i = 1, nc do
+  local instance, s, k = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]); a = a + 3
+  seen[instance] = true
+  local old = redis.call('HGET', mine, instance)
+  local os, ok = 0, 0
+  if old then
+    local x, y = string.match(old, '(%-?%d+) (%-?%d+)')
+    os, ok = tonumber(x), tonumber(y)
+  end
+  if s ~= os then redis.call('HINCRBY', sums, instance .. '|s', s - os) end
+  if k ~= ok then redis.call('HINCRBY', sums, instance .. '|t', k - ok) end
+  if s == 0 and k == 0 then
+    redis.call('HDEL', mine, instance)
+  else
+    redis.call('HSET', mine, instance, s .. ' ' .. k)
+  end
+end
+local rows = redis.call('HGETALL', mine)
+for i = 1, #rows, 2 do
+  if not seen[rows[i]] then
+    local x, y = string.match(rows[i + 1], '(%-?%d+) (%-?%d+)')
+    redis.call('HINCRBY', sums, rows[i] .. '|s', 0 - tonumber(x))
+    redis.call('HINCRBY', sums, rows[i] .. '|t', 0 - tonumber(y))
+    redis.call('HDEL', mine, rows[i])
+  end
+end
+for q = 1, nq do
+  local due = tonumber(ARGV[6 + q])
+  if due >= 0 then
+    redis.call('ZADD', KEYS[3 + q], now + due, me)
+  else
+    redis.call('ZREM', KEYS[3 + q], me)
+  end
+  redis.call('PEXPIRE', KEYS[3 + q], ttl * 4)
+end
+local out = {redis.call('ZCARD', gw)}
+for r = 1, nr do
+  local instance = ARGV[6 + nq + r]
+  local key = KEYS[3 + nq + r]
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  out[#out + 1] = tonumber(redis.call('HGET', sums, instance .. '|s') or '0')
+  out[#out + 1] = tonumber(redis.call('HGET', sums, instance .. '|t') or '0')
+  out[#out + 1] = redis.call('ZCARD', key)
+end
+return out
+"""
+
+
+class RedisFleet:
+    """`FleetStore` on the registry's Redis (same URL and key prefix)."""
+
+    shared = True
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        key_prefix: str = "pdgate",
+        gateway_id: str | None = None,
+        ttl_s: float = 2.0,
+        window_s: float = 0.02,
+        tolerance_s: float = 0.01,
+        connect_timeout_s: float = 1.0,
+    ) -> None:
+        if ttl_s <= 0 or window_s < 0 or tolerance_s < 0:
+            raise ValueError("ttl_s must be positive, window_s and tolerance_s >= 0")
+        self.gateway_id = gateway_id or f"gw-{secrets.token_hex(6)}"
+        self._safe_url = redact_url(url)
+        self._ttl_ms = max(1, round(ttl_s * 1000))
+        self._window_ms = round(window_s * 1000)
+        self._tolerance_ms = round(tolerance_s * 1000)
+        base = f"{key_prefix}:fleet:"
+        self._base = base
+        self._gw = base + "gw"
+        self._freed_at = base + "freed_at"
+        self._sums = base + "sums"
+        self._mine = base + "load:" + self.gateway_id
+        self._channel = base + "freed"
+        self._seq = itertools.count()
+        common: dict[str, Any] = {
+            "socket_timeout": connect_timeout_s,
+            "socket_connect_timeout": connect_timeout_s,
+            "health_check_interval": 5,
+        }
+        self._client = Redis.from_url(
+            url, retry=Retry(ExponentialBackoff(cap=0.1, base=0.02), 1), **common
+        )
+        self._sub_client = Redis.from_url(url, retry=Retry(NoBackoff(), 0), **common)
+        self._acquire = self._client.register_script(_ACQUIRE)
+        self._release = self._client.register_script(_RELEASE)
+        self._renew = self._client.register_script(_RENEW)
+        self._sync = self._client.register_script(_SYNC)
+        self._timeout_s = connect_timeout_s
+
+    def __repr__(self) -> str:
+        return f"RedisFleet({self._safe_url!r}, gateway={self.gateway_id!r})"
+
+    def _slots(self, instance_id: str) -> str:
+        return f"{self._base}slots:{instance_id}"
+
+    def _heads(self, queue: str) -> str:
+        return f"{self._base}heads:{queue}"
+
+    def _unavailable(self, op: str, exc: BaseException) -> RegistryUnavailable:
+        if is_auth_failure(exc):
+            return RegistryAuthError(
+                f"fleet state {self._safe_url}: {op}: Redis refused the credentials "
+                f"(password, ACL user or TLS settings in the URL): {exc}"
+            )
+        return RegistryUnavailable(f"fleet state {self._safe_url}: {op} failed: {exc!r}")
+
+    async def acquire(
+        self,
+        queue: str,
+        candidates: Sequence[Candidate],
+        want: int,
+        *,
+        head_in_ms: float | None,
+        next_head_in_ms: float | None,
+    ) -> Grant:
+        if not candidates or want <= 0:
+            return Grant(None)
+        args: list[Any] = [
+            self.gateway_id,
+            self._ttl_ms,
+            self._window_ms,
+            self._tolerance_ms,
+            want,
+            -1 if head_in_ms is None else max(0, round(head_in_ms)),
+            -1 if next_head_in_ms is None else max(0, round(next_head_in_ms)),
+            self._heads(queue),
+            f"{self.gateway_id}:{next(self._seq)}",
+            len(candidates),
+        ]
+        for c in candidates:
+            args += [c.instance_id, c.capacity]
+        keys = [self._gw, self._freed_at, *(self._slots(c.instance_id) for c in candidates)]
+        try:
+            out = await self._acquire(keys=keys, args=args)
+        except _ERRORS as exc:
+            raise self._unavailable("acquire", exc) from exc
+        chosen, yielded = int(out[0]), bool(out[1])
+        n = len(candidates)
+        used = {c.instance_id: int(out[2 + i]) for i, c in enumerate(candidates)}
+        ids = tuple(x.decode() if isinstance(x, bytes) else str(x) for x in out[2 + n :])
+        instance = candidates[chosen - 1].instance_id if chosen else None
+        return Grant(instance, ids, yielded=yielded, used=used)
+
+    async def release(self, leases: Sequence[tuple[str, str]]) -> None:
+        if not leases:
+            return
+        keys = [self._freed_at, *(self._slots(i) for i, _ in leases)]
+        args: list[Any] = [self._channel]
+        for instance_id, lease_id in leases:
+            args += [instance_id, lease_id]
+        try:
+            await self._release(keys=keys, args=args)
+        except _ERRORS as exc:
+            raise self._unavailable("release", exc) from exc
+
+    async def renew(self, leases: Mapping[str, Sequence[str]]) -> None:
+        held = {i: ids for i, ids in leases.items() if ids}
+        if not held:
+            return
+        args: list[Any] = [self._ttl_ms]
+        for ids in held.values():
+            args += [len(ids), *ids]
+        try:
+            await self._renew(keys=[self._slots(i) for i in held], args=args)
+        except _ERRORS as exc:
+            raise self._unavailable("renew", exc) from exc
+
+    async def sync(
+        self,
+        streams: Mapping[str, int],
+        tokens: Mapping[str, int],
+        heads: Mapping[str, float | None],
+        instances: Sequence[str],
+    ) -> FleetView:
+        queues = list(heads)
+        counts = sorted(set(streams) | set(tokens))
+        keys = [
+            self._gw,
+            self._sums,
+            self._mine,
+            *(self._heads(q) for q in queues),
+            *(self._slots(i) for i in instances),
+        ]
+        args: list[Any] = [
+            self.gateway_id,
+            self._ttl_ms,
+            self._base + "load:",
+            len(queues),
+            len(instances),
+            len(counts),
+        ]
+        for q in queues:
+            due = heads[q]
+            args.append(-1 if due is None else max(0, round(due)))
+        args += list(instances)
+        for i in counts:
+            args += [i, int(streams.get(i, 0)), int(tokens.get(i, 0))]
+        try:
+            out = await self._sync(keys=keys, args=args)
+        except _ERRORS as exc:
+            raise self._unavailable("sync", exc) from exc
+        view_streams: dict[str, int] = {}
+        view_tokens: dict[str, int] = {}
+        view_slots: dict[str, int] = {}
+        for r, instance in enumerate(instances):
+            s, k, used = out[1 + 3 * r : 4 + 3 * r]
+            view_streams[instance] = max(0, int(s))
+            view_tokens[instance] = max(0, int(k))
+            view_slots[instance] = int(used)
+        return FleetView(int(out[0]), view_streams, view_tokens, view_slots)
+
+    async def freed(self) -> AsyncIterator[str]:
+        pubsub = self._sub_client.pubsub()
+        try:
+            try:
+                await pubsub.subscribe(self._channel)
+            except _ERRORS as exc:
+                raise self._unavailable("subscribe", exc) from exc
+            loop = asyncio.get_running_loop()
+            heard = loop.time()
+            while True:
+                try:
+                    msg = await pubsub.get_message(
+                        ignore_subscribe_messages=True, timeout=self._timeout_s
+                    )
+                except _ERRORS as exc:
+                    raise self._unavailable("read freed slots", exc) from exc
+                if msg is None:
+                    # Quiet channel: prove the connection is alive (a half-open TCP link
+                    # would otherwise look like a fleet where nothing frees).
+                    if loop.time() - heard > 3 * self._timeout_s:
+                        raise self._unavailable("read freed slots", TimeoutError("no PONG"))
+                    try:
+                        await pubsub.ping()
+                    except _ERRORS as exc:
+                        raise self._unavailable("ping", exc) from exc
+                    continue
+                heard = loop.time()
+                if msg.get("type") == "message":
+                    data = msg["data"]
+                    yield data.decode() if isinstance(data, bytes) else str(data)
+        finally:
+            with contextlib.suppress(*_ERRORS):
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    async def aclose(self) -> None:
+        # Leave now rather than at expiry: our counts stop counting at once.
+        with contextlib.suppress(*_ERRORS):
+            await self.sync({}, {}, {}, [])
+            await self._client.zrem(self._gw, self.gateway_id)
+        for client in (self._sub_client, self._client):
+            with contextlib.suppress(*_ERRORS):
+                await client.aclose()

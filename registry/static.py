@@ -1,0 +1,455 @@
+"""Instances given by URL instead of registering themselves: ``pdgate gateway --prefill URL
+--decode URL`` (settings ``static_prefills``/``static_decodes``), e.g. stock ``vllm serve``.
+
+`StaticRegistry` is a read-only `Registry` over those servers. A background task probes each
+one every ``probe_interval_s`` (``GET /health``, and ``GET /v1/models`` for the served model
+when none is given) with a ``probe_timeout_s`` bound; a server is listed once it has answered,
+READY while it answers and DRAINING (no new requests, its open streams still counted) after
+``down_after`` failed probes in a row, until it answers again. `MergedRegistry` shows it
+together with the configured registry (Redis or in-memory), so `Membership` and the rest of
+the gateway see one membership and need no change.
+
+Ids are derived from role and URL (`static_instance_id`), so every gateway of a fleet names
+a server alike and shares its slot leases, and a server that `pdgate announce` also registers
+under its default id is counted once (the static declaration wins).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+
+from pdgate.config.aio import cancel_and_wait
+from pdgate.config.settings import (
+    STATIC_DECODE_CAPACITY,
+    STATIC_PREFILL_CAPACITY,
+    GatewaySettings,
+    StaticInstance,
+)
+from pdgate.config.wire import HEALTH_PATH, Role
+from pdgate.registry.base import (
+    EventStream,
+    InstanceRecord,
+    InstanceState,
+    Registry,
+    RegistryError,
+    RegistryEvent,
+    RegistryUnavailable,
+)
+from pdgate.registry.memory import MemoryRegistry
+
+__all__ = [
+    "MergedRegistry",
+    "ProbeError",
+    "StaticRegistry",
+    "check_health",
+    "list_models",
+    "static_instance_id",
+    "with_static_instances",
+]
+
+logger = logging.getLogger(__name__)
+
+MODELS_PATH = "/v1/models"
+STATIC_VERSION = "static"  # InstanceRecord.version of static instances (shown by /admin)
+_MAX_BODY_BYTES = 1 << 20  # a /v1/models answer; vLLM's is a few hundred bytes per model
+_MAX_WARNED = 1024
+_EVENT_QUEUE = 256
+
+
+class ProbeError(Exception):
+    """A server answered, but not as an OpenAI server should."""
+
+
+def static_instance_id(role: Role, url: str) -> str:
+    """``prefill@host:port[/path]``: the same on every gateway for the same declaration (the
+    fleet shares slot leases by id) and `pdgate announce`'s default for the same server."""
+    return f"{role.value}@{url.partition('://')[2] or url}"
+
+
+async def _get(
+    session: aiohttp.ClientSession, url: str, headers: Mapping[str, str]
+) -> tuple[int, bytes]:
+    async with session.get(url, headers=headers, allow_redirects=False) as resp:
+        body = await resp.content.read(_MAX_BODY_BYTES + 1)
+        if len(body) > _MAX_BODY_BYTES:
+            raise ProbeError(f"GET {url}: answer larger than {_MAX_BODY_BYTES} bytes")
+        return resp.status, body
+
+
+async def check_health(
+    session: aiohttp.ClientSession, base_url: str, headers: Mapping[str, str]
+) -> None:
+    """Raise unless ``GET {base_url}/health`` answers 200 (aiohttp errors pass through)."""
+    status, _ = await _get(session, base_url + HEALTH_PATH, headers)
+    if status != 200:
+        raise ProbeError(f"GET {HEALTH_PATH} answered HTTP {status}")
+
+
+async def list_models(
+    session: aiohttp.ClientSession, base_url: str, headers: Mapping[str, str]
+) -> list[str]:
+    """The models ``GET {base_url}/v1/models`` lists, base models first (vLLM lists LoRA
+    adapters too, with a ``parent``). Raises `ProbeError` or aiohttp's errors."""
+    status, body = await _get(session, base_url + MODELS_PATH, headers)
+    if status != 200:
+        raise ProbeError(f"GET {MODELS_PATH} answered HTTP {status}")
+    try:
+        data = orjson.loads(body)["data"]
+        entries = [(e["id"], e.get("parent")) for e in data if isinstance(e, dict)]
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise ProbeError(f"GET {MODELS_PATH}: not an OpenAI model list") from exc
+    names = [i for i, parent in entries if isinstance(i, str) and i and parent is None]
+    names += [i for i, parent in entries if isinstance(i, str) and i and parent is not None]
+    if not names:
+        raise ProbeError(f"GET {MODELS_PATH} lists no model")
+    return names
+
+
+@dataclass(slots=True)
+class _Target:
+    role: Role
+    spec: StaticInstance
+    id: str
+    capacity: int
+    record: InstanceRecord | None = None  # what is published (None: never answered yet)
+    failures: int = 0  # failed probes in a row
+    learn: bool = True  # read GET /v1/models at the next answer (first, or after a failure)
+    warned: bool = False  # "not answering" logged for the current outage
+
+    @property
+    def name(self) -> str:
+        return f"static {self.role.value} {self.spec.url}"
+
+
+class StaticRegistry:
+    """Read-only `Registry` of servers given by URL; see the module docstring."""
+
+    def __init__(
+        self,
+        prefills: Sequence[StaticInstance] = (),
+        decodes: Sequence[StaticInstance] = (),
+        *,
+        probe_interval_s: float = 2.0,
+        probe_timeout_s: float = 1.0,
+        down_after: int = 2,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        if probe_interval_s <= 0 or probe_timeout_s <= 0 or down_after < 1:
+            raise ValueError("probe interval and timeout must be positive, down_after >= 1")
+        self._targets: list[_Target] = []
+        for role, specs, default_capacity in (
+            (Role.PREFILL, prefills, STATIC_PREFILL_CAPACITY),
+            (Role.DECODE, decodes, STATIC_DECODE_CAPACITY),
+        ):
+            for spec in specs:
+                self._targets.append(
+                    _Target(
+                        role,
+                        spec,
+                        spec.id or static_instance_id(role, spec.url),
+                        spec.capacity or default_capacity,
+                    )
+                )
+        ids = [t.id for t in self._targets]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"static instances with the same id: {sorted(ids)}")
+        self._interval_s = probe_interval_s
+        self._timeout_s = probe_timeout_s
+        self._down_after = down_after
+        self._headers = dict(headers or {})
+        # Refreshed every round: if the prober ever died, its records would expire rather
+        # than stay READY forever.
+        self._ttl_s = 3 * (probe_interval_s + probe_timeout_s)
+        self._store = MemoryRegistry(max_instances=max(1, len(self._targets)))
+        self._first_round = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"StaticRegistry({len(self._targets)} instances)"
+
+    @property
+    def ids(self) -> frozenset[str]:
+        return frozenset(t.id for t in self._targets)
+
+    # --- Registry ---------------------------------------------------------------------
+
+    async def put(self, record: InstanceRecord, ttl_s: float, *, announce: bool = False) -> None:
+        raise RegistryError("static instances are read-only (they come from the settings)")
+
+    async def remove(self, instance_id: str) -> None:
+        raise RegistryError("static instances are read-only (they come from the settings)")
+
+    async def snapshot(self) -> list[InstanceRecord]:
+        if self._closed:
+            raise RegistryUnavailable("static instances: closed")
+        self._start()
+        if not self._first_round.is_set():
+            # At start-up, wait for the first round, so servers that answer are in the first
+            # view; a dead one holds start-up no longer than one probe timeout.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._timeout_s + 0.5):
+                    await self._first_round.wait()
+        return await self._store.snapshot()
+
+    def events(self) -> AsyncIterator[RegistryEvent]:
+        self._start()
+        return self._store.events()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None:
+            await cancel_and_wait([task])
+        if self._session is not None:
+            await self._session.close()
+        await self._store.aclose()
+
+    # --- probing ----------------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._task is None and not self._closed and self._targets:
+            self._task = asyncio.create_task(self._run(), name="static-instances:probe")
+        elif not self._targets:
+            self._first_round.set()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        # Bounded: one connection per server at most (a round never overlaps the next).
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=len(self._targets), force_close=True),
+            timeout=aiohttp.ClientTimeout(total=self._timeout_s),
+        )
+        while True:
+            started = loop.time()
+            await asyncio.gather(*(self._probe(t) for t in self._targets))
+            self._first_round.set()
+            await asyncio.sleep(max(0.0, started + self._interval_s - loop.time()))
+
+    async def _probe(self, target: _Target) -> None:
+        session = self._session
+        assert session is not None
+        model: str | None = None
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await check_health(session, target.spec.url, self._headers)
+                if target.learn or target.record is None:
+                    model = await self._model(session, target)
+        except Exception as exc:  # the prober must outlive anything a server answers
+            await self._failed(target, _describe(exc))
+            return
+        await self._answered(target, model)
+
+    async def _model(self, session: aiohttp.ClientSession, target: _Target) -> str:
+        given = target.spec.model
+        try:
+            names = await list_models(session, target.spec.url, self._headers)
+        except (ProbeError, aiohttp.ClientError) as exc:
+            if given is None:
+                raise
+            logger.info("%s: %s; using the given model %r", target.name, _describe(exc), given)
+            return given
+        if given is None:
+            return names[0]
+        if given not in names:
+            logger.warning(
+                "%s: model %r given, but the server lists %s: requests for %r will fail there",
+                target.name,
+                given,
+                names[:8],
+                given,
+            )
+        return given
+
+    async def _answered(self, target: _Target, model: str | None) -> None:
+        old = target.record
+        model = model or (old.model if old is not None else None)
+        assert model is not None  # learned when there was no record
+        record = InstanceRecord(
+            id=target.id,
+            role=target.role,
+            url=target.spec.url,
+            model=model,
+            group=target.spec.group,
+            capacity=target.capacity,
+            state=InstanceState.READY,
+            version=STATIC_VERSION,
+            started_at=old.started_at if old is not None else time.time(),
+        )
+        changed = record != old
+        if changed:
+            logger.info(
+                "%s is up: model %r, %d %s",
+                target.name,
+                model,
+                target.capacity,
+                "slots" if target.role is Role.PREFILL else "running sequences",
+            )
+        target.record, target.failures, target.learn, target.warned = record, 0, False, False
+        await self._store.put(record, self._ttl_s, announce=changed)
+
+    async def _failed(self, target: _Target, reason: str) -> None:
+        target.failures += 1
+        target.learn = True  # it may come back restarted, serving another model
+        record = target.record
+        if record is None:
+            if not target.warned:  # once per outage, not every round
+                target.warned = True
+                logger.warning("%s is not ready (%s); listed once it is", target.name, reason)
+            return
+        announce = False
+        if target.failures >= self._down_after and record.state is InstanceState.READY:
+            record = target.record = record.with_state(InstanceState.DRAINING)
+            announce = True
+            logger.warning(
+                "%s failed %d probes in a row (%s): draining until it answers",
+                target.name,
+                target.failures,
+                reason,
+            )
+        await self._store.put(record, self._ttl_s, announce=announce)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return str(exc) or type(exc).__name__
+
+
+class _MergedStream:
+    """Events of several streams as one; ends (or raises) as soon as any source does, so the
+    consumer re-subscribes and re-polls, as it would for one registry."""
+
+    def __init__(
+        self, sources: Sequence[AsyncIterator[RegistryEvent]], hidden: frozenset[str]
+    ) -> None:
+        self._sources = list(sources)
+        self._hidden = hidden  # ids the static declarations own: the other source's are dropped
+        self._queue: asyncio.Queue[RegistryEvent | Exception | None] = asyncio.Queue(_EVENT_QUEUE)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ended = False
+
+    def __aiter__(self) -> _MergedStream:
+        return self
+
+    async def wait_subscribed(self) -> None:
+        for source in self._sources:
+            if isinstance(source, EventStream):
+                await source.wait_subscribed()
+
+    async def __anext__(self) -> RegistryEvent:
+        if self._ended:
+            raise StopAsyncIteration
+        if not self._tasks:
+            self._tasks = [
+                asyncio.create_task(self._pump(source, filtered=i > 0))
+                for i, source in enumerate(self._sources)
+            ]
+        item = await self._queue.get()
+        if item is None or isinstance(item, Exception):
+            self._ended = True
+            if item is None:
+                raise StopAsyncIteration
+            raise item
+        return item
+
+    async def _pump(self, source: AsyncIterator[RegistryEvent], *, filtered: bool) -> None:
+        try:
+            async for event in source:
+                if filtered and event.instance_id in self._hidden:
+                    continue
+                await self._queue.put(event)
+        except Exception as exc:
+            await self._queue.put(exc)
+        else:
+            await self._queue.put(None)
+
+    async def aclose(self) -> None:
+        self._ended = True
+        await cancel_and_wait(self._tasks)
+        for source in self._sources:
+            close = getattr(source, "aclose", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    await close()
+
+
+class MergedRegistry:
+    """The configured `registry` (it takes every write) plus the read-only static instances.
+
+    A snapshot is both; when the registry cannot be reached the snapshot fails as it would
+    without static instances (`Membership` keeps its last view, static instances included).
+    A registered record with a static instance's id is ignored: the declaration wins.
+    """
+
+    def __init__(self, registry: Registry, static: StaticRegistry) -> None:
+        self._registry = registry
+        self._static = static
+        self._warned: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"MergedRegistry({self._registry!r}, {self._static!r})"
+
+    @property
+    def inner(self) -> Registry:
+        return self._registry
+
+    async def put(self, record: InstanceRecord, ttl_s: float, *, announce: bool = False) -> None:
+        await self._registry.put(record, ttl_s, announce=announce)
+
+    async def remove(self, instance_id: str) -> None:
+        await self._registry.remove(instance_id)
+
+    async def snapshot(self) -> list[InstanceRecord]:
+        static = await self._static.snapshot()
+        hidden = self._static.ids
+        merged = list(static)
+        for record in await self._registry.snapshot():
+            if record.id not in hidden:
+                merged.append(record)
+            elif record.id not in self._warned:
+                if len(self._warned) >= _MAX_WARNED:
+                    self._warned.clear()
+                self._warned.add(record.id)
+                logger.warning(
+                    "registered instance %r has the id of a static one; the static "
+                    "declaration is used",
+                    record.id[:128],
+                )
+        return merged
+
+    def events(self) -> _MergedStream:
+        return _MergedStream([self._static.events(), self._registry.events()], self._static.ids)
+
+    async def aclose(self) -> None:
+        try:
+            await self._static.aclose()
+        finally:
+            await self._registry.aclose()
+
+
+def with_static_instances(
+    registry: Registry, settings: GatewaySettings, *, headers: Mapping[str, str] | None = None
+) -> Registry:
+    """`registry`, plus the static instances `settings` declare (if any). `headers` go with
+    the probes (the upstream bearer token: stock vLLM with ``--api-key`` guards /v1/models)."""
+    if not settings.static_prefills and not settings.static_decodes:
+        return registry
+    static = StaticRegistry(
+        settings.static_prefills,
+        settings.static_decodes,
+        probe_interval_s=settings.static_probe_interval_s,
+        probe_timeout_s=settings.static_probe_timeout_s,
+        down_after=settings.static_down_after,
+        headers=headers,
+    )
+    return MergedRegistry(registry, static)

@@ -1,0 +1,184 @@
+"""A small P/D cluster behind `MockUpstream`, and the gateway parts wired to it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import orjson
+
+from pdgate.config import GatewaySettings, QueueOrder, Role
+from pdgate.config.aio import Background, ConstantBackoff
+from pdgate.config.wire import EXT_BATCH_PREFILL, SSE_DONE
+from pdgate.gateway.dispatch import Dispatcher, client_error
+from pdgate.gateway.fleet import Fleet
+from pdgate.gateway.forwarder import ForwardingOptions, PrefillForwarder, Shared
+from pdgate.gateway.health import Ejector, RetryBudget
+from pdgate.gateway.instances import InstanceTracker
+from pdgate.gateway.metrics import GatewayMetrics
+from pdgate.gateway.mock_upstream import Call, MockUpstream, Reply
+from pdgate.gateway.queue import Waiter, WaitQueue
+from pdgate.policies import RequestInfo, load_policy
+from pdgate.registry.base import InstanceRecord
+from pdgate.registry.fleet import LocalFleet
+
+
+def completion_chunks(text: str, *, request_id: str = "cmpl-1") -> list[bytes]:
+    """A decode's SSE stream of `text`, one character per event, then [DONE]."""
+    out = []
+    for i, ch in enumerate(text):
+        finish = "length" if i == len(text) - 1 else None
+        event = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 0, "text": ch, "logprobs": None, "finish_reason": finish}],
+        }
+        out.append(b"data: " + orjson.dumps(event) + b"\n\n")
+    usage = {"prompt_tokens": 3, "completion_tokens": len(text), "total_tokens": 3 + len(text)}
+    tail = {"id": request_id, "object": "text_completion", "created": 1, "model": "m"}
+    out.append(b"data: " + orjson.dumps({**tail, "choices": [], "usage": usage}) + b"\n\n")
+    out.append(SSE_DONE)
+    return out
+
+
+@dataclass
+class FakeCluster:
+    """Prefills accept (or do what `prefill_script` says per call), decodes stream `text`."""
+
+    text: str = "hello"
+    prefill_delay_s: float = 0.0
+    # Per prefill call, in order: a Reply to give instead of the normal answer.
+    prefill_script: list[Reply] = field(default_factory=list)
+    decode_script: list[Reply] = field(default_factory=list)
+    decode_chunk_delay_s: float = 0.0
+    gate: asyncio.Event | None = None  # prefills wait for it when set
+
+    async def __call__(self, call: Call) -> Reply:
+        if call.leg == "prefill":
+            if self.gate is not None:
+                await self.gate.wait()
+            if self.prefill_delay_s:
+                await asyncio.sleep(self.prefill_delay_s)
+            if self.prefill_script:
+                return self.prefill_script.pop(0)
+            params = {
+                "do_remote_prefill": True,
+                "remote_host": call.url.split("//")[1],
+                "remote_port": 80,
+                "remote_request_id": call.kv_id or "kv",
+            }
+            return Reply(json={"choices": [{"text": self.text[:1]}], "kv_transfer_params": params})
+        if self.decode_script:
+            return self.decode_script.pop(0)
+        return Reply(
+            chunks=completion_chunks(self.text, request_id=call.request_id),
+            chunk_delay_s=self.decode_chunk_delay_s,
+        )
+
+
+def records(
+    prefills: Sequence[int], decodes: Sequence[int] = (), *, stock: bool = False
+) -> dict[str, InstanceRecord]:
+    """Prefills p0.. and decodes d0.. with the given capacities; pdgate shims (prefills
+    declare the batch endpoint) unless `stock`."""
+    out = {}
+    for role, caps, tag in ((Role.PREFILL, prefills, "p"), (Role.DECODE, decodes, "d")):
+        ext = (EXT_BATCH_PREFILL,) if role is Role.PREFILL and not stock else ()
+        for i, cap in enumerate(caps):
+            rid = f"{tag}{i}"
+            out[rid] = InstanceRecord(
+                id=rid, role=role, url=f"http://{rid}", model="m", capacity=cap, extensions=ext
+            )
+    return out
+
+
+def tracker_for(
+    prefills: Sequence[int], decodes: Sequence[int] = (), *, stock: bool = False
+) -> InstanceTracker:
+    tracker = InstanceTracker(reject_hold_s=0.05)
+    tracker.update_membership(records(prefills, decodes, stock=stock))
+    return tracker
+
+
+def info(prompt: str = "p", chars: int | None = None) -> RequestInfo:
+    return RequestInfo(
+        model="m",
+        group=None,
+        prompt=prompt,
+        prompt_chars=len(prompt) if chars is None else chars,
+        max_tokens=4,
+    )
+
+
+def waiter(i: int = 0, *, deadline_s: float = 5.0, prompt: str | None = None) -> Waiter:
+    return Waiter(
+        info=info(prompt or f"p{i}"),
+        body={},
+        request_id=f"r{i}",
+        deadline=time.monotonic() + deadline_s,
+        future=asyncio.get_running_loop().create_future(),
+    )
+
+
+def forwarder(
+    upstream: MockUpstream,
+    tracker: InstanceTracker,
+    options: ForwardingOptions | None = None,
+    *,
+    order: QueueOrder = QueueOrder.EDF,
+) -> tuple[PrefillForwarder, GatewayMetrics, Background]:
+    metrics = GatewayMetrics(tracker.totals, lambda: 0)
+    background = Background("test")
+    fwd = PrefillForwarder(
+        "m",
+        None,
+        WaitQueue(100, order),
+        load_policy("least_sse"),
+        Shared(
+            tracker,
+            upstream,
+            ConstantBackoff(0.01),
+            metrics,
+            None,
+            options or ForwardingOptions(client_error=client_error),
+            background,
+            Fleet(LocalFleet("test"), tracker),
+            Ejector(tracker, metrics),
+            RetryBudget(),
+        ),
+    )
+    return fwd, metrics, background
+
+
+def dispatcher(
+    upstream: MockUpstream, tracker: InstanceTracker, **settings: object
+) -> tuple[Dispatcher, GatewayMetrics]:
+    metrics = GatewayMetrics(tracker.totals, lambda: 0)
+    gs = GatewaySettings(backoff_initial_s=0.005, backoff_max_s=0.02, **settings)  # type: ignore[arg-type]
+    d = Dispatcher(
+        gs,
+        tracker,
+        upstream,
+        load_policy("least_sse"),
+        load_policy("least_loaded"),
+        ConstantBackoff(0.01),
+        metrics,
+        None,
+    )
+    return d, metrics
+
+
+async def eventually(check: Callable[[], bool], timeout_s: float = 2.0) -> None:
+    """Wait until `check()` holds (clean-up runs in background tasks)."""
+    end = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > end:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.005)
+
+
+Handler = Callable[[Call], Awaitable[Reply]]

@@ -1,0 +1,207 @@
+"""The dispatcher and the relay against `MockUpstream`: who holds which count when."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import orjson
+import pytest
+
+from pdgate.config import DispatchMode
+from pdgate.gateway.dispatch import Placement
+from pdgate.gateway.errors import BadGateway, DeadlineExceeded
+from pdgate.gateway.mock_upstream import MockUpstream, Reply
+from pdgate.gateway.relay import relay_stream, relay_whole
+from tests.gateway._fakes import FakeCluster, dispatcher, eventually, info, tracker_for
+
+
+def counts(tracker: Any, instance_id: str) -> tuple[int, int]:
+    row = next(r for r in tracker.describe() if r["id"] == instance_id)
+    return row["open_streams"], row["inflight"]
+
+
+class Sink:
+    """An ASGI `send` that keeps what was sent."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+
+    async def __call__(self, message: Any) -> None:
+        self.messages.append(message)
+
+    @property
+    def status(self) -> int:
+        return int(self.messages[0]["status"])
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.messages[1:])
+
+
+async def place(d: Any, *, stream: bool = True, deadline_s: float = 2.0) -> Placement:
+    forward = {"model": "m", "prompt": "p", "max_tokens": 4, "stream": stream}
+    placement: Placement = await d.place(
+        info(), forward, request_id="req-1", deadline=time.monotonic() + deadline_s
+    )
+    return placement
+
+
+async def test_the_prefill_slot_is_held_until_the_decode_sends_its_first_event() -> None:
+    """Issue 9: the prefill's count was given back when the decode accepted, ~1 ms before the
+    prefill really freed the slot (when the decode had pulled the KV): the next request got a
+    429 and the prefill then sat idle for the whole busy hold."""
+    upstream = MockUpstream(FakeCluster(text="abc"))
+    tracker = tracker_for([1], [4])
+    d, metrics = dispatcher(upstream, tracker)
+    placement = await place(d)
+    assert counts(tracker, "p0") == (1, 1)  # the decode may not have pulled the KV yet
+    sink = Sink()
+    await relay_stream(
+        placement, sink, request_id="req-1", chunk_bytes=1024, metrics=metrics, arrived=0
+    )
+    assert counts(tracker, "p0") == (1, 0)  # KV gone from the prefill: slot free
+    placement.close()
+    assert tracker.totals() == (0, 0)
+    assert upstream.released() == []  # the decode took the KV: nothing to release
+    await d.close()
+
+
+async def test_the_decode_leg_always_streams_and_a_whole_answer_is_assembled() -> None:
+    upstream = MockUpstream(FakeCluster(text="hello"))
+    tracker = tracker_for([1], [4])
+    d, metrics = dispatcher(upstream, tracker)
+    placement = await place(d, stream=False)
+    decode_call = next(c for c in upstream.calls if c.leg == "decode")
+    assert decode_call.body is not None
+    assert decode_call.body["stream"] is True
+    assert decode_call.body["stream_options"] == {"include_usage": True}
+    sink = Sink()
+    outcome = await relay_whole(
+        placement,
+        sink,
+        request_id="req-1",
+        chunk_bytes=7,  # events split across chunks
+        max_bytes=1 << 20,
+        metrics=metrics,
+        arrived=0,
+    )
+    placement.close()
+    assert outcome == "ok" and sink.status == 200
+    answer = orjson.loads(sink.body)
+    assert answer["object"] == "text_completion"
+    assert answer["id"] == "req-1"
+    assert answer["choices"][0]["text"] == "hello"
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["completion_tokens"] == 5
+    assert tracker.totals() == (0, 0)
+    await d.close()
+
+
+async def test_a_decode_that_never_answers_releases_the_kv_before_the_slot() -> None:
+    upstream = MockUpstream(FakeCluster(decode_script=[Reply(chunks=[], fail_after=0)]))
+    tracker = tracker_for([1], [4])
+    d, metrics = dispatcher(upstream, tracker)
+    placement = await place(d)
+    sink = Sink()
+    outcome = await relay_stream(
+        placement, sink, request_id="req-1", chunk_bytes=1024, metrics=metrics, arrived=0
+    )
+    assert outcome == "upstream_error"
+    assert b'"error"' in sink.body and sink.body.endswith(b"data: [DONE]\n\n")
+    placement.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    assert len(upstream.released()) == 1  # the decode may never have pulled it
+    await d.close()
+
+
+async def test_a_whole_answer_cut_short_is_a_real_502() -> None:
+    upstream = MockUpstream(
+        FakeCluster(decode_script=[Reply(chunks=[b'data: {"x"'], fail_after=1)])
+    )
+    tracker = tracker_for([1], [4])
+    d, metrics = dispatcher(upstream, tracker)
+    placement = await place(d, stream=False)
+    sink = Sink()
+    outcome = await relay_whole(
+        placement, sink, request_id="r", chunk_bytes=64, max_bytes=1 << 20, metrics=metrics,
+        arrived=0,
+    )  # fmt: skip
+    placement.close()
+    assert outcome == "upstream_error" and sink.status == 502
+    assert orjson.loads(sink.body)["error"]["code"] == "upstream_error"
+    await d.close()
+
+
+async def test_a_rejecting_decode_is_skipped_and_an_unreachable_one_keeps_the_kv() -> None:
+    cluster = FakeCluster(decode_script=[Reply(status=429, json={}), Reply(unreachable=True)])
+    upstream = MockUpstream(cluster)
+    tracker = tracker_for([1], [4, 4, 4])
+    d, _ = dispatcher(upstream, tracker)
+    placement = await place(d)
+    decodes = [c.url for c in upstream.calls if c.leg == "decode"]
+    assert len(decodes) == 3 and len(set(decodes)) == 3
+    assert upstream.released() == []  # the KV waited at the prefill for the third decode
+    placement.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await d.close()
+
+
+async def test_a_decode_error_status_fails_the_request_and_releases_the_kv() -> None:
+    upstream = MockUpstream(FakeCluster(decode_script=[Reply(status=500, json={})]))
+    tracker = tracker_for([1], [4, 4])
+    d, _ = dispatcher(upstream, tracker)
+    with pytest.raises(BadGateway):
+        await place(d)
+    await eventually(lambda: tracker.totals() == (0, 0))
+    assert len(upstream.released()) == 1
+    await d.close()
+
+
+async def test_cancelled_while_the_decode_is_chosen_releases_everything() -> None:
+    gate = asyncio.Event()
+
+    async def handler(call: Any) -> Reply:
+        if call.leg == "decode":
+            await gate.wait()
+        return await FakeCluster()(call)
+
+    upstream = MockUpstream(handler)
+    tracker = tracker_for([1], [4])
+    d, _ = dispatcher(upstream, tracker)
+    task = asyncio.ensure_future(place(d))
+    await eventually(lambda: any(c.leg == "decode" for c in upstream.calls))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await eventually(lambda: tracker.totals() == (0, 0))
+    assert len(upstream.released()) == 1
+    await d.close()
+
+
+async def test_direct_dispatch_tries_the_top_prefill_once() -> None:
+    cluster = FakeCluster(prefill_script=[Reply(status=429, json={})])
+    upstream = MockUpstream(cluster)
+    tracker = tracker_for([1, 1], [4])
+    d, _ = dispatcher(upstream, tracker, dispatch=DispatchMode.DIRECT)
+    with pytest.raises(DeadlineExceeded, match="busy"):
+        await place(d)
+    assert [c.leg for c in upstream.calls] == ["prefill"]
+    assert tracker.totals() == (0, 0)
+    placement = await place(d)
+    placement.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await d.close()
+
+
+async def test_no_decode_before_the_deadline_is_a_503_and_the_kv_is_released() -> None:
+    cluster = FakeCluster(decode_script=[Reply(status=429, json={})] * 100)
+    upstream = MockUpstream(cluster)
+    tracker = tracker_for([1], [1])
+    d, _ = dispatcher(upstream, tracker)
+    with pytest.raises(DeadlineExceeded, match="decode"):
+        await place(d, deadline_s=0.2)
+    await eventually(lambda: tracker.totals() == (0, 0))
+    assert len(upstream.released()) == 1
+    await d.close()

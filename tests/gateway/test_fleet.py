@@ -1,0 +1,173 @@
+"""Several gateway processes on one Redis and shared shims act as one fleet."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+from typing import Any
+
+import httpx
+
+from tests._cluster import (
+    Subprocess,
+    gateway_url,
+    get_instances,
+    registry_env,
+    shim_load,
+    start,
+    wait_for,
+)
+from tests._redis import RedisServer
+
+MODEL = "sim-llama-3.1-8b"
+TTL_S = 0.8
+
+
+def _fleet_env(redis_url: str, prefix: str, **extra: str) -> dict[str, str]:
+    return {
+        **registry_env(redis_url, prefix),
+        "PDGATE_GATEWAY_FLEET_SYNC_INTERVAL_S": "0.05",
+        "PDGATE_GATEWAY_FLEET_TTL_S": str(TTL_S),
+        **extra,
+    }
+
+
+def _cluster(
+    procs: list[Subprocess],
+    env: dict[str, str],
+    *,
+    gateways: int,
+    prefill_capacity: int = 2,
+    prefills: int = 2,
+    gateway_env: dict[str, str] | None = None,
+) -> tuple[list[str], list[str]]:
+    shim = ["shim", "--host", "127.0.0.1", "--port", "0"]
+    for _ in range(prefills):
+        start(procs, [*shim, "--role", "prefill", "--capacity", str(prefill_capacity)], env)
+    start(procs, [*shim, "--role", "decode", "--capacity", "64"], env)
+    urls = []
+    for i in range(gateways):
+        gw = start(
+            procs,
+            ["gateway", "--host", "127.0.0.1", "--port", "0"],
+            {**env, "PDGATE_GATEWAY_GATEWAY_ID": f"gw{i}", **(gateway_env or {})},
+        )
+        urls.append(gateway_url(gw))
+    for u in urls:
+        wait_for(lambda u=u: len(get_instances(u)) == prefills + 1, what="instances seen")
+    prefill_urls = [r["url"] for r in get_instances(urls[0]) if r["role"] == "prefill"]
+    return urls, prefill_urls
+
+
+def _post(url: str, prompt: str, *, max_tokens: int = 4, **headers: str) -> httpx.Response:
+    return httpx.post(
+        url + "/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens},
+        headers=headers,
+        timeout=30,
+    )
+
+
+def _fleet_rows(url: str) -> dict[str, dict[str, Any]]:
+    return {r["id"]: r for r in get_instances(url)}
+
+
+def test_two_gateways_never_overfill_a_prefill_and_draw_no_429s(
+    redis_url: str, registry_prefix: str, procs: list[Subprocess]
+) -> None:
+    """With each gateway counting only its own requests, every prefill another gateway used
+    looked free and was probed: 429s per request grew with the number of gateways."""
+    env = _fleet_env(redis_url, registry_prefix)
+    urls, prefills = _cluster(procs, env, gateways=2, prefill_capacity=1)
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        jobs = [pool.submit(_post, urls[i % 2], f"burst {i}") for i in range(32)]
+        codes = [j.result().status_code for j in jobs]
+    assert codes == [200] * 32
+    assert sum(shim_load(u)["rejected"] for u in prefills) == 0
+
+
+def test_counts_agree_across_gateways_and_a_killed_gateway_leaves_no_phantom_load(
+    redis_url: str, registry_prefix: str, procs: list[Subprocess]
+) -> None:
+    env = _fleet_env(redis_url, registry_prefix)
+    urls, _ = _cluster(procs, env, gateways=2, prefill_capacity=4)
+    victim_url, survivor_url = urls
+    victim = procs[-2]
+    # Long streams through the victim keep open streams counted at the instances.
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        streams = [
+            pool.submit(
+                httpx.post,
+                victim_url + "/v1/completions",
+                json={"model": MODEL, "prompt": f"long {i}", "max_tokens": 3000, "stream": True},
+                timeout=30,
+            )
+            for i in range(3)
+        ]
+
+        def agree() -> bool:
+            seen = [_fleet_rows(u) for u in urls]
+            total = sum(r["fleet_open_streams"] for r in seen[1].values())
+            return total >= 6 and all(
+                seen[0][i]["fleet_open_streams"] == seen[1][i]["fleet_open_streams"]
+                for i in seen[0]
+            )
+
+        # Each stream counts at its prefill and its decode: 3 streams, 6 counts.
+        wait_for(agree, timeout=5, what="both gateways see the same fleet counts")
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+
+        def no_phantom() -> bool:
+            return all(
+                r["fleet_open_streams"] == 0 and r["fleet_inflight"] == 0
+                for r in _fleet_rows(survivor_url).values()
+            )
+
+        wait_for(no_phantom, timeout=TTL_S + 3, what="the dead gateway's load vanishes")
+        assert time.monotonic() - killed <= TTL_S + 1.0
+        for s in streams:
+            s.cancel()
+    # The survivor serves with the whole capacity again.
+    assert _post(survivor_url, "after the kill").status_code == 200
+
+
+def test_a_prefix_sent_through_one_gateway_then_another_lands_on_the_same_prefill(
+    redis_url: str, registry_prefix: str, procs: list[Subprocess]
+) -> None:
+    env = _fleet_env(redis_url, registry_prefix)
+    urls, _ = _cluster(
+        procs,
+        env,
+        gateways=2,
+        prefills=3,
+        prefill_capacity=4,
+        gateway_env={"PDGATE_GATEWAY_PREFILL_POLICY": "affinity_sse"},
+    )
+    system = "You are the travel desk of ACME Corp. Answer briefly and politely. " * 6
+    for scenario in range(4):
+        prefix = f"[scenario {scenario}] " + system
+        first = _post(urls[0], prefix + "Where is my booking?").headers["x-pdgate-prefill"]
+        second = _post(urls[1], prefix + "Can I change seats?").headers["x-pdgate-prefill"]
+        assert first == second, scenario
+
+
+def test_a_gateway_that_loses_redis_keeps_serving_from_its_own_view(
+    procs: list[Subprocess], private_redis: RedisServer
+) -> None:
+    env = _fleet_env(private_redis.url, "pdgate-fleet-down")
+    urls, _ = _cluster(procs, env, gateways=1, prefills=1)
+    assert _post(urls[0], "before").status_code == 200
+    private_redis.stop()
+    time.sleep(0.5)
+    resp = _post(urls[0], "while Redis is down")
+    assert resp.status_code == 200, resp.text
+    assert httpx.get(urls[0] + "/health").json()["fleet"]["degraded"] is True
+    private_redis.start()
+    wait_for(
+        lambda: httpx.get(urls[0] + "/health").json()["fleet"]["degraded"] is False,
+        timeout=5,
+        what="fleet state recovered",
+    )

@@ -1,0 +1,96 @@
+"""Reading the gateway's Prometheus counters, taking window deltas, and the prefills' KV holds."""
+
+from __future__ import annotations
+
+import math
+
+from pdgate.loadtest.lib.probes import (
+    ATTEMPT_KEYS,
+    HoldSnapshot,
+    delta,
+    holds_of,
+    parse_gateway_metrics,
+)
+from pdgate.loadtest.lib.stats import RequestResult, summarize
+from pdgate.loadtest.scheduling.runner import Holds, Point
+
+_EXPOSITION = """\
+# HELP pdgate_prefill_attempts_total Prefill calls by result
+# TYPE pdgate_prefill_attempts_total counter
+pdgate_prefill_attempts_total{result="accepted"} 120.0
+pdgate_prefill_attempts_total{result="rejected"} 33.0
+# HELP pdgate_requests_total Completed client requests by outcome
+# TYPE pdgate_requests_total counter
+pdgate_requests_total{outcome="ok"} 118.0
+pdgate_requests_total{outcome="deadline_exceeded"} 2.0
+# HELP pdgate_prefill_rejections 429s a request met before a prefill accepted it
+# TYPE pdgate_prefill_rejections histogram
+pdgate_prefill_rejections_bucket{le="0.0"} 100.0
+pdgate_prefill_rejections_bucket{le="+Inf"} 120.0
+pdgate_prefill_rejections_count 120.0
+pdgate_prefill_rejections_sum 33.0
+# HELP pdgate_ttft_seconds Request arrival to first byte relayed
+# TYPE pdgate_ttft_seconds histogram
+pdgate_ttft_seconds_count 118.0
+pdgate_ttft_seconds_sum 20.0
+"""
+
+
+def test_parse_gateway_metrics_picks_the_counters_of_interest() -> None:
+    got = parse_gateway_metrics(_EXPOSITION)
+    assert got == {
+        "attempts_accepted": 120.0,
+        "attempts_rejected": 33.0,
+        "outcome_ok": 118.0,
+        "outcome_deadline_exceeded": 2.0,
+        "prefill_rejections_count": 120.0,
+        "prefill_rejections_sum": 33.0,
+    }
+
+
+def test_delta_treats_new_keys_as_starting_at_zero() -> None:
+    assert delta({"a": 1.0, "b": 5.0}, {"a": 4.0, "b": 5.0, "c": 2.0}) == {
+        "a": 3.0,
+        "b": 0.0,
+        "c": 2.0,
+    }
+
+
+def test_retries_per_request_is_unknown_without_a_gateways_metrics() -> None:
+    ok = RequestResult("chat", 1.0, 200, 0.1, 0.5, True)
+    summary = summarize([ok, ok], 1.0)
+
+    def point(counters: dict[str, float]) -> Point:
+        return Point("m", 2, summary, counters, 0.0, 0.0, 0.0, {}, 1.0)
+
+    # pdgate in front: a counter that never moved is a real zero.
+    zeros = dict.fromkeys(ATTEMPT_KEYS, 0.0)
+    assert point(delta(zeros, zeros)).retries_per_request == 0.0
+    assert point({"attempts_rejected": 0.0}).retries_per_request == 0.0
+    assert point({"attempts_rejected": 3.0}).retries_per_request == 1.5
+    # Another router in front: nothing was read, so nothing is known.
+    assert math.isnan(point({"shim_rejected": 7.0}).retries_per_request)
+
+
+def test_holds_are_the_longest_and_the_sums_over_prefills() -> None:
+    loads = [
+        {"kv_hold_max_s": 0.4, "kv_hold_over_5s": 0, "kv_held": 1},
+        {"kv_hold_max_s": 31.0, "kv_hold_over_5s": 2, "kv_held": 0},
+    ]
+    assert holds_of(loads) == HoldSnapshot(max_s=31.0, over_5s=2.0, held=1.0)
+
+
+def test_holds_not_reported_are_unknown_not_zero() -> None:
+    # An older shim (or a stock server) has no hold keys: n/a, never a reassuring 0.
+    old = holds_of([{"kv_held": 0}, {"kv_held": 2}])
+    assert math.isnan(old.max_s) and math.isnan(old.over_5s) and old.held == 2.0
+    # One prefill lacking a key makes the whole figure unknown: a part is not a measurement.
+    mixed = holds_of([{"kv_hold_max_s": 1.0}, {}])
+    assert math.isnan(mixed.max_s)
+    assert math.isnan(holds_of([]).max_s)
+
+
+def test_a_points_holds_are_the_growth_over_the_point() -> None:
+    before = HoldSnapshot(max_s=0.5, over_5s=3.0, held=0.0)
+    after = HoldSnapshot(max_s=30.1, over_5s=5.0, held=2.0)
+    assert Holds.between(before, after) == Holds(max_s=30.1, over_5s=2.0, stranded=2.0)

@@ -1,0 +1,118 @@
+"""Fleet-shared load on a real Redis: leases, deadline order, gossip, dead gateways."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from pdgate.registry.fleet import Candidate, LocalFleet, RedisFleet
+
+P = [Candidate("p0", 2), Candidate("p1", 1)]
+
+
+@pytest.fixture
+async def fleet(redis_url: str, registry_prefix: str) -> AsyncIterator[list[RedisFleet]]:
+    stores: list[RedisFleet] = []
+
+    def make(**kw: object) -> RedisFleet:
+        store = RedisFleet(redis_url, key_prefix=registry_prefix, **kw)  # type: ignore[arg-type]
+        stores.append(store)
+        return store
+
+    yield make  # type: ignore[misc]
+    for s in stores:
+        await s.aclose()
+
+
+async def test_leases_never_exceed_a_slot_count_across_gateways(fleet) -> None:  # type: ignore[no-untyped-def]
+    a, b = fleet(gateway_id="a"), fleet(gateway_id="b")
+    g1 = await a.acquire("m|", P, 5, head_in_ms=None, next_head_in_ms=None)
+    assert g1.instance_id == "p0" and len(g1.lease_ids) == 2  # both slots of p0
+    g2 = await b.acquire("m|", P, 5, head_in_ms=None, next_head_in_ms=None)
+    assert g2.instance_id == "p1" and len(g2.lease_ids) == 1  # p0 full fleet-wide
+    g3 = await a.acquire("m|", P, 1, head_in_ms=None, next_head_in_ms=None)
+    assert g3.instance_id is None and g3.used == {"p0": 2, "p1": 1}
+    await a.release([("p0", g1.lease_ids[0])])
+    g4 = await b.acquire("m|", P, 1, head_in_ms=None, next_head_in_ms=None)
+    assert g4.instance_id == "p0"
+
+
+async def test_a_release_is_announced_to_every_gateway(fleet) -> None:  # type: ignore[no-untyped-def]
+    a, b = fleet(gateway_id="a"), fleet(gateway_id="b")
+    grant = await a.acquire("m|", P, 1, head_in_ms=None, next_head_in_ms=None)
+    heard: asyncio.Queue[str] = asyncio.Queue()
+
+    async def listen() -> None:
+        async for instance in b.freed():
+            await heard.put(instance)
+
+    task = asyncio.create_task(listen())
+    await asyncio.sleep(0.2)  # subscribed
+    await a.release([("p0", grant.lease_ids[0])])
+    assert await asyncio.wait_for(heard.get(), 2) == "p0"
+    task.cancel()
+
+
+async def test_a_dead_gateways_leases_and_counts_vanish_within_its_ttl(fleet) -> None:  # type: ignore[no-untyped-def]
+    dead = fleet(gateway_id="dead", ttl_s=0.3)
+    live = fleet(gateway_id="live", ttl_s=0.3)
+    await dead.acquire("m|", P, 2, head_in_ms=None, next_head_in_ms=None)
+    await dead.sync({"p0": 5}, {"p0": 500}, {}, ["p0"])
+    view = await live.sync({"p0": 1}, {}, {}, ["p0"])
+    assert view.gateways == 2 and view.streams["p0"] == 6 and view.slots["p0"] == 2
+    # "dead" stops renewing (as after kill -9); within its ttl everything it held is gone.
+    await asyncio.sleep(0.45)
+    view = await live.sync({"p0": 1}, {}, {}, ["p0"])
+    assert view.gateways == 1
+    assert view.streams["p0"] == 1 and view.tokens["p0"] == 0 and view.slots["p0"] == 0
+    dead.gateway_id = "gone"  # its aclose must not touch the live one's state
+
+
+async def test_renewed_leases_outlive_the_ttl(fleet) -> None:  # type: ignore[no-untyped-def]
+    a = fleet(gateway_id="a", ttl_s=0.3)
+    grant = await a.acquire("m|", P, 2, head_in_ms=None, next_head_in_ms=None)
+    for _ in range(4):
+        await asyncio.sleep(0.1)
+        await a.renew({"p0": list(grant.lease_ids)})
+    view = await a.sync({}, {}, {}, ["p0"])
+    assert view.slots["p0"] == 2
+
+
+async def test_a_freed_slot_goes_to_the_fleets_most_urgent_request_first(fleet) -> None:  # type: ignore[no-untyped-def]
+    urgent = fleet(gateway_id="urgent", window_s=0.3)
+    relaxed = fleet(gateway_id="relaxed", window_s=0.3)
+    one = [Candidate("p1", 1)]
+    held = await relaxed.acquire("m|", one, 1, head_in_ms=None, next_head_in_ms=None)
+    # The urgent gateway's most urgent request is due in 100 ms (it published its head).
+    await urgent.sync({}, {}, {"m|": 100}, [])
+    await relaxed.release([("p1", held.lease_ids[0])])
+    # Within the window after the release, the relaxed gateway's 5 s request must yield...
+    y = await relaxed.acquire("m|", one, 1, head_in_ms=5000, next_head_in_ms=None)
+    assert y.instance_id is None and y.yielded
+    # ...the urgent one gets it.
+    g = await urgent.acquire("m|", one, 1, head_in_ms=100, next_head_in_ms=None)
+    assert g.instance_id == "p1"
+    await urgent.release([("p1", g.lease_ids[0])])
+    # After the window anybody may take it: a gateway that never comes cannot idle a slot.
+    await asyncio.sleep(0.35)
+    late = await relaxed.acquire("m|", one, 1, head_in_ms=5000, next_head_in_ms=None)
+    assert late.instance_id == "p1"
+
+
+def test_local_shares_add_up_to_the_capacity() -> None:
+    for capacity in range(0, 9):
+        shares = [LocalFleet(share=(i, 3)).share_of(capacity) for i in range(3)]
+        assert sum(shares) == capacity and max(shares) - min(shares) <= 1
+
+
+async def test_local_fleet_counts_its_own_leases() -> None:
+    f = LocalFleet(share=(1, 2))
+    g = await f.acquire("q", [Candidate("p", 3)], 5, head_in_ms=None, next_head_in_ms=None)
+    assert len(g.lease_ids) == 1  # worker 1 of 2 owns 1 of 3 slots
+    assert (
+        await f.acquire("q", [Candidate("p", 3)], 1, head_in_ms=None, next_head_in_ms=None)
+    ).instance_id is None
+    await f.release([("p", g.lease_ids[0])])
+    assert (await f.sync({}, {}, {}, ["p"])).slots == {"p": 0}

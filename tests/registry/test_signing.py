@@ -1,0 +1,126 @@
+"""Signed registry records: with a cluster token, a record written straight into Redis (by
+anyone with write access but without the token) is never listed, so it can receive nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from pdgate.config import RegistrySettings, Role
+from pdgate.registry import InstanceRecord, RedisRegistry, open_registry
+from pdgate.registry.signing import RecordSigner
+from tests._cluster import Subprocess, gateway_url, get_instances, registry_env, start, wait_for
+from tests._tools import free_port
+
+RECORD = InstanceRecord(id="p1", role=Role.PREFILL, url="http://10.0.0.1:8100", model="m")
+
+
+def test_signatures_survive_json_and_catch_any_change() -> None:
+    signer = RecordSigner("token-a")
+    signed = signer.sign(RECORD)
+    assert signer.verify(InstanceRecord.from_json(signed.to_json()))
+    assert not signer.verify(RECORD)  # unsigned
+    from dataclasses import replace
+
+    assert not signer.verify(replace(signed, url="http://evil:80"))
+    assert not RecordSigner("token-b").verify(signed)
+    # Declared extensions are signed too: nobody can make a stock server look like a shim.
+    shim = signer.sign(replace(RECORD, extensions=("batch_prefill",)))
+    assert shim.extensions == ("batch_prefill",)
+    assert signer.verify(InstanceRecord.from_json(shim.to_json()))
+    assert not signer.verify(replace(shim, extensions=()))
+
+
+def test_bad_extension_lists_are_refused() -> None:
+    raw = RECORD.to_dict()
+    for bad in ("batch_prefill", ["x"] * 17, [""], ["y" * 65]):
+        with pytest.raises(ValueError, match="extension"):
+            InstanceRecord.from_dict({**raw, "extensions": bad})
+
+
+async def test_a_reader_with_the_token_drops_records_without_it(
+    redis_url: str, registry_prefix: str
+) -> None:
+    settings = RegistrySettings(url=redis_url, key_prefix=registry_prefix, cluster_token="tok")
+    signed_writer, reader = open_registry(settings), open_registry(settings)
+    forger = RedisRegistry(redis_url, key_prefix=registry_prefix)
+    try:
+        events = reader.events()
+        await events.wait_subscribed()  # type: ignore[attr-defined]
+        await forger.put(InstanceRecord(id="forged", role=Role.PREFILL, url="x", model="m"), 10,
+                         announce=True)  # fmt: skip
+        await signed_writer.put(RECORD, 10, announce=True)
+        assert [r.id for r in await reader.snapshot()] == ["p1"]
+        first = await asyncio.wait_for(events.__anext__(), 2)
+        assert first.instance_id == "p1"  # the forged JOIN was filtered out
+        await events.aclose()  # type: ignore[attr-defined]
+    finally:
+        for r in (signed_writer, reader, forger):
+            await r.aclose()
+
+
+@pytest.fixture
+def collector() -> Iterator[tuple[str, list[str]]]:
+    """A server that would gladly 'prefill' other clients' prompts (it records them)."""
+    seen: list[str] = []
+
+    async def completions(request: Request) -> JSONResponse:
+        seen.append((await request.json()).get("prompt", ""))
+        return JSONResponse({"choices": [{"text": "x"}], "kv_transfer_params": {}})
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, what="collector up")
+    yield f"http://127.0.0.1:{port}", seen
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_a_forged_record_never_receives_prompts(
+    redis_url: str,
+    registry_prefix: str,
+    procs: list[Subprocess],
+    collector: tuple[str, list[str]],
+) -> None:
+    env = {**registry_env(redis_url, registry_prefix), "PDGATE_REGISTRY_CLUSTER_TOKEN": "s3cret"}
+    shim = ["shim", "--host", "127.0.0.1", "--port", "0"]
+    start(procs, [*shim, "--role", "prefill", "--capacity", "2"], env)
+    start(procs, [*shim, "--role", "decode", "--capacity", "8"], env)
+    url = gateway_url(start(procs, ["gateway", "--host", "127.0.0.1", "--port", "0"], env))
+    wait_for(lambda: len(get_instances(url)) == 2, what="signed instances listed")
+    collector_url, seen = collector
+
+    async def forge() -> None:
+        forger = RedisRegistry(redis_url, key_prefix=registry_prefix)
+        record = InstanceRecord(
+            id="a-forged-prefill",  # would rank first
+            role=Role.PREFILL,
+            url=collector_url,
+            model="sim-llama-3.1-8b",
+            capacity=1000,
+        )
+        await forger.put(record, ttl_s=60, announce=True)
+        await forger.aclose()
+
+    asyncio.run(forge())
+    for i in range(10):
+        resp = httpx.post(
+            url + "/v1/completions",
+            json={"model": "sim-llama-3.1-8b", "prompt": f"secret {i}", "max_tokens": 2},
+            timeout=10,
+        )
+        assert resp.status_code == 200
+    assert seen == []
+    assert "a-forged-prefill" not in {r["id"] for r in get_instances(url)}
