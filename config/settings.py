@@ -8,6 +8,7 @@ result is passed down.
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Self
@@ -154,6 +155,12 @@ class ShimSettings(_Settings):
     kv_retrieval_workers: int = Field(
         default=4, gt=0, description="Concurrent KV pulls per decode."
     )
+    local_prefill: bool = Field(
+        default=True,
+        description="Decode: also take plain requests (no kv_transfer_params) and prefill them "
+        "here, in the running batch (chunked prefill); declared in the registry record so "
+        "gateways with local_prefill_max_uncached_chars set send it short or cached prompts.",
+    )
     sim_profile: str = Field(
         default="llama-3.1-8b-h100", description="Timing profile of the sim engine."
     )
@@ -168,8 +175,8 @@ class ShimSettings(_Settings):
     sim_prefix_cache_blocks: int | None = Field(
         default=None,
         ge=0,
-        description="Prefix-cache size of the sim prefill engine, in blocks of 16 tokens "
-        "(0 = no prefix cache); unset = the profile's.",
+        description="Prefix-cache size of the sim engine (a prefill's, and a decode's for its "
+        "local prefills), in blocks of 16 tokens (0 = no prefix cache); unset = the profile's.",
     )
     max_model_len: int = Field(
         default=32768,
@@ -251,16 +258,17 @@ class QueueOrder(StrEnum):
 STATIC_PREFILL_CAPACITY = 8
 # Running sequences of a static decode whose capacity is not given.
 STATIC_DECODE_CAPACITY = 64
-_STATIC_KEYS = ("capacity", "group", "model", "id")
+_STATIC_KEYS = ("capacity", "group", "model", "id", "api_key_env")
 _MAX_NAME_CHARS = 128
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
 
 class StaticInstance(BaseModel):
     """A server the gateway fronts by URL, without registration (``--prefill``/``--decode``,
     ``static_prefills``/``static_decodes``). Given as a table or as one string,
-    ``"URL [capacity=N] [group=G] [model=M] [id=ID]"``; the model defaults to the first the
-    server lists at ``GET /v1/models``, the id to one derived from role and URL (the same on
-    every gateway, so the fleet shares its slots)."""
+    ``"URL [capacity=N] [group=G] [model=M] [id=ID] [api_key_env=VAR]"``; the model
+    defaults to the first the server lists at ``GET /v1/models``, the id to one derived from
+    role and URL (the same on every gateway, so the fleet shares its slots)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -269,6 +277,10 @@ class StaticInstance(BaseModel):
     group: str = "default"
     model: str | None = None
     id: str | None = None
+    # The name of an environment variable holding this server's own API key (vLLM's
+    # --api-key), sent to it instead of upstream_api_key / the cluster token: the key itself
+    # never appears in flags, config files or the registry.
+    api_key_env: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -311,6 +323,13 @@ class StaticInstance(BaseModel):
         # The gateway appends /v1/completions itself; an OpenAI base URL is a common paste.
         path = path.removesuffix("/v1")
         return f"{parts.scheme}://{parts.netloc}{path}"
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, value: str | None) -> str | None:
+        if value is not None and not _ENV_NAME.fullmatch(value):
+            raise ValueError(f"{value!r}: api_key_env is the name of an environment variable")
+        return value
 
     @field_validator("group", "model", "id")
     @classmethod
@@ -420,6 +439,12 @@ class GatewaySettings(_Settings):
     queue_order: QueueOrder = Field(
         default=QueueOrder.FIFO, description="fifo or edf (earliest deadline first)."
     )
+    keyless_max_priority: Literal["high", "normal", "low"] = Field(
+        default="normal",
+        description="With client keys off: the most urgent class a request may ask for with "
+        "x-pdgate-priority (it may always ask for less). With keys on, each key's priority= "
+        "sets it (gateway/tenancy.py).",
+    )
     early_drop: bool = Field(
         default=True,
         description="dispatch=queue: answer 503 at once, instead of sending it, a queued request "
@@ -448,14 +473,18 @@ class GatewaySettings(_Settings):
     )
     prefill_policy: str = Field(
         default="least_sse",
-        description="Prefill ranking policy: a profile (least_sse, affinity_sse, round_robin, "
-        "power_of_two, least_loaded) or module:factory (docs/extending.md).",
+        description="Prefill ranking policy: a profile (least_sse, affinity_sse, affinity_hold, "
+        "least_tokens, round_robin, power_of_two, least_loaded) or module:factory "
+        "(docs/extending.md). affinity_hold: affinity_sse that holds a request for the busy "
+        "prefill holding its prefix when that is expected to finish sooner (policies/"
+        "completion.py); least_tokens: least estimated prompt tokens computing.",
     )
     prefill_policy_options: dict[str, Any] = Field(
         default_factory=dict,
         description="Overrides of the prefill policy: filters = [...], scorers = {name = "
-        "weight}, picker = name, and a plugin's keyword arguments under its name, e.g. "
-        "{prefix_affinity = {load_guard = 4}}.",
+        'weight}, picker = name, hold = "expected_completion" (or "" for none), and a '
+        "plugin's keyword arguments under its name, e.g. {prefix_affinity = {load_guard = 4}, "
+        "expected_completion = {min_gain = 0.1, scan = 8}}.",
     )
     decode_policy: str = Field(
         default="least_loaded", description="Decode choice policy (a profile or module:factory)."
@@ -474,6 +503,20 @@ class GatewaySettings(_Settings):
         gt=0,
         description="Memory bound of the prefix-affinity index (LRU). Built only for a policy "
         "that scores prefix affinity.",
+    )
+    local_prefill_max_uncached_chars: int = Field(
+        default=0,
+        ge=0,
+        description="Conditional disaggregation: a request whose prompt has at most this many "
+        "characters not cached on a decode skips the prefill leg and goes straight to a decode "
+        "that declares local_prefill (pdgate decodes do), which prefills it in its running "
+        "batch; if none with room accepts, the usual prefill + decode path (0 = off).",
+    )
+    local_prefill_prefix_aware: bool = Field(
+        default=True,
+        description="Conditional disaggregation: count the leading prompt blocks a decode "
+        "recently served as cached there (an index of decode placements, bounded like the "
+        "prefix-affinity one); false = the whole prompt counts as uncached.",
     )
     backoff_initial_s: float = Field(
         default=0.005, gt=0, description="First wait after all candidates rejected."
@@ -536,6 +579,24 @@ class GatewaySettings(_Settings):
     decode_candidates: int = Field(
         default=4, gt=0, description="Decodes tried per round before backing off."
     )
+    max_migrations: int = Field(
+        default=2,
+        ge=0,
+        le=16,
+        description="Decode migrations per request: a stream whose decode breaks after tokens "
+        "were relayed (connection lost, in-band error, no [DONE]) is continued on another "
+        "decode from the prompt's token ids plus the tokens already sent, with the client's "
+        "stream going on where it stopped; each costs a prefill of prompt + generated tokens "
+        "(0 = off: such a stream ends with an in-band error, and the relay passes bytes "
+        "through without parsing events).",
+    )
+    first_token_early: bool = Field(
+        default=False,
+        description="Streaming clients get the prefill's first token as soon as the prefill "
+        "answers; the decode then continues from prompt + that token (decodes that declare "
+        "the continuation extension only: pdgate decodes do; stock servers get vLLM's "
+        "handshake unchanged).",
+    )
     max_pending: int = Field(
         default=4096,
         gt=0,
@@ -589,7 +650,9 @@ class GatewaySettings(_Settings):
     api_keys_file: Path | None = Field(
         default=None,
         description="A file of client keys, one per line: `<key or sha256:<hex>> [name=...] "
-        "[group=...] [rpm=...]` (`pdgate keys new` writes lines).",
+        "[group=...] [rpm=...] [priority=high|normal|low] [weight=...]` (`pdgate keys new` "
+        "writes lines). name is the tenant; priority the most urgent class the key may ask "
+        "for and its default; weight its share of the queue (gateway/tenancy.py).",
     )
     admin_token: SecretStr | None = Field(
         default=None, description="Bearer token for /admin/* and /dashboard."
@@ -602,8 +665,10 @@ class GatewaySettings(_Settings):
     )
     upstream_api_key: SecretStr | None = Field(
         default=None,
-        description="Bearer token sent to every instance: pdgate shims' cluster token, or the "
-        "--api-key of stock vLLM servers (default: the registry's cluster_token).",
+        description="Bearer token sent to every instance (default: the registry's "
+        "cluster_token, which pdgate shims require). In a fleet that mixes shims and keyed "
+        "stock servers, start the stock servers with the cluster token as their --api-key, or "
+        "give a static one its own key with api_key_env (docs/security.md).",
     )
     gateway_id: str | None = Field(
         default=None,
@@ -635,20 +700,30 @@ class GatewaySettings(_Settings):
         default=1,
         ge=1,
         le=256,
-        description="Gateway worker processes on one port (SO_REUSEPORT); they share load "
-        "through the Redis registry, or split every instance's slots without one.",
+        description="Gateway worker processes behind one port: the supervisor binds the socket "
+        "once and every worker accepts on it (the kernel spreads connections). They share load "
+        "through the Redis registry; without one, they lease prefill slots from one table "
+        "shared on the node, so together they never exceed a prefill's capacity "
+        "(docs/fleet.md).",
     )
     worker_index: int = Field(
         default=0,
         ge=0,
         description="Set by the --workers supervisor for each worker (0 .. workers-1).",
     )
+    worker_slots_fd: int | None = Field(
+        default=None,
+        ge=0,
+        description="Set by the --workers supervisor: the file descriptor of the node's shared "
+        "prefill slot table (used when there is no Redis registry).",
+    )
     static_prefills: _StaticList = Field(
         default_factory=list,
         description="Prefill servers fronted by URL, without registration (--prefill): "
-        'strings "URL [capacity=N] [group=G] [model=M] [id=ID]" or tables of those keys. '
-        f"Capacity defaults to {STATIC_PREFILL_CAPACITY} slots, the model to the server's "
-        "first in GET /v1/models (README: Fronting existing servers).",
+        'strings "URL [capacity=N] [group=G] [model=M] [id=ID] [api_key_env=VAR]" or tables '
+        f"of those keys. Capacity defaults to {STATIC_PREFILL_CAPACITY} slots, the model to "
+        "the server's first in GET /v1/models; api_key_env names the environment variable "
+        "holding that server's own API key (README: Fronting existing servers).",
     )
     static_decodes: _StaticList = Field(
         default_factory=list,

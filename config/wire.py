@@ -48,6 +48,15 @@ HEALTH_PATH = "/health"
 # extension only with instances that declare it, so a stock server (static, announced) gets
 # exactly vLLM's handshake and is never probed with a pdgate-only call.
 EXT_BATCH_PREFILL = "batch_prefill"  # POST {api}/batch (BATCH_SUFFIX)
+# A decode that also takes plain requests (no kv_transfer_params) and prefills them itself:
+# the gateway may skip the prefill leg for prompts with few uncached tokens there.
+EXT_LOCAL_PREFILL = "local_prefill"
+# A decode that continues a stream from token ids: it takes a prompt longer than the KV it is
+# given (the KV of a prefix of it) and computes the rest itself, and each streamed chunk's
+# ``token_ids`` are exactly the tokens of the text that chunk carries (text held back for a
+# stop string travels with its ids). The first token early and the migration of streams with
+# stop strings rely on it.
+EXT_CONTINUATION = "continuation"
 MAX_EXTENSIONS = 16
 MAX_EXTENSION_CHARS = 64
 

@@ -207,11 +207,14 @@ class KvRetriever:
                 nbytes = resp.content_length
                 if tokens is None or digest is None or nbytes is None:
                     raise KvTransferError("KV response lacks its token count, digest or length")
-                if int(tokens) != len(job.tokens):
+                held = int(tokens)
+                # A continued stream's prompt (EXT_CONTINUATION) is the KV's prompt plus tokens
+                # the client was already sent: the engine computes those after the KV.
+                if not 0 < held <= len(job.tokens):
                     raise KvTransferError(
                         f"KV holds {tokens} tokens but the prompt has {len(job.tokens)}"
                     )
-                sink = self._backend.kv_sink(job.tokens, nbytes)
+                sink = self._backend.kv_sink(job.tokens[:held], nbytes)
                 hasher = blake2b(digest_size=16)
                 received = 0
                 async for chunk in resp.content.iter_chunked(self._chunk_bytes):

@@ -29,6 +29,7 @@ _COUNTERS = frozenset(
         "completed",
         "cancelled",
         "failed",
+        "local_prefills",
         "kv_fetched",
         "kv_lost",
         "kv_released",

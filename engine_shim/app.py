@@ -36,12 +36,18 @@ from starlette.routing import Route
 
 from pdgate.config import RegistrySettings, Role, ShimSettings
 from pdgate.config.tracing import Tracing
-from pdgate.config.wire import EXT_BATCH_PREFILL, HEALTH_PATH, LOAD_PATH
+from pdgate.config.wire import (
+    EXT_BATCH_PREFILL,
+    EXT_CONTINUATION,
+    EXT_LOCAL_PREFILL,
+    HEALTH_PATH,
+    LOAD_PATH,
+)
 from pdgate.engine_shim._http import ApiError, ClusterAuth, json_response
 from pdgate.engine_shim._kv_sources import KvSources
 from pdgate.engine_shim._metrics import metrics_registry
 from pdgate.engine_shim.backend import DecodeBackend, PrefillBackend
-from pdgate.engine_shim.decode import DecodeWorker
+from pdgate.engine_shim.decode import DecodeWorker, local_prefill
 from pdgate.engine_shim.prefill import PrefillShim
 from pdgate.registry.base import InstanceRecord, InstanceState, Registry
 from pdgate.registry.heartbeat import Heartbeat
@@ -92,8 +98,19 @@ def _base_url(settings: ShimSettings) -> str:
     return f"http://{host}:{settings.port}"
 
 
-def instance_record(settings: ShimSettings) -> InstanceRecord:
-    """What this shim registers: id, role, URL, model, group and capacity from `settings`."""
+def _extensions(settings: ShimSettings, backend: PrefillBackend | DecodeBackend) -> tuple[str, ...]:
+    if settings.role is Role.PREFILL:
+        return (EXT_BATCH_PREFILL,)
+    if isinstance(backend, DecodeBackend) and local_prefill(settings, backend) is not None:
+        return (EXT_CONTINUATION, EXT_LOCAL_PREFILL)
+    return (EXT_CONTINUATION,)
+
+
+def instance_record(
+    settings: ShimSettings, backend: PrefillBackend | DecodeBackend
+) -> InstanceRecord:
+    """What this shim registers: id, role, URL, model, group and capacity from `settings`,
+    and the extensions it speaks (a decode's local prefill only if `backend` can)."""
     instance_id = settings.instance_id or (
         f"{settings.role.value}-{settings.host}-{settings.port}-{secrets.token_hex(3)}"
     )
@@ -105,7 +122,7 @@ def instance_record(settings: ShimSettings) -> InstanceRecord:
         group=settings.group,
         capacity=settings.capacity,
         version=_version(),
-        extensions=(EXT_BATCH_PREFILL,) if settings.role is Role.PREFILL else (),
+        extensions=_extensions(settings, backend),
     )
 
 
@@ -248,9 +265,9 @@ def build_shim_app(
     warning = check_exposure(settings, registry_settings)
     if warning:
         log.warning("%s", warning)
-    record = instance_record(settings)
     if backend is None:
         backend = make_backend(settings)
+    record = instance_record(settings, backend)
     owned_tracing = tracing is None
     traces = Tracing.from_env("pdgate-shim") if tracing is None else tracing
     token = registry_settings.cluster_token

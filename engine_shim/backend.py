@@ -16,6 +16,11 @@ them into its paged blocks: P/D-Serve's RecvScatter), then `DecodeBackend.genera
 running batch and yields one `Generated` per generated token. Closing the generator
 (``aclose``) removes the sequence from the batch at once.
 
+A decode backend that can also compute a prompt itself implements `LocalPrefill`: its
+`local_kv` is a sink that receives nothing and is committed from the start, and `generate`
+given it prefills the prompt in the running batch (conditional disaggregation: the gateway
+skips the prefill leg for prompts with few uncached tokens).
+
 Chat requests reach an engine as a `ChatPrompt`: a backend that serves
 ``/v1/chat/completions`` also implements `ChatTemplate` (render the conversation with the
 model's chat template and tokenize it); the shims refuse chat for one that does not.
@@ -46,6 +51,8 @@ __all__ = [
     "InvalidRequest",
     "KvSink",
     "KvSource",
+    "LocalKv",
+    "LocalPrefill",
     "PrefillBackend",
     "PrefillOutput",
     "Prompt",
@@ -191,6 +198,31 @@ class KvSink(Protocol):
 
     def discard(self) -> None:
         """The transfer failed or was abandoned; free what was received. Idempotent."""
+        ...
+
+
+class LocalKv:
+    """The `KvSink` of a local prefill: nothing arrives, it is committed from the start."""
+
+    __slots__ = ()
+    committed = True
+
+    def write(self, chunk: bytes) -> None:
+        raise RuntimeError("a local prefill receives no KV")
+
+    async def commit(self) -> None:
+        return None
+
+    def discard(self) -> None:
+        return None
+
+
+@runtime_checkable
+class LocalPrefill(Protocol):
+    def local_kv(self, tokens: Sequence[int]) -> KvSink:
+        """A committed sink with no KV in it (usually a `LocalKv`): `DecodeBackend.generate`
+        given it computes the prompt in the engine's own running batch (its prefix cache
+        first), sharing the steps with the sequences decoding there."""
         ...
 
 

@@ -14,6 +14,12 @@ longer needs is cancelled or released at the prefill. Streams go out through sse
 
 The decode pulls only from prefills registered in its own registry (`_kv_sources`), with
 the cluster token: ``kv_transfer_params`` naming another host get 400 (`unknown_kv_source`).
+
+A plain request (no ``kv_transfer_params``) is computed here, when the backend can
+(`LocalPrefill`) and ``local_prefill`` is on (the registry record then declares
+``EXT_LOCAL_PREFILL``): the same slot, stream and counts, with a job that is done from the
+start instead of a KV pull (conditional disaggregation: the gateway skips the prefill leg
+for prompts with few uncached tokens). Otherwise it gets 400 as before.
 """
 
 from __future__ import annotations
@@ -47,7 +53,13 @@ from pdgate.engine_shim._service import ShimService, caller_request_id, end_span
 from pdgate.engine_shim._slots import SlotPool
 from pdgate.engine_shim._sse import EventStream
 from pdgate.engine_shim._stop import StopMatcher
-from pdgate.engine_shim.backend import DecodeBackend, EngineBusy, InvalidRequest, TokenLogprobs
+from pdgate.engine_shim.backend import (
+    DecodeBackend,
+    EngineBusy,
+    InvalidRequest,
+    LocalPrefill,
+    TokenLogprobs,
+)
 
 __all__ = ["DecodeWorker"]
 
@@ -69,6 +81,13 @@ class _Progress:
 _Piece = tuple[str, str | None, Sequence[TokenLogprobs], Sequence[int]]
 
 
+def local_prefill(settings: ShimSettings, backend: DecodeBackend) -> LocalPrefill | None:
+    """The backend, if this decode takes plain requests (``EXT_LOCAL_PREFILL``)."""
+    if settings.local_prefill and isinstance(backend, LocalPrefill):
+        return backend
+    return None
+
+
 def _kv_error(exc: BaseException) -> ApiError:
     return ApiError(
         502, f"KV transfer failed: {exc}", type_="upstream_error", code="kv_transfer_failed"
@@ -77,7 +96,7 @@ def _kv_error(exc: BaseException) -> ApiError:
 
 class DecodeWorker(ShimService[DecodeBackend]):
     role = Role.DECODE
-    counts = ("admitted", "rejected", "completed", "cancelled", "failed")
+    counts = ("admitted", "rejected", "completed", "cancelled", "failed", "local_prefills")
 
     def __init__(
         self,
@@ -101,6 +120,7 @@ class DecodeWorker(ShimService[DecodeBackend]):
         )
         # None only for a worker built without a registry to check against (unit tests).
         self._sources = sources
+        self._local = local_prefill(settings, backend)
         self._retriever = KvRetriever(
             backend,
             queue_size=settings.kv_retrieval_queue,
@@ -122,9 +142,10 @@ class DecodeWorker(ShimService[DecodeBackend]):
     # -- POST /v1/completions, /v1/chat/completions --------------------------------------
 
     async def _complete(self, request: Request, api: Api, span: Span) -> Response:
-        settings = self._settings
         req = await self._read(request, api)
         params = req.kv_transfer_params
+        if not params and self._local is not None:
+            return await self._run(request, req, self._tokens(req), None, span)
         if not params or params.get("do_remote_prefill") is not True:
             raise bad_request(
                 "this is a decode instance of a disaggregated deployment: requests need "
@@ -158,14 +179,25 @@ class DecodeWorker(ShimService[DecodeBackend]):
                 param="kv_transfer_params",
                 code="unknown_kv_source",
             )
-        tokens = self._tokens(req)
+        return await self._run(request, req, self._tokens(req), (url, kv_id), span)
 
+    async def _run(
+        self,
+        request: Request,
+        req: ApiRequest,
+        tokens: list[int],
+        kv: tuple[str, str] | None,
+        span: Span,
+    ) -> Response:
+        """Admit the request (429 without a free slot or retrieval room), then stream it or
+        answer it whole. `kv` is where its KV is pulled from (URL, id); None: computed here."""
+        settings = self._settings
         slot = self._slots.try_acquire()
         if slot is None:
             self._counts["rejected"] += 1
             raise busy("no free decode slot", code="no_free_slot")
         try:
-            job = self._retriever.submit(url, tokens, kv_id, span)
+            job = self._job(tokens, kv, span)
         except asyncio.QueueFull:
             slot.release()
             self._counts["rejected"] += 1
@@ -202,6 +234,19 @@ class DecodeWorker(ShimService[DecodeBackend]):
             close()
         end_span(span, "ok", 200)
         return response
+
+    def _job(self, tokens: list[int], kv: tuple[str, str] | None, span: Span) -> PullJob:
+        """The pull of the request's KV; raises `asyncio.QueueFull` when the queue is full.
+        A plain request's job is done from the start (the engine computes the prompt) and
+        has nothing to release at a prefill."""
+        if kv is not None:
+            url, kv_id = kv
+            return self._retriever.submit(url, tokens, kv_id, span)
+        assert self._local is not None
+        job = PullJob("", tokens, "local-prefill", span, released=True)
+        job.future.set_result(self._local.local_kv(tokens))
+        self._counts["local_prefills"] += 1
+        return job
 
     async def _pieces(
         self,

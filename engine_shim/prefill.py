@@ -145,6 +145,9 @@ class PrefillShim(ShimService[PrefillBackend]):
         # from admission until its KV is let go, so a second request cannot claim it.
         self._computing: set[str] = set()
         self._sending = 0
+        # Prompt tokens of the requests admitted (or waiting in the local queue) and not yet
+        # answered: the token-work load as the prefill itself sees it, reported on /load.
+        self._prompt_tokens = 0
 
     def routes(self) -> list[Route]:
         return [
@@ -161,6 +164,7 @@ class PrefillShim(ShimService[PrefillBackend]):
             "admission": self._settings.admission.value,
             "kv_held": len(self._store),
             "kv_sending": self._sending,
+            "prompt_tokens_inflight": self._prompt_tokens,
             "kv_expired": self._store.expired,
             "kv_dropped_on_arrival": self._store.dropped_on_arrival,
             # How long KV stayed held after its prefill ended (the hold timeout hides leaks).
@@ -215,11 +219,13 @@ class PrefillShim(ShimService[PrefillBackend]):
             )
         tokens = self._tokens(req)
         kv_id = self._claim_kv_id(kv_id)
+        self._prompt_tokens += len(tokens)
         try:
             return await self._compute(req, tokens, kv_id, rid, guard, span)
         finally:
             # In the store now, or never will be: either way no longer "computing".
             self._computing.discard(kv_id)
+            self._prompt_tokens -= len(tokens)
 
     def _claim_kv_id(self, given: str) -> str:
         """The caller may name the KV handle (``x-pdgate-kv-id``) so it can release it even if

@@ -8,7 +8,12 @@ Both engines are one loop task each, in the style of continuous batching:
   batch.
 * `SimDecodeEngine`: each iteration admits sequences whose KV has arrived, sleeps one decode
   step for the batch size and total context, and hands every running sequence one token.
-  Sequences join and leave between steps.
+  Sequences join and leave between steps. A plain request (`local_kv`: no KV was sent, the
+  decode prefills it itself) is looked up in the decode's own prefix cache, which holds the
+  prompts of every sequence that ran there; its uncached tokens are computed in chunks
+  inside the decode steps (vLLM's chunked prefill, `SimProfile.mixed_step_s`), which makes
+  those steps longer for every running sequence. It gets its first token from the step
+  that completes its prompt, then decodes like the others.
 
 Real work done inside an iteration (hashing, bookkeeping) counts against the modelled time
 instead of adding to it.
@@ -54,6 +59,7 @@ from pdgate.engine_shim.backend import (
     EngineStats,
     Generated,
     KvSink,
+    LocalKv,
     PrefillOutput,
     Prompt,
     Sampling,
@@ -275,6 +281,7 @@ class _Sequence:
     max_tokens: int
     top_logprobs: int | None
     produced: int = 0
+    to_prefill: int = 0  # prompt tokens still to compute here (a local prefill)
     left: bool = False
     out: asyncio.Queue[Generated | None] = field(default_factory=asyncio.Queue)
 
@@ -289,7 +296,13 @@ class SimDecodeEngine(_EngineLoop):
         self._profile = profile
         self._max_batch = max_batch
         self._link = KvLink(profile)
+        # What ran here is in this engine's KV blocks: a local prefill reuses its prefix.
+        self._cache = PrefixCache(profile.prefix_cache_blocks)
+        self._hit_tokens = 0  # of local prefills, cumulative
+        self._query_tokens = 0
         self._joining: deque[_Sequence] = deque()
+        # Local prefills in arrival order (chunks go to the oldest first), then running.
+        self._prefilling: dict[int, _Sequence] = {}
         self._running: dict[int, _Sequence] = {}
 
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -301,21 +314,25 @@ class SimDecodeEngine(_EngineLoop):
     async def aclose(self) -> None:
         await super().aclose()
         # Wake every consumer: None tells a sequence the engine is gone.
-        for seq in [*self._running.values(), *self._joining]:
+        for seq in [*self._running.values(), *self._prefilling.values(), *self._joining]:
             seq.out.put_nowait(None)
         self._running.clear()
+        self._prefilling.clear()
         self._joining.clear()
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            running=len(self._running),
+            running=len(self._running) + len(self._prefilling),
             waiting=len(self._joining),
-            prefix_hit_tokens=0,
-            prefix_query_tokens=0,
+            prefix_hit_tokens=self._hit_tokens,
+            prefix_query_tokens=self._query_tokens,
         )
 
     def kv_sink(self, tokens: Sequence[int], nbytes: int) -> KvSink:
         return SimKvSink(len(tokens), nbytes, self._link)
+
+    def local_kv(self, tokens: Sequence[int]) -> KvSink:
+        return LocalKv()
 
     async def generate(
         self,
@@ -324,13 +341,19 @@ class SimDecodeEngine(_EngineLoop):
         kv: KvSink,
         sampling: Sampling | None = None,  # the sim does not sample: only `logprobs` is read
     ) -> AsyncGenerator[Generated, None]:
-        if not isinstance(kv, SimKvSink) or not kv.committed:
+        local = isinstance(kv, LocalKv)
+        if not local and (not isinstance(kv, SimKvSink) or not kv.committed):
             raise ValueError("generate needs a committed KV sink of this engine")
         if self._task is None:
             raise RuntimeError("engine is not running")
-        if len(self._running) + len(self._joining) >= self._max_batch:
+        if len(self._running) + len(self._prefilling) + len(self._joining) >= self._max_batch:
             raise EngineBusy("decode batch is full")
         seq = _Sequence(Context(tokens), len(tokens), max_tokens, _top_logprobs(sampling))
+        cached = self._cache.lookup_and_insert(tokens)
+        if local:
+            self._hit_tokens += cached
+            self._query_tokens += len(tokens)
+            seq.to_prefill = len(tokens) - cached
         self._joining.append(seq)
         self._wakeup.set()
         try:
@@ -345,7 +368,7 @@ class SimDecodeEngine(_EngineLoop):
 
     def _leave(self, seq: _Sequence) -> None:
         seq.left = True
-        if self._running.pop(id(seq), None) is None:
+        if self._running.pop(id(seq), None) is None and self._prefilling.pop(id(seq), None) is None:
             # Still joining: drop it now so it does not count against the batch size.
             with contextlib.suppress(ValueError):
                 self._joining.remove(seq)
@@ -359,23 +382,49 @@ class SimDecodeEngine(_EngineLoop):
         context.append(token_id)
         return Generated(text, lp, token_id)
 
+    def _chunks(self, decoding: int) -> list[tuple[_Sequence, int]]:
+        """This step's prompt chunks: the token budget left after one decode token per
+        running sequence, oldest local prefill first (at least one token, so they progress)."""
+        budget = max(1, self._profile.step_tokens - decoding)
+        chunks: list[tuple[_Sequence, int]] = []
+        for seq in self._prefilling.values():
+            if budget <= 0:
+                break
+            n = min(seq.to_prefill, budget)
+            chunks.append((seq, n))
+            budget -= n
+        return chunks
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         running = self._running
+        prefilling = self._prefilling
         while True:
             while self._joining:
                 seq = self._joining.popleft()
                 if not seq.left:
-                    running[id(seq)] = seq
-            if not running:
+                    (prefilling if seq.to_prefill else running)[id(seq)] = seq
+            if not running and not prefilling:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             started = loop.time()
             context = sum(s.prompt_len + s.produced for s in running.values())
-            await self._sleep_until(started + self._profile.decode_step_s(len(running), context))
-            for key, seq in list(running.items()):
+            chunks = self._chunks(len(running))
+            done = [
+                (s.prompt_len - s.to_prefill + n, s.prompt_len - s.to_prefill) for s, n in chunks
+            ]
+            step = self._profile.mixed_step_s(len(running), context, done)
+            await self._sleep_until(started + step)
+            finished: list[_Sequence] = []
+            for seq, n in chunks:
+                seq.to_prefill -= n
+                if seq.to_prefill == 0 and prefilling.pop(id(seq), None) is not None:
+                    finished.append(seq)  # the step that completes a prompt samples its token
+            for key, seq in [*running.items(), *((id(s), s) for s in finished)]:
                 seq.out.put_nowait(self._token(seq))
                 seq.produced += 1
                 if seq.produced >= seq.max_tokens:
-                    del running[key]
+                    running.pop(key, None)
+                elif key not in running:
+                    running[key] = seq

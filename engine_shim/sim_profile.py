@@ -12,6 +12,12 @@ with batch size and total context, and KV sizes follow the model architecture.
 * **Decode step** = ``decode_base_s`` (reading all weights once: decode is memory bound)
   + ``decode_per_seq_s`` per running sequence (sampling, scheduling, per-row compute)
   + ``decode_per_context_token_s`` per token of context over the batch (reading the KV cache).
+* **Mixed step** (a decode that prefills a plain request itself, chunked prefill): the
+  running sequences' decode tokens plus prompt chunks of at most ``step_tokens`` tokens in
+  all, in one pass: the weights are read once (the larger of ``decode_base_s`` and
+  ``prefill_overhead_s``), then the decode terms, then the prefill terms of the chunks.
+  Every running sequence waits for the whole step, so a local prefill stretches their
+  inter-token latency by its chunks' compute: the cost that makes it a trade-off.
 * **KV transfer** = ``kv_transfer_latency_s`` (the metadata exchange before a transfer)
   + full-size KV bytes / ``kv_bandwidth_bytes_s``.
 
@@ -33,6 +39,12 @@ Calibration of ``llama-3.1-8b-h100`` (bf16, one H100 SXM 80GB, vLLM, TP=1):
   throughput (e.g. https://blog.ori.co/benchmarking-llama-3.1-8b-instruct-on-nvidia-h100-and-a100-chips-with-the-vllm-inferencing-engine).
   Attention adds 4 x 32 layers x 4096 = 524k FLOPs per (query, key) pair, at the same
   efficiency ~1.9 ns; an 8k-token prompt then takes ~0.56 s.
+* Mixed steps: ``step_tokens`` is vLLM V1's default ``max_num_batched_tokens`` for its
+  OpenAI server (vllm/engine/arg_utils.py, ``_set_default_args``): 8192 on a GPU with at
+  least 70 GiB that is not an A100 (H100, H200), 2048 otherwise. The scheduler takes the
+  running sequences' decode tokens first and fills the rest of the budget with prompt
+  chunks, oldest first, as here. The per-token and attention costs of a chunk are the
+  prefill constants above: a chunk is the same GEMMs and attention as a prefill.
 * KV transfer: 25 GB/s effective (about half of a 400 Gb/s RDMA NIC per GPU, what KV
   connectors such as NIXL report in practice), plus 1 ms of metadata exchange.
 * Prefix cache: (80 GB x 0.9 - 16 GB weights) / (16 tokens x 131,072 B) ~ 26k blocks; 24k
@@ -69,9 +81,11 @@ class SimProfile:
     kv_bandwidth_bytes_s: float  # math.inf: transfers take no modelled time
     kv_transfer_latency_s: float
     prefix_cache_blocks: int
+    step_tokens: int = 8192  # tokens one engine step computes at most (mixed steps)
 
-    def prefill_batch_s(self, seqs: Iterable[tuple[int, int]]) -> float:
-        """Time of one prefill batch; `seqs` holds (prompt tokens, cached tokens) pairs."""
+    def _prefill_terms(self, seqs: Iterable[tuple[int, int]]) -> tuple[int, float]:
+        """(sequences, seconds of their per-sequence, per-token and attention terms) for
+        (prompt tokens, cached tokens) pairs: everything of a prefill but the weights' pass."""
         n_seqs = 0
         tokens = 0
         pairs = 0.0
@@ -81,13 +95,33 @@ class SimProfile:
             tokens += uncached
             # Causal: uncached query p (cached < p <= prompt) attends to p keys.
             pairs += uncached * (cached + (uncached + 1) / 2)
-        if n_seqs == 0:
-            return 0.0
-        return (
-            self.prefill_overhead_s
-            + self.prefill_per_seq_s * n_seqs
+        return n_seqs, (
+            self.prefill_per_seq_s * n_seqs
             + self.prefill_per_token_s * tokens
             + self.prefill_attention_s * pairs
+        )
+
+    def prefill_batch_s(self, seqs: Iterable[tuple[int, int]]) -> float:
+        """Time of one prefill batch; `seqs` holds (prompt tokens, cached tokens) pairs."""
+        n_seqs, terms = self._prefill_terms(seqs)
+        return self.prefill_overhead_s + terms if n_seqs else 0.0
+
+    def mixed_step_s(
+        self, batch_size: int, context_tokens: int, chunks: Iterable[tuple[int, int]]
+    ) -> float:
+        """One chunked-prefill step: a token for each of `batch_size` running sequences (with
+        `context_tokens` of context in all) and prompt chunks, as (tokens computed after
+        this step, tokens computed before it) pairs."""
+        n_chunks, terms = self._prefill_terms(chunks)
+        if n_chunks == 0:
+            return self.decode_step_s(batch_size, context_tokens)
+        if batch_size <= 0:
+            return self.prefill_overhead_s + terms
+        return (
+            max(self.prefill_overhead_s, self.decode_base_s)  # the weights, read once
+            + self.decode_per_seq_s * batch_size
+            + self.decode_per_context_token_s * context_tokens
+            + terms
         )
 
     def decode_step_s(self, batch_size: int, context_tokens: int) -> float:
@@ -130,6 +164,7 @@ LLAMA_31_8B_H100 = SimProfile(
     kv_bandwidth_bytes_s=25e9,
     kv_transfer_latency_s=1.0e-3,
     prefix_cache_blocks=24_000,
+    step_tokens=8192,
 )
 
 # Same model on an A100 SXM 80GB: bandwidth-bound terms scale by 3.35/2.04, compute-bound
@@ -147,6 +182,7 @@ LLAMA_31_8B_A100 = SimProfile(
     kv_bandwidth_bytes_s=12.5e9,
     kv_transfer_latency_s=1.0e-3,
     prefix_cache_blocks=24_000,
+    step_tokens=2048,
 )
 
 NULL = SimProfile(

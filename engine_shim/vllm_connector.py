@@ -14,12 +14,15 @@ Requests opt in through ``kv_transfer_params`` (set by the shims, never taken fr
   copies their KV rows into buffer NAME, so when the request finishes (max_tokens=1) the
   buffer holds the whole prompt. The blocks are freed at once as usual (and stay in the prefix
   cache): the buffer, not the blocks, is what the prefill shim holds until it is fetched.
-* ``{"pdgate_load": NAME}`` (decode): the scheduler counts the prompt's first ``n - 1`` tokens
-  as external hits when buffer NAME exists, and the worker scatters them into the request's
-  blocks before the forward pass of the step that computes the last prompt token (a
-  synchronous load: the buffer is already local, so this is a memory copy, and the network
-  transfer happened earlier, asynchronously, in the shim). A missing or mismatched buffer is
-  reported as failed blocks, which vLLM recomputes (``kv_load_failure_policy=recompute``).
+* ``{"pdgate_load": NAME, "pdgate_load_tokens": K}`` (decode): the scheduler counts the
+  prompt's first ``min(n - 1, K)`` tokens as external hits when buffer NAME exists (K, the
+  tokens the buffer holds, is less than the prompt's n when a stream is continued from
+  prompt + tokens already generated: vLLM computes those after the loaded prefix), and the
+  worker scatters them into the request's blocks before the forward pass of the step that
+  computes the last prompt token (a synchronous load: the buffer is already local, so this is
+  a memory copy, and the network transfer happened earlier, asynchronously, in the shim). A
+  missing or mismatched buffer is reported as failed blocks, which vLLM recomputes
+  (``kv_load_failure_policy=recompute``).
 
 Configuration: ``kv_connector="PdgateConnector"``,
 ``kv_connector_module_path="pdgate.engine_shim.vllm_connector"``, ``kv_role="kv_both"`` and
@@ -57,12 +60,13 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["LOAD_KEY", "SAVE_KEY", "PdgateConnector"]
+__all__ = ["LOAD_KEY", "LOAD_TOKENS_KEY", "SAVE_KEY", "PdgateConnector"]
 
 log = logging.getLogger("pdgate.vllm.connector")
 
 SAVE_KEY = "pdgate_save"
 LOAD_KEY = "pdgate_load"
+LOAD_TOKENS_KEY = "pdgate_load_tokens"
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +132,8 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        name = _params(request).get(LOAD_KEY)
+        params = _params(request)
+        name = params.get(LOAD_KEY)
         if name is None:
             return 0, False
         try:
@@ -137,8 +142,13 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
         except KvBufferError:
             return 0, False
         # All prompt tokens but the last: the decode computes that one to get the logits of
-        # the first token it samples (the prefill already returned that token).
-        count = request.num_prompt_tokens - 1 - num_computed_tokens
+        # the first token it samples (the prefill already returned that token). A buffer
+        # shorter than the prompt covers its prefix only: the rest is computed here.
+        end = request.num_prompt_tokens - 1
+        held = params.get(LOAD_TOKENS_KEY)
+        if isinstance(held, int) and held > 0:
+            end = min(end, held)
+        count = end - num_computed_tokens
         return (count, False) if count > 0 else (0, False)
 
     def update_state_after_alloc(

@@ -14,6 +14,8 @@ the gateway cannot tell the two apart:
   workers do this while the running batch keeps decoding); `generate` then submits the prompt
   with the buffer's name, the connector scatters the KV into the request's blocks, and the
   tokens stream out. The buffer is deleted as soon as the first token shows it was loaded.
+  Given `local_kv` instead (a plain request), `generate` submits the prompt without any KV:
+  vLLM prefills it in its running batch (chunked prefill, its prefix cache first).
 
 Cancelling `prefill` or closing a `generate` generator (the client left) aborts the vLLM
 request: vLLM's ``AsyncLLM.generate`` aborts when its consumer is cancelled or closed, and the
@@ -49,12 +51,13 @@ from pdgate.engine_shim.backend import (
     Generated,
     InvalidRequest,
     KvSink,
+    LocalKv,
     PrefillOutput,
     Prompt,
     Sampling,
     TokenLogprobs,
 )
-from pdgate.engine_shim.vllm_connector import LOAD_KEY, SAVE_KEY
+from pdgate.engine_shim.vllm_connector import LOAD_KEY, LOAD_TOKENS_KEY, SAVE_KEY
 
 __all__ = ["VllmDecodeEngine", "VllmPrefillEngine", "engine_args", "make_vllm_backend"]
 
@@ -363,6 +366,9 @@ class VllmDecodeEngine(_VllmEngine):
     def kv_sink(self, tokens: Sequence[int], nbytes: int) -> KvSink:
         return FileKvSink(self.spool, len(tokens), nbytes)
 
+    def local_kv(self, tokens: Sequence[int]) -> KvSink:
+        return LocalKv()
+
     async def generate(
         self,
         tokens: Sequence[int],
@@ -370,11 +376,16 @@ class VllmDecodeEngine(_VllmEngine):
         kv: KvSink,
         sampling: Sampling | None = None,
     ) -> AsyncGenerator[Generated, None]:
-        if not isinstance(kv, FileKvSink) or not kv.committed:
+        load: dict[str, Any] = {}  # a local prefill: no KV to load, vLLM computes the prompt
+        if isinstance(kv, FileKvSink) and kv.committed:
+            # The KV may cover only a prefix of the prompt (a continued stream): vLLM
+            # computes the rest.
+            load.update({LOAD_KEY: kv.name, LOAD_TOKENS_KEY: kv.tokens})
+        elif not isinstance(kv, LocalKv):
             raise ValueError("generate needs a committed KV sink of this engine")
         if self._active >= self._max_batch:
             raise EngineBusy("decode batch is full")
-        params = self._params(max_tokens, sampling, {LOAD_KEY: kv.name})
+        params = self._params(max_tokens, sampling, load)
         self._active += 1
         try:
             async for out in self._outputs(tokens, params):

@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["Assembler", "StreamError", "sse_events"]
+__all__ = ["Assembler", "StreamError", "parse_event", "sse_events"]
 
 _CHUNK_OBJECTS = {"text_completion": "text_completion", "chat.completion.chunk": "chat.completion"}
 # Choice fields merged across chunks (the rest keep their first non-null value).
@@ -32,20 +32,39 @@ def sse_events(buffer: bytearray) -> list[bytes]:
     """Pop every complete event's data from `buffer` (``data: ...`` lines of events ended by
     a blank line); comments (``: ping``) and other fields are dropped."""
     out: list[bytes] = []
+    # Either line ending: pdgate and vLLM send "\n\n", other servers "\r\n\r\n".
+    crlf = b"\r" in buffer
+    start = 0
     while True:
-        # Either line ending: pdgate and vLLM send "\n\n", other servers "\r\n\r\n".
-        cut = min(
-            (i for i in (buffer.find(b"\n\n"), buffer.find(b"\r\n\r\n")) if i >= 0),
-            default=-1,
-        )
+        cut, sep = buffer.find(b"\n\n", start), 2
+        if crlf:
+            other = buffer.find(b"\r\n\r\n", start)
+            if other >= 0 and (cut < 0 or other < cut):
+                cut, sep = other, 4
         if cut < 0:
-            return out
-        sep = 4 if buffer[cut : cut + 4] == b"\r\n\r\n" else 2
-        event = bytes(buffer[:cut])
-        del buffer[: cut + sep]
+            break
+        event = bytes(buffer[start:cut])
+        start = cut + sep
+        if event.startswith(b"data:") and b"\n" not in event:
+            out.append(event[5:].lstrip(b" "))  # the usual event: one data line
+            continue
         data = [line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:")]
         if data:
             out.append(b"\n".join(data))
+    if start:
+        del buffer[:start]
+    return out
+
+
+def parse_event(data: bytes) -> dict[str, Any]:
+    """One event's data as a JSON object; raises `StreamError` for anything else."""
+    try:
+        event = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        raise StreamError("the decode sent an event that is not JSON") from None
+    if not isinstance(event, dict):
+        raise StreamError("the decode sent an event that is not a JSON object")
+    return event
 
 
 def _merge_logprobs(into: dict[str, Any] | None, part: Any) -> dict[str, Any] | None:
@@ -119,16 +138,15 @@ class Assembler:
         if data.strip() == b"[DONE]":
             self.done = True
             return
-        try:
-            event = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            raise StreamError("the decode sent an event that is not JSON") from None
-        if not isinstance(event, dict):
-            raise StreamError("the decode sent an event that is not a JSON object")
+        event = parse_event(data)
         if "error" in event:
             err = event["error"]
             message = err.get("message") if isinstance(err, dict) else None
             raise StreamError(str(message or "the decode failed"), event)
+        self.add(event)
+
+    def add(self, event: dict[str, Any]) -> None:
+        """One event already parsed (and checked for an error)."""
         self.events += 1
         if self._head is None:
             self._head = {k: v for k, v in event.items() if k not in ("choices", "usage")}

@@ -3,10 +3,12 @@
 A Python gateway uses one core per process, so a node runs several. The supervisor binds the
 socket once and hands it to each worker (the kernel spreads connections between the
 processes accepting on it); each worker is a whole gateway with its own fleet identity, so
-they share load through the Redis registry like gateways on different hosts (without Redis
-each takes its part of every instance's slots). The supervisor restarts a worker that dies
-(with a back-off, so a worker that cannot start does not spin) and, on SIGTERM or SIGINT,
-stops them all: SIGTERM, then SIGKILL after the grace period.
+they share load through the Redis registry like gateways on different hosts. Without Redis
+they lease prefill slots from one `SlotTable` the supervisor creates and hands down with the
+socket (registry/_slot_table.py); a worker that exits has its slots zeroed at once. The
+supervisor restarts a worker that dies (with a back-off, so a worker that cannot start does
+not spin) and, on SIGTERM or SIGINT, stops them all: SIGTERM, then SIGKILL after the grace
+period.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from collections.abc import Sequence
 
 from pdgate.config.aio import ExponentialBackoff
+from pdgate.registry.fleet import SlotTable
 
 log = logging.getLogger("pdgate.workers")
 
@@ -55,6 +58,7 @@ class Supervisor:
         self._stopping = False
         self._backoff = ExponentialBackoff(0.5, 10.0, jitter=0.2)
         self._relays: set[asyncio.Task[None]] = set()
+        self._slots = SlotTable.create(workers)
 
     def _env(self, index: int) -> dict[str, str]:
         return {
@@ -62,6 +66,7 @@ class Supervisor:
             "PDGATE_GATEWAY_WORKERS": str(len(self._workers)),
             "PDGATE_GATEWAY_WORKER_INDEX": str(index),
             "PDGATE_GATEWAY_GATEWAY_ID": f"{self._gateway_id}-w{index}",
+            "PDGATE_GATEWAY_WORKER_SLOTS_FD": str(self._slots.fd),
             "PYTHONUNBUFFERED": "1",
         }
 
@@ -74,7 +79,7 @@ class Supervisor:
             *self._argv,
             "--listen-fd",
             str(fd),
-            pass_fds=(fd,),
+            pass_fds=(fd, self._slots.fd),
             env=self._env(worker.index),
             stdout=asyncio.subprocess.PIPE,
         )
@@ -94,6 +99,12 @@ class Supervisor:
             sys.stdout.flush()
 
     async def run(self, stop: asyncio.Event, announce: str) -> int:
+        try:
+            return await self._run(stop, announce)
+        finally:
+            self._slots.close()
+
+    async def _run(self, stop: asyncio.Event, announce: str) -> int:
         for w in self._workers:
             await self._spawn(w)
         pending = {w.index for w in self._workers}
@@ -137,6 +148,8 @@ class Supervisor:
             for fut in done:
                 worker = waits[fut]
                 code = fut.result()
+                # Its requests are gone with it: so are its slot leases.
+                self._slots.clear_worker(worker.index)
                 # A worker that lived a while earns a fresh back-off.
                 if time.monotonic() - worker.started > 30:
                     worker.restarts = 0

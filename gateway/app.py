@@ -25,6 +25,7 @@ from pdgate.config import GatewaySettings, RegistrySettings
 from pdgate.config.aio import ExponentialBackoff
 from pdgate.config.openai_api import error_json
 from pdgate.config.tracing import Tracing
+from pdgate.gateway._instance_keys import KeyedUpstream
 from pdgate.gateway.affinity import PrefixIndex
 from pdgate.gateway.auth import KeyRing
 from pdgate.gateway.completions import CompletionsEndpoint
@@ -38,8 +39,9 @@ from pdgate.gateway.metrics import GatewayMetrics
 from pdgate.gateway.upstream import Upstream
 from pdgate.policies import Ranker, load_policy, needs
 from pdgate.registry.base import InstanceRecord, Registry
-from pdgate.registry.fleet import FleetStore, LocalFleet, RedisFleet
+from pdgate.registry.fleet import FleetStore, LocalFleet, RedisFleet, SlotTable
 from pdgate.registry.membership import Listener, Membership
+from pdgate.registry.static import static_api_keys
 
 log = logging.getLogger("pdgate.gateway")
 
@@ -89,7 +91,8 @@ class GatewayApp:
 
 def open_fleet_store(settings: GatewaySettings, registry_settings: RegistrySettings) -> FleetStore:
     """Shared through the registry's Redis when there is one (and `fleet` is on); otherwise
-    this process's own view, with its part of every instance's slots under ``--workers``."""
+    this process's own view, and under ``--workers`` the node's slot table, shared by its
+    workers through the OS (registry/_slot_table.py)."""
     if settings.fleet and registry_settings.url:
         return RedisFleet(
             registry_settings.url,
@@ -99,7 +102,12 @@ def open_fleet_store(settings: GatewaySettings, registry_settings: RegistrySetti
             window_s=settings.fleet_window_s,
             connect_timeout_s=registry_settings.connect_timeout_s,
         )
-    return LocalFleet(settings.gateway_id, share=(settings.worker_index, settings.workers))
+    table = (
+        SlotTable(settings.worker_slots_fd, settings.worker_index)
+        if settings.worker_slots_fd is not None
+        else None
+    )
+    return LocalFleet(settings.gateway_id, table)
 
 
 _RATIO_NOTE = (
@@ -146,6 +154,8 @@ def build_gateway_app(
         settings.admin_token.get_secret_value() if settings.admin_token else None,
     )
     decode_policy = load_policy(settings.decode_policy, settings.decode_policy_options)
+    # Static servers' own API keys, from the environment: a missing one fails the start.
+    instance_keys = static_api_keys(settings)
     completions = _Late()
     started = time.time()
     owns_tracing = tracing is None
@@ -172,6 +182,8 @@ def build_gateway_app(
             if upstream is None
             else upstream
         )
+        if instance_keys:
+            client = KeyedUpstream(client, instance_keys)
         # Late-bound: the gauge reads the endpoint built just below.
         metrics = GatewayMetrics(
             tracker.totals,
@@ -254,6 +266,7 @@ def build_gateway_app(
 
     async def health(request: Request) -> Response:
         membership: Membership = request.state.membership
+        index: PrefixIndex | None = request.state.index
         tracker: InstanceTracker = request.state.tracker
         streams, inflight = tracker.totals()
         return _ORJSONResponse(
@@ -273,6 +286,8 @@ def build_gateway_app(
                 },
                 "prefill_policy": _describe(prefill_policy),
                 "decode_policy": _describe(decode_policy),
+                # null: the policy scores no prefix affinity, so no index is kept at all.
+                "affinity_index": None if index is None else dict(index.stats()),
             }
         )
 

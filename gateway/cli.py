@@ -32,8 +32,9 @@ _FLAGS = [
 _STATIC_HELP = (
     "a {role} server fronted by URL, without registration (stock vLLM, any OpenAI server "
     "with vLLM's kv_transfer_params handshake); repeatable: 'URL [capacity=N] [group=G] "
-    "[model=M] [id=ID]', capacity default {capacity}, model default: the server's "
-    "GET /v1/models. Replaces static_{role}s of the config file"
+    "[model=M] [id=ID] [api_key_env=VAR]', capacity default {capacity}, model default: the "
+    "server's GET /v1/models, api_key_env: the variable holding its own API key. Replaces "
+    "static_{role}s of the config file"
 )
 
 

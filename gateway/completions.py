@@ -23,6 +23,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.requests import Request
@@ -40,7 +41,7 @@ from pdgate.config.openai_api import (
 from pdgate.config.settings import GatewaySettings
 from pdgate.config.tracing import SpanKind, Tracing
 from pdgate.config.wire import REQUEST_ID_HEADER, valid_request_id
-from pdgate.gateway.auth import ApiKey, KeyRing
+from pdgate.gateway.auth import PRIORITIES, ApiKey, KeyRing
 from pdgate.gateway.dispatch import Dispatcher, Placement
 from pdgate.gateway.errors import (
     BadRequest,
@@ -53,8 +54,9 @@ from pdgate.gateway.errors import (
 from pdgate.gateway.groups import GROUP_HEADER, GroupResolver
 from pdgate.gateway.instances import InstanceTracker
 from pdgate.gateway.metrics import ANY_GROUP, GatewayMetrics
-from pdgate.gateway.relay import relay_stream, relay_whole
+from pdgate.gateway.relay import Relay, RelayOptions, RelayRequest
 from pdgate.gateway.series import Series
+from pdgate.gateway.tenancy import resolve_tenancy
 from pdgate.policies import RequestInfo
 
 log = logging.getLogger("pdgate.completions")
@@ -119,10 +121,10 @@ class CompletionsEndpoint:
         info: RequestInfo | None = None
         outcome = "ok"
         group = ANY_GROUP
-        relaying = False  # the relay sends the response's start: past it, no status to send
+        relaying = False  # the relay sent the response's start: past it, no status to send
         try:
             req, forward = self._parse(body, api)
-            info = self._request_info(req, forward, key, request.headers.get(GROUP_HEADER))
+            info = self._request_info(req, forward, key, request.headers)
             group = info.group or ANY_GROUP
             deadline = arrived + self._ttft_timeout(request, info.group)
             watcher = asyncio.ensure_future(wait_disconnect(receive))
@@ -133,50 +135,32 @@ class CompletionsEndpoint:
                 span.set_attribute("pdgate.group", info.group or "")
                 span.set_attribute("pdgate.stream", req.stream)
                 span.set_attribute("pdgate.prompt_chars", info.prompt_chars)
-            placement = await run_unless(
-                self._dispatcher.place(
-                    info, forward, request_id=request_id, deadline=deadline, span=span, api=api
-                ),
-                watcher,
-                lost=ClientGone(),
-            )
-            if span.is_recording():
-                span.set_attribute("pdgate.prefill", placement.prefill_id)
-                span.set_attribute("pdgate.decode", placement.decode_id)
-                span.set_attribute("pdgate.prefill_attempts", placement.prefill_attempts)
-                span.set_attribute("pdgate.prefill_rejections", placement.prefill_rejections)
-            relay_span = self._tracing.start("pdgate.relay", parent=span)
-            self._metrics.placement.observe(time.monotonic() - arrived)
-            relaying = True
             settings = self._settings
-            if req.stream:
-                relay = relay_stream(
-                    placement,
-                    send,
-                    request_id=request_id,
+            relay = Relay(
+                self._dispatcher,
+                send,
+                RelayRequest(
+                    info, req, forward, api, request_id, deadline, arrived, group=group, span=span
+                ),
+                RelayOptions(
                     chunk_bytes=settings.stream_chunk_bytes,
-                    metrics=self._metrics,
-                    arrived=arrived,
-                    group=group,
-                )
-            else:
-                relay = relay_whole(
-                    placement,
-                    send,
-                    request_id=request_id,
-                    chunk_bytes=settings.stream_chunk_bytes,
-                    max_bytes=settings.max_response_bytes,
-                    metrics=self._metrics,
-                    arrived=arrived,
-                    group=group,
-                )
+                    max_response_bytes=settings.max_response_bytes,
+                    max_migrations=settings.max_migrations,
+                    first_token_early=settings.first_token_early,
+                    ttft_timeout_s=self._groups.ttft_timeout_s(info.group),
+                ),
+                self._metrics,
+                self._tracing,
+            )
             try:
-                outcome = await run_unless(relay, watcher, lost=ClientGone())
+                outcome = await run_unless(relay.run(), watcher, lost=ClientGone())
             finally:
-                relay_span.end()
+                placement = relay.first
+                relaying = relay.started
         except GatewayError as exc:
             outcome = _outcome(exc)
-            await exc.response()(scope, receive, send)
+            if not relaying:
+                await exc.response()(scope, receive, send)
         except ClientGone:
             outcome = "client_gone"
         except Exception:
@@ -262,8 +246,10 @@ class CompletionsEndpoint:
         req: ApiRequest,
         forward: dict[str, Any],
         key: ApiKey | None,
-        header: str | None,
+        headers: Mapping[str, str],
     ) -> RequestInfo:
+        """What the policies and the queue know of the request: its model, group, prompt,
+        tenant, priority class and share weight (gateway/tenancy.py)."""
         models = self._tracker.models()
         model = req.model
         if model is None:
@@ -280,12 +266,22 @@ class CompletionsEndpoint:
                 )
             raise ModelNotFound(f"the model {model!r} does not exist", param="model")
         prompt = req.prompt_key
+        group = self._groups.resolve(model, key, headers.get(GROUP_HEADER), len(prompt))
+        who = resolve_tenancy(
+            key,
+            headers,
+            group_priority=self._groups.priority(group),
+            keyless_max_priority=PRIORITIES[self._settings.keyless_max_priority],
+        )
         return RequestInfo(
             model=model,
-            group=self._groups.resolve(model, key, header, len(prompt)),
+            group=group,
             prompt=prompt,
             prompt_chars=len(prompt),
             max_tokens=int(forward["max_tokens"]),
+            tenant=who.tenant,
+            priority=who.priority,
+            weight=who.weight,
         )
 
     def _ttft_timeout(self, request: Request, group: str | None) -> float:

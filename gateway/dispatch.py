@@ -10,6 +10,12 @@ a 429 tries the next one, then waits for a freed slot or a back-off, until the d
 decode leg always streams, whatever the client asked: its first event is the moment the KV
 has left the prefill (the decode pulls it before it generates), which is when the prefill's
 slot frees, and a non-streaming answer is assembled from the stream (gateway/_assemble.py).
+
+Failover of the decode leg: a decode that was never reached (refused, reset, timed out) is
+replaced by the next one with the same ``kv_transfer_params`` (the KV is still at the
+prefill); one that answered with an error status may have consumed the KV, so `place` raises
+`DecodeLost` and the caller places the request again, prefill included (gateway/relay.py).
+Either counts against the retry budget, as prefill failovers do.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pdgate.config.aio import Background, Backoff, shielded
@@ -26,11 +33,13 @@ from pdgate.config.openai_api import Api
 from pdgate.config.settings import DispatchMode, GatewaySettings
 from pdgate.config.tracing import Span, Tracing
 from pdgate.config.wire import COMPLETIONS_PATH, Role, prefill_kv_request
+from pdgate.gateway._local_prefill import LocalPrefill
 from pdgate.gateway.affinity import PrefixIndex
 from pdgate.gateway.errors import (
     BadGateway,
     BadRequest,
     DeadlineExceeded,
+    DecodeLost,
     GatewayError,
     PayloadTooLarge,
     UpstreamError,
@@ -116,6 +125,21 @@ class Placement:
             self._grant.release_kv_then([self._grant.inflight])
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeLeg:
+    """What the decode leg gets: its body (``kv_transfer_params`` are added), the API it
+    goes to, and a pdgate extension every candidate decode must declare (None: any)."""
+
+    body: dict[str, Any]
+    api: Api
+    extension: str | None = None
+
+
+# Called with the prefill's grant before the decode leg is placed; returns that leg (None:
+# the request's own body). The first token early sends the client its first chunk here.
+AfterPrefill = Callable[[PrefillGrant], Awaitable[DecodeLeg | None]]
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -156,6 +180,10 @@ class Dispatcher:
         self.budget = RetryBudget(settings.retry_budget_ratio, settings.retry_budget_burst)
         self.advisor = RatioAdvisor(
             window_s=settings.ratio_window_s, target_utilization=settings.ratio_target_utilization
+        )
+        # Conditional disaggregation (gateway/_local_prefill.py).
+        self._local = LocalPrefill(
+            settings, tracker, upstream, decode_policy, metrics, self.ejector, Placement, tracing
         )
         self._options = ForwardingOptions(
             batch_forwarding=settings.batch_forwarding,
@@ -217,32 +245,71 @@ class Dispatcher:
         deadline: float,
         span: Span | None = None,
         api: Api = Api.COMPLETIONS,
+        after_prefill: AfterPrefill | None = None,
+        avoid: Collection[str] = (),
+        retry: bool = False,
     ) -> Placement:
         """A prefill that computed the request and a decode that took its KV. `span` is the
         request's trace span (the legs' spans are its children). Both legs go to `api`'s
-        path (chat: the client's messages on both, ``max_tokens`` already its only limit)."""
-        self.budget.deposit()
+        path (chat: the client's messages on both, ``max_tokens`` already its only limit),
+        unless `after_prefill` gives the decode leg another body. Decodes in `avoid` (one
+        that just broke this request's stream) are tried last. A `retry` (failover,
+        migration) places a request already counted: it adds nothing to the retry budget.
+
+        Raises `DecodeLost` when a decode answered with an error status (its KV may be gone:
+        place the request again)."""
+        if not retry:
+            self.budget.deposit()
+        local = self._local.plan(info, avoid)
+        if local is not None and (
+            placed := await local.place(
+                forward, request_id=request_id, deadline=deadline, span=span, path=api.path
+            )
+        ):
+            return placed
         body = {k: v for k, v in forward.items() if k != "stream_options"}
         body.update(max_tokens=1, stream=False, kv_transfer_params=prefill_kv_request())
         grant = await self._prefill(info, body, request_id, deadline, span, path=api.path)
         try:
-            decode_body = {**forward, "kv_transfer_params": grant.kv_params, "stream": True}
-            if not forward.get("stream"):
+            leg = await after_prefill(grant) if after_prefill is not None else None
+            if leg is None:
+                leg = DecodeLeg(forward, api)
+            decode_body = {**leg.body, "kv_transfer_params": grant.kv_params, "stream": True}
+            if not leg.body.get("stream"):
                 decode_body["stream_options"] = {"include_usage": True}
             decode, stream, decode_leases = await self._decode(
-                info, decode_body, request_id, deadline, span, path=api.path
+                info,
+                decode_body,
+                request_id,
+                deadline,
+                span,
+                path=leg.api.path,
+                extension=leg.extension,
+                avoid=avoid,
             )
         except BaseException:
             grant.close()
             raise
         self._metrics.prefill_rejections.observe(grant.rejections)
-        return Placement(
+        placement = Placement(
             stream,
             grant,
             decode,
             decode_leases,
             on_first_byte=lambda: self.ejector.success(decode.id),
         )
+        if local is not None:
+            local.served_by(decode.id)
+        return placement
+
+    def decodes_declare(self, info: RequestInfo, extension: str) -> bool:
+        """Whether a ready decode for `info` declares `extension`."""
+        return bool(self._decode_candidates(info, extension))
+
+    def extensions(self, instance_id: str) -> tuple[str, ...]:
+        """What the instance's registry record declares (nothing once it left)."""
+        record = self._tracker.records().get(instance_id)
+        return () if record is None else record.extensions
 
     async def _prefill(
         self,
@@ -379,14 +446,18 @@ class Dispatcher:
         parent: Span | None,
         *,
         path: str = COMPLETIONS_PATH,
+        extension: str | None = None,
+        avoid: Collection[str] = (),
     ) -> tuple[InstanceLoad, DecodeStream, list[Lease]]:
         counter = self._metrics.decode_attempts
         round_no = 0
         failures: list[str] = []
         while True:
-            ranked = self._decode_policy.rank(
-                info, self._tracker.loads(Role.DECODE, info.model, info.group)
-            )
+            ranked = self._decode_policy.rank(info, self._decode_candidates(info, extension))
+            if avoid:
+                ranked = [c for c in ranked if c.id not in avoid] + [
+                    c for c in ranked if c.id in avoid
+                ]
             for inst in ranked[: self._settings.decode_candidates]:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -428,7 +499,13 @@ class Dispatcher:
                         if isinstance(exc, UpstreamStatus):
                             # It answered: its KV pull may have consumed the prefill's copy,
                             # so another decode cannot be given the same kv_transfer_params.
-                            raise BadGateway("the decode instance failed") from exc
+                            raise DecodeLost("the decode instance failed") from exc
+                        if not self.budget.withdraw():
+                            # A fleet-wide failure must not multiply the load on what is left.
+                            self._metrics.retry_budget_exhausted.inc()
+                            raise BadGateway(
+                                "the decode instances are failing; not retried"
+                            ) from exc
                         continue  # never reached it: the KV is still at the prefill
                     raise
                 counter.labels("accepted").inc()
@@ -448,6 +525,17 @@ class Dispatcher:
                 raise DeadlineExceeded(what, retry_after=self._settings.retry_after_s)
             await self._tracker.wait_freed(min(self._backoff.delay(round_no), remaining))
             round_no += 1
+
+    def _decode_candidates(self, info: RequestInfo, extension: str | None) -> list[InstanceLoad]:
+        loads = self._tracker.loads(Role.DECODE, info.model, info.group)
+        if extension is None:
+            return loads
+        records = self._tracker.records()
+        return [
+            c
+            for c in loads
+            if (rec := records.get(c.id)) is not None and extension in rec.extensions
+        ]
 
 
 def _decode_outcome(exc: BaseException) -> str:

@@ -67,10 +67,12 @@ class DeadlineExceeded(ServiceUnavailable):
 
 
 class OverShare(GatewayError):
-    """429, the one rule: the fleet is busy and this tenant holds more than its share of the
-    queue (back off and retry). 503 means the fleet has no capacity for anyone: the deadline
-    passed with no prefill free, the request could not be prefilled in time, or the queue is
-    full for everyone."""
+    """429, the one rule (gateway/queue.py, "429 or 503"): other tenants are waiting too and
+    this tenant already holds its share of the queue, so back off and retry; a request of a
+    tenant under its share takes the place of an over-share tenant's newest, which gets this.
+    503 means the fleet has no capacity for anyone: the deadline passed with no prefill free,
+    the request could not be prefilled in time, or the queue is full with every tenant
+    within its share."""
 
     status = 429
     type = "rate_limit_error"
@@ -81,6 +83,11 @@ class BadGateway(GatewayError):
     status = 502
     type = "upstream_error"
     code = "upstream_error"
+
+
+class DecodeLost(BadGateway):
+    """A decode answered the decode leg with an error status before streaming: its KV pull may
+    have consumed the prefill's copy, so the request must be placed again, prefill included."""
 
 
 def from_openai_error(exc: OpenAIError) -> GatewayError:

@@ -82,7 +82,9 @@ class Fleet:
         self._live: dict[str, dict[str, SlotLease]] = {}  # instance -> lease id -> lease
         self._to_release: list[SlotLease] = []
         self._flush_scheduled = False
-        self._local = LocalFleet(store.gateway_id)  # the degraded mode's own counting
+        # Without Redis the store is the local count (with --workers, the node's shared slot
+        # table); with Redis, this is the degraded mode's own counting.
+        self._local = store if isinstance(store, LocalFleet) else LocalFleet(store.gateway_id)
         self._local_seq = itertools.count()
         self._degraded = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -111,6 +113,9 @@ class Fleet:
                 asyncio.create_task(self._renew_loop(), name="fleet:renew"),
                 asyncio.create_task(self._freed_loop(), name="fleet:freed"),
             ]
+        elif isinstance(self.store, LocalFleet) and self.store.shares_slots:
+            # Workers without Redis: another worker's freed slot wakes our forwarders.
+            self._tasks = [asyncio.create_task(self._freed_loop(), name="fleet:freed")]
 
     async def aclose(self) -> None:
         tasks, self._tasks = self._tasks, []

@@ -14,6 +14,13 @@ pulled it (the decode's first byte says so, see `Placement.first_byte`) or it wa
 Every call that is abandoned (deadline, client gone, timeout, failure) releases its KV by the
 id the gateway chose for it, and only then gives back the count: the prefill frees the slot
 when the release arrives, not before.
+
+Each call also counts its prompt work against the prefill until the answer (token-work load:
+estimated tokens of the part the prefill does not hold in cache, at a tokens-per-character
+ratio learned from the answers' ``usage``), with its expected duration (from recent calls,
+by the characters the prefill computed). A policy with a holder (``affinity_hold``) uses
+those to hold a request for the busy prefill holding its prefix when that is expected to
+finish sooner (policies/completion.py); the requests behind it may take the free prefill.
 """
 
 from __future__ import annotations
@@ -48,11 +55,11 @@ from pdgate.gateway.fleet import Fleet, SlotLease, monotonic_ms_left
 from pdgate.gateway.health import Ejector, RetryBudget
 from pdgate.gateway.instances import InstanceTracker, Lease
 from pdgate.gateway.metrics import GatewayMetrics
-from pdgate.gateway.prefill_time import PrefillTimes
+from pdgate.gateway.prefill_time import PrefillTimes, TokenRatio, uncached_chars
 from pdgate.gateway.queue import Admission, Waiter, WaiterState, WaitQueue
 from pdgate.gateway.ratio import RatioAdvisor
 from pdgate.gateway.upstream import Upstream
-from pdgate.policies import InstanceLoad, Ranker, RequestInfo
+from pdgate.policies import Holder, InstanceLoad, Option, Ranker, RequestInfo
 
 log = logging.getLogger("pdgate.forwarder")
 
@@ -199,6 +206,12 @@ class PrefillForwarder:
         # Prefill URL + API path pairs whose batch endpoint answered 404/405 (LRU-bounded).
         self._no_batch_endpoint: OrderedDict[str, None] = OrderedDict()
         self.prefill_times = PrefillTimes(quantile=shared.options.prefill_estimate_quantile)
+        # By the characters the prefill computed (its cache's share taken off, as its answer
+        # says): the expected prefill times the hold-or-go choice compares.
+        self.compute_times = PrefillTimes()
+        self.token_ratio = TokenRatio()
+        hold: Holder | None = getattr(policy, "hold", None)
+        self._hold = hold if self._index is not None else None
 
     @property
     def idle(self) -> bool:
@@ -214,13 +227,17 @@ class PrefillForwarder:
             waiter.latest_start = waiter.deadline - estimate
         admission = self.queue.push(waiter)
         if admission is Admission.FULL:
+            # Under its tenant's share: it takes the place of an over-share tenant's newest
+            # request (queue.py, "429 or 503").
+            displaced = self.queue.displace_for(waiter)
+            if displaced is not None:
+                if not displaced.future.done():
+                    displaced.future.set_exception(self._over_share(displaced))
+                admission = self.queue.push(waiter)
+        if admission is Admission.FULL:
             raise _queue_full(self._options.retry_after_s)
         if admission is Admission.OVER_SHARE:
-            raise OverShare(
-                f"the fleet is busy and tenant {waiter.tenant!r} holds more than its share of "
-                "the queue; back off and retry",
-                retry_after=self._options.retry_after_s,
-            )
+            raise self._over_share(waiter)
         self.waiting += 1
         if self._index is not None:
             self._hashes[id(waiter)] = self._index.hashes(waiter.info.prompt)
@@ -246,6 +263,13 @@ class PrefillForwarder:
                 wait.set_attribute("pdgate.granted", returned)
                 wait.set_attribute("pdgate.prefill_attempts", waiter.attempts)
             wait.end()
+
+    def _over_share(self, waiter: Waiter) -> OverShare:
+        return OverShare(
+            f"the fleet is busy and tenant {waiter.tenant!r} holds its share of the queue; "
+            "back off and retry",
+            retry_after=self._options.retry_after_s,
+        )
 
     def _withdraw(self, waiter: Waiter, *, granted: bool) -> None:
         """The waiter stops waiting (granted, expired, cancelled): take it out everywhere."""
@@ -287,8 +311,16 @@ class PrefillForwarder:
                 return  # restarted by the next acquire()
             if self._hopeless(head):
                 continue
-            # The policy's filters drop prefills that are full or just rejected.
-            ranked = self._policy.rank(self._with_affinity(head), self._candidates())
+            loads = self._candidates()
+            picked = self._pick(head, loads)
+            if picked is None:
+                # The head waits for the busy prefill holding its prefix and nobody behind it
+                # can use a free one: sleep until a slot frees, a request arrives or a
+                # back-off passes.
+                await self._sleep(self._backoff.delay(round_no), arrivals=True)
+                round_no += 1
+                continue
+            first, ranked = picked
             want = 1
             if ranked and self._options.batch_forwarding:
                 # Batch forwarding: as many queued requests as the best prefill has room for.
@@ -297,7 +329,7 @@ class PrefillForwarder:
                 self.key,
                 ranked,
                 want,
-                head_in_ms=monotonic_ms_left(head.deadline),
+                head_in_ms=monotonic_ms_left(first.deadline),
                 next_head_in_ms=self._next_head_ms(want),
             )
             if slots.instance is None:
@@ -306,7 +338,7 @@ class PrefillForwarder:
                 # gateway that yielded to a more urgent one elsewhere retries after the
                 # fleet's priority window.
                 wait = self._fleet.window_s if slots.yielded else self._backoff.delay(round_no)
-                await self._tracker.wait_freed(wait)
+                await self._sleep(wait, arrivals=False)
                 round_no += 1
                 continue
             round_no = 0
@@ -314,11 +346,10 @@ class PrefillForwarder:
             leases = list(slots.leases)
             sent: list[_Call] = []
             while leases:
-                nxt = self.queue.peek()  # the queue may have changed while we asked the fleet
+                # The queue may have changed while we asked the fleet.
+                nxt = self._next_for(target, loads)
                 if nxt is None:
                     break
-                if self._hopeless(nxt):
-                    continue
                 sent.append(self._reserve(nxt, target, leases.pop()))
             for unused in leases:
                 unused.release()
@@ -341,6 +372,134 @@ class PrefillForwarder:
                         call.waiter.attempt_task = asyncio.create_task(self._attempt(call, target))
             # Let the attempts start (and fast 429s arrive) before ranking again.
             await asyncio.sleep(0)
+
+    async def _sleep(self, wait_s: float, *, arrivals: bool) -> None:
+        """Until a slot frees somewhere or `wait_s` passes; with `arrivals`, also until a
+        request is queued (it may be one that can use the prefill a held head leaves free)."""
+        if not arrivals:
+            await self._tracker.wait_freed(wait_s)
+            return
+        waits = {
+            asyncio.ensure_future(self._tracker.wait_freed(wait_s)),
+            asyncio.ensure_future(self.queue.wait_arrival()),
+        }
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+
+    # -- hold or go (policies/completion.py) ------------------------------------------------
+
+    def _pick(
+        self, head: Waiter, loads: list[InstanceLoad]
+    ) -> tuple[Waiter, list[InstanceLoad]] | None:
+        """The request to place next and the prefills ranked for it: the head, unless the
+        policy's holder keeps it for a busy prefill's cache; then the first of the next
+        requests that would go to a free prefill now. None: all of those are held."""
+        info = self._with_affinity(head)
+        ranked = self._policy.rank(info, loads)
+        ahead: dict[str, float] = {}
+        if not ranked or self._hold is None:
+            return head, ranked
+        if self._goes(head, info, ranked[0], ranked, loads, ahead):
+            return head, ranked
+        for waiter in self.queue.ordered(self._hold.scan + 1):
+            if waiter is head or self._hopeless(waiter):
+                continue
+            info = self._with_affinity(waiter)
+            ranked = self._policy.rank(info, loads)
+            if ranked and self._goes(waiter, info, ranked[0], ranked, loads, ahead):
+                return waiter, ranked
+        return None
+
+    def _next_for(self, target: InstanceLoad, loads: list[InstanceLoad]) -> Waiter | None:
+        """The next queued request to send to `target` (a slot there is ours): in queue order,
+        skipping those the holder keeps for another prefill's cache."""
+        if self._hold is None:
+            while (waiter := self.queue.peek()) is not None:
+                if not self._hopeless(waiter):
+                    return waiter
+            return None
+        ahead: dict[str, float] = {}
+        for waiter in self.queue.ordered(self._hold.scan + 1):
+            if self._hopeless(waiter):
+                continue
+            if self._goes(waiter, self._with_affinity(waiter), target, [target], loads, ahead):
+                return waiter
+        return None
+
+    def _goes(
+        self,
+        waiter: Waiter,
+        info: RequestInfo,
+        free: InstanceLoad,
+        ranked: list[InstanceLoad],
+        loads: list[InstanceLoad],
+        ahead: dict[str, float],
+    ) -> bool:
+        """Whether `waiter` should go to the free prefill `free` now rather than wait for a
+        busy one that holds more of its prefix (by expected completion time). `ahead`: per
+        prefill, the work of the requests before it in this round already held for that
+        prefill, per slot: they will be served there first (updated here)."""
+        hold = self._hold
+        blocks = info.prefix_blocks
+        if hold is None or not blocks:
+            return True
+        here = blocks.get(free.id, 0)
+        free_ids = {c.id for c in ranked}
+        better = [
+            c
+            for c in loads
+            if blocks.get(c.id, 0) > here and c.id not in free_ids and not c.ejected
+        ]
+        if not better:
+            return True
+        now_option = self._option(info, free, 0.0)
+        if now_option is None:
+            return True  # no estimates yet: the old rule (take the free slot)
+        busy = []
+        for c in better:
+            option = self._option(info, c, self._expected_wait_s(c) + ahead.get(c.id, 0.0))
+            if option is not None:
+                busy.append(option)
+        now = time.monotonic()
+        held_s = 0.0 if waiter.held_since is None else now - waiter.held_since
+        choice = hold.choose(now_option, busy, remaining_s=waiter.deadline - now, held_s=held_s)
+        if choice is now_option:
+            return True
+        if waiter.held_since is None:
+            waiter.held_since = now
+        held_for = choice.instance
+        ahead[held_for.id] = ahead.get(held_for.id, 0.0) + choice.prefill_s / max(
+            held_for.capacity, 1
+        )
+        return False
+
+    def _uncached_chars(self, info: RequestInfo, instance_id: str) -> int:
+        """Characters of the prompt `instance_id` would compute: the blocks the affinity
+        index says it holds are skipped."""
+        if self._index is None:
+            return info.prompt_chars
+        cached = info.prefix_blocks.get(instance_id, 0) * self._index.block_chars
+        return max(0, info.prompt_chars - cached)
+
+    def _option(self, info: RequestInfo, inst: InstanceLoad, wait_s: float) -> Option | None:
+        prefill_s = self.compute_times.estimate_s(max(1, self._uncached_chars(info, inst.id)))
+        return None if prefill_s is None else Option(inst, wait_s, prefill_s)
+
+    def _expected_wait_s(self, inst: InstanceLoad) -> float:
+        """Until a busy prefill can take a request: the first of our calls there is expected
+        to end; else, when only other gateways' calls compute there, all of their work (its
+        start is unknown: an over-estimate, which only makes holding rarer); else soon (its
+        slots hold KV a decode is about to take). A recent 429 keeps it out longer."""
+        wait = self._tracker.soonest_end_s(inst.id)
+        if wait is None:
+            wait = 0.0
+            rate = self.compute_times.rate_s()
+            if inst.inflight_tokens > 0 and rate is not None:
+                wait = inst.inflight_tokens / self.token_ratio.ratio * rate
+        return max(wait, self._tracker.busy_for_s(inst.id))
 
     def _hopeless(self, waiter: Waiter) -> bool:
         """Drop `waiter` (503 now) if even an optimistic prefill would end past its deadline."""
@@ -378,10 +537,12 @@ class PrefillForwarder:
         return replace(waiter.info, prefix_blocks=self._index.match(hashes))
 
     def _reserve(self, waiter: Waiter, inst: InstanceLoad, slot: SlotLease) -> _Call:
-        """Take the waiter out of the queue and count it against `inst` before the call."""
-        popped = self.queue.pop()
-        assert popped is waiter
+        """Take the waiter out of the queue and count it against `inst` before the call: its
+        slot, its open stream and its prompt work (estimated tokens of the part `inst` does
+        not hold in cache, with the call's expected duration)."""
+        self.queue.take(waiter)
         waiter.attempts += 1
+        uncached = self._uncached_chars(self._with_affinity(waiter), inst.id)
         span = self._tracing.start("pdgate.prefill_attempt", parent=waiter.span)
         if span.is_recording():
             span.set_attribute("pdgate.instance", inst.id)
@@ -391,7 +552,11 @@ class PrefillForwarder:
             waiter,
             self._tracker.open_stream(inst.id),
             self._tracker.begin(inst.id, also=slot.release),
-            self._tracker.work(inst.id, _tokens(waiter.info.prompt_chars)),
+            self._tracker.work(
+                inst.id,
+                self.token_ratio.tokens(uncached),
+                self.compute_times.estimate_s(max(1, uncached)),
+            ),
             uuid.uuid4().hex,
             span,
         )
@@ -546,7 +711,11 @@ class PrefillForwarder:
             counter.labels("accepted").inc()
             self._ejector.success(inst.id)
             took = time.monotonic() - call.started
-            self.prefill_times.record(waiter.info.prompt_chars, took)
+            chars = waiter.info.prompt_chars
+            self.prefill_times.record(chars, took)
+            usage = answer.get("usage")
+            self.token_ratio.observe(chars, usage)
+            self.compute_times.record(max(1, uncached_chars(chars, usage)), took)
             self._advisor.prefill(inst.group, took)
             hashes = self._hashes.get(id(waiter))
             if self._index is not None and hashes:
@@ -610,12 +779,6 @@ def _end(span: Span, outcome: str, status: int | None = None) -> None:
         if status is not None:
             span.set_attribute("http.response.status_code", status)
     span.end()
-
-
-def _tokens(prompt_chars: int) -> int:
-    # About four characters per token for the usual tokenizers: the token-work signal only
-    # compares instances, so a consistent estimate serves without the model's tokenizer.
-    return prompt_chars // 4 + 1
 
 
 def _queue_full(retry_after_s: int) -> GatewayError:

@@ -3,9 +3,14 @@
 Ejection (Envoy's outlier detection, passive): an instance that fails `consecutive` times in
 a row (connection refused or reset, 5xx, a timeout before its first byte) is ejected, i.e.
 left out of every ranking, for a cool-down that doubles with each ejection in a row up to a
-cap. When the cool-down ends it is half-open: eligible again, and its next outcome decides
-(a success closes it and resets the multiplier; a failure ejects it at once for longer).
-A 429 is not a failure: it is the queue-less design working.
+cap. When the cool-down ends it is half-open: it takes exactly one request, the probe, and
+stays out of the rankings while the probe runs (`InstanceTracker.begin` marks it, and ranks
+a half-open instance with room for one request only, so batch forwarding sends no more).
+The probe's outcome decides: a success closes it (its whole capacity again) and resets the
+multiplier; a failure ejects it at once for longer; a probe that ends with neither (a 429,
+a cancelled request) lets the next request probe. A success reported during the cool-down
+(a request sent before the ejection, answering late) decides nothing. A 429 is not a
+failure: it is the queue-less design working.
 
 Retry budget: failures are retried on other instances (failover), but never beyond a
 fraction of the traffic: each request deposits `ratio` of a retry into a bucket (at most
@@ -64,7 +69,10 @@ class Ejector:
         if state is None:
             return
         if state.half_open:
+            if self._tracker.cooling_down(instance_id):
+                return  # a straggler from before the ejection: not the probe
             log.info("instance %s answered again after its ejection", instance_id)
+            self._tracker.restore(instance_id)
         del self._states[instance_id]
 
     def failure(self, instance_id: str, role: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -27,6 +28,10 @@ class _Counters:
     inflight_tokens: int = 0
     busy_until: float = 0.0  # monotonic; a 429 makes the instance "busy" until then
     ejected_until: float = 0.0  # monotonic; outlier ejection (gateway/health.py)
+    # Ejected before and not yet trusted again: after the cool-down it takes one request (the
+    # probe) and stays out of the rankings until that request's outcome (`restore`, `eject`).
+    half_open: bool = False
+    probe: object | None = None  # the probe in flight (its lease's token)
     accepted: int = 0
     rejected: int = 0
     failed: int = 0
@@ -34,6 +39,9 @@ class _Counters:
     others_streams: int = 0
     others_tokens: int = 0
     others_slots: int = 0
+    # This gateway's prefill calls in flight there: call id -> when it is expected to end
+    # (monotonic). Bounded by the calls in flight, each removed when its work lease ends.
+    work_ends: dict[int, float] = field(default_factory=dict)
 
 
 class Lease:
@@ -98,6 +106,7 @@ class InstanceTracker:
     _counters: dict[str, _Counters] = field(default_factory=dict)
     _records: Mapping[str, InstanceRecord] = field(default_factory=dict)
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
+    _work_ids: Iterator[int] = field(default_factory=itertools.count)
 
     def update_membership(
         self, records: Mapping[str, InstanceRecord], departed: set[str] | None = None
@@ -133,18 +142,20 @@ class InstanceTracker:
             ):
                 continue
             c = self._for(rec.id)
+            inflight = c.inflight + c.others_slots
             out.append(
                 InstanceLoad(
                     id=rec.id,
                     url=rec.url,
                     group=rec.group,
-                    capacity=rec.capacity,
+                    # Half-open: room for the one probe (batch forwarding sends no more).
+                    capacity=min(rec.capacity, inflight + 1) if c.half_open else rec.capacity,
                     open_streams=c.open_streams + c.others_streams,
-                    inflight=c.inflight + c.others_slots,
+                    inflight=inflight,
                     busy=c.busy_until > now,
                     role=rec.role,
                     inflight_tokens=c.inflight_tokens + c.others_tokens,
-                    ejected=c.ejected_until > now,
+                    ejected=c.ejected_until > now or c.probe is not None,
                 )
             )
         return out
@@ -167,16 +178,51 @@ class InstanceTracker:
         return Lease(instance_id, self._for(instance_id), "open_streams", self.pulse)
 
     def begin(self, instance_id: str, *, also: Callable[[], None] | None = None) -> Lease:
-        """A request now occupies a slot of the instance (`also`: released with it)."""
+        """A request now occupies a slot of the instance (`also`: released with it). On a
+        half-open instance the first one is its probe."""
         c = self._for(instance_id)
         c.accepted += 1
+        if c.half_open and c.probe is None and c.ejected_until <= time.monotonic():
+            c.probe = token = object()
+
+            def probe_ended() -> None:
+                # Ended with no outcome (a 429, a cancel): the next request probes instead.
+                if c.probe is token:
+                    c.probe = None
+                if also is not None:
+                    also()
+
+            return Lease(instance_id, c, "inflight", self.pulse, also=probe_ended)
         return Lease(instance_id, c, "inflight", self.pulse, also=also)
 
-    def work(self, instance_id: str, tokens: int) -> Lease:
-        """Prompt tokens the instance is computing for us (token-work load)."""
-        return Lease(
-            instance_id, self._for(instance_id), "inflight_tokens", _nothing, weight=tokens
-        )
+    def work(self, instance_id: str, tokens: int, expected_s: float | None = None) -> Lease:
+        """Prompt tokens the instance is computing for us (token-work load), from the call
+        until its answer; `expected_s`: how long the call is expected to take (it tells when
+        the instance's next slot is likely to free, see `soonest_end_s`)."""
+        c = self._for(instance_id)
+        forget_end: Callable[[], None] | None = None
+        if expected_s is not None:
+            call_id = next(self._work_ids)
+            c.work_ends[call_id] = time.monotonic() + max(expected_s, 0.0)
+
+            def forget() -> None:
+                c.work_ends.pop(call_id, None)
+
+            forget_end = forget
+        return Lease(instance_id, c, "inflight_tokens", _nothing, weight=tokens, also=forget_end)
+
+    def soonest_end_s(self, instance_id: str) -> float | None:
+        """Seconds until the first of this gateway's calls computing at the instance is
+        expected to answer (0 when overdue); None when none with an estimate is in flight."""
+        c = self._counters.get(instance_id)
+        if c is None or not c.work_ends:
+            return None
+        return max(0.0, min(c.work_ends.values()) - time.monotonic())
+
+    def busy_for_s(self, instance_id: str) -> float:
+        """Seconds its last 429 (or failure) keeps the instance out of the candidates."""
+        c = self._counters.get(instance_id)
+        return 0.0 if c is None else max(0.0, c.busy_until - time.monotonic())
 
     def rejected(self, instance_id: str) -> None:
         c = self._for(instance_id)
@@ -189,7 +235,19 @@ class InstanceTracker:
         c.busy_until = time.monotonic() + self.reject_hold_s
 
     def eject(self, instance_id: str, until: float) -> None:
-        self._for(instance_id).ejected_until = until
+        """Out of every ranking until `until` (monotonic), then half-open."""
+        c = self._for(instance_id)
+        c.ejected_until, c.half_open, c.probe = until, True, None
+
+    def cooling_down(self, instance_id: str) -> bool:
+        c = self._counters.get(instance_id)
+        return c is not None and c.ejected_until > time.monotonic()
+
+    def restore(self, instance_id: str) -> None:
+        """Its probe succeeded: trusted again, with its whole capacity."""
+        c = self._counters.get(instance_id)
+        if c is not None:
+            c.ejected_until, c.half_open, c.probe = 0.0, False, None
 
     # -- the fleet's share (gateway/fleet.py) ----------------------------------------------
 

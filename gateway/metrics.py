@@ -69,6 +69,21 @@ class GatewayMetrics:
         self.decode_attempts = Counter(
             "pdgate_decode_attempts", "Decode calls by result", ["result"], registry=r
         )
+        self.migrations = Counter(
+            "pdgate_migrations",
+            "Streams continued on another decode after theirs broke mid-stream (prompt + "
+            "tokens already sent re-submitted), by how it broke: lost (connection), error "
+            "(in-band error event), truncated (ended without [DONE])",
+            ["reason"],
+            registry=r,
+        )
+        self.decode_failovers = Counter(
+            "pdgate_decode_failovers",
+            "Requests placed again, prefill included, after their decode failed before its "
+            "first event, by how: status (an error status), lost, error, truncated",
+            ["reason"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "pdgate_ttft_seconds",
             "Request arrival to the first token relayed, by scenario group",

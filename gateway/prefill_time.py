@@ -13,6 +13,12 @@ length: long prompts are mostly uncached, short ones often hit the prefix cache.
 estimate for a new prompt is a low quantile of its class's rates (the whole window's while
 the class has too few samples) times its length: *optimistic* on purpose, since dropping a
 request that could have made it is worse than trying one that cannot.
+
+The forwarder keeps a second `PrefillTimes` keyed by the characters a prefill actually
+computed (its answer says how many prompt tokens its cache held, `uncached_chars`); its
+median (`estimate_s`) is the expected prefill time behind the hold-or-go choice
+(policies/completion.py) and the expected end of each call (`InstanceTracker.work`).
+`TokenRatio` learns tokens per character from the same answers, for the token-work load.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
-__all__ = ["PrefillTimes"]
+__all__ = ["PrefillTimes", "TokenRatio", "uncached_chars"]
 
 _MAX_CLASSES = 40  # 2**40 characters: far beyond any body limit
 
@@ -87,15 +93,15 @@ class PrefillTimes:
 
     def lower_bound_s(self, prompt_chars: int) -> float | None:
         """Optimistic prefill time of a `prompt_chars` prompt; None while too few samples."""
-        window = self._by_class.get(self._class(prompt_chars))
-        if window is None or len(window) < self._min_samples:
-            window = self._all
-            if len(window) < self._min_samples:
-                return None
-        return window.quantile(self._quantile) * prompt_chars
+        return self.estimate_s(prompt_chars, self._quantile)
 
     def upper_bound_s(self, prompt_chars: int, quantile: float = 0.99) -> float | None:
         """A pessimistic prefill time (a high quantile); None while too few samples."""
+        return self.estimate_s(prompt_chars, quantile)
+
+    def estimate_s(self, prompt_chars: int, quantile: float = 0.5) -> float | None:
+        """The `quantile` of recent rates for this length times the length (the median by
+        default: an expected time); None while too few samples."""
         window = self._by_class.get(self._class(prompt_chars))
         if window is None or len(window) < self._min_samples:
             window = self._all
@@ -107,3 +113,64 @@ class PrefillTimes:
         """Even an optimistic prefill would end after the request's deadline."""
         estimate = self.lower_bound_s(prompt_chars)
         return estimate is not None and remaining_s < estimate
+
+    def rate_s(self, quantile: float = 0.5) -> float | None:
+        """The `quantile` of recent seconds per character, all lengths together."""
+        if len(self._all) < self._min_samples:
+            return None
+        return self._all.quantile(quantile)
+
+
+class TokenRatio:
+    """Prompt tokens per prompt character, learned from the prefills' own answers.
+
+    The gateway counts prompt work in tokens without the model's tokenizer: it starts from
+    `initial` (about four characters a token for the usual tokenizers) and moves towards what
+    the prefills report (``usage.prompt_tokens`` of each answer; stock vLLM reports it too),
+    by an exponentially weighted average over characters, so long prompts weigh more. The
+    same answers say how much of a prompt the prefill's cache held
+    (``usage.prompt_tokens_details.cached_tokens``): `uncached_chars` turns that into the
+    characters it computed, what its prefill time depends on."""
+
+    __slots__ = ("_alpha", "_ratio")
+
+    def __init__(self, initial: float = 0.25, alpha: float = 0.05) -> None:
+        if initial <= 0 or not 0 < alpha <= 1:
+            raise ValueError("initial > 0 and 0 < alpha <= 1 required")
+        self._ratio = initial
+        self._alpha = alpha
+
+    @property
+    def ratio(self) -> float:
+        return self._ratio
+
+    def observe(self, prompt_chars: int, usage: object) -> None:
+        """A prefill answered a `prompt_chars` prompt with this ``usage`` object."""
+        tokens = _prompt_tokens(usage)
+        if tokens is None or prompt_chars <= 0:
+            return
+        # A single odd answer (a chat template's tokens on a tiny prompt) moves it little.
+        seen = min(tokens / prompt_chars, 4.0)
+        self._ratio += self._alpha * (seen - self._ratio)
+
+    def tokens(self, chars: int) -> int:
+        """Estimated tokens of `chars` characters of prompt (at least 1 for a prompt)."""
+        return max(1, round(chars * self._ratio)) if chars > 0 else 0
+
+
+def uncached_chars(prompt_chars: int, usage: object) -> int:
+    """The characters of a prompt the prefill computed, by the share of its tokens the answer
+    says were cached (all of them when it does not say)."""
+    tokens = _prompt_tokens(usage)
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if not tokens or not isinstance(cached, int) or isinstance(cached, bool) or cached <= 0:
+        return prompt_chars
+    return round(prompt_chars * max(0.0, 1.0 - cached / tokens))
+
+
+def _prompt_tokens(usage: object) -> int | None:
+    tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
+        return None
+    return tokens

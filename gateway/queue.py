@@ -14,11 +14,19 @@ One `WaitQueue` per (model, group). Which waiting request goes next, in order:
 4. **Within a tenant**: FIFO or earliest-deadline-first.
 
 A request a prefill rejected goes back to its old place (its keys are kept and its charge
-refunded), so a rejection never costs it its turn. Bounded: the queue holds `max_size`
-requests, and once it is half full a tenant holding more than its share (`max_size` / active
-tenants) is refused with `OVER_SHARE` (the caller answers 429: back off, the fleet is busy
-for you) while `FULL` (503: no capacity) is for everyone. Expiry is the waiter's own
-business: it stops waiting at its deadline and leaves the queue.
+refunded), so a rejection never costs it its turn. Expiry is the waiter's own business: it
+stops waiting at its deadline and leaves the queue.
+
+**429 or 503, the one rule.** 429 (`OVER_SHARE`: back off, the fleet is busy *for you*)
+means other tenants are waiting too and the request's tenant already holds its share of the
+queue; 503 (`FULL`: no capacity) means the queue is full and every tenant in it is within
+its share, so nobody could be let in. A tenant's share is the queue's bound split among the
+tenants with waiters (the newcomer's included) by their weights; it is enforced once the
+queue is half full (below that, anyone may queue), and a tenant alone may fill the queue. A
+request whose tenant is under its share is never refused while another tenant is over its
+share: it takes the place of that tenant's newest request (`displace_for`), and that request
+is the one told 429. So a heavy tenant cannot turn a light tenant's requests into 503s by
+filling the queue first.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import asyncio
 import heapq
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -72,6 +80,7 @@ class Waiter:
     # Latest start: the deadline minus an (optimistic) estimate of its prefill.
     latest_start: float = float("inf")
     charged: float = 0.0  # its tenant's counter was charged this much when it was sent
+    held_since: float | None = None  # monotonic: first held for a busy prefill's cache
     path: str = COMPLETIONS_PATH  # the API its prefill leg goes to
 
     @property
@@ -114,6 +123,7 @@ class _Heap:
 class _Tenant:
     heap: _Heap = field(default_factory=_Heap)
     queued: int = 0
+    weight: float = 1.0  # its share weight, as its latest request said
 
 
 @dataclass
@@ -134,6 +144,7 @@ class WaitQueue:
         self._live = 0
         self._seq = itertools.count()
         self._nonempty = asyncio.Event()
+        self._arrived = asyncio.Event()  # replaced (after being set) on every insertion
 
     def __len__(self) -> int:
         return self._live
@@ -149,22 +160,70 @@ class WaitQueue:
                 yield priority, name, t.queued, self._counters.get(name, 0.0)
 
     def push(self, waiter: Waiter) -> Admission:
-        """Queue a new waiter, unless the queue (or this tenant's share of it) is full."""
+        """Queue a new waiter, unless the queue is full (`FULL`) or, once it is half full,
+        its tenant already holds its share (`OVER_SHARE`). After `FULL`, `displace_for` may
+        make room for it at an over-share tenant's expense."""
+        if self._over_share(waiter):
+            return Admission.OVER_SHARE
         if self.full:
             return Admission.FULL
-        if self._live * 2 >= self._max_size:
-            active = {n for c in self._classes.values() for n in c.tenants} | {waiter.tenant}
-            mine = sum(
-                c.tenants[waiter.tenant].queued
-                for c in self._classes.values()
-                if waiter.tenant in c.tenants
-            )
-            if len(active) > 1 and mine >= self._max_size / len(active):
-                return Admission.OVER_SHARE
         seq = next(self._seq)
         waiter.key = (waiter.deadline, seq) if self._order is QueueOrder.EDF else (float(seq), seq)
         self._insert(waiter)
         return Admission.OK
+
+    def _queued_by_tenant(self) -> dict[str, tuple[int, float]]:
+        """Tenant -> (queued, weight) over every class."""
+        out: dict[str, tuple[int, float]] = {}
+        for cls in self._classes.values():
+            for name, t in cls.tenants.items():
+                queued, _ = out.get(name, (0, t.weight))
+                out[name] = (queued + t.queued, t.weight)
+        return out
+
+    def _shares(self, newcomer: Waiter) -> tuple[dict[str, tuple[int, float]], float]:
+        """Queued and weight per active tenant (the newcomer's included), and the queue's bound
+        per unit of weight."""
+        tenants = self._queued_by_tenant()
+        queued, _ = tenants.get(newcomer.tenant, (0, 0.0))
+        tenants[newcomer.tenant] = (queued, max(newcomer.info.weight, 1e-6))
+        return tenants, self._max_size / sum(w for _, w in tenants.values())
+
+    def _over_share(self, waiter: Waiter) -> bool:
+        if self._live * 2 < self._max_size:
+            return False
+        tenants, per_weight = self._shares(waiter)
+        if len(tenants) < 2:
+            return False  # alone: the bound is its only limit (FULL)
+        mine, weight = tenants[waiter.tenant]
+        return mine >= weight * per_weight
+
+    def displace_for(self, waiter: Waiter) -> Waiter | None:
+        """Make room in a full queue for `waiter`, whose tenant is under its share: take out
+        the newest request of the tenant furthest over its share and return it (the caller
+        tells it 429). None when every tenant is within its share (the newcomer gets 503)."""
+        tenants, per_weight = self._shares(waiter)
+        mine, weight = tenants[waiter.tenant]
+        if mine >= weight * per_weight:
+            return None
+        excess = {n: q - w * per_weight for n, (q, w) in tenants.items() if n != waiter.tenant}
+        victim_tenant = max(excess, key=lambda n: excess[n], default=None)
+        if victim_tenant is None or excess[victim_tenant] <= 0:
+            return None
+        newest: Waiter | None = None
+        for priority, cls in self._classes.items():
+            tenant = cls.tenants.get(victim_tenant)
+            if tenant is None:
+                continue
+            for _, w in tenant.heap.entries:
+                # Its least urgent class first, then its latest in its own order.
+                if w.state is WaiterState.QUEUED and (
+                    newest is None or (priority, w.key) > (newest.info.priority, newest.key)
+                ):
+                    newest = w
+        if newest is not None:
+            self.remove(newest)
+        return newest
 
     def requeue(self, waiter: Waiter) -> None:
         """Put back a waiter a prefill rejected, at its old place, its charge refunded. Never
@@ -183,11 +242,14 @@ class WaitQueue:
             self._activate(cls, waiter.tenant)
         tenant.heap.push(waiter.key, waiter)
         tenant.queued += 1
+        tenant.weight = max(waiter.info.weight, 1e-6)
         cls.latest_start.push((waiter.latest_start, waiter.key[1]), waiter)
         cls.queued += 1
         self._deadlines.push((waiter.deadline, waiter.key[1]), waiter)
         self._live += 1
         self._nonempty.set()
+        arrived, self._arrived = self._arrived, asyncio.Event()
+        arrived.set()
 
     def _activate(self, cls: _Class, name: str) -> None:
         """A tenant with nothing waiting comes back: no credit for having been idle."""
@@ -238,13 +300,57 @@ class WaitQueue:
 
     def pop(self) -> Waiter | None:
         waiter = self.peek()
-        if waiter is None:
-            return None
+        if waiter is not None:
+            self.take(waiter)
+        return waiter
+
+    def take(self, waiter: Waiter) -> None:
+        """Take a queued waiter out to send it (the head, or one that passes a held head),
+        charging its tenant."""
+        assert waiter.state is WaiterState.QUEUED
         waiter.state = WaiterState.IN_FLIGHT
         waiter.charged = waiter.cost
         self._counters[waiter.tenant] = self._counters.get(waiter.tenant, 0.0) + waiter.charged
         self._forget(waiter)
-        return waiter
+
+    def ordered(self, limit: int) -> list[Waiter]:
+        """Up to `limit` queued waiters in the order they would go (the head first), without
+        taking them: whom a free prefill may take while the head is held for another.
+        O(queued): called only while a head is held."""
+        out: list[Waiter] = []
+        head = self.peek()
+        if head is None or limit <= 0:
+            return out
+        out.append(head)
+        for _, cls in sorted(self._classes.items()):
+            # Replay the tenants' counters as pops would move them.
+            counters = {n: self._counters.get(n, 0.0) for n in cls.tenants}
+            lines = {
+                n: iter(
+                    heapq.nsmallest(
+                        limit,
+                        (e for e in t.heap.entries if e[1].state is WaiterState.QUEUED),
+                    )
+                )
+                for n, t in cls.tenants.items()
+            }
+            nxt = {n: next(line, None) for n, line in lines.items()}
+            while len(out) < limit:
+                ready = [n for n, e in nxt.items() if e is not None]
+                if not ready:
+                    break
+                name = min(ready, key=lambda n: counters[n])
+                entry = nxt[name]
+                assert entry is not None
+                waiter = entry[1]
+                nxt[name] = next(lines[name], None)
+                if waiter is head:
+                    continue
+                out.append(waiter)
+                counters[name] += waiter.cost
+            if len(out) >= limit:
+                break
+        return out
 
     def deadline_after(self, skip: int) -> float | None:
         """The `skip`-th earliest deadline of the queued waiters (0 = the earliest), None if
@@ -262,3 +368,8 @@ class WaitQueue:
 
     async def wait_nonempty(self) -> None:
         await self._nonempty.wait()
+
+    def wait_arrival(self) -> Coroutine[Any, Any, bool]:
+        """Until the next waiter is queued (a new one, or one put back). The event is taken
+        at the call, so an arrival before the first await still counts."""
+        return self._arrived.wait()

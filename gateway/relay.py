@@ -1,25 +1,61 @@
-"""Relaying the decode's answer to the client.
+"""Relaying the decode's answer to the client, across the legs of one request.
 
-Streaming clients get the decode's SSE as bytes, chunk by chunk as it arrives, never parsed
-and never buffered whole; the only inspection is for the first event (the KV has left the
-prefill: its slot is free) and of the stream's tail, so a client always sees ``[DONE]``.
+`Relay` owns a request from its placement to its last byte. Nothing goes to the client until
+a stream really started (its first data event, or the prefill's first token with
+``first_token_early``), so a decode that fails before that is invisible:
+
+* it was never reached: the dispatcher gives the next decode the same KV (gateway/dispatch.py);
+* it answered an error status, or sent its headers and then broke (connection lost, in-band
+  error, no ``[DONE]``) before its first event: its KV may be gone, so the request is placed
+  again, prefill included, within its deadline (a *failover*).
+
+A decode that breaks after events were relayed is *migrated* (up to ``max_migrations`` per
+request): the stream is continued as a new P/D request from the prompt's token ids plus the
+ids of the tokens the client was sent (gateway/_continue.py), with a new deadline of the
+group's TTFT timeout, and the client's stream goes on where it stopped. Failovers count
+against the retry budget; when the request cannot be placed again the failure is a real
+status before anything was sent and an in-band error after.
+
+Streaming clients get the decode's SSE as it arrives, never buffered whole. With migration
+off (and no first token early) the relay passes bytes through without parsing events (the
+only inspection: the first event, and the stream's tail so that a client always sees
+``[DONE]``). Otherwise each event is parsed to learn its token ids, which are stripped from
+what the client gets unless it asked for them; an unchanged event keeps its bytes.
 Non-streaming clients get the stream assembled into one JSON answer (bounded in size); a
 failure before the end is then still a real HTTP status.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import orjson
 from starlette.types import Send
 
-from pdgate.config.wire import SSE_DONE
-from pdgate.gateway._assemble import Assembler, StreamError, sse_events
-from pdgate.gateway.dispatch import Placement
-from pdgate.gateway.errors import BadGateway, GatewayError, UpstreamError
+from pdgate.config.openai_api import Api, ApiRequest, ChatCompletionRequest
+from pdgate.config.tracing import Span, Tracing
+from pdgate.config.wire import EXT_CONTINUATION, SSE_DONE
+from pdgate.gateway._assemble import Assembler, StreamError, parse_event, sse_events
+from pdgate.gateway._continue import JoinedStop, Progress
+from pdgate.gateway._stream_id import StreamIds
+from pdgate.gateway.dispatch import DecodeLeg, Dispatcher, Placement
+from pdgate.gateway.errors import (
+    BadGateway,
+    BadRequest,
+    DecodeLost,
+    GatewayError,
+    UpstreamError,
+)
+from pdgate.gateway.forwarder import PrefillGrant
 from pdgate.gateway.metrics import ANY_GROUP, GatewayMetrics
+from pdgate.policies import RequestInfo
+
+__all__ = ["Relay", "RelayOptions", "RelayRequest"]
 
 log = logging.getLogger("pdgate.relay")
 
@@ -28,118 +64,479 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),  # tell nginx-style proxies in front not to buffer
 ]
+# An event of the client's stream: parsed, and its bytes when it goes out unchanged.
+_Item = tuple[dict[str, Any], bytes | None]
 
 
-def _headers(placement: Placement, request_id: str) -> list[tuple[bytes, bytes]]:
-    return [
-        (b"x-request-id", request_id.encode("latin-1")),
-        (b"x-pdgate-prefill", placement.prefill_id.encode("latin-1")),
-        (b"x-pdgate-decode", placement.decode_id.encode("latin-1")),
-    ]
+@dataclass(frozen=True, slots=True)
+class RelayOptions:
+    chunk_bytes: int = 64 * 1024
+    max_response_bytes: int = 16 * 1024 * 1024
+    max_migrations: int = 0
+    first_token_early: bool = False
+    ttft_timeout_s: float = 10.0  # a continuation's deadline, from the failure
 
 
-async def relay_stream(
-    placement: Placement,
-    send: Send,
-    *,
-    request_id: str,
-    chunk_bytes: int,
-    metrics: GatewayMetrics,
-    arrived: float,
-    group: str = ANY_GROUP,
-) -> str:
-    """Stream the decode's SSE to the client; returns the outcome label for metrics."""
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 200,
-            "headers": _SSE_HEADERS + _headers(placement, request_id),
-        }
-    )
-    tail = b""
-    last = 0.0  # when the previous data chunk arrived (0: none yet)
-    itl = metrics.itl
-    outcome = "ok"
-    try:
-        async for chunk in placement.stream.chunks(chunk_bytes):
-            # A keep-alive comment is not an event: only data says the KV has arrived.
-            if b"data:" in chunk:
-                now = time.monotonic()
-                if last:
-                    itl.observe(now - last)
-                    placement.gaps_s += now - last
-                else:
-                    placement.first_byte()
-                    metrics.ttft.labels(group).observe(now - arrived)
-                placement.tokens += chunk.count(b"data:")
-                last = now
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            tail = (tail + chunk)[-len(SSE_DONE) - 2 :]
-        if SSE_DONE not in tail:
-            raise UpstreamError(placement.stream.url, "stream ended without [DONE]")
-    except UpstreamError as exc:
-        # Streaming began: the failure can only be reported in-band.
-        log.warning("decode stream %s broke: %s", placement.decode_id, exc)
-        error = BadGateway("the decode instance failed mid-stream")
-        await send(
-            {"type": "http.response.body", "body": error.sse() + SSE_DONE, "more_body": True}
+@dataclass(frozen=True, slots=True)
+class RelayRequest:
+    """What the endpoint knows of the request."""
+
+    info: RequestInfo
+    req: ApiRequest
+    forward: dict[str, Any]  # the client's body as it goes upstream
+    api: Api
+    request_id: str
+    deadline: float
+    arrived: float
+    group: str = ANY_GROUP
+    span: Span | None = None
+
+
+def _headers(request_id: str, prefill: str | None, decode: str | None) -> list[tuple[bytes, bytes]]:
+    """The request's id and the instances that served it (the decode is unknown when the
+    first token went out early)."""
+    out = [(b"x-request-id", request_id.encode("latin-1"))]
+    for name, value in ((b"x-pdgate-prefill", prefill), (b"x-pdgate-decode", decode)):
+        if value is not None:
+            out.append((name, value.encode("latin-1")))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Broken:
+    """How a leg failed: ``lost``, ``error``, ``truncated`` (metrics' reasons), ``status``."""
+
+    reason: str
+    message: str
+    events: int  # events the leg had relayed
+    final: GatewayError | None = None  # not placed again: the client gets this error
+
+
+class _StreamOut:
+    """The client's SSE response; its status and headers go out with the first event."""
+
+    def __init__(self, send: Send, request_id: str) -> None:
+        self._send = send
+        self._request_id = request_id
+        self.started = False
+        self.prefill_id: str | None = None
+        self.decode_id: str | None = None
+
+    async def raw(self, body: bytes) -> None:
+        if not self.started:
+            self.started = True
+            headers = _SSE_HEADERS + _headers(self._request_id, self.prefill_id, self.decode_id)
+            await self._send({"type": "http.response.start", "status": 200, "headers": headers})
+        await self._send({"type": "http.response.body", "body": body, "more_body": True})
+
+    async def events(self, items: Sequence[_Item]) -> None:
+        await self.raw(
+            b"".join(
+                b"data: " + (raw if raw is not None else orjson.dumps(event)) + b"\n\n"
+                for event, raw in items
+            )
         )
-        outcome = "upstream_error"
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
-    return outcome
+
+    async def done(self) -> None:
+        await self.raw(SSE_DONE)
+        await self.end()
+
+    async def error(self, error: GatewayError) -> None:
+        await self.raw(error.sse() + SSE_DONE)
+        await self.end()
+
+    async def end(self) -> None:
+        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def relay_whole(
-    placement: Placement,
-    send: Send,
-    *,
-    request_id: str,
-    chunk_bytes: int,
-    max_bytes: int,
-    metrics: GatewayMetrics,
-    arrived: float,
-    group: str = ANY_GROUP,
-) -> str:
-    """Non-streaming clients: the decode's stream assembled into one JSON completion."""
-    assembler = Assembler()
-    last = 0.0
-    buffer = bytearray()
-    size = 0
-    error: GatewayError | None = None
-    try:
-        async for chunk in placement.stream.chunks(chunk_bytes):
-            size += len(chunk)
-            if size > max_bytes:
-                raise StreamError(f"the decode's answer is larger than {max_bytes} bytes")
-            buffer += chunk
-            for data in sse_events(buffer):
-                assembler.feed(data)
-                if assembler.events == 1:
-                    placement.first_byte()
-                    last = time.monotonic()
-                elif assembler.events > 1:
-                    now = time.monotonic()
-                    placement.gaps_s += now - last
-                    last = now
-                placement.tokens = assembler.events
-            if assembler.done:
-                break
-        if not assembler.done:
+class _WholeOut:
+    """A non-streaming client's answer, assembled from every leg's events."""
+
+    def __init__(self, send: Send, request_id: str, client_ids: bool) -> None:
+        self._send = send
+        self._request_id = request_id
+        self._client_ids = client_ids
+        self.assembler = Assembler()
+        self.started = False  # nothing goes out before the answer is whole
+        self.prefill_id: str | None = None
+        self.decode_id: str | None = None
+
+    async def events(self, items: Sequence[_Item]) -> None:
+        for event, _ in items:
+            self.assembler.add(event)
+
+    async def done(self) -> None:
+        answer = self.assembler.result()
+        answer["id"] = self._request_id  # one id: a stock decode answers with its own
+        if not self._client_ids:
+            answer.pop("prompt_token_ids", None)
+            for choice in answer.get("choices") or ():
+                choice.pop("prompt_token_ids", None)
+                choice.pop("token_ids", None)
+        body = orjson.dumps(answer)
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode()),
+                   *_headers(self._request_id, self.prefill_id, self.decode_id)]  # fmt: skip
+        self.started = True
+        await self._send({"type": "http.response.start", "status": 200, "headers": headers})
+        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def error(self, error: GatewayError) -> None:
+        raise error  # never started: the endpoint answers with the error's status
+
+
+class Relay:
+    """One request's legs, from the first placement to the last byte. `first` is the first
+    leg's placement (the endpoint's records); every later leg is closed here, exactly once."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        send: Send,
+        request: RelayRequest,
+        options: RelayOptions,
+        metrics: GatewayMetrics,
+        tracing: Tracing | None = None,
+    ) -> None:
+        self._dispatcher = dispatcher
+        self._request = request
+        self._options = options
+        self._metrics = metrics
+        self._tracing = tracing or Tracing.off()
+        req = request.req
+        self._stream = req.stream
+        client_ids = bool(req.return_token_ids)
+        self._out: _StreamOut | _WholeOut = (
+            _StreamOut(send, request.request_id)
+            if req.stream
+            else _WholeOut(send, request.request_id, client_ids)
+        )
+        top = req.top_logprobs or 0 if isinstance(req, ChatCompletionRequest) else 0
+        self._progress = Progress(
+            request.api,
+            request_id=request.request_id,
+            max_tokens=req.max_tokens or 1,
+            stops=req.stop_sequences,
+            client_ids=client_ids,
+            include_usage=req.include_usage or not req.stream,
+            top_logprobs=top,
+        )
+        self._early = (
+            options.first_token_early
+            and req.stream
+            and (req.max_tokens or 1) > 1
+            and dispatcher.decodes_declare(request.info, EXT_CONTINUATION)
+        )
+        # Token ids are what a continuation is made of: asked of every leg when one may come.
+        self._forward = request.forward
+        if options.max_migrations > 0 or self._early:
+            self._forward = {**request.forward, "return_token_ids": True}
+        self._parse = options.max_migrations > 0 or self._early or not req.stream
+        self.first: Placement | None = None
+        self._current: Placement | None = None
+        self.migrations = 0
+        self._last_emit = 0.0  # when the client was last sent events (0: never)
+        self._received = 0  # bytes of every leg's answer (a whole answer is bounded)
+        self._relay_span: Span | None = None
+
+    @property
+    def started(self) -> bool:
+        """Whether the response's status went out (failures are then reported in-band)."""
+        return self._out.started
+
+    async def run(self) -> str:
+        """Serve the request; the outcome label for metrics. Raises `GatewayError` only
+        before the response started."""
+        try:
+            outcome = await self._run()
+            if not self._stream:
+                request = self._request
+                self._metrics.ttft.labels(request.group).observe(time.monotonic() - request.arrived)
+            return outcome
+        finally:
+            if self._current is not None:
+                self._current.close()
+                self._current = None
+            if self._relay_span is not None:
+                if self._relay_span.is_recording():
+                    self._relay_span.set_attribute("pdgate.migrations", self.migrations)
+                self._relay_span.end()
+
+    async def _run(self) -> str:
+        request, progress, options = self._request, self._progress, self._options
+        deadline = request.deadline
+        avoid: set[str] = set()
+        migration: Span | None = None
+        tries = 0
+        while True:
+            continuing = progress.events > 0  # the client saw output: go on from its ids
+            broken_at: Placement | None = None
+            try:
+                placement = await self._dispatcher.place(
+                    self._leg_info() if continuing else request.info,
+                    progress.body(self._forward) if continuing else self._forward,
+                    request_id=request.request_id,
+                    deadline=deadline,
+                    span=request.span,
+                    api=Api.COMPLETIONS if continuing else request.api,
+                    after_prefill=self._first_token if self._early else None,
+                    avoid=avoid,
+                    retry=tries > 0,
+                )
+            except DecodeLost as exc:
+                broken = _Broken("status", str(exc), 0)
+            except GatewayError as exc:
+                _end(migration, "failed")
+                if not self.started:
+                    raise
+                await self._out.error(exc)
+                return "upstream_error"
+            else:
+                _end(migration, "placed")
+                migration = None
+                self._placed(placement)
+                leg = await self._leg(placement, continuing=progress.events > 0)
+                if leg is None:
+                    return "ok"
+                broken, broken_at = leg, placement
+                placement.close()
+                self._current = None
+                avoid.add(placement.decode_id)
+                log.warning("decode %s broke: %s", placement.decode_id, broken.message)
+            tries += 1
+            self._early = False  # the first token went out (or will not) with the first leg
+            if progress.finish is not None or (progress.events and progress.remaining <= 0):
+                # The answer was whole: only its tail went missing.
+                await self._out.events([(e, None) for e in progress.ending()])
+                await self._out.done()
+                return "ok"
+            error = self._refused(broken, broken_at)
+            if error is not None:
+                if not self.started:
+                    raise error
+                await self._out.error(error)
+                return "upstream_error"
+            migration = self._tracing.start("pdgate.migration", parent=request.span)
+            if migration.is_recording():
+                migration.set_attribute("pdgate.kind", "migration" if broken.events else "failover")
+                migration.set_attribute("pdgate.reason", broken.reason)
+                migration.set_attribute("pdgate.tokens_sent", len(progress.ids))
+                if broken_at is not None:
+                    migration.set_attribute("pdgate.from_decode", broken_at.decode_id)
+            if broken.events:
+                self.migrations += 1
+                self._metrics.migrations.labels(broken.reason).inc()
+            else:
+                self._metrics.decode_failovers.labels(broken.reason).inc()
+            if progress.events:
+                deadline = time.monotonic() + options.ttft_timeout_s
+
+    def _refused(self, broken: _Broken, placement: Placement | None) -> GatewayError | None:
+        """Why the broken leg is not placed again, as the client's error (None: it is)."""
+        if broken.final is not None:
+            return broken.final
+        progress = self._progress
+        why: str | None = None
+        if broken.events and self.migrations >= self._options.max_migrations:
+            why = "migration is off" if not self._options.max_migrations else "too many migrations"
+        elif progress.events:
+            extensions = self._dispatcher.extensions(placement.decode_id) if placement else ()
+            why = progress.why_not(self._request.forward, extensions)
+        # Failovers are budgeted like prefill ones. A migration is not: `max_migrations`
+        # already bounds what one request can add, and a decode that dies takes every stream
+        # it served at once, more than any budget's burst would let through.
+        if why is None and not broken.events and not self._dispatcher.budget.withdraw():
+            self._metrics.retry_budget_exhausted.inc()
+            why = "the retry budget is spent"
+        if why is None:
+            return None
+        log.warning("request %s not continued: %s", self._request.request_id, why)
+        if broken.events or progress.events:
+            return BadGateway("the decode instance failed mid-stream")
+        return BadGateway("the decode instance failed before answering")
+
+    def _leg_info(self) -> RequestInfo:
+        info = self._request.info
+        generated = len(self._progress.ids)
+        # About four characters per token, as the forwarder's token-work estimate.
+        return dataclasses.replace(
+            info,
+            prompt_chars=info.prompt_chars + 4 * generated,
+            max_tokens=max(self._progress.remaining, 1),
+        )
+
+    def _placed(self, placement: Placement) -> None:
+        self._current = placement
+        if self._out.prefill_id is None:
+            self._out.prefill_id = placement.prefill_id
+        if self._out.decode_id is None:
+            self._out.decode_id = placement.decode_id
+        if self.first is not None:
+            return
+        self.first = placement
+        request = self._request
+        self._metrics.placement.observe(time.monotonic() - request.arrived)
+        span = request.span
+        if span is not None and span.is_recording():
+            span.set_attribute("pdgate.prefill", placement.prefill_id)
+            span.set_attribute("pdgate.decode", placement.decode_id)
+            span.set_attribute("pdgate.prefill_attempts", placement.prefill_attempts)
+            span.set_attribute("pdgate.prefill_rejections", placement.prefill_rejections)
+        self._relay_span = self._tracing.start("pdgate.relay", parent=span)
+
+    async def _first_token(self, grant: PrefillGrant) -> DecodeLeg | None:
+        """First token early: the prefill's token goes to the client now, and the decode leg
+        continues from prompt + that token (decodes that declare the continuation only)."""
+        events = self._progress.early(grant.reply)
+        if events is None:
+            return None
+        self._out.prefill_id = grant.instance.id
+        await self._emit([(e, None) for e in events])
+        return DecodeLeg(self._progress.body(self._forward), Api.COMPLETIONS, EXT_CONTINUATION)
+
+    async def _emit(self, items: Sequence[_Item], placement: Placement | None = None) -> None:
+        now = time.monotonic()
+        if self._last_emit:
+            gap = now - self._last_emit
+            self._metrics.itl.observe(gap)
+            if placement is not None:
+                placement.gaps_s += gap
+        elif self._stream:
+            self._metrics.ttft.labels(self._request.group).observe(now - self._request.arrived)
+        self._last_emit = now
+        if placement is not None:
+            placement.tokens += len(items)
+            if placement.first_token_at is None:
+                placement.first_token_at = now
+        await self._out.events(items)
+
+    # -- one leg ---------------------------------------------------------------------------
+
+    async def _leg(self, placement: Placement, *, continuing: bool) -> _Broken | None:
+        if continuing:
+            self._progress.begin_leg()
+        if self._parse:
+            return await self._parsed(placement, continuing)
+        return await self._bytes(placement)
+
+    async def _parsed(self, placement: Placement, continuing: bool) -> _Broken | None:
+        """Every event parsed: ids recorded (and stripped unless asked for), a continuation
+        leg's events reshaped as the client's stream."""
+        progress = self._progress
+        stop = JoinedStop(progress.stops, progress.tail) if continuing else None
+        buffer = bytearray()
+        events = 0
+        limit = self._options.max_response_bytes
+        try:
+            async for chunk in placement.stream.chunks(self._options.chunk_bytes):
+                buffer += chunk
+                self._received += len(chunk)
+                if len(buffer) > limit or (not self._stream and self._received > limit):
+                    error = BadGateway(f"the decode's answer is larger than {limit} bytes")
+                    return _Broken("error", str(error), events, final=error)
+                out: list[_Item] = []
+                done = False
+                for data in sse_events(buffer):
+                    if data.strip() == b"[DONE]":
+                        done = True
+                        break
+                    event = parse_event(data)
+                    if "error" in event:
+                        return _in_band(event, events)
+                    if not events:
+                        placement.first_byte()  # the decode holds the KV: the prefill's slot frees
+                    events += 1
+                    if continuing:
+                        out.extend((e, None) for e in progress.continued(event, stop))
+                        if stop is not None and stop.stopped:
+                            # A stop string across the boundary: the stream ends here.
+                            out.extend((e, None) for e in progress.ending())
+                            done = True
+                            break
+                    elif progress.passthrough(event):
+                        out.append((event, None))
+                    else:
+                        out.append((event, data))
+                if out:
+                    await self._emit(out, placement)
+                if done:
+                    await self._out.done()
+                    return None
             raise UpstreamError(placement.stream.url, "stream ended without [DONE]")
-        body = orjson.dumps(assembler.result())
-    except (UpstreamError, StreamError) as exc:
-        log.warning("decode %s failed before its answer was whole: %s", placement.decode_id, exc)
-        error = BadGateway("the decode instance failed before answering")
-        body = orjson.dumps(error.body())
-    metrics.ttft.labels(group).observe(time.monotonic() - arrived)
-    status = 200 if error is None else error.status
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": headers + _headers(placement, request_id),
-        }
-    )
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-    return "ok" if error is None else "upstream_error"
+        except StreamError as exc:
+            return _Broken("error", str(exc), events)
+        except UpstreamError as exc:
+            reason = "truncated" if "without [DONE]" in str(exc) else "lost"
+            return _Broken(reason, str(exc), events)
+
+    async def _bytes(self, placement: Placement) -> _Broken | None:
+        """Migration off: bytes as they arrive, parsed only until the first event."""
+        out = self._out
+        assert isinstance(out, _StreamOut)
+        ids = StreamIds(self._request.request_id)
+        pending = bytearray()  # what arrived before the first event was whole
+        started = False
+        tail = b""
+        try:
+            async for raw in placement.stream.chunks(self._options.chunk_bytes):
+                if not started:
+                    pending += raw
+                    head = sse_events(bytearray(pending))
+                    if not head:
+                        if len(pending) > self._options.max_response_bytes:
+                            return _Broken("error", "the decode's first event is too large", 0)
+                        continue
+                    if head[0].strip() != b"[DONE]" and "error" in (first := parse_event(head[0])):
+                        return _in_band(first, 0)
+                    started = True
+                    raw = bytes(pending)
+                chunk = ids.feed(raw)
+                if not chunk:
+                    continue
+                # A keep-alive comment is not an event: only data says the KV has arrived.
+                if b"data:" in chunk:
+                    placement.first_byte()
+                    now = time.monotonic()
+                    if self._last_emit:
+                        self._metrics.itl.observe(now - self._last_emit)
+                        placement.gaps_s += now - self._last_emit
+                    else:
+                        self._metrics.ttft.labels(self._request.group).observe(
+                            now - self._request.arrived
+                        )
+                        placement.first_token_at = now
+                    placement.tokens += chunk.count(b"data:")
+                    self._last_emit = now
+                await out.raw(chunk)
+                tail = (tail + chunk)[-len(SSE_DONE) - 2 :]
+            if rest := ids.flush():
+                await out.raw(rest)
+                tail = (tail + rest)[-len(SSE_DONE) - 2 :]
+            if SSE_DONE not in tail:
+                raise UpstreamError(placement.stream.url, "stream ended without [DONE]")
+        except StreamError as exc:
+            return _Broken("error", str(exc), int(started))
+        except UpstreamError as exc:
+            reason = "truncated" if "without [DONE]" in str(exc) else "lost"
+            return _Broken(reason, str(exc), int(started))
+        await out.end()
+        return None
+
+
+def _in_band(event: dict[str, Any], events: int) -> _Broken:
+    """The decode's in-band error: the request's own fault (4xx: not retried, the client is
+    told) or the decode's."""
+    err = event.get("error")
+    err = err if isinstance(err, dict) else {}
+    message = str(err.get("message") or "the decode failed")
+    code = err.get("code")
+    if err.get("type") == "invalid_request_error" or (type(code) is int and 400 <= code < 500):
+        return _Broken("error", message, events, final=BadRequest(message[:1024]))
+    return _Broken("error", message, events)
+
+
+def _end(span: Span | None, outcome: str) -> None:
+    if span is not None:
+        if span.is_recording():
+            span.set_attribute("pdgate.outcome", outcome)
+        span.end()

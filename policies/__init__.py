@@ -11,6 +11,7 @@ Options (``prefill_policy_options`` / ``decode_policy_options``)::
     filters = ["not_ejected", "not_busy", "has_room"]       # replace the profile's filters
     scorers = {prefix_affinity = 1.0, open_streams = 0.2}   # replace its scorers and weights
     picker = "power_of_two"                                 # replace its picker
+    hold = "expected_completion"                            # add (or "" to drop) a holder
     prefix_affinity = {load_guard = 4}                      # a plugin's keyword arguments
 """
 
@@ -23,13 +24,16 @@ from typing import Any
 
 from pdgate.policies.base import (
     Filter,
+    Holder,
     InstanceLoad,
+    Option,
     Picker,
     Policy,
     Ranker,
     RequestInfo,
     Scorer,
 )
+from pdgate.policies.completion import ExpectedCompletion
 from pdgate.policies.filters import HasRoom, NotBusy, NotEjected
 from pdgate.policies.pickers import MaxScore, PowerOfTwo, RoundRobin
 from pdgate.policies.scorers import (
@@ -61,6 +65,9 @@ PICKERS: Mapping[str, Callable[..., Picker]] = {
     "round_robin": RoundRobin,
     "power_of_two": PowerOfTwo,
 }
+HOLDERS: Mapping[str, Callable[..., Holder]] = {
+    "expected_completion": ExpectedCompletion,
+}
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,7 @@ class Profile:
     filters: tuple[str, ...]
     scorers: Mapping[str, float]
     picker: str
+    hold: str | None = None
 
 
 # What may be tried at all: the same for every built-in profile and both legs.
@@ -83,13 +91,29 @@ PROFILES: Mapping[str, Profile] = {
         {"prefix_affinity": 1.0, "prefix_hash": 0.5, "open_streams": 0.1, "inflight": 0.001},
         "max_score",
     ),
+    # affinity_sse that also pays under overload: a request whose prefix a busy prefill
+    # holds waits for it when that is expected to finish sooner than a free prefill
+    # computing the whole prompt (policies/completion.py).
+    "affinity_hold": Profile(
+        DEFAULT_FILTERS,
+        {"prefix_affinity": 1.0, "prefix_hash": 0.5, "open_streams": 0.1, "inflight": 0.001},
+        "max_score",
+        hold="expected_completion",
+    ),
+    # Token-work load (as SGLang's gateway and Dynamo balance): the least prompt work
+    # computing (estimated tokens, credited at dispatch), open streams next, then requests.
+    "least_tokens": Profile(
+        DEFAULT_FILTERS,
+        {"inflight_tokens": 1.0, "open_streams": 0.1, "inflight": 0.01},
+        "max_score",
+    ),
     "round_robin": Profile(DEFAULT_FILTERS, {}, "round_robin"),
     "power_of_two": Profile(DEFAULT_FILTERS, {"load": 1.0}, "power_of_two"),
     # Decode choice: the most free room, then the fewest open streams.
     "least_loaded": Profile(DEFAULT_FILTERS, {"free_room": 1.0, "open_streams": 0.01}, "max_score"),
 }
 
-_COMPOSITION = ("filters", "scorers", "picker")
+_COMPOSITION = ("filters", "scorers", "picker", "hold")
 
 
 def _factory(name: str, builtins: Mapping[str, Callable[..., Any]], kind: str) -> Any:
@@ -133,9 +157,12 @@ def load_policy(name: str, options: Mapping[str, Any] | None = None) -> Ranker:
     filters = options.pop("filters", profile.filters)
     scorers = options.pop("scorers", profile.scorers)
     picker = options.pop("picker", profile.picker)
+    hold = options.pop("hold", profile.hold) or None
     if not isinstance(filters, list | tuple) or not isinstance(scorers, Mapping):
         raise ValueError("policy options: filters is a list of names, scorers a table of weights")
-    used = {*filters, *scorers, picker}
+    if hold is not None and not isinstance(hold, str):
+        raise ValueError("policy options: hold is a holder's name")
+    used = {*filters, *scorers, picker, *([hold] if hold else [])}
     unknown = sorted(k for k in options if k not in used)
     if unknown:
         raise ValueError(
@@ -152,6 +179,7 @@ def load_policy(name: str, options: Mapping[str, Any] | None = None) -> Ranker:
         [_build(f, FILTERS, "filter", options.get(f, {})) for f in filters],
         [(_build(s, SCORERS, "scorer", options.get(s, {})), w) for s, w in weights],
         _build(picker, PICKERS, "picker", options.get(picker, {})),
+        None if hold is None else _build(hold, HOLDERS, "holder", options.get(hold, {})),
     )
 
 
@@ -163,11 +191,14 @@ def needs(ranker: Ranker) -> frozenset[str]:
 __all__ = [
     "DEFAULT_FILTERS",
     "FILTERS",
+    "HOLDERS",
     "PICKERS",
     "PROFILES",
     "SCORERS",
     "Filter",
+    "Holder",
     "InstanceLoad",
+    "Option",
     "Picker",
     "Policy",
     "Profile",

@@ -11,6 +11,10 @@ the candidates to try, in order.
   edit of the old ones.
 * A **picker** turns the weighted scores into the order of tries (best first, a rotation,
   two random choices, ...).
+* An optional **holder** (prefill leg, queue dispatch) decides, when the prefill holding a
+  request's prefix is busy, whether to send the request to the free prefill the picker chose
+  or hold it for the busy one, from expected completion times the gateway estimates
+  (policies/completion.py).
 
 Each plugin is named in configuration (pdgate's built-ins by name, anything else as
 ``"package.module:factory"``): adding one never touches gateway code.
@@ -27,7 +31,9 @@ from pdgate.config.wire import Role
 __all__ = [
     "Candidates",
     "Filter",
+    "Holder",
     "InstanceLoad",
+    "Option",
     "Picker",
     "Policy",
     "Ranker",
@@ -98,6 +104,30 @@ class Picker(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One place a request could be prefilled, with the gateway's estimates for it."""
+
+    instance: InstanceLoad
+    wait_s: float  # until it can start the request: 0 when it has a free slot now
+    prefill_s: float  # its prefill of this request (the part its cache does not hold)
+
+    @property
+    def finish_s(self) -> float:
+        return self.wait_s + self.prefill_s
+
+
+class Holder(Protocol):
+    name: str
+    scan: int  # queued requests a free prefill may look through while the head is held
+
+    def choose(
+        self, now: Option, busy: Sequence[Option], *, remaining_s: float, held_s: float = 0.0
+    ) -> Option:
+        """`now` (send the request there at once) or the busy option to hold it for."""
+        ...
+
+
 @runtime_checkable
 class Ranker(Protocol):
     """What the gateway calls: anything that ranks candidates (a `Policy`, or a whole policy
@@ -119,6 +149,7 @@ class Policy:
         filters: Sequence[Filter],
         scorers: Sequence[tuple[Scorer, float]],
         picker: Picker,
+        hold: Holder | None = None,
     ) -> None:
         if any(weight < 0 for _, weight in scorers):
             raise ValueError("scorer weights must be >= 0")
@@ -126,13 +157,14 @@ class Policy:
         self.filters = tuple(filters)
         self.scorers = tuple(scorers)
         self.picker = picker
+        self.hold = hold
 
     @property
     def needs(self) -> frozenset[str]:
         """Signals the gateway must compute for this policy's plugins (e.g. ``"prefix"``: the
         prefix-affinity index, built only when some scorer reads it)."""
         out: set[str] = set()
-        for plugin in (*self.filters, *(s for s, _ in self.scorers), self.picker):
+        for plugin in (*self.filters, *(s for s, _ in self.scorers), self.picker, self.hold):
             out |= set(getattr(plugin, "needs", ()))
         return frozenset(out)
 
@@ -158,4 +190,5 @@ class Policy:
             "filters": [f.name for f in self.filters],
             "scorers": {s.name: w for s, w in self.scorers},
             "picker": self.picker.name,
+            "hold": None if self.hold is None else self.hold.name,
         }

@@ -25,8 +25,9 @@ All server-side logic is Lua, timed by the Redis server's clock (never the gatew
 hosts with skewed clocks agree. Redis is never on the per-token path: per request, one
 acquire and one (coalesced) release.
 
-`LocalFleet` is the same seam without Redis: one process's leases, optionally a share of
-each instance's slots (``--workers`` without Redis split the slots between them).
+`LocalFleet` is the same seam without Redis: one process's leases, or, for ``--workers``
+without Redis, leases from one slot table the workers share through the OS
+(registry/_slot_table.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import RedisError
 
+from pdgate.registry._slot_table import SlotTable
 from pdgate.registry.base import RegistryAuthError, RegistryUnavailable, is_auth_failure
 from pdgate.registry.redis import redact_url
 
@@ -55,11 +57,13 @@ __all__ = [
     "Grant",
     "LocalFleet",
     "RedisFleet",
+    "SlotTable",
 ]
 
 log = logging.getLogger(__name__)
 
 _ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+_FREED_POLL_S = 0.005  # how soon a worker notices a slot another worker freed (no Redis)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,24 +147,23 @@ class FleetStore(Protocol):
 
 
 class LocalFleet:
-    """One process's leases. With ``share=(index, workers)``, each of `workers` processes on
-    one node uses its own part of every instance's slots (they add up to the capacity), so
-    the queue-less rule holds without shared state."""
+    """This node's leases. Alone (no `table`), one process's own count against each
+    instance's whole capacity. With a `SlotTable` (``--workers`` without Redis), the workers
+    of the node lease whole slots from one table shared through the OS, so together they
+    never exceed an instance's capacity and any of them may use any free slot."""
 
     shared = False
 
-    def __init__(self, gateway_id: str | None = None, share: tuple[int, int] = (0, 1)) -> None:
-        index, workers = share
-        if workers < 1 or not 0 <= index < workers:
-            raise ValueError("share must be (index, workers) with 0 <= index < workers")
+    def __init__(self, gateway_id: str | None = None, table: SlotTable | None = None) -> None:
         self.gateway_id = gateway_id or f"gw-{secrets.token_hex(4)}"
-        self._index, self._workers = index, workers
+        self._table = table
         self._leases: dict[str, set[str]] = {}
         self._seq = itertools.count()
 
-    def share_of(self, capacity: int) -> int:
-        base, extra = divmod(capacity, self._workers)
-        return base + (1 if self._index < extra else 0)
+    @property
+    def shares_slots(self) -> bool:
+        """Other processes lease from the same slots (their frees are polled, `freed`)."""
+        return self._table is not None
 
     async def acquire(
         self,
@@ -172,24 +175,40 @@ class LocalFleet:
         next_head_in_ms: float | None,
     ) -> Grant:
         used: dict[str, int] = {}
+        if self._table is not None:
+            index, granted = self._table.acquire(
+                [(c.instance_id, c.capacity) for c in candidates], want
+            )
+            if index < 0:
+                return Grant(None)
+            return Grant(
+                candidates[index].instance_id, self._new_leases(candidates[index], granted)
+            )
         for c in candidates:
             held = self._leases.get(c.instance_id, set())
-            free = self.share_of(c.capacity) - len(held)
+            free = c.capacity - len(held)
             used[c.instance_id] = len(held)
             if free > 0:
-                ids = tuple(f"{self.gateway_id}:{next(self._seq)}" for _ in range(min(free, want)))
-                self._leases.setdefault(c.instance_id, set()).update(ids)
+                ids = self._new_leases(c, min(free, want))
                 used[c.instance_id] += len(ids)
                 return Grant(c.instance_id, ids, used=used)
         return Grant(None, used=used)
 
+    def _new_leases(self, candidate: Candidate, n: int) -> tuple[str, ...]:
+        ids = tuple(f"{self.gateway_id}:{next(self._seq)}" for _ in range(n))
+        self._leases.setdefault(candidate.instance_id, set()).update(ids)
+        return ids
+
     async def release(self, leases: Sequence[tuple[str, str]]) -> None:
         for instance_id, lease_id in leases:
             held = self._leases.get(instance_id)
-            if held is not None:
-                held.discard(lease_id)
-                if not held:
-                    del self._leases[instance_id]
+            if held is None or lease_id not in held:
+                continue  # released once only
+            held.discard(lease_id)
+            if not held:
+                del self._leases[instance_id]
+            if self._table is not None:
+                self._table.release(instance_id)
 
     async def renew(self, leases: Mapping[str, Sequence[str]]) -> None:
         return None
@@ -209,10 +228,22 @@ class LocalFleet:
         )
 
     async def freed(self) -> AsyncIterator[str]:
-        await asyncio.Event().wait()  # nobody else frees slots
-        yield ""  # pragma: no cover
+        if self._table is None:
+            await asyncio.Event().wait()  # nobody else frees slots
+        # Another worker's release bumps the table's generation: a read of shared memory
+        # every few milliseconds, no system call, stands in for Redis pub/sub.
+        last = self._table.generation() if self._table is not None else 0
+        while self._table is not None:
+            await asyncio.sleep(_FREED_POLL_S)
+            now = self._table.generation()
+            if now != last:
+                last = now
+                yield ""
 
     async def aclose(self) -> None:
+        if self._table is not None:
+            for instance_id, held in self._leases.items():
+                self._table.release(instance_id, len(held))
         self._leases.clear()
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ __all__ = [
     "StaticRegistry",
     "check_health",
     "list_models",
+    "static_api_keys",
     "static_instance_id",
     "with_static_instances",
 ]
@@ -113,12 +115,34 @@ async def list_models(
     return names
 
 
+def static_api_keys(
+    settings: GatewaySettings, environ: Mapping[str, str] = os.environ
+) -> dict[str, str]:
+    """URL -> API key of each static instance that names one (``api_key_env``), read from the
+    environment once, at start-up. Raises `ValueError` naming the variable (never a value)
+    when it is unset or empty, so a typo fails the start rather than every request."""
+    keys: dict[str, str] = {}
+    for spec in (*settings.static_prefills, *settings.static_decodes):
+        if spec.api_key_env is None:
+            continue
+        key = environ.get(spec.api_key_env, "").strip()
+        if not key:
+            raise ValueError(
+                f"static instance {spec.url}: api_key_env={spec.api_key_env}, but that "
+                "environment variable is not set"
+            )
+        if keys.setdefault(spec.url, key) != key:
+            raise ValueError(f"static instance {spec.url} is given two different API keys")
+    return keys
+
+
 @dataclass(slots=True)
 class _Target:
     role: Role
     spec: StaticInstance
     id: str
     capacity: int
+    headers: Mapping[str, str]  # with the probes: the bearer token this server expects
     record: InstanceRecord | None = None  # what is published (None: never answered yet)
     failures: int = 0  # failed probes in a row
     learn: bool = True  # read GET /v1/models at the next answer (first, or after a failure)
@@ -141,9 +165,14 @@ class StaticRegistry:
         probe_timeout_s: float = 1.0,
         down_after: int = 2,
         headers: Mapping[str, str] | None = None,
+        api_keys: Mapping[str, str] | None = None,
     ) -> None:
+        """`headers` go with every probe; `api_keys` (URL -> key, `static_api_keys`) replace
+        their bearer token for the servers that have their own."""
         if probe_interval_s <= 0 or probe_timeout_s <= 0 or down_after < 1:
             raise ValueError("probe interval and timeout must be positive, down_after >= 1")
+        common = dict(headers or {})
+        keys = dict(api_keys or {})
         self._targets: list[_Target] = []
         for role, specs, default_capacity in (
             (Role.PREFILL, prefills, STATIC_PREFILL_CAPACITY),
@@ -156,6 +185,9 @@ class StaticRegistry:
                         spec,
                         spec.id or static_instance_id(role, spec.url),
                         spec.capacity or default_capacity,
+                        {**common, "authorization": f"Bearer {keys[spec.url]}"}
+                        if spec.url in keys
+                        else common,
                     )
                 )
         ids = [t.id for t in self._targets]
@@ -164,7 +196,6 @@ class StaticRegistry:
         self._interval_s = probe_interval_s
         self._timeout_s = probe_timeout_s
         self._down_after = down_after
-        self._headers = dict(headers or {})
         # Refreshed every round: if the prober ever died, its records would expire rather
         # than stay READY forever.
         self._ttl_s = 3 * (probe_interval_s + probe_timeout_s)
@@ -241,7 +272,7 @@ class StaticRegistry:
         model: str | None = None
         try:
             async with asyncio.timeout(self._timeout_s):
-                await check_health(session, target.spec.url, self._headers)
+                await check_health(session, target.spec.url, target.headers)
                 if target.learn or target.record is None:
                     model = await self._model(session, target)
         except Exception as exc:  # the prober must outlive anything a server answers
@@ -252,7 +283,7 @@ class StaticRegistry:
     async def _model(self, session: aiohttp.ClientSession, target: _Target) -> str:
         given = target.spec.model
         try:
-            names = await list_models(session, target.spec.url, self._headers)
+            names = await list_models(session, target.spec.url, target.headers)
         except (ProbeError, aiohttp.ClientError) as exc:
             if given is None:
                 raise
@@ -441,7 +472,8 @@ def with_static_instances(
     registry: Registry, settings: GatewaySettings, *, headers: Mapping[str, str] | None = None
 ) -> Registry:
     """`registry`, plus the static instances `settings` declare (if any). `headers` go with
-    the probes (the upstream bearer token: stock vLLM with ``--api-key`` guards /v1/models)."""
+    the probes (the upstream bearer token: stock vLLM with ``--api-key`` guards /v1/models),
+    except that a server with its own ``api_key_env`` gets its own key."""
     if not settings.static_prefills and not settings.static_decodes:
         return registry
     static = StaticRegistry(
@@ -451,5 +483,6 @@ def with_static_instances(
         probe_timeout_s=settings.static_probe_timeout_s,
         down_after=settings.static_down_after,
         headers=headers,
+        api_keys=static_api_keys(settings),
     )
     return MergedRegistry(registry, static)

@@ -46,6 +46,35 @@ def configure_gateway(g: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip pdgate_plain (pdgate without the shims' batch endpoint, like vllm-router)",
     )
+    g.add_argument(
+        "--engine",
+        choices=("shim", "stock", "both"),
+        default="both",
+        help="the engines behind every front: pdgate's sim shims, a plain OpenAI server "
+        "with vLLM's handshake only (loadtest/gateway_cost/stock.py), or both in turn "
+        "(default; the idle-stream phase runs on the first)",
+    )
+    g.add_argument(
+        "--prefill-ms",
+        type=float,
+        help="engine time of each prefill leg (default 0; shims: the null profile's overhead)",
+    )
+    g.add_argument(
+        "--token-ms", type=float, help="engine time before each decoded token (default 0)"
+    )
+    g.add_argument(
+        "--router-policies",
+        default="round_robin",
+        help="comma-separated vllm-router --policy values, each its own front (default "
+        "round_robin, front vllm_router; others are vllm_router_<policy>; the router's own "
+        "default policy is cache_aware)",
+    )
+    g.add_argument(
+        "--stock-no-tokenizer",
+        action="store_true",
+        help="stock engines answer 404 to vLLM's /tokenize and /v1/completions/render (as a "
+        "plain OpenAI server does; vllm-router's cache_aware policy calls them)",
+    )
     g.add_argument("--idle-streams", type=int, help="open idle streams (default 10000; 0: skip)")
     g.add_argument("--ttft-requests", type=int, help="c=1 probes per front (default 300)")
     g.add_argument("--concurrencies", help="comma-separated (default 32,256)")
@@ -88,6 +117,15 @@ def gateway_main(args: argparse.Namespace, command: str) -> int:
         plan = replace(plan, workers=tuple(int(w) for w in args.workers.split(",")))
     if args.no_plain:
         plan = replace(plan, plain=False)
+    if args.prefill_ms is not None:
+        plan = replace(plan, prefill_s=args.prefill_ms / 1000)
+    if args.token_ms is not None:
+        plan = replace(plan, token_s=args.token_ms / 1000)
+    plan = replace(plan, router_policies=tuple(args.router_policies.split(",")))
+    if args.stock_no_tokenizer:
+        plan = replace(plan, stock_tokenizer=False)
+    if args.engine != "both":
+        plan = replace(plan, engines=(args.engine,))
     load_before = os.getloadavg()
     result = run_main(run_gateway_bench(plan, to_stderr))
     doc = args.doc or (None if args.quick else Path("docs/performance.md"))

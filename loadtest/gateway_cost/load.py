@@ -54,12 +54,13 @@ class Outcome:
     ttft_s: float | None
     events: int  # SSE data events before [DONE]
     end: float  # time.monotonic() at the end
+    start: float = 0.0  # time.monotonic() when the request (its first leg) was sent
 
 
-def _outcome(out: StreamOutcome) -> Outcome:
+def _outcome(out: StreamOutcome, start: float) -> Outcome:
     if not out.completed:
-        return Outcome(False, None, 0, out.end)
-    return Outcome(True, out.ttft_s, out.events, out.end)
+        return Outcome(False, None, 0, out.end, start)
+    return Outcome(True, out.ttft_s, out.events, out.end, start)
 
 
 async def send(
@@ -68,7 +69,9 @@ async def send(
     body = front.body(prompt, max_tokens)
     start = time.monotonic()
     if front.url is not None:
-        return _outcome(await post_stream(session, front.url, orjson.dumps(body)))
+        return _outcome(
+            await post_stream(session, front.url, orjson.dumps(body), start=start), start
+        )
     turn = next(front.turn)
     prefill = front.prefills[turn % len(front.prefills)] + "/v1/completions"
     decode = front.decodes[turn % len(front.decodes)] + "/v1/completions"
@@ -77,13 +80,13 @@ async def send(
         async with session.post(prefill, data=orjson.dumps(leg), headers=_JSON) as resp:
             reply = await resp.read()
             if resp.status != 200:
-                return Outcome(False, None, 0, time.monotonic())
+                return Outcome(False, None, 0, time.monotonic(), start)
         params = orjson.loads(reply)["kv_transfer_params"]
     except (aiohttp.ClientError, TimeoutError, OSError, KeyError, orjson.JSONDecodeError):
-        return Outcome(False, None, 0, time.monotonic())
+        return Outcome(False, None, 0, time.monotonic(), start)
     decode_body = orjson.dumps({**body, "kv_transfer_params": params})
     # TTFT counts from the start of the prefill leg, as it does through a router.
-    return _outcome(await post_stream(session, decode, decode_body, start=start))
+    return _outcome(await post_stream(session, decode, decode_body, start=start), start)
 
 
 @dataclass(frozen=True, slots=True)

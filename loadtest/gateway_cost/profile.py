@@ -85,17 +85,17 @@ async def profile_gateway(plan: ProfilePlan) -> str:
     ):
         spec = ShimSpec(registry_url=redis_url, prefill_capacity=1024, decode_capacity=1024,
                         key_prefix="pdgate-profile")  # fmt: skip
-        async with running_fronts(session, spec, 256, False, to_stderr) as (fronts, procs, _):
+        async with running_fronts(session, spec, 256, False, to_stderr) as setup:
             spy = Child(
                 "py-spy",
-                [pyspy, "record", "--pid", str(procs["pdgate"].pid), "--format", "raw",
+                [pyspy, "record", "--pid", str(setup.procs["pdgate"].pid), "--format", "raw",
                  "--rate", str(plan.rate_hz), "--duration", str(round(plan.seconds)),
                  "--nonblocking", "--output", str(plan.out)],
             )  # fmt: skip
             try:
                 await spy.start("")
                 window = await run_window(
-                    session, fronts["pdgate"], concurrency=plan.concurrency, warmup_s=0.5,
+                    session, setup.fronts["pdgate"], concurrency=plan.concurrency, warmup_s=0.5,
                     window_s=plan.seconds, max_tokens=plan.max_tokens,
                 )  # fmt: skip
                 # py-spy stops by itself after --duration; the bound covers a hung one.

@@ -1,24 +1,35 @@
-"""docs/performance.md from a ``pdgate bench gateway`` result: one table, the command, the load."""
+"""docs/performance.md from a ``pdgate bench gateway`` result: one table per engine (fronts as
+columns), the stock engines' TTFT split hop by hop, the command and the load."""
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 __all__ = ["json_line", "markdown"]
 
-_ROWS = (
-    ("TTFT p50, c=1 (ms)", "ttft_p50_ms", True),
-    ("TTFT p99, c=1 (ms)", "ttft_p99_ms", True),
-    ("added TTFT p50 vs direct (ms)", "added_ttft_p50_ms", True),
-    ("added TTFT p99 vs direct (ms)", "added_ttft_p99_ms", True),
-    ("requests/s, c=32", "rps_c32", False),
-    ("requests/s, c=256", "rps_c256", False),
-    ("SSE events/s, c=32", "events_per_s_c32", False),
-    ("SSE events/s, c=256", "events_per_s_c256", False),
-    ("front CPU s per 1,000 requests (c=32)", "cpu_s_per_1k", True),
+_ENGINE_TITLES = {
+    "shim": "pdgate's sim shims (null profile)",
+    "stock": "plain OpenAI servers (stock.py: vLLM's handshake only, no pdgate extension)",
+}
+_TTFT_ROWS = (
+    ("TTFT p50, c=1 (ms)", "ttft_p50_ms"),
+    ("TTFT p99, c=1 (ms)", "ttft_p99_ms"),
+    ("added TTFT p50 vs direct (ms)", "added_ttft_p50_ms"),
+    ("added TTFT p99 vs direct (ms)", "added_ttft_p99_ms"),
 )
-_FRONTS = ("pdgate", "vllm_router", "direct")
+# Per concurrency c: (label, key prefix, lower is better)
+_WINDOW_ROWS = (
+    ("requests/s", "rps", False),
+    ("SSE events/s", "events_per_s", False),
+    ("front CPU s per 1,000 requests", "cpu_s_per_1k", True),
+    ("load client CPU s per 1,000 requests", "client_cpu_s_per_1k", True),
+    ("load client cores busy (1.0 = client-bound)", "client_cores", None),
+    ("engines' CPU s per 1,000 requests", "engine_cpu_s_per_1k", None),
+    ("machine cores busy (all processes)", "host_busy_cores", None),
+    ("requests/s of N workers / 1 worker", "workers_rps_ratio", False),
+)
 
 
 def json_line(result: dict[str, Any]) -> dict[str, Any]:
@@ -34,34 +45,108 @@ def _cell(value: float | None) -> str:
     return f"{value:,.1f}" if abs(value) >= 10 else f"{value:.2f}"
 
 
-def markdown(result: dict[str, Any], command: str, load: str) -> str:
+def _fronts(part: dict[str, Any]) -> list[str]:
+    """Every front the part measured: direct, pdgate's, the routers."""
+    seen = set(part.get("ttft_p50_ms", {}))
+    for key, row in part.items():
+        if re.fullmatch(r"rps_c\d+", key) and isinstance(row, dict):
+            seen |= set(row)
+    order = {"direct": 0, "pdgate": 1, "pdgate_plain": 2}
+
+    def rank(name: str) -> tuple[int, str]:
+        if name in order:
+            return order[name], name
+        return (3 if name.startswith("pdgate") else 4), name
+
+    return sorted(seen, key=rank)
+
+
+def _title(front: str) -> str:
+    if front == "direct":
+        return "direct (floor)"
+    if front.startswith("vllm_router"):
+        policy = front.removeprefix("vllm_router").lstrip("_") or "round_robin"
+        return f"vllm-router ({policy})"
+    return front
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    # A ratio of differences near zero (or of opposite signs) means nothing: left out.
+    return a / b if a is not None and b is not None and a > 0 and b > 0 else None
+
+
+def _table(part: dict[str, Any], idle: dict[str, float] | None, streams: Any) -> list[str]:
+    fronts = _fronts(part)
+    routers = [f for f in fronts if f.startswith("vllm_router")]
+    pairs = [("pdgate", r) for r in routers if "pdgate" in fronts]
+    if "pdgate_plain" in fronts and "vllm_router" in fronts:
+        pairs.append(("pdgate_plain", "vllm_router"))  # the like-for-like pair on the shims
+    head = [_title(f) for f in fronts] + [f"{p} / {_title(r)}" for p, r in pairs]
+    lines = ["| metric | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
+
+    def row(label: str, values: dict[str, float], lower: bool | None) -> None:
+        hint = {True: " (lower is better)", False: " (higher is better)", None: ""}[lower]
+        cells = [_cell(values.get(f)) for f in fronts]
+        # A ratio only where the row measures the fronts against each other.
+        compared = lower is not None and not label.startswith("requests/s of N")
+        cells += [_cell(_ratio(values.get(p), values.get(r))) if compared else "" for p, r in pairs]
+        lines.append(f"| {label}{hint} | " + " | ".join(cells) + " |")
+
+    for label, key in _TTFT_ROWS:
+        row(label, part.get(key, {}), True)
+    concurrencies = sorted(
+        int(m.group(1)) for k in part if (m := re.fullmatch(r"rps_c(\d+)", k)) is not None
+    )
+    for label, prefix, lower in _WINDOW_ROWS:
+        for c in concurrencies:
+            values = part.get(f"{prefix}_c{c}")
+            if values and any(not math.isnan(v) for v in values.values()):
+                row(f"{label}, c={c}", values, lower)
+    if idle:
+        row(f"memory per open idle stream (KiB), {streams} streams", idle, True)
+    return lines
+
+
+def _segments(part: dict[str, Any]) -> list[str]:
+    parts: dict[str, dict[str, float]] = part.get("ttft_segments_ms") or {}
+    if not parts:
+        return []
+    names = list(next(iter(parts.values())))
     lines = [
-        "| metric | pdgate | vllm-router | direct (floor) | pdgate / vllm-router |",
-        "|---|---|---|---|---|",
+        "TTFT at c=1 hop by hop (p50 of each hop in ms, from the stock engines' timestamps;"
+        " `ttft_segments_ms`):",
+        "",
+        "| front | " + " | ".join(names) + " | sum |",
+        "|---" * (len(names) + 2) + "|",
     ]
-    for label, key, lower_better in _ROWS:
-        row = result.get(key, {})
-        pd, vr = row.get("pdgate"), row.get("vllm_router")
-        # A ratio of differences near zero (or of opposite signs) means nothing: left out.
-        ratio = pd / vr if pd is not None and vr is not None and pd > 0 and vr > 0 else None
-        cells = " | ".join(_cell(row.get(f)) for f in _FRONTS)
-        hint = " (lower is better)" if lower_better else ""
-        lines.append(f"| {label}{hint} | {cells} | {_cell(ratio)} |")
-    kib = result.get("kib_per_idle_stream_by_front") or {
-        "pdgate": result.get("kib_per_idle_stream")
+    for front in _fronts({"ttft_p50_ms": parts}):
+        values = parts[front]
+        cells = [_cell(values[n]) for n in names] + [_cell(sum(values.values()))]
+        lines.append(f"| {_title(front)} | " + " | ".join(cells) + " |")
+    return ["", *lines]
+
+
+def markdown(result: dict[str, Any], command: str, load: str) -> str:
+    by_engine: dict[str, dict[str, Any]] = result.get("by_engine") or {
+        str(result.get("engine", "shim")): result
     }
-    pd, vr = kib.get("pdgate"), kib.get("vllm_router")
-    ratio = pd / vr if pd is not None and vr is not None and pd > 0 and vr > 0 else None
-    lines.append(
-        f"| memory per open idle stream (KiB), {result.get('idle_streams')} streams "
-        f"(lower is better) | {_cell(pd)} | {_cell(vr)} | n/a | {_cell(ratio)} |"
+    first = next(iter(by_engine))
+    kib = result.get("kib_per_idle_stream_by_front") or (
+        {"pdgate": result["kib_per_idle_stream"]} if "kib_per_idle_stream" in result else {}
     )
-    failures = {k: v for k, v in result.items() if k.startswith("failures_")}
-    missing = {**(result.get("missing") or {}), **(result.get("idle_missing") or {})}
-    return (
-        f"Command: `{command}` ({result.get('wall_s', 0):.0f} s wall clock; {load})\n\n"
-        + "\n".join(lines)
-        + f"\n\nFailed requests per window set: `{failures}`."
-        + (f" Fronts not measured: {missing}." if missing else "")
-        + "\n"
-    )
+    out = [f"Command: `{command}` ({result.get('wall_s', 0):.0f} s wall clock; {load})"]
+    failures: dict[str, Any] = {}
+    missing: dict[str, Any] = dict(result.get("idle_missing") or {})
+    for engine, part in by_engine.items():
+        out += ["", f"**Engines: {_ENGINE_TITLES.get(engine, engine)}**", ""]
+        idle = kib if engine == result.get("idle_engine", first) else None
+        out += _table(part, idle, result.get("idle_streams"))
+        out += _segments(part)
+        failures[engine] = {k: v for k, v in part.items() if k.startswith("failures_")}
+        missing.update({f"{engine}:{k}": v for k, v in (part.get("missing") or {}).items()})
+        if part.get("engine_requests"):
+            out += ["", f"Engine requests per front (all windows): `{part['engine_requests']}`."]
+    out += ["", f"Failed requests per window set: `{failures}`."]
+    if missing:
+        out[-1] += f" Fronts not measured: {missing}."
+    return "\n".join(out) + "\n"

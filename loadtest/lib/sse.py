@@ -32,6 +32,8 @@ import orjson
 
 __all__ = [
     "MAX_ITL_SAMPLES",
+    "PRIORITY_HEADER",
+    "TENANT_HEADER",
     "TTFT_HEADER",
     "StreamOutcome",
     "StreamResult",
@@ -40,6 +42,10 @@ __all__ = [
 ]
 
 TTFT_HEADER = "x-pdgate-ttft-timeout-ms"  # the gateway may only shorten its deadline by it
+# Who a request is for and its priority class (high | normal | low), for the gateway's
+# per-tenant fairness and priority classes (issue 12 item 7).
+TENANT_HEADER = "x-pdgate-tenant"
+PRIORITY_HEADER = "x-pdgate-priority"
 
 _TOKEN = b'data: {"id"'
 _ERROR = b'data: {"error"'

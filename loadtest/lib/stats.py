@@ -5,7 +5,9 @@ Success is judged on the client, by one rule for every mode: the first token arr
 the request's TTFT deadline *and* the stream completed (``[DONE]``, no in-band error). A
 request the gateway ended early (503 after waiting out its deadline in the gateway queue,
 or a prefill call aborted at the deadline in the baseline) counts as a failure, as does one
-whose first token came late: the denominator is every request issued in the window.
+whose first token came late: the denominator is every request issued in the window. An
+open-loop client that hit its own in-flight bound records the request it could not send as
+`DROPPED`: a failure too (the service could not keep up with the arrivals).
 """
 
 from __future__ import annotations
@@ -14,18 +16,22 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["RequestResult", "Spread", "Summary", "percentile", "summarize"]
+__all__ = ["DROPPED", "RequestResult", "Spread", "Summary", "percentile", "summarize"]
+
+# The status of a request an open-loop client never sent: its in-flight bound was reached.
+DROPPED = -1
 
 
 @dataclass(frozen=True, slots=True)
 class RequestResult:
     scenario: str
     deadline_s: float
-    status: int  # HTTP status; 0 when the connection failed
+    status: int  # HTTP status; 0 when the connection failed; DROPPED when never sent
     ttft_s: float | None  # time to the first SSE data event, None when none came
     e2e_s: float  # time to the end of the response (or of the failure)
     completed: bool  # saw [DONE] and no in-band error
     gateway: int = 0  # index of the gateway (of a fleet) the request went to
+    tenant: str = ""  # the tenant it was sent for ("": the workload has no tenants)
 
     @property
     def success(self) -> bool:
@@ -58,6 +64,7 @@ class Summary:
     success_rate: float
     goodput_rps: float  # successful requests per second of the measurement window
     throughput_rps: float  # completed streams (late or not) per second
+    offered_rps: float  # requests issued per second (sent or dropped, whatever their end)
     ttft_p50_s: float  # over requests that got a first token
     ttft_p99_s: float
     e2e_p50_s: float  # over completed requests
@@ -65,6 +72,12 @@ class Summary:
     status_counts: dict[int, int]
     success_by_scenario: dict[str, float]
     success_by_gateway: dict[int, float]
+    success_by_tenant: dict[str, float]  # empty when no request named a tenant
+
+    @property
+    def dropped(self) -> int:
+        """Requests the client never sent (open loop, in-flight bound reached)."""
+        return self.status_counts.get(DROPPED, 0)
 
 
 def summarize(results: Iterable[RequestResult], window_s: float) -> Summary:
@@ -78,12 +91,16 @@ def summarize(results: Iterable[RequestResult], window_s: float) -> Summary:
     statuses: dict[int, int] = {}
     per_scenario: dict[str, list[int]] = {}
     per_gateway: dict[int, list[int]] = {}
+    per_tenant: dict[str, list[int]] = {}
     for r in rows:
         statuses[r.status] = statuses.get(r.status, 0) + 1
-        for tally in (
+        tallies = [
             per_scenario.setdefault(r.scenario, [0, 0]),
             per_gateway.setdefault(r.gateway, [0, 0]),
-        ):
+        ]
+        if r.tenant:
+            tallies.append(per_tenant.setdefault(r.tenant, [0, 0]))
+        for tally in tallies:
             tally[0] += r.success
             tally[1] += 1
     return Summary(
@@ -92,6 +109,7 @@ def summarize(results: Iterable[RequestResult], window_s: float) -> Summary:
         success_rate=len(ok) / len(rows) if rows else math.nan,
         goodput_rps=len(ok) / window_s,
         throughput_rps=len(e2es) / window_s,
+        offered_rps=len(rows) / window_s,
         ttft_p50_s=percentile(ttfts, 50),
         ttft_p99_s=percentile(ttfts, 99),
         e2e_p50_s=percentile(e2es, 50),
@@ -99,6 +117,7 @@ def summarize(results: Iterable[RequestResult], window_s: float) -> Summary:
         status_counts=dict(sorted(statuses.items())),
         success_by_scenario={k: s / n for k, (s, n) in sorted(per_scenario.items())},
         success_by_gateway={k: s / n for k, (s, n) in sorted(per_gateway.items())},
+        success_by_tenant={k: s / n for k, (s, n) in sorted(per_tenant.items())},
     )
 
 

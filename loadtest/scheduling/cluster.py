@@ -1,5 +1,5 @@
 """The in-process cluster (``--deploy inprocess``), run as its own process:
-``python -m pdgate.loadtest.scheduling.cluster SPEC MODE``.
+``python -m pdgate.loadtest.scheduling.cluster SPEC_JSON MODE_JSON``.
 
 A separate process so the load generator never steals the cluster's event loop (on two
 cores that would distort every latency). Like ``pdgate up`` it hosts the gateways and every
@@ -7,6 +7,10 @@ shim on one event loop with the in-memory registry, but prefills and decodes get
 settings (slot counts differ) and the prefills' prefix cache is sized
 (``sim_prefix_cache_blocks``). ``--deploy processes`` (clusters.py) runs the same settings
 as separate ``pdgate`` processes instead.
+
+One gateway only: gateways on one loop would share the in-memory registry and the fleet
+state of one process, which is not how a fleet's gateways share it (through Redis, each
+with its own view): ``--deploy processes`` measures a fleet.
 
 Protocol on stdin/stdout, one JSON line each way: the child prints
 ``{"gateway": url, "prefills": [...], "decodes": [...]}`` once serving; each ``stats`` line
@@ -30,13 +34,8 @@ from pdgate.config.server import bind_socket, bound_port, run, serving
 from pdgate.engine_shim.app import build_shim_app
 from pdgate.gateway.app import build_gateway_app
 from pdgate.loadtest.lib.procfs import own_cpu_s
-from pdgate.loadtest.scheduling.modes import (
-    ClusterSpec,
-    Mode,
-    gateway_fields,
-    mode_named,
-    shim_fields,
-)
+from pdgate.loadtest.scheduling.clusters import INPROCESS_FLEET
+from pdgate.loadtest.scheduling.modes import ClusterSpec, Mode, gateway_fields, shim_fields
 from pdgate.registry import open_registry
 
 __all__ = ["LoopLag", "serve_cluster"]
@@ -84,7 +83,9 @@ class LoopLag:
 
 @contextlib.asynccontextmanager
 async def serve_cluster(spec: ClusterSpec, mode: Mode) -> AsyncIterator[dict[str, Any]]:
-    """Start the shims and the gateways; yield their URLs; stop everything on exit."""
+    """Start the shims and the gateway; yield their URLs; stop everything on exit."""
+    if spec.gateways != 1:
+        raise ValueError(INPROCESS_FLEET)
     registry_settings = RegistrySettings()
     gateway = GatewaySettings(host=_HOST, port=0, **gateway_fields(spec, mode))
     async with contextlib.AsyncExitStack() as stack:
@@ -101,15 +102,12 @@ async def serve_cluster(spec: ClusterSpec, mode: Mode) -> AsyncIterator[dict[str
                 app = build_shim_app(settings, registry, registry_settings)
                 await stack.enter_async_context(serving(app, sock))
                 urls[role].append(f"http://{_HOST}:{settings.port}")
-        gateways: list[str] = []
-        for _ in range(spec.gateways):
-            sock = bind_socket(_HOST, 0)
-            await stack.enter_async_context(
-                serving(build_gateway_app(gateway, registry, registry_settings), sock)
-            )
-            gateways.append(f"http://{_HOST}:{bound_port(sock)}")
+        sock = bind_socket(_HOST, 0)
+        await stack.enter_async_context(
+            serving(build_gateway_app(gateway, registry, registry_settings), sock)
+        )
         yield {
-            "gateways": gateways,
+            "gateways": [f"http://{_HOST}:{bound_port(sock)}"],
             "prefills": urls[Role.PREFILL],
             "decodes": urls[Role.DECODE],
         }
@@ -135,10 +133,13 @@ async def _main(spec: ClusterSpec, mode: Mode) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: python -m pdgate.loadtest.scheduling.cluster SPEC_JSON MODE", file=sys.stderr)
+        print(
+            "usage: python -m pdgate.loadtest.scheduling.cluster SPEC_JSON MODE_JSON",
+            file=sys.stderr,
+        )
         return 2
     spec = ClusterSpec.from_json(orjson.loads(argv[0]))
-    mode = mode_named(argv[1])
+    mode = Mode.from_json(orjson.loads(argv[1]))
     run(_main(spec, mode))
     return 0
 

@@ -1,8 +1,8 @@
 """The scheduling benchmark's cluster, from the parent's side, in either deployment:
 
-* ``inprocess`` (the default): one child process hosts every shim and gateway on one event
-  loop with the in-memory registry (``python -m pdgate.loadtest.scheduling.cluster``);
-  cheap to start, and its event-loop lag is measured from inside;
+* ``inprocess`` (the default): one child process hosts every shim and the gateway on one
+  event loop with the in-memory registry (``python -m pdgate.loadtest.scheduling.cluster``);
+  cheap to start, and its event-loop lag is measured from inside; one gateway only;
 * ``processes``: as deployed (loadtest/lib/deployed.py): every shim and every gateway its
   own ``pdgate`` process, membership through a private Redis. What the fault and fleet
   measurements see, and the only way gateways of a fleet can each have a core.
@@ -29,6 +29,7 @@ from pdgate.loadtest.scheduling.modes import ClusterSpec, Mode, gateway_fields, 
 
 __all__ = [
     "DEPLOYS",
+    "INPROCESS_FLEET",
     "Cluster",
     "ClusterUrls",
     "InProcessCluster",
@@ -37,6 +38,12 @@ __all__ = [
 ]
 
 DEPLOYS = ("inprocess", "processes")
+
+INPROCESS_FLEET = (
+    "the in-process cluster runs one gateway: gateways on one event loop would share one "
+    "in-memory registry and fleet view, which is not a fleet; use --deploy processes for "
+    "several gateways (each its own process on a shared Redis)"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +97,12 @@ class InProcessCluster(Cluster):
     deploy = "inprocess"
 
     def __init__(self, spec: ClusterSpec, mode: Mode) -> None:
+        if spec.gateways != 1:
+            raise ValueError(INPROCESS_FLEET)
         super().__init__(spec, mode)
         argv = [sys.executable, "-m", "pdgate.loadtest.scheduling.cluster",
-                orjson.dumps(spec.to_json()).decode(), mode.name]  # fmt: skip
+                orjson.dumps(spec.to_json()).decode(),
+                orjson.dumps(mode.to_json()).decode()]  # fmt: skip
         # It answers `stats` lines on stdout and stops at the end of its stdin.
         self._child = Child(f"cluster ({mode.name})", argv, quits_on_eof=True, replies=True)
 

@@ -1,10 +1,16 @@
 """``pdgate bench scheduling``: baseline vs on-demand forwarding at loads A..4A.
 
 Progress goes to stderr; stdout gets exactly one JSON line,
-``{"success": {MODE: {"1": r, ...}}, "goodput": {...}, "prefix_hit_rate": {...},
+``{"success": {SERIES: {"1": r, ...}}, "goodput": {...}, "prefix_hit_rate": {...},
 "kv_hold_max_s": {...}, "kv_hold_over_5s": {...}, "kv_stranded": {...}, "deploy": ...,
-"gateways": N, "seeds": [...]}`` keyed by load multiple of A (medians over seeds; with
-several gateways also ``success_by_gateway``, with several seeds also ``spread``). Files:
+"gateways": N or [N, ...], "seeds": [...], "base_users": A, "workload": ..., "arrivals": ...,
+"prefill_slots": N, "batch_forwarding": ..., "capacity": {...} or null, "load_fraction":
+{"1": f, ...}, "level_users": {"1": users, ...}, "goodput_fraction": {...}, "offered_rps":
+{...}, "rejections_per_request": {...}, "retries_per_request": {...}}`` keyed by load
+multiple of A (medians over seeds; with
+several gateways also ``success_by_gateway``, with tenants ``success_by_tenant``, with an
+open loop ``rate_rps`` and ``client_dropped``, with several seeds ``spread``); with
+``--load-fractions`` the keys are shares of capacity ("0.5c", "2c"). Files:
 ``OUT/KIND.csv``, ``OUT/KIND.png``, ``OUT/KIND.md`` (KIND = quick or full, or ``--kind``)
 and, unless ``--no-doc``, the generated block of the doc between its ``scheduling:KIND``
 markers.
@@ -20,11 +26,20 @@ from pathlib import Path
 import orjson
 
 from pdgate.loadtest.lib.children import run_main
+from pdgate.loadtest.scheduling.capacity import Capacity, CapacityPlan
 from pdgate.loadtest.scheduling.clusters import DEPLOYS
 from pdgate.loadtest.scheduling.experiment import Plan, Result, run_experiment
-from pdgate.loadtest.scheduling.modes import EXTRA_MODES, MODES, ROUTER_MODES, mode_named
+from pdgate.loadtest.scheduling.modes import (
+    EXTRA_MODES,
+    FEATURE_MODES,
+    MODES,
+    ROUTER_MODES,
+    mode_named,
+)
+from pdgate.loadtest.scheduling.open_loop import ARRIVALS, Arrivals
 from pdgate.loadtest.scheduling.report import (
     calibration_table,
+    capacity_table,
     markdown_table,
     spread_table,
     summary_json,
@@ -33,6 +48,7 @@ from pdgate.loadtest.scheduling.report import (
     write_plot,
 )
 from pdgate.loadtest.scheduling.runner import Timing
+from pdgate.loadtest.scheduling.workload import WORKLOADS
 
 __all__ = ["HELP", "configure", "describe", "main", "plan_from_args", "write_outputs"]
 
@@ -41,6 +57,13 @@ HELP = "baseline vs on-demand forwarding at loads A..4A"
 # A of the quick run, from the full run's calibration (docs/scheduling.md): the quick run
 # has no time to calibrate.
 QUICK_BASE_USERS = 8
+# Nor to measure the capacity: a rough one of the default cluster (1 slot per prefill) and
+# workload, from the committed full run (docs/scheduling.md): least_sse's goodput peaked at
+# 17.3 req/s (4A); 12 users (1A), served without waiting, sent 0.6 req/s each.
+QUICK_CAPACITY = Capacity(rps=17.3, user_rps=0.6)
+# Runs per point of the full run: issue 12 asks for five seeds per point, spread reported.
+FULL_SEEDS = 5
+_BATCH_FORWARDING = {"on": (True,), "off": (False,), "both": (True, False)}
 
 
 def _deploys(text: str) -> tuple[str, ...]:
@@ -58,6 +81,37 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positives(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(_positive(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values:
+        raise argparse.ArgumentTypeError("expected positive integers, comma-separated")
+    return values
+
+
+def _fractions(text: str | None) -> tuple[float, ...]:
+    if not text:
+        return ()
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"--load-fractions: expected numbers, comma-separated: {text}") from None
+
+
+def _capacity(text: str) -> str | float:
+    if text in ("measure", "off"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError("expected measure, off, or a positive req/s")
+    return value
+
+
 def configure(s: argparse.ArgumentParser) -> None:
     s.add_argument("--quick", action="store_true", help="short windows, modes in parallel (<60 s)")
     s.add_argument("--out", type=Path, default=Path("docs/scheduling"), help="output folder")
@@ -70,29 +124,99 @@ def configure(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--base-users", type=int, help="A; default: calibrate (full), 8 (quick)")
     s.add_argument("--measure-s", type=float, help="measurement window per load level")
-    s.add_argument("--warmup-s", type=float, help="warm-up per load level")
+    s.add_argument(
+        "--warmup-s", type=float, help="warm-up per load level and calibration point (3 s)"
+    )
     s.add_argument("--seed", type=int, default=0, help="the first seed")
     s.add_argument(
         "--seeds",
         type=_positive,
-        default=1,
         help="runs per point, seeds SEED..SEED+N-1 (fresh cluster and prompts each); "
-        "reports min / median / max",
+        f"reports min / median / max; default {FULL_SEEDS} (full), 1 (quick)",
     )
     s.add_argument(
         "--modes",
         default=",".join(m.name for m in MODES),
         help="comma-separated; also: "
-        + ", ".join(m.name for m in (*EXTRA_MODES, *ROUTER_MODES))
+        + ", ".join(m.name for m in (*EXTRA_MODES, *FEATURE_MODES, *ROUTER_MODES))
         + " (router_*: vllm-router in front, needs pip install vllm-router)",
     )
     s.add_argument("--multiples", default="1,2,3,4", help="load levels, as multiples of A")
+    s.add_argument(
+        "--load-fractions",
+        help="load levels as shares of the capacity instead (e.g. 0.5,1,2: levels 0.5c, 1c, "
+        "2c of capacity / user-rps users; open loop: exactly that share of capacity)",
+    )
+    s.add_argument(
+        "--workload",
+        default="mix",
+        choices=list(WORKLOADS),
+        help="the prompts (default mix: chat, code, agent, doc)",
+    )
     s.add_argument("--prefills", type=int, help="prefill instances (default 8)")
+    s.add_argument("--prefill-slots", type=_positive, help="batch slots per prefill (default 1)")
     s.add_argument("--decodes", type=int, help="decode instances (default 1)")
     s.add_argument(
+        "--batch-forwarding",
+        choices=list(_BATCH_FORWARDING),
+        help="the gateway's batch forwarding for the queued modes (default: the gateway's "
+        "default, on); both: each such mode twice, rows MODE+bf and MODE-bf",
+    )
+    s.add_argument(
         "--gateways",
+        type=_positives,
+        help="gateways sharing the cluster, comma-separated counts (e.g. 1,2,4: rows "
+        "MODE/gN for each); users are split evenly across them; above 1 needs "
+        "--deploy processes (default 1)",
+    )
+    load = s.add_argument_group("load")
+    load.add_argument(
+        "--arrivals",
+        choices=ARRIVALS,
+        default="closed",
+        help="closed loop of users (default), or an open loop at the rate those "
+        "users would offer (capacity x load fraction)",
+    )
+    load.add_argument(
+        "--burst-factor",
+        type=float,
+        default=4.0,
+        help="bursty: peak / mean rate (ON 1/B of the time)",
+    )
+    load.add_argument(
+        "--burst-on-s", type=float, default=1.0, help="bursty: mean length of an ON period, s"
+    )
+    load.add_argument(
+        "--max-in-flight",
         type=_positive,
-        help="gateways sharing the cluster (default 1); users are split evenly across them",
+        help="open loop: the client's in-flight bound (default 4 x the level's "
+        "users, at least 16); arrivals beyond it fail as dropped",
+    )
+    cap = s.add_argument_group("capacity")
+    cap.add_argument(
+        "--capacity",
+        type=_capacity,
+        help="measure (default, full run): sweep the reference mode's goodput; "
+        "off; or a known capacity in successful req/s (with --user-rps); "
+        "quick: a fixed rough one",
+    )
+    cap.add_argument(
+        "--user-rps", type=float, help="with --capacity RPS: one unimpeded user's demand, req/s"
+    )
+    cap.add_argument(
+        "--capacity-mode",
+        default="least_sse",
+        help="the mode whose maximum goodput is the capacity",
+    )
+    cap.add_argument(
+        "--capacity-users",
+        type=_positives,
+        help="the sweep's user counts (default 0.5,1,1.5,...,4,5,6 x A)",
+    )
+    cap.add_argument(
+        "--calibrate-s",
+        type=float,
+        help="window of each calibration and capacity point (default 30 s)",
     )
     s.add_argument(
         "--deploy",
@@ -107,12 +231,40 @@ def configure(s: argparse.ArgumentParser) -> None:
     par.add_argument("--sequential", dest="parallel", action="store_false")
 
 
+def _capacity_plan(args: argparse.Namespace) -> CapacityPlan:
+    mode_named(args.capacity_mode)  # an unknown name fails here, before anything runs
+    how = args.capacity if args.capacity is not None else ("fixed" if args.quick else "measure")
+    common = {"mode": args.capacity_mode, "users": args.capacity_users or ()}
+    if how in ("measure", "off"):
+        if args.user_rps is not None:
+            raise ValueError("--user-rps goes with a given --capacity RPS")
+        return CapacityPlan(how=str(how), **common)
+    if how == "fixed":  # quick, nothing given
+        return CapacityPlan(how="fixed", fixed=QUICK_CAPACITY, **common)
+    if args.user_rps is None or args.user_rps <= 0:
+        raise ValueError("a given --capacity needs --user-rps (one unimpeded user's req/s)")
+    return CapacityPlan(how="fixed", fixed=Capacity(float(how), args.user_rps), **common)
+
+
 def plan_from_args(args: argparse.Namespace) -> Plan:
+    """The plan of a command line; ValueError for a combination that cannot run."""
+    seeds = args.seeds or (1 if args.quick else FULL_SEEDS)
     plan = Plan(
         modes=tuple(mode_named(m.strip()) for m in args.modes.split(",") if m.strip()),
         multiples=tuple(int(k) for k in args.multiples.split(",")),
-        seeds=tuple(range(args.seed, args.seed + args.seeds)),
+        seeds=tuple(range(args.seed, args.seed + seeds)),
         deploys=tuple(args.deploy),
+        workload=args.workload,
+        gateways=args.gateways or (1,),
+        batch_forwarding=_BATCH_FORWARDING.get(args.batch_forwarding or "", ()),
+        arrivals=Arrivals(
+            kind=args.arrivals,
+            burst_factor=args.burst_factor,
+            burst_on_s=args.burst_on_s,
+            max_in_flight=args.max_in_flight,
+        ),
+        capacity=_capacity_plan(args),
+        load_fractions=_fractions(args.load_fractions),
     )
     if args.quick:
         plan = replace(
@@ -121,21 +273,23 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
             base_users=QUICK_BASE_USERS,
             parallel=True,
         )
-    shape = {
-        k: getattr(args, k)
-        for k in ("prefills", "decodes", "gateways")
-        if getattr(args, k) is not None
-    }
+    shape = {k: getattr(args, k) for k in ("prefills", "decodes") if getattr(args, k) is not None}
+    if args.prefill_slots is not None:
+        shape["prefill_capacity"] = args.prefill_slots
     if shape:
         plan = replace(plan, spec=replace(plan.spec, **shape))
-    timing = plan.timing
+    timing, calibration = plan.timing, plan.calibration_timing
     if args.measure_s is not None:
         timing = replace(timing, measure_s=args.measure_s)
+    if args.calibrate_s is not None:
+        calibration = replace(calibration, measure_s=args.calibrate_s)
     if args.warmup_s is not None:
         timing = replace(timing, warmup_s=args.warmup_s)
+        calibration = replace(calibration, warmup_s=args.warmup_s)
     return replace(
         plan,
         timing=timing,
+        calibration_timing=calibration,
         base_users=args.base_users if args.base_users is not None else plan.base_users,
         parallel=args.parallel if args.parallel is not None else plan.parallel,
     )
@@ -155,10 +309,18 @@ def describe(plan: Plan) -> str:
         else "each mode deployed both ways: "
         + "; ".join(f"@{d}: {_DEPLOYED[d]}" for d in plan.deploys)
     )
+    gateways = (
+        f"{plan.gateways[0]} gateway(s)"
+        if len(plan.gateways) == 1
+        else f"{', '.join(map(str, plan.gateways))} gateways (rows /gN)"
+    )
+    bf = {(): "", (True,): "; batch forwarding on", (False,): "; batch forwarding off"}.get(
+        plan.batch_forwarding, "; batch forwarding on (+bf) and off (-bf)"
+    )
     return (
-        f"{spec.gateways} gateway(s), {spec.prefills} prefill(s) x {spec.prefill_capacity} "
+        f"{gateways}, {spec.prefills} prefill(s) x {spec.prefill_capacity} "
         f"slot(s), {spec.decodes} decode(s) x {spec.decode_capacity}, sim {spec.sim_profile}, "
-        f"prefix cache {spec.prefix_cache_blocks} blocks/prefill; {deployed}"
+        f"prefix cache {spec.prefix_cache_blocks} blocks/prefill{bf}; {deployed}"
     )
 
 
@@ -172,7 +334,9 @@ def write_outputs(result: Result, kind: str, out: Path, doc: Path | None, comman
         print("no plot: matplotlib is missing (pip install -e '.[loadtest]')", file=sys.stderr)
     plan = result.plan
     calibration = calibration_table(result.calibration, plan.success_target)
+    capacity = capacity_table(result)
     spread = spread_table(result)
+    workload = plan.workload_spec
     seeds = (
         f"; {len(plan.seeds)} runs per point (seeds {plan.seeds[0]}-{plan.seeds[-1]}, a fresh "
         "cluster each)"
@@ -181,7 +345,8 @@ def write_outputs(result: Result, kind: str, out: Path, doc: Path | None, comman
     )
     block = (
         f"Command: `{command}` ({result.wall_s:.0f} s wall clock)\n\n"
-        f"Cluster: {describe(plan)}. A = {result.base_users} users"
+        f"Cluster: {describe(plan)}. Workload `{workload.name}`: {workload.about}. "
+        f"Load: {plan.arrivals.describe()}. A = {result.base_users} users"
         + (" (calibrated below)" if result.calibration else " (fixed)")
         + f"; {plan.timing.measure_s:g} s window per level after "
         f"{plan.timing.warmup_s:g} s warm-up; modes run "
@@ -191,6 +356,7 @@ def write_outputs(result: Result, kind: str, out: Path, doc: Path | None, comman
         + markdown_table(result)
         + (f"\nSpread over seeds:\n\n{spread}" if spread else "")
         + (f"\nCalibration of A (baseline):\n\n{calibration}" if calibration else "")
+        + (f"\nCapacity:\n\n{capacity}" if capacity else "")
         + f"\n![{kind} run]({out.name}/{kind}.png)\n"
     )
     (out / f"{kind}.md").write_text(block)
@@ -199,7 +365,12 @@ def write_outputs(result: Result, kind: str, out: Path, doc: Path | None, comman
 
 
 def main(args: argparse.Namespace, command: str) -> int:
-    plan = plan_from_args(args)
+    try:
+        plan = plan_from_args(args)
+        plan.check()  # every mode's settings, before any server starts
+    except ValueError as exc:
+        print(f"pdgate bench scheduling: {exc}", file=sys.stderr)
+        return 2
     kind = args.kind or ("quick" if args.quick else "full")
     result = run_main(run_experiment(plan))
     write_outputs(result, kind, args.out, None if args.no_doc else args.doc, command)

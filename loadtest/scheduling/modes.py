@@ -7,26 +7,37 @@
   full (``admission=reject``), a gateway-held queue with retries until the deadline
   (``dispatch=queue``), prefills ranked by open SSE streams.
 * ``affinity_sse``: the same, with prefills ranked by prefix-cache affinity first.
+* ``least_tokens``, ``affinity_overload``, ``first_token_early``, ``local_prefill`` (issue 12):
+  on-demand forwarding with one of the gateway's newer features on, each a `Mode` whose
+  `Mode.gateway` (and, if needed, `Mode.prefill` / `Mode.decode`) overrides settings.
 * ``router_*`` (issue 5, item 5): the same queue-less prefills behind vllm-router instead of
   pdgate (loadtest/lib/router.py), with one of its policies and retries on. The router does
   not know the requests' deadlines; the client judges every mode by the same rule.
 
 `ClusterSpec` is everything else, identical for every mode; `shim_fields` and
 `gateway_fields` turn both into the servers' settings, the same for either deployment
-(in-process or separate processes).
+(in-process or separate processes). `check_settings` builds those settings once in the
+benchmark's own process, so a setting the servers do not know (a feature not merged yet, a
+typo) fails the run before any cluster starts rather than at its first start-up.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pdgate.config import GatewaySettings, Role, ShimSettings
+from pdgate.policies import load_policy
+
 __all__ = [
     "EXTRA_MODES",
+    "FEATURE_MODES",
     "MODES",
     "ROUTER_MODES",
     "ClusterSpec",
     "Mode",
+    "check_settings",
     "gateway_fields",
     "mode_named",
     "shim_fields",
@@ -44,6 +55,29 @@ class Mode:
     # own gateway then only serves the readiness check).
     front: str = "pdgate"
     router_policy: str = ""
+    # Overrides of GatewaySettings / the prefills' / the decodes' ShimSettings fields, applied
+    # last (after the cluster's): what makes a feature's mode one line.
+    gateway: Mapping[str, Any] = field(default_factory=dict)
+    prefill: Mapping[str, Any] = field(default_factory=dict)
+    decode: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def queued(self) -> bool:
+        """Does pdgate's gateway queue and forward on demand (so batch forwarding applies)?"""
+        return self.front == "pdgate" and self.dispatch == "queue"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Mode:
+        return cls(**data)
+
+
+def _on_demand(name: str, policy: str = "least_sse", **gateway: Any) -> Mode:
+    """On-demand forwarding (queue-less prefills, gateway-held EDF queue) with `gateway`."""
+    return Mode(name, admission="reject", dispatch="queue", prefill_policy=policy,
+                gateway=gateway)  # fmt: skip
 
 
 MODES: tuple[Mode, ...] = (
@@ -61,6 +95,17 @@ EXTRA_MODES: tuple[Mode, ...] = (
         prefill_policy="least_sse",
         queue_order="fifo",
     ),
+)
+
+
+# The gateway's issue-12 features, one mode each (not in the default comparison).
+FEATURE_MODES: tuple[Mode, ...] = (
+    _on_demand("least_tokens", "least_tokens"),  # queued + in-flight prompt tokens
+    # affinity_sse that holds a request for the busy prefill holding its prefix when that is
+    # expected to finish sooner than a free prefill computing it all (policies/completion.py).
+    _on_demand("affinity_overload", "affinity_hold"),
+    _on_demand("first_token_early", first_token_early=True),
+    _on_demand("local_prefill", local_prefill_max_uncached_chars=4000),
 )
 
 
@@ -82,11 +127,11 @@ ROUTER_MODES: tuple[Mode, ...] = tuple(
 
 
 def mode_named(name: str) -> Mode:
-    for mode in (*MODES, *EXTRA_MODES, *ROUTER_MODES):
+    every = (*MODES, *EXTRA_MODES, *FEATURE_MODES, *ROUTER_MODES)
+    for mode in every:
         if mode.name == name:
             return mode
-    known = ", ".join(m.name for m in (*MODES, *EXTRA_MODES, *ROUTER_MODES))
-    raise ValueError(f"unknown mode {name!r}; known: {known}")
+    raise ValueError(f"unknown mode {name!r}; known: {', '.join(m.name for m in every)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +184,7 @@ def shim_fields(spec: ClusterSpec, mode: Mode, role: str) -> dict[str, Any]:
     }
     if spec.prefix_cache_blocks is not None:
         fields["sim_prefix_cache_blocks"] = spec.prefix_cache_blocks
-    return fields
+    return {**fields, **(mode.prefill if role == "prefill" else mode.decode)}
 
 
 def gateway_fields(spec: ClusterSpec, mode: Mode) -> dict[str, Any]:
@@ -150,4 +195,18 @@ def gateway_fields(spec: ClusterSpec, mode: Mode) -> dict[str, Any]:
         "queue_order": mode.queue_order,
         "ttft_timeout_s": spec.gateway_ttft_timeout_s,
         **spec.gateway,
+        **mode.gateway,
     }
+
+
+def check_settings(spec: ClusterSpec, mode: Mode) -> None:
+    """Build every server's settings and the gateway's policies for `mode` on `spec`, as the
+    servers will; ValueError naming the mode and the setting if any is unknown or invalid."""
+    try:
+        gateway = GatewaySettings(**gateway_fields(spec, mode))
+        for role in (Role.PREFILL, Role.DECODE):
+            ShimSettings(role=role, **shim_fields(spec, mode, role.value))
+        load_policy(gateway.prefill_policy, gateway.prefill_policy_options)
+        load_policy(gateway.decode_policy, gateway.decode_policy_options)
+    except ValueError as exc:  # pydantic's ValidationError is one
+        raise ValueError(f"mode {mode.name}: its settings do not start a server: {exc}") from None

@@ -5,6 +5,7 @@ The generated block sits between ``<!-- scheduling:KIND:begin -->`` and
 ``<!-- scheduling:KIND:end -->`` (KIND = quick or full), so the prose around it is kept.
 With several seeds, the CSV and the main table have one row per seed, a second table gives
 min / median / max over seeds, and the JSON's figures are medians with the spread beside.
+With a capacity (capacity.py), each level is also a fraction of it and each goodput too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import csv
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from pdgate.loadtest.scheduling.runner import Point
 
 __all__ = [
     "calibration_table",
+    "capacity_table",
     "markdown_table",
     "spread_table",
     "summary_json",
@@ -47,21 +50,51 @@ def _per_gateway(result: Result) -> dict[str, dict[str, list[float]]]:
     out: dict[str, dict[str, list[float]]] = {}
     for series, by_k in result.points.items():
         out[series] = {}
-        for k, pts in sorted(by_k.items()):
+        for k, pts in by_k.items():
             gateways = sorted({g for p in pts for g in p.summary.success_by_gateway})
-            out[series][str(k)] = [
+            out[series][k] = [
                 Spread.of(p.summary.success_by_gateway.get(g, math.nan) for p in pts).median
                 for g in gateways
             ]
     return out
 
 
+def _per_tenant(result: Result) -> dict[str, dict[str, dict[str, float]]]:
+    """``{series: {"1": {tenant: success}}}``, medians over seeds."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for series, by_k in result.points.items():
+        out[series] = {}
+        for k, pts in by_k.items():
+            tenants = sorted({t for p in pts for t in p.summary.success_by_tenant})
+            out[series][k] = {
+                t: Spread.of(p.summary.success_by_tenant.get(t, math.nan) for p in pts).median
+                for t in tenants
+            }
+    return out
+
+
+def _goodput_fraction(result: Result) -> dict[str, dict[str, float]]:
+    """Median goodput / capacity by series and level (NaN without a capacity)."""
+    cap = math.nan if result.capacity is None else result.capacity.rps
+    return {
+        series: {k: v / cap for k, v in by_k.items()}
+        for series, by_k in result.metric("goodput_rps").items()
+    }
+
+
+def _batch_forwarding(values: Sequence[bool]) -> str:
+    if not values:
+        return "default"
+    return "both" if len(values) > 1 else ("on" if values[0] else "off")
+
+
 def summary_json(result: Result) -> dict[str, Any]:
     """The one-line answer: success, goodput and prefix hit rate by series and load multiple
     (medians over seeds); the prefills' longest KV hold and holds over 5 s (worst seed);
-    how the cluster was deployed; and, where they apply, success per gateway and the spread
-    over seeds."""
+    how the cluster was deployed and loaded; the capacity and each level as a fraction of it;
+    and, where they apply, success per gateway and per tenant and the spread over seeds."""
     plan = result.plan
+    gateways = max(plan.gateways)
     out: dict[str, Any] = {
         "success": result.metric("success_rate"),
         "goodput": result.metric("goodput_rps"),
@@ -70,11 +103,29 @@ def summary_json(result: Result) -> dict[str, Any]:
         "kv_hold_over_5s": result.worst("kv_hold_over_5s"),
         "kv_stranded": result.worst("kv_stranded"),
         "deploy": list(plan.deploys) if len(plan.deploys) > 1 else plan.deploys[0],
-        "gateways": plan.spec.gateways,
+        "gateways": list(plan.gateways) if len(plan.gateways) > 1 else plan.gateways[0],
         "seeds": list(plan.seeds),
+        "base_users": result.base_users,
+        "workload": plan.workload,
+        "arrivals": plan.arrivals.kind,
+        "prefill_slots": plan.spec.prefill_capacity,
+        "batch_forwarding": _batch_forwarding(plan.batch_forwarding),
+        "capacity": None if result.capacity is None else result.capacity.as_json(),
+        "load_fraction": result.load_fraction(),
+        "level_users": {lv.key: lv.users for lv in result.levels},
+        "goodput_fraction": _goodput_fraction(result),
+        "offered_rps": result.metric("offered_rps"),
+        "rejections_per_request": result.metric("prefill_429s_per_request"),
+        "retries_per_request": result.metric("retries_per_request"),
     }
-    if plan.spec.gateways > 1:
+    if plan.arrivals.open:
+        cap = result.capacity
+        out["rate_rps"] = {lv.key: lv.rate(cap) if cap else math.nan for lv in result.levels}
+        out["client_dropped"] = result.worst("client_dropped")
+    if gateways > 1:
         out["success_by_gateway"] = _per_gateway(result)
+    if plan.workload_spec.tenants:
+        out["success_by_tenant"] = _per_tenant(result)
     if len(plan.seeds) > 1:
         out["spread"] = {
             key: {
@@ -90,10 +141,15 @@ def _rows(result: Result) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for point in result.calibration:
         rows.append({"phase": "calibration", "multiple": "", **point.row()})
+    for point in result.capacity_sweep:
+        rows.append({"phase": "capacity", "multiple": "", **point.row()})
+    cap = math.nan if result.capacity is None else result.capacity.rps
     for by_k in result.points.values():
-        for k, pts in sorted(by_k.items()):
+        for k, pts in by_k.items():
             for point in pts:
-                rows.append({"phase": "run", "multiple": k, **point.row()})
+                row = point.row()
+                row["goodput_fraction"] = row["goodput_rps"] / cap
+                rows.append({"phase": "run", "multiple": k, **row})
     return rows
 
 
@@ -126,11 +182,12 @@ def write_plot(result: Result, path: Path, title: str) -> None:
         ("goodput_rps", "goodput (successful requests/s)", 1.0, ""),
         ("prefix_hit_rate", "prefix-cache hit rate (tokens)", 100.0, "%"),
     )
+    fractions = result.load_fraction()
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), layout="constrained")
     for ax, (metric, ylabel, scale, unit) in zip(axes, panels, strict=True):
         for mode, by_k in result.spread(metric).items():
             ks = list(by_k)
-            xs = [f"{k}A" for k in ks]
+            xs = [_level(result.label(k), fractions.get(k, math.nan)) for k in ks]
             (line,) = ax.plot(
                 xs,
                 [scale * by_k[k].median for k in ks],
@@ -141,8 +198,16 @@ def write_plot(result: Result, path: Path, title: str) -> None:
                 lows = [scale * by_k[k].min for k in ks]
                 highs = [scale * by_k[k].max for k in ks]
                 ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
+        if metric == "goodput_rps" and result.capacity is not None:
+            ax.axhline(result.capacity.rps, color="grey", linestyle="--", linewidth=1,
+                       label="capacity")  # fmt: skip
         ax.set_ylabel(ylabel + (f" [{unit}]" if unit else ""))
-        ax.set_xlabel(f"load (A = {result.base_users} closed-loop users)")
+        ax.set_xlabel(
+            f"load (A = {result.base_users} closed-loop users"
+            + ("; share of capacity" if result.capacity is not None else "")
+            + (f"; {result.plan.arrivals.kind} arrivals" if result.plan.arrivals.open else "")
+            + ")"
+        )
         ax.grid(alpha=0.3)
         if metric == "success_rate":
             ax.set_ylim(0, 102)
@@ -152,6 +217,10 @@ def write_plot(result: Result, path: Path, title: str) -> None:
     fig.suptitle(title, fontsize=10)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _level(label: str, fraction: float) -> str:
+    return label if math.isnan(fraction) or "cap" in label else f"{label}\n{fraction:.0%}"
 
 
 def _pct(x: float) -> str:
@@ -170,32 +239,61 @@ def _ms(x: float) -> str:
     return "n/a" if math.isnan(x) else f"{x:.0f} ms"
 
 
+@dataclass(frozen=True, slots=True)
+class _Columns:
+    """Which optional columns the main table has."""
+
+    seeds: bool
+    gateways: bool
+    tenants: bool
+    capacity: float  # NaN: no capacity columns
+    open_loop: bool
+
+
 def markdown_table(result: Result) -> str:
     """One row per point (per seed, with several), every measured column."""
-    seeds = len(result.plan.seeds) > 1
-    gateways = result.plan.spec.gateways > 1
-    columns = ["mode", "load", *(["seed"] if seeds else []), "users", "requests", "success",
-               *(["success per gateway"] if gateways else []), "goodput/s",
+    plan = result.plan
+    c = _Columns(
+        seeds=len(plan.seeds) > 1,
+        gateways=max(plan.gateways) > 1,
+        tenants=bool(plan.workload_spec.tenants),
+        capacity=math.nan if result.capacity is None else result.capacity.rps,
+        open_loop=plan.arrivals.open,
+    )
+    has_cap = not math.isnan(c.capacity)
+    columns = ["mode", "load", *(["load / capacity"] if has_cap else []),
+               *(["seed"] if c.seeds else []), "users",
+               *(["rate/s", "offered/s", "dropped"] if c.open_loop else []), "requests",
+               "success", *(["success per gateway"] if c.gateways else []),
+               *(["success per tenant"] if c.tenants else []), "goodput/s",
+               *(["goodput / capacity"] if has_cap else []),
                "TTFT p50 / p99 s", "E2E p50 / p99 s", "prefix hit", "prefill 429s",
-               "retries/req", "503s", "CPU cluster / box", "loop lag p99",
+               "429s/req", "retries/req", "503s", "CPU cluster / box", "loop lag p99",
                "KV hold max s / >5 s / stranded"]  # fmt: skip
     lines = ["| " + " | ".join(columns) + " |\n", "|---" * len(columns) + "|\n"]
     for mode, by_k in result.points.items():
-        for k, pts in sorted(by_k.items()):
+        for k, pts in by_k.items():
             for p in pts:
-                lines.append(_table_row(mode, f"{k}A", p, seeds=seeds, gateways=gateways))
+                lines.append(_table_row(mode, result.label(k), p, c))
     return "".join(lines)
 
 
-def _table_row(mode: str, load: str, p: Point, *, seeds: bool, gateways: bool) -> str:
+def _table_row(mode: str, load: str, p: Point, c: _Columns) -> str:
     s = p.summary
     h = p.holds
-    cells = [mode, load, *([str(p.seed)] if seeds else []), str(p.users), str(s.requests),
-             _pct(s.success_rate),
-             *([" / ".join(_pct(v) for v in s.success_by_gateway.values())] if gateways else []),
-             f"{s.goodput_rps:.2f}", f"{_s(s.ttft_p50_s)} / {_s(s.ttft_p99_s)}",
+    has_cap = not math.isnan(c.capacity)
+    tenants = " / ".join(f"{k} {_pct(v)}" for k, v in s.success_by_tenant.items())
+    cells = [mode, load, *([_pct(p.load_fraction)] if has_cap else []),
+             *([str(p.seed)] if c.seeds else []), str(p.users),
+             *([_s(p.rate_rps), _s(s.offered_rps), str(s.dropped)] if c.open_loop else []),
+             str(s.requests), _pct(s.success_rate),
+             *([" / ".join(_pct(v) for v in s.success_by_gateway.values())] if c.gateways
+               else []),
+             *([tenants] if c.tenants else []),
+             f"{s.goodput_rps:.2f}", *([_pct(s.goodput_rps / c.capacity)] if has_cap else []),
+             f"{_s(s.ttft_p50_s)} / {_s(s.ttft_p99_s)}",
              f"{_s(s.e2e_p50_s)} / {_s(s.e2e_p99_s)}", _pct(p.prefix_hit_rate),
-             f"{p.rejections_429:.0f}", _s(p.retries_per_request),
+             f"{p.rejections_429:.0f}", _s(p.rejections_per_request), _s(p.retries_per_request),
              str(s.status_counts.get(503, 0)), f"{p.cluster_cpu:.2f} / {p.host_cpu:.2f}",
              _ms(p.loop_lag.get("lag_p99_ms", math.nan)),
              f"{_s(h.max_s)} / {_n(h.over_5s)} / {_n(h.stranded)}"]  # fmt: skip
@@ -217,7 +315,7 @@ def spread_table(result: Result) -> str:
         for k, sp in by_k.items():
             g = goodput[mode][k]
             lines.append(
-                f"| {mode} | {k}A | {sp.n} | {_pct(sp.min)} / {_pct(sp.median)} / "
+                f"| {mode} | {result.label(k)} | {sp.n} | {_pct(sp.min)} / {_pct(sp.median)} / "
                 f"{_pct(sp.max)} | {g.min:.2f} / {g.median:.2f} / {g.max:.2f} | "
                 f"{_s(hold[mode][k].max)} |\n"
             )
@@ -236,6 +334,36 @@ def calibration_table(points: Sequence[Point], target: float) -> str:
             f"| {p.users} | {s.requests} | {_pct(s.success_rate)} | {s.goodput_rps:.2f} | "
             f"{_s(s.ttft_p99_s)} | {ok} |\n"
         )
+    return "".join(lines)
+
+
+def capacity_table(result: Result) -> str:
+    """The capacity sweep, or where a fixed capacity came from; empty without one."""
+    cap = result.capacity
+    if cap is None:
+        return ""
+    if not result.capacity_sweep:
+        return (
+            f"{cap.rps:.2f} successful req/s, one unimpeded user offering {cap.user_rps:.3f} "
+            "req/s: given, not measured by this run.\n"
+        )
+    lines = [
+        f"| {cap.mode} users | requests | success | goodput/s | goodput/s per user | "
+        "TTFT p99 s |\n",
+        "|---|---|---|---|---|---|\n",
+    ]
+    for p in result.capacity_sweep:
+        s = p.summary
+        lines.append(
+            f"| {p.users} | {s.requests} | {_pct(s.success_rate)} | {s.goodput_rps:.2f} | "
+            f"{s.goodput_rps / p.users:.3f} | {_s(s.ttft_p99_s)} |\n"
+        )
+    lines.append(
+        f"\nCapacity = {cap.rps:.2f} successful req/s (at {cap.users} users); one unimpeded "
+        f"user offers {cap.user_rps:.3f} req/s"
+        + ("" if cap.plateau else "; goodput still rose at the sweep's end: it may be higher")
+        + ".\n"
+    )
     return "".join(lines)
 
 

@@ -1,4 +1,5 @@
-"""One measured point: a number of closed-loop users against a running cluster.
+"""One measured point: a number of closed-loop users, or an open loop's arrival rate,
+against a running cluster.
 
 warm-up (discarded) -> snapshot -> measurement window -> snapshot -> drain (every request
 issued in the window is followed to its end). The point carries the client-side summary,
@@ -29,8 +30,10 @@ from pdgate.loadtest.lib.probes import (
 )
 from pdgate.loadtest.lib.procfs import host_busy_s, own_cpu_s
 from pdgate.loadtest.lib.stats import Summary, summarize
+from pdgate.loadtest.scheduling._load import LoadGenerator
 from pdgate.loadtest.scheduling.closed_loop import ClosedLoop
 from pdgate.loadtest.scheduling.clusters import Cluster
+from pdgate.loadtest.scheduling.open_loop import Arrivals, OpenLoop
 from pdgate.loadtest.scheduling.workload import Workload
 
 __all__ = ["Holds", "Point", "Timing", "run_point"]
@@ -62,7 +65,7 @@ class Holds:
 @dataclass(frozen=True, slots=True)
 class Point:
     mode: str
-    users: int
+    users: int  # closed loop: the users; open loop: the closed-loop users it stands for
     summary: Summary
     counters: Counters  # server-side deltas over the window
     cluster_cpu: float  # cores used by the cluster process during the window (1.0 = one core)
@@ -73,6 +76,10 @@ class Point:
     gateway_cpu: float = math.nan  # cores used by the gateway processes (processes only)
     holds: Holds = field(default_factory=Holds)
     seed: int = 0
+    arrivals: str = "closed"  # open_loop.ARRIVALS
+    rate_rps: float = math.nan  # open loop: the mean arrival rate asked for
+    max_in_flight: int = 0  # open loop: the client's bound (0: closed loop)
+    load_fraction: float = math.nan  # offered load / capacity (NaN: capacity unknown)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -94,12 +101,24 @@ class Point:
             return math.nan
         return self.counters["attempts_rejected"] / n
 
+    @property
+    def rejections_per_request(self) -> float:
+        """Prefill 429s per request issued in the window (the fleet measurement's figure)."""
+        n = self.summary.requests
+        return self.rejections_429 / n if n else math.nan
+
     def row(self) -> dict[str, Any]:
         s = self.summary
         return {
             "mode": self.mode,
             "users": self.users,
+            "arrivals": self.arrivals,
+            "rate_rps": self.rate_rps,
+            "load_fraction": self.load_fraction,
             "requests": s.requests,
+            "offered_rps": s.offered_rps,
+            "client_dropped": s.dropped,
+            "max_in_flight": self.max_in_flight,
             "success_rate": s.success_rate,
             "goodput_rps": s.goodput_rps,
             "throughput_rps": s.throughput_rps,
@@ -109,6 +128,7 @@ class Point:
             "e2e_p99_s": s.e2e_p99_s,
             "prefix_hit_rate": self.prefix_hit_rate,
             "prefill_429s": self.rejections_429,
+            "prefill_429s_per_request": self.rejections_per_request,
             "retries_per_request": self.retries_per_request,
             "gateway_503s": s.status_counts.get(503, 0),
             "cluster_cpu_cores": self.cluster_cpu,
@@ -121,6 +141,7 @@ class Point:
             "kv_stranded": self.holds.stranded,
             "seed": self.seed,
             **{f"success_{k}": v for k, v in s.success_by_scenario.items()},
+            **{f"success_tenant_{k}": v for k, v in s.success_by_tenant.items()},
             **(
                 {f"success_gateway{k}": v for k, v in s.success_by_gateway.items()}
                 if len(s.success_by_gateway) > 1
@@ -141,24 +162,34 @@ async def run_point(
     seed: int = 0,
     name: str | None = None,
     ramp_s: float | None = None,
+    arrivals: Arrivals | None = None,
+    rate_rps: float | None = None,
+    load_fraction: float = math.nan,
 ) -> Point:
     """`fronts`: base URLs the users send to, when not the cluster's own gateways (another
     router); the gateways' metrics are then left out of the counters. `name`: the point's
     series (default: the mode's name). `ramp_s`: the users start over this long (default
-    0.5 s or half the warm-up, if shorter)."""
+    0.5 s or half the warm-up, if shorter). With open-loop `arrivals`, requests arrive at
+    `rate_rps` instead, and `users` only sizes the client's in-flight bound."""
     urls = cluster.urls
     metrics_from = urls.gateways if fronts is None else []
     began = time.monotonic()
     holds0 = await read_holds(session, urls.prefills)
-    loop = ClosedLoop(
-        session,
-        [url + "/v1/completions" for url in (urls.gateways if fronts is None else fronts)],
-        cluster.spec.model,
-        workload,
-        users,
-        user_offset=user_offset,
-        ramp_s=min(0.5, timing.warmup_s / 2) if ramp_s is None else ramp_s,
-    )
+    targets = [url + "/v1/completions" for url in (urls.gateways if fronts is None else fronts)]
+    arrivals = arrivals or Arrivals()
+    bound = 0
+    loop: LoadGenerator
+    if arrivals.open:
+        if rate_rps is None:
+            raise ValueError("an open loop needs its arrival rate")
+        bound = arrivals.in_flight_bound(users)
+        loop = OpenLoop(session, targets, cluster.spec.model, workload, arrivals, rate_rps,
+                        max_in_flight=bound, stream=user_offset)  # fmt: skip
+    else:
+        loop = ClosedLoop(
+            session, targets, cluster.spec.model, workload, users, user_offset=user_offset,
+            ramp_s=min(0.5, timing.warmup_s / 2) if ramp_s is None else ramp_s,
+        )  # fmt: skip
     loop.start()
     try:
         await asyncio.sleep(timing.warmup_s)
@@ -193,4 +224,8 @@ async def run_point(
         gateway_cpu=(child1["gateway_cpu_s"] - child0["gateway_cpu_s"]) / elapsed,
         holds=Holds.between(holds0, holds1),
         seed=seed,
+        arrivals=arrivals.kind,
+        rate_rps=math.nan if rate_rps is None or not arrivals.open else rate_rps,
+        max_in_flight=bound,
+        load_fraction=load_fraction,
     )

@@ -11,16 +11,35 @@ exact without running the tokenizer here. A prompt is ``prefix + tag + body``: t
 few random words unique to the request, and since prefix-cache block hashes are chained, every
 block after the tag is unique too. Bodies come from a small pre-built pool per scenario so
 the load generator spends its CPU on requests, not on building text.
+
+`WORKLOADS` names the workloads ``pdgate bench scheduling --workload`` offers: the mix
+above (``mix``, the default) and variants for issue 12's measurements (shared prefixes that
+are most of the prompt, no shared prefix at all, widely mixed lengths, several tenants).
+A workload with tenants tags each request with one (`Tenant`): the closed loop gives each
+user one tenant for good (`Workload.tenant_for`), the open loop draws one per arrival by
+weight; the client sends the tenant's name and priority class as headers.
 """
 
 from __future__ import annotations
 
 import random
 import string
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from types import MappingProxyType
 
-__all__ = ["SCENARIOS", "Prompt", "Scenario", "Workload", "vocabulary", "words"]
+__all__ = [
+    "SCENARIOS",
+    "WORKLOADS",
+    "Prompt",
+    "Scenario",
+    "Tenant",
+    "Workload",
+    "WorkloadSpec",
+    "vocabulary",
+    "words",
+    "workload_named",
+]
 
 _LETTERS = string.ascii_lowercase
 _TAG_WORDS = 6  # 4096**6 = 2**72 combinations: unique per request for any run we do
@@ -60,6 +79,91 @@ SCENARIOS: tuple[Scenario, ...] = (
 )  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """A client of the service with its share of the requests and its priority class
+    (``x-pdgate-tenant`` / ``x-pdgate-priority`` headers)."""
+
+    name: str
+    weight: int = 1  # requests relative to the other tenants'
+    priority: str = "normal"  # high | normal | low
+
+    def __post_init__(self) -> None:
+        if not self.name or self.weight < 1 or self.priority not in ("high", "normal", "low"):
+            raise ValueError(f"tenant {self.name!r}: bad name, weight or priority")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    name: str
+    about: str  # one line, for the report
+    scenarios: tuple[Scenario, ...]
+    tenants: tuple[Tenant, ...] = ()
+
+
+def _no_prefix(s: Scenario) -> Scenario:
+    """`s` with its prefix turned into unique body: the same lengths, nothing shared."""
+    return replace(
+        s, prefix_tokens=0, body_min=s.body_min + s.prefix_tokens,
+        body_max=s.body_max + s.prefix_tokens,
+    )  # fmt: skip
+
+
+# Eight system prompts of 1,536 tokens, each ~92% of its prompt: the prefix cache of one
+# prefill (192 blocks = 3,072 tokens) holds two of them, all eight prefills together hold
+# every one, so where a request goes decides whether its prefill takes ~0.04 s (cached) or
+# ~0.33 s (A100 profile): affinity can raise capacity, issue 12 item 3's case.
+_SHARED_PREFIX = tuple(
+    Scenario(f"sp{i}", prefix_tokens=1536, body_min=32, body_max=160, max_tokens=64,
+             ttft_deadline_s=1.0)
+    for i in range(8)
+)  # fmt: skip
+
+# Short, medium and long prompts with no shared prefix: 10% of the requests (the long ones)
+# carry over half of the prompt tokens, so open streams and prompt tokens rank prefills
+# differently (issue 12 item 4).
+_MIXED_LENGTHS = (
+    Scenario("short", prefix_tokens=0, body_min=64, body_max=256, max_tokens=64,
+             ttft_deadline_s=1.0, weight=0.6),
+    Scenario("medium", prefix_tokens=0, body_min=1024, body_max=2048, max_tokens=64,
+             ttft_deadline_s=2.0, weight=0.3),
+    Scenario("long", prefix_tokens=0, body_min=6144, body_max=8192, max_tokens=64,
+             ttft_deadline_s=4.0, weight=0.1),
+)  # fmt: skip
+
+# One heavy tenant sending 3x what each of three light ones sends (half of all requests),
+# all in the same priority class: what fairness must protect (issue 12 item 7).
+_TENANTS = (
+    Tenant("heavy", weight=3),
+    Tenant("light-a"),
+    Tenant("light-b"),
+    Tenant("light-c"),
+)
+
+WORKLOADS: Mapping[str, WorkloadSpec] = MappingProxyType({
+    w.name: w
+    for w in (
+        WorkloadSpec("mix", "four scenarios with their own shared prefixes, lengths and "
+                     "deadlines (chat, code, agent, doc)", SCENARIOS),
+        WorkloadSpec("shared-prefix", "eight 1,536-token shared prefixes, ~92% of each "
+                     "prompt; two fit one prefill's cache", _SHARED_PREFIX),
+        WorkloadSpec("no-prefix", "the mix's lengths and deadlines with nothing shared",
+                     tuple(_no_prefix(s) for s in SCENARIOS)),
+        WorkloadSpec("mixed-lengths", "short / medium / long prompts (60/30/10%), no shared "
+                     "prefix", _MIXED_LENGTHS),
+        WorkloadSpec("tenants", "the mix, sent for a heavy tenant (3x a light one's "
+                     "requests) and three light ones", SCENARIOS, _TENANTS),
+    )
+})  # fmt: skip
+
+
+def workload_named(name: str) -> WorkloadSpec:
+    try:
+        return WORKLOADS[name]
+    except KeyError:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}") from None
+
+
 def vocabulary(rng: random.Random, size: int = 4096) -> list[str]:
     """Space-led words of 1-5 letters: each is exactly one token of the sim tokenizer."""
     return [" " + "".join(rng.choices(_LETTERS, k=rng.randint(1, 5))) for _ in range(size)]
@@ -75,18 +179,27 @@ class Prompt:
     scenario: Scenario
     text: str
     tokens: int
+    tenant: Tenant | None = None
 
 
 class Workload:
     """Deterministic prompts for a set of scenarios: the same seed gives the same prefixes,
     bodies and (with the same per-user random streams) the same request sequence."""
 
-    def __init__(self, scenarios: Sequence[Scenario] = SCENARIOS, *, seed: int = 0) -> None:
+    def __init__(
+        self,
+        scenarios: Sequence[Scenario] = SCENARIOS,
+        *,
+        seed: int = 0,
+        tenants: Sequence[Tenant] = (),
+    ) -> None:
         if not scenarios:
             raise ValueError("a workload needs at least one scenario")
         self.scenarios = tuple(scenarios)
+        self.tenants = tuple(tenants)
         self.seed = seed
         self._weights = [s.weight for s in self.scenarios]
+        self._pattern = _interleave(self.tenants)
         self._vocab = vocabulary(random.Random(f"{seed}/vocabulary"))
         self._prefix: dict[str, str] = {}
         self._bodies: dict[str, list[tuple[str, int]]] = {}
@@ -103,12 +216,34 @@ class Workload:
         """The random stream of one simulated user (independent of the others)."""
         return random.Random(f"{self.seed}/user/{user}")
 
-    def next_prompt(self, rng: random.Random) -> Prompt:
-        """A new request: a scenario by weight, its prefix, a unique tag, a body."""
+    def tenant_for(self, slot: int) -> Tenant | None:
+        """The tenant of closed-loop user `slot`: consecutive slots follow the tenants'
+        weights as evenly as possible (3:1:1:1 gives H a H b c H, repeated)."""
+        return self._pattern[slot % len(self._pattern)] if self._pattern else None
+
+    def next_prompt(self, rng: random.Random, tenant: Tenant | None = None) -> Prompt:
+        """A new request: a scenario by weight, its prefix, a unique tag, a body; and, if the
+        workload has tenants, `tenant` or else one drawn by weight."""
+        if tenant is None and self.tenants:
+            tenant = rng.choices(self.tenants, [t.weight for t in self.tenants])[0]
         scenario = rng.choices(self.scenarios, self._weights)[0]
         body, body_tokens = rng.choice(self._bodies[scenario.name])
         text = self._prefix[scenario.name] + words(rng, _TAG_WORDS, self._vocab) + body
-        return Prompt(scenario, text, scenario.prefix_tokens + _TAG_WORDS + body_tokens)
+        return Prompt(scenario, text, scenario.prefix_tokens + _TAG_WORDS + body_tokens, tenant)
 
     def total_prefix_tokens(self) -> int:
         return sum(s.prefix_tokens for s in self.scenarios)
+
+
+def _interleave(tenants: Sequence[Tenant]) -> list[Tenant]:
+    """One period of smooth weighted round robin over `tenants` (nginx's): each tenant
+    appears `weight` times, spread out rather than in runs."""
+    total = sum(t.weight for t in tenants)
+    credit = [0] * len(tenants)
+    out: list[Tenant] = []
+    for _ in range(total):
+        credit = [c + t.weight for c, t in zip(credit, tenants, strict=True)]
+        best = max(range(len(tenants)), key=credit.__getitem__)
+        credit[best] -= total
+        out.append(tenants[best])
+    return out

@@ -382,7 +382,9 @@ async def test_full_retrieval_queue_rejects_and_abandoned_pulls_free_the_prefill
 async def test_decode_needs_kv_transfer_params(
     start_shim: StartShim, params: dict[str, Any] | None, fragment: str
 ) -> None:
-    decode = await start_shim(Role.DECODE)
+    # With local_prefill on (the default) a request without params is computed there
+    # (tests/engine_shim/test_local_prefill.py).
+    decode = await start_shim(Role.DECODE, local_prefill=False)
     body: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
     if params is not None:
         body["kv_transfer_params"] = params

@@ -6,11 +6,13 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 
 from pdgate.config import GatewaySettings, QueueOrder, Role
 from pdgate.config.aio import Background, ConstantBackoff
+from pdgate.config.openai_api import Api, parse_api
 from pdgate.config.wire import EXT_BATCH_PREFILL, SSE_DONE
 from pdgate.gateway.dispatch import Dispatcher, client_error
 from pdgate.gateway.fleet import Fleet
@@ -20,6 +22,7 @@ from pdgate.gateway.instances import InstanceTracker
 from pdgate.gateway.metrics import GatewayMetrics
 from pdgate.gateway.mock_upstream import Call, MockUpstream, Reply
 from pdgate.gateway.queue import Waiter, WaitQueue
+from pdgate.gateway.relay import Relay, RelayOptions, RelayRequest
 from pdgate.policies import RequestInfo, load_policy
 from pdgate.registry.base import InstanceRecord
 from pdgate.registry.fleet import LocalFleet
@@ -170,6 +173,64 @@ def dispatcher(
         None,
     )
     return d, metrics
+
+
+class Sink:
+    """An ASGI `send` that keeps what was sent."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+
+    async def __call__(self, message: Any) -> None:
+        self.messages.append(message)
+
+    @property
+    def status(self) -> int:
+        return int(self.messages[0]["status"])
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.messages[1:])
+
+    def events(self) -> list[Any]:
+        """A stream's events, parsed (``[DONE]`` as the string)."""
+        out: list[Any] = []
+        for line in self.body.decode().split("\n\n"):
+            if line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                out.append(data if data == "[DONE]" else orjson.loads(data))
+        return out
+
+
+async def relay(
+    d: Dispatcher,
+    metrics: GatewayMetrics,
+    body: dict[str, Any] | None = None,
+    *,
+    api: Api = Api.COMPLETIONS,
+    deadline_s: float = 2.0,
+    sink: Sink | None = None,
+    **options: Any,
+) -> tuple[str, Relay, Sink]:
+    """One request through `Relay` (placement, legs, relay) as the endpoint runs it; the
+    outcome, the relay and what the client was sent. Nothing is left open."""
+    raw = body or {"model": "m", "prompt": "p", "max_tokens": 4, "stream": True}
+    req, forward = parse_api(api, orjson.dumps(raw), max_tokens_limit=1 << 16)
+    sink = sink or Sink()
+    now = time.monotonic()
+    prompt = req.prompt_key
+    request = RelayRequest(
+        RequestInfo(model="m", group=None, prompt=prompt, prompt_chars=len(prompt),
+                    max_tokens=req.max_tokens or 16),
+        req, forward, api, "req-1", now + deadline_s, now,
+    )  # fmt: skip
+    r = Relay(d, sink, request, RelayOptions(**options), metrics)
+    try:
+        outcome = await r.run()
+    finally:
+        if r.first is not None:
+            r.first.close()
+    return outcome, r, sink
 
 
 async def eventually(check: Callable[[], bool], timeout_s: float = 2.0) -> None:

@@ -1,4 +1,5 @@
-"""Several gateway processes on one Redis and shared shims act as one fleet."""
+"""Several gateway processes on one Redis and shared shims act as one fleet (two and four
+gateways)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 
 from tests._cluster import (
     Subprocess,
@@ -23,6 +25,7 @@ from tests._redis import RedisServer
 
 MODEL = "sim-llama-3.1-8b"
 TTL_S = 0.8
+GATEWAYS = pytest.mark.parametrize("n", [2, 4])
 
 
 def _fleet_env(redis_url: str, prefix: str, **extra: str) -> dict[str, str]:
@@ -74,27 +77,29 @@ def _fleet_rows(url: str) -> dict[str, dict[str, Any]]:
     return {r["id"]: r for r in get_instances(url)}
 
 
-def test_two_gateways_never_overfill_a_prefill_and_draw_no_429s(
-    redis_url: str, registry_prefix: str, procs: list[Subprocess]
+@GATEWAYS
+def test_gateways_never_overfill_a_prefill_and_draw_no_429s(
+    redis_url: str, registry_prefix: str, procs: list[Subprocess], n: int
 ) -> None:
     """With each gateway counting only its own requests, every prefill another gateway used
     looked free and was probed: 429s per request grew with the number of gateways."""
     env = _fleet_env(redis_url, registry_prefix)
-    urls, prefills = _cluster(procs, env, gateways=2, prefill_capacity=1)
+    urls, prefills = _cluster(procs, env, gateways=n, prefill_capacity=1)
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        jobs = [pool.submit(_post, urls[i % 2], f"burst {i}") for i in range(32)]
+        jobs = [pool.submit(_post, urls[i % n], f"burst {i}") for i in range(32)]
         codes = [j.result().status_code for j in jobs]
     assert codes == [200] * 32
     assert sum(shim_load(u)["rejected"] for u in prefills) == 0
 
 
+@GATEWAYS
 def test_counts_agree_across_gateways_and_a_killed_gateway_leaves_no_phantom_load(
-    redis_url: str, registry_prefix: str, procs: list[Subprocess]
+    redis_url: str, registry_prefix: str, procs: list[Subprocess], n: int
 ) -> None:
     env = _fleet_env(redis_url, registry_prefix)
-    urls, _ = _cluster(procs, env, gateways=2, prefill_capacity=4)
-    victim_url, survivor_url = urls
-    victim = procs[-2]
+    urls, _ = _cluster(procs, env, gateways=n, prefill_capacity=4)
+    victim_url, survivor_urls = urls[0], urls[1:]
+    victim = procs[-n]  # the first gateway started
     # Long streams through the victim keep open streams counted at the instances.
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         streams = [
@@ -109,9 +114,10 @@ def test_counts_agree_across_gateways_and_a_killed_gateway_leaves_no_phantom_loa
 
         def agree() -> bool:
             seen = [_fleet_rows(u) for u in urls]
-            total = sum(r["fleet_open_streams"] for r in seen[1].values())
+            total = sum(r["fleet_open_streams"] for r in seen[-1].values())
             return total >= 6 and all(
-                seen[0][i]["fleet_open_streams"] == seen[1][i]["fleet_open_streams"]
+                view[i]["fleet_open_streams"] == seen[0][i]["fleet_open_streams"]
+                for view in seen[1:]
                 for i in seen[0]
             )
 
@@ -123,25 +129,28 @@ def test_counts_agree_across_gateways_and_a_killed_gateway_leaves_no_phantom_loa
         def no_phantom() -> bool:
             return all(
                 r["fleet_open_streams"] == 0 and r["fleet_inflight"] == 0
-                for r in _fleet_rows(survivor_url).values()
+                for url in survivor_urls
+                for r in _fleet_rows(url).values()
             )
 
         wait_for(no_phantom, timeout=TTL_S + 3, what="the dead gateway's load vanishes")
         assert time.monotonic() - killed <= TTL_S + 1.0
         for s in streams:
             s.cancel()
-    # The survivor serves with the whole capacity again.
-    assert _post(survivor_url, "after the kill").status_code == 200
+    # The survivors serve with the whole capacity again.
+    for url in survivor_urls:
+        assert _post(url, "after the kill").status_code == 200
 
 
+@GATEWAYS
 def test_a_prefix_sent_through_one_gateway_then_another_lands_on_the_same_prefill(
-    redis_url: str, registry_prefix: str, procs: list[Subprocess]
+    redis_url: str, registry_prefix: str, procs: list[Subprocess], n: int
 ) -> None:
     env = _fleet_env(redis_url, registry_prefix)
     urls, _ = _cluster(
         procs,
         env,
-        gateways=2,
+        gateways=n,
         prefills=3,
         prefill_capacity=4,
         gateway_env={"PDGATE_GATEWAY_PREFILL_POLICY": "affinity_sse"},
@@ -150,8 +159,9 @@ def test_a_prefix_sent_through_one_gateway_then_another_lands_on_the_same_prefil
     for scenario in range(4):
         prefix = f"[scenario {scenario}] " + system
         first = _post(urls[0], prefix + "Where is my booking?").headers["x-pdgate-prefill"]
-        second = _post(urls[1], prefix + "Can I change seats?").headers["x-pdgate-prefill"]
-        assert first == second, scenario
+        for i, url in enumerate(urls[1:], start=1):
+            then = _post(url, prefix + f"Can I change seats? ({i})").headers["x-pdgate-prefill"]
+            assert then == first, (scenario, i)
 
 
 def test_a_gateway_that_loses_redis_keeps_serving_from_its_own_view(

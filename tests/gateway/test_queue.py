@@ -137,3 +137,92 @@ async def test_wait_nonempty_wakes_on_push() -> None:
     assert not waiting.done()
     q.push(waiter(1, "a"))
     await asyncio.wait_for(waiting, 1)
+
+
+async def test_a_tenant_under_its_share_displaces_the_newest_of_one_over_it() -> None:
+    q = WaitQueue(4, QueueOrder.FIFO)
+    heavy = [waiter(1, f"heavy{i}", tenant="heavy") for i in range(4)]
+    # Alone, a tenant may fill the queue; then there is no room for anyone: 503.
+    assert [q.push(w) for w in heavy] == [Admission.OK] * 4
+    more = waiter(1, "heavy4", tenant="heavy")
+    assert q.push(more) is Admission.FULL
+    assert q.displace_for(more) is None
+    # A light tenant is under its share (2 of 4): it takes the heavy tenant's newest place.
+    light = waiter(1, "light0", tenant="light")
+    assert q.push(light) is Admission.FULL
+    assert q.displace_for(light) is heavy[3]
+    assert heavy[3].state is WaiterState.DONE
+    assert q.push(light) is Admission.OK
+    # The heavy tenant now holds more than its share: 429, not 503.
+    assert q.push(waiter(1, "heavy5", tenant="heavy")) is Admission.OVER_SHARE
+    light1 = waiter(1, "light1", tenant="light")
+    assert q.push(light1) is Admission.FULL
+    assert q.displace_for(light1) is heavy[2]
+    assert q.push(light1) is Admission.OK
+    # Both at their share now: the light tenant's next is over it, like anyone's.
+    assert q.push(waiter(1, "light2", tenant="light")) is Admission.OVER_SHARE
+    newcomer = waiter(1, "third", tenant="third")
+    assert q.push(newcomer) is Admission.FULL
+    # A third tenant's share is 4/3: the others hold 2 each, one over: it yields a place.
+    assert q.displace_for(newcomer) in (heavy[1], light1)
+    assert q.push(newcomer) is Admission.OK
+    assert len(q) == 4
+
+
+async def test_shares_follow_the_tenants_weights() -> None:
+    q = WaitQueue(8, QueueOrder.FIFO)
+    for i in range(4):
+        assert q.push(waiter(1, f"small{i}", tenant="small")) is Admission.OK
+    # Weight 3 against 1: a share of 6 of the 8 places.
+    big = [q.push(waiter(1, f"big{i}", tenant="big", weight=3.0)) for i in range(4)]
+    assert big == [Admission.OK] * 4
+    # The small tenant holds 4, twice its share of 2: its next is over share.
+    assert q.push(waiter(1, "small4", tenant="small")) is Admission.OVER_SHARE
+    # The big one is under its share of 6 in a full queue: it displaces a small request.
+    late = waiter(1, "big4", tenant="big", weight=3.0)
+    assert q.push(late) is Admission.FULL
+    victim = q.displace_for(late)
+    assert victim is not None and victim.request_id == "small3"
+
+
+async def test_displacement_takes_the_least_urgent_class_first() -> None:
+    q = WaitQueue(3, QueueOrder.FIFO)
+    q.push(waiter(1, "h-low", tenant="h", priority=2))
+    q.push(waiter(1, "h-high", tenant="h", priority=0))
+    q.push(waiter(1, "h-normal", tenant="h", priority=1))
+    light = waiter(1, "light", tenant="light")
+    assert q.push(light) is Admission.FULL
+    victim = q.displace_for(light)
+    assert victim is not None and victim.request_id == "h-low"
+
+
+async def test_ordered_lists_the_queue_in_the_order_pops_would_take_it() -> None:
+    q = WaitQueue(100, QueueOrder.FIFO)
+    for i in range(4):
+        q.push(waiter(1, f"a{i}", tenant="a", prompt_chars=400))
+    for i in range(3):
+        q.push(waiter(1, f"b{i}", tenant="b", prompt_chars=40))
+    q.push(waiter(1, "urgent", priority=0))
+    listed = [w.request_id for w in q.ordered(5)]
+    assert len(q) == 8  # nothing taken
+    assert listed == drain(q)[:5]
+
+
+async def test_take_lets_a_later_waiter_pass_the_head() -> None:
+    q = WaitQueue(10, QueueOrder.FIFO)
+    a, b, c = waiter(1, "a"), waiter(1, "b"), waiter(1, "c")
+    for w in (a, b, c):
+        q.push(w)
+    q.take(b)
+    assert b.state is WaiterState.IN_FLIGHT and len(q) == 2
+    assert drain(q) == ["a", "c"]
+
+
+async def test_wait_arrival_wakes_on_each_queued_waiter() -> None:
+    q = WaitQueue(10, QueueOrder.FIFO)
+    q.push(waiter(1, "a"))
+    waiting = asyncio.create_task(q.wait_arrival())  # not woken by what came before
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    q.push(waiter(1, "b"))
+    await asyncio.wait_for(waiting, 1)

@@ -126,6 +126,7 @@ class VllmCluster:
     reference: dict[str, dict[str, Any]]  # prompt -> aggregated greedy output
     procs: dict[str, Proc]
     chat_reference: list[dict[str, Any]] = field(default_factory=list)  # one per CHATS entry
+    registry: dict[str, str] = field(default_factory=dict)  # env naming the cluster's registry
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +201,9 @@ def vllm_cluster(redis_url: str, tiny_model: Path) -> Iterator[VllmCluster]:
         wait_for(
             lambda: len(get_instances(gateway_url)) == 2, timeout=15, what="both shims registered"
         )
-        yield VllmCluster(gateway_url, prefill_url, decode_url, reference, procs, chat_reference)
+        yield VllmCluster(
+            gateway_url, prefill_url, decode_url, reference, procs, chat_reference, registry
+        )
     finally:
         for proc in procs.values():
             proc.stop()

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -25,7 +26,7 @@ import httpx
 import orjson
 import pytest
 
-from tests._cluster import hold_prefill_slot, shim_load, wait_for
+from tests._cluster import get_instances, hold_prefill_slot, shim_load, wait_for
 from tests.vllm.conftest import CHATS, MODEL, PROMPTS, REFERENCE_TOKENS, VllmCluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -341,3 +342,174 @@ def test_greedy_continues_exactly_from_prompt_and_generated_ids(
             REFERENCE_TOKENS - k,
         )  # fmt: skip
         assert resumed["token_ids"] == ref["token_ids"][k:], k
+
+
+# -- continuing a stream: first token early, migration ---------------------------------------
+
+
+def _stream_ids(url: str, body: dict[str, Any]) -> tuple[str, list[int]]:
+    """Text and token ids of a streamed completion (the body asks for ``return_token_ids``)."""
+    texts: list[str] = []
+    ids: list[int] = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        event = orjson.loads(line.removeprefix("data: "))
+        assert "error" not in event, event
+        for choice in event["choices"]:
+            texts.append(choice["text"])
+            ids += choice.get("token_ids", [])
+    return "".join(texts), ids
+
+
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_a_decode_continues_from_a_prompt_longer_than_its_kv(
+    vllm_cluster: VllmCluster, ahead: int
+) -> None:
+    """The decode leg of the first token early (``ahead`` = 1) and of any continuation: the
+    KV of the prompt, and the prompt + tokens already generated as the decode's prompt. The
+    decode loads the KV it was given and computes the rest (EXT_CONTINUATION)."""
+    prompt = PROMPTS[1]
+    ref = vllm_cluster.reference[prompt]
+    resp = httpx.post(
+        vllm_cluster.prefill_url + "/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+              "return_token_ids": True,
+              "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}},
+        timeout=60,
+    )  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    first = resp.json()
+    prompt_ids = first["choices"][0]["prompt_token_ids"]
+    assert first["choices"][0]["token_ids"] == ref["token_ids"][:1]
+    decode0 = shim_load(vllm_cluster.decode_url)
+    _, ids = _stream_ids(
+        vllm_cluster.decode_url,
+        {"model": MODEL, "prompt": prompt_ids + ref["token_ids"][:ahead],
+         "max_tokens": REFERENCE_TOKENS - ahead, "temperature": 0, "stream": True,
+         "return_token_ids": True, "kv_transfer_params": first["kv_transfer_params"]},
+    )  # fmt: skip
+    assert ids == ref["token_ids"][ahead:]
+    decode = shim_load(vllm_cluster.decode_url)
+    # The prompt's KV came from the prefill (or the decode's own prefix cache), not recomputed.
+    hits = decode["prefix_cache_hit_tokens"] - decode0["prefix_cache_hit_tokens"]
+    assert hits >= len(prompt_ids), (hits, len(prompt_ids))
+    wait_for(lambda: shim_load(vllm_cluster.prefill_url)["kv_held"] == 0, what="KV taken")
+
+
+def test_first_token_early_gives_the_same_greedy_tokens(vllm_cluster: VllmCluster) -> None:
+    from tests.vllm.conftest import Proc, _url
+
+    gateway = Proc(
+        ["-m", "pdgate.config.cli", "gateway", "--port", "0"],
+        {**vllm_cluster.registry, "PDGATE_GATEWAY_FIRST_TOKEN_EARLY": "true",
+         "PDGATE_GATEWAY_TTFT_TIMEOUT_S": "30"},
+        "gateway-first-token-early",
+    )  # fmt: skip
+    try:
+        url = _url(gateway.wait_line("pdgate gateway", 60))
+        wait_for(lambda: len(get_instances(url)) == 2, timeout=15, what="shims seen")
+        for prompt in PROMPTS:
+            ref = vllm_cluster.reference[prompt]
+            decode0 = shim_load(vllm_cluster.decode_url)
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": REFERENCE_TOKENS,
+                    "temperature": 0, "stream": True, "return_token_ids": True}  # fmt: skip
+            text, ids = _stream_ids(url, body)
+            assert ids == ref["token_ids"] and text == ref["text"]
+            decode = shim_load(vllm_cluster.decode_url)
+            assert decode["completed"] == decode0["completed"] + 1
+            # The decode was sent prompt + the first token: it had the whole prompt's KV and
+            # computed that token (the usual leg computes the prompt's last token: n - 1 hits).
+            hits = decode["prefix_cache_hit_tokens"] - decode0["prefix_cache_hit_tokens"]
+            assert hits >= len(ref["prompt_token_ids"]), (hits, len(ref["prompt_token_ids"]))
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert 'pdgate_requests_total{group="*",outcome="ok"} 2.0' in metrics
+    finally:
+        gateway.stop()
+
+
+class _CutProxy:
+    """A TCP proxy to `target` that cuts the first connection over which `events` SSE data
+    events came back, as a decode that dies mid-stream would; every other byte passes."""
+
+    def __init__(self, target: str, events: int) -> None:
+        url = httpx.URL(target)
+        assert url.host is not None and url.port is not None
+        self._target = (url.host, url.port)
+        self._events = events
+        self.cut = threading.Event()
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self._target)
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
+        seen = 0
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+                seen += data.count(b"data: ") if answers else 0
+                if answers and seen >= self._events and not self.cut.is_set():
+                    self.cut.set()
+                    break
+        except OSError:
+            pass
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        self._server.close()
+
+
+def test_a_stream_migrated_mid_way_gives_the_same_greedy_tokens(
+    vllm_cluster: VllmCluster,
+) -> None:
+    """A decode whose stream breaks after 8 events (a proxy cuts it): the gateway continues
+    on a new prefill + decode from prompt ids + the 8 ids sent, and the client's tokens equal
+    the uninterrupted greedy run's. Static instances: the stock-server path (vLLM's handshake
+    plus ``return_token_ids``)."""
+    from tests.vllm.conftest import Proc, _url
+
+    proxy = _CutProxy(vllm_cluster.decode_url, events=8)
+    gateway = Proc(
+        ["-m", "pdgate.config.cli", "gateway", "--port", "0",
+         "--prefill", f"{vllm_cluster.prefill_url} capacity=1 model={MODEL}",
+         "--decode", f"{proxy.url} model={MODEL}"],
+        {"PDGATE_GATEWAY_TTFT_TIMEOUT_S": "30", "PDGATE_REGISTRY_URL": ""},
+        "gateway-static",
+    )  # fmt: skip
+    try:
+        url = _url(gateway.wait_line("pdgate gateway", 60))
+        wait_for(lambda: len(get_instances(url)) == 2, timeout=30, what="static instances up")
+        prompt = PROMPTS[0]
+        ref = vllm_cluster.reference[prompt]
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": REFERENCE_TOKENS,
+                "temperature": 0, "stream": True, "return_token_ids": True}  # fmt: skip
+        text, ids = _stream_ids(url, body)
+        assert proxy.cut.is_set()
+        assert ids == ref["token_ids"] and text == ref["text"]
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        migrated = sum(
+            float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith("pdgate_migrations_total{")
+        )
+        assert migrated == 1
+    finally:
+        gateway.stop()
+        proxy.close()
+    wait_for(lambda: shim_load(vllm_cluster.decode_url)["used"] == 0, what="decode slots free")
+    wait_for(lambda: shim_load(vllm_cluster.prefill_url)["used"] == 0, what="prefill slot free")

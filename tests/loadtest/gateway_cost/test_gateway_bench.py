@@ -1,8 +1,9 @@
-"""``pdgate bench gateway``'s statistics and report (the run itself takes ~40 s: not here)."""
+"""``pdgate bench gateway``'s statistics and report, and tiny real runs of it (seconds each)."""
 
 from __future__ import annotations
 
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -10,10 +11,12 @@ import orjson
 import pytest
 
 from pdgate.loadtest import bench
+from pdgate.loadtest.gateway_cost._timeline import SEGMENTS
 from pdgate.loadtest.gateway_cost.bench import GatewayPlan, run_gateway_bench, summarize_ttft
 from pdgate.loadtest.gateway_cost.command import update_gateway_doc
 from pdgate.loadtest.gateway_cost.profile import summarize_stacks
 from pdgate.loadtest.gateway_cost.report import json_line, markdown
+from pdgate.loadtest.lib.router import INSTALL_HINT, router_binary
 
 
 def test_added_ttft_is_over_the_direct_floor() -> None:
@@ -58,8 +61,11 @@ def test_json_line_leads_with_the_issue_keys() -> None:
 
 def test_markdown_table_and_doc_markers(tmp_path: Path) -> None:
     block = markdown(RESULT, "pdgate bench gateway", "load 1.0")
-    assert "| added TTFT p50 vs direct (ms) (lower is better) | 2.00 | 0.50 | n/a | 4.00 |" in block
-    assert "34.0" in block
+    # Fronts as columns (direct, pdgate, vllm-router), then pdgate / vllm-router.
+    assert "| added TTFT p50 vs direct (ms) (lower is better) | n/a | 2.00 | 0.50 | 4.00 |" in block
+    assert "| memory per open idle stream (KiB), 1000 streams (lower is better) | n/a | 34.0 |" in (
+        block
+    )
     doc = tmp_path / "performance.md"
     doc.write_text(
         "# Perf\n\n<!-- bench-gateway:begin -->\nold\n<!-- bench-gateway:end -->\ntail\n"
@@ -69,39 +75,114 @@ def test_markdown_table_and_doc_markers(tmp_path: Path) -> None:
     assert "old" not in text and block in text and text.endswith("tail\n")
 
 
-async def test_a_tiny_run_has_the_json_shape() -> None:
-    """The real thing, shrunk: shims, Redis, pdgate and the client, no vllm-router (~8 s)."""
+def test_markdown_has_a_table_per_engine_and_the_hops() -> None:
+    stock = {
+        "ttft_p50_ms": {"direct": 1.0, "pdgate": 3.0, "vllm_router": 1.5},
+        "rps_c32": {"direct": 900.0, "pdgate": 400.0, "pdgate_w2": 700.0, "vllm_router": 800.0},
+        "client_cores_c32": {"direct": 0.5, "pdgate": 0.2, "pdgate_w2": 0.95, "vllm_router": 0.4},
+        "workers_rps_ratio_c32": {"pdgate_w2": 1.75},
+        "ttft_segments_ms": {
+            "direct": dict.fromkeys(SEGMENTS, 0.2),
+            "pdgate": dict.fromkeys(SEGMENTS, 0.6),
+        },
+        "engine_requests": {"pdgate": {"POST /v1/completions": 10}},
+    }
+    result = {**RESULT, "engine": "shim", "by_engine": {"shim": RESULT, "stock": stock}}
+    block = markdown(result, "pdgate bench gateway", "load 1.0")
+    assert block.count("| metric |") == 2
+    assert "**Engines: plain OpenAI servers" in block
+    assert "| requests/s of N workers / 1 worker, c=32 (higher is better) | n/a | n/a | 1.75 |" in (
+        block
+    )
+    assert "| load client cores busy (1.0 = client-bound), c=32 | 0.50 | 0.20 | 0.95 | 0.40 |" in (
+        block
+    )
+    assert "| pdgate | 0.60 | 0.60 | 0.60 | 0.60 | 0.60 | 3.00 |" in block  # the hops add up
+    assert "POST /v1/completions" in block
+
+
+def _redis_or_fail() -> None:
     if shutil.which("redis-server") is None:
         pytest.fail("redis-server not installed (make redis-server)")
+
+
+def _router_or_skip() -> None:
+    if router_binary() is None:
+        if os.environ.get("CI", "").strip().lower() == "true":
+            pytest.fail(INSTALL_HINT)
+        pytest.skip(INSTALL_HINT)
+
+
+async def test_a_tiny_run_has_the_json_shape() -> None:
+    """The real thing, shrunk: both engines, Redis, pdgate and the client, no vllm-router."""
+    _redis_or_fail()
     plan = GatewayPlan(
         ttft_requests=3, concurrencies=(32,), rounds=1, warmup_s=0.1, window_s=0.2,
         idle_streams=20, idle_batch=10, settle_s=0.1, with_router=False,
     )  # fmt: skip
     result = json_line(await run_gateway_bench(plan, lambda _: None))
-    # pdgate twice: with the shims' batch endpoint, and plain (vllm-router's endpoints).
+    # On the shims pdgate runs twice: with their batch endpoint, and plain (vllm-router's
+    # endpoints). The top-level keys are the first engine's, as before there were two.
     pdgates = {"pdgate", "pdgate_plain"}
+    assert result["engine"] == "shim" and set(result["by_engine"]) == {"shim", "stock"}
     assert set(result["added_ttft_p50_ms"]) == pdgates
     assert set(result["rps_c32"]) == {"direct", *pdgates}
     for front in pdgates:
         assert result["rps_c32"][front] > 0 and result["events_per_s_c32"][front] > 0
     assert result["failures_c32"] == {"direct": 0, "pdgate": 0, "pdgate_plain": 0}
-    assert result["idle_streams"] == 20 and result["kib_per_idle_stream"] > 0
     assert set(result["cpu_s_per_1k"]) == pdgates
+    assert result["cpu_s_per_1k_c32"] == result["cpu_s_per_1k"]
+    # The load client's own cost, for every front, direct included.
+    for key in ("client_cpu_s_per_1k_c32", "client_cores_c32", "engine_cpu_s_per_1k_c32"):
+        assert set(result[key]) == {"direct", *pdgates}
+        assert all(v > 0 for v in result[key].values()), key
+    assert 0 < result["client_cores_c32"]["direct"] <= 1.05  # one event loop: one core at most
+    # Stock engines: no batch endpoint to use, so no pdgate_plain; only the handshake's path.
+    stock = result["by_engine"]["stock"]
+    assert set(stock["rps_c32"]) == {"direct", "pdgate"}
+    assert stock["failures_c32"] == {"direct": 0, "pdgate": 0}
+    assert set(stock["ttft_segments_ms"]) == {"direct", "pdgate"}
+    assert set(stock["added_ttft_segments_ms"]["pdgate"]) == set(SEGMENTS)
+    for front, paths in stock["engine_requests"].items():
+        assert set(paths) <= {"POST /v1/completions", "GET /health"}, front
+    assert result["idle_engine"] == "stock"
+    assert result["idle_streams"] == 20 and result["kib_per_idle_stream"] > 0
+
+
+async def test_every_front_hits_the_same_stock_endpoints() -> None:
+    """pdgate with 1 and 2 workers and vllm-router in front of the stock engines: only
+    ``POST /v1/completions`` (plus health checks), and the workers' requests/s ratio."""
+    _redis_or_fail()
+    _router_or_skip()
+    plan = GatewayPlan(
+        ttft_requests=3, concurrencies=(8,), rounds=1, warmup_s=0.1, window_s=0.3,
+        idle_streams=0, workers=(1, 2), engines=("stock",),
+    )  # fmt: skip
+    result = await run_gateway_bench(plan, lambda _: None)
+    fronts = {"direct", "pdgate", "pdgate_w2", "vllm_router"}
+    assert set(result["rps_c8"]) == fronts and result["missing"] == {}
+    assert set(result["engine_requests"]) == fronts
+    for front, paths in result["engine_requests"].items():
+        assert paths.get("POST /v1/completions", 0) > 0, front
+        assert set(paths) <= {"POST /v1/completions", "GET /health"}, front
+    ratio = result["workers_rps_ratio_c8"]["pdgate_w2"]
+    assert ratio == pytest.approx(result["rps_c8"]["pdgate_w2"] / result["rps_c8"]["pdgate"])
+    assert set(result["cpu_s_per_1k_c8"]) == {"pdgate", "pdgate_w2", "vllm_router"}
 
 
 def test_cli_runs_a_custom_short_comparison(capsys: pytest.CaptureFixture[str]) -> None:
     """The before/after command of docs/performance.md: no idle phase, one concurrency."""
-    if shutil.which("redis-server") is None:
-        pytest.fail("redis-server not installed (make redis-server)")
+    _redis_or_fail()
     code = bench.main(
         ["gateway", "--no-router", "--no-doc", "--idle-streams", "0", "--concurrencies", "32",
-         "--rounds", "1", "--window-s", "0.3", "--ttft-requests", "3"]
+         "--rounds", "1", "--window-s", "0.3", "--ttft-requests", "3", "--engine", "shim"]
     )  # fmt: skip
     assert code == 0
     result = orjson.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert "kib_per_idle_stream" not in result and "rps_c256" not in result
     assert result["rps_c32"]["pdgate"] > 0 and result["failures_c32"]["pdgate"] == 0
     assert result["cpu_s_per_1k"]["pdgate"] > 0
+    assert set(result["by_engine"]) == {"shim"}
 
 
 def test_profile_summary_ranks_self_and_inclusive_samples() -> None:

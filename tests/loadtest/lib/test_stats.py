@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from pdgate.loadtest.lib.stats import RequestResult, Spread, percentile, summarize
+from pdgate.loadtest.lib.stats import DROPPED, RequestResult, Spread, percentile, summarize
 
 
 def _result(
@@ -96,3 +96,17 @@ def test_spread_leaves_out_what_was_not_measured() -> None:
     assert (s.min, s.median, s.max, s.n) == (1.0, 2.0, 3.0, 2)
     empty = Spread.of([math.nan])
     assert empty.n == 0 and math.isnan(empty.median)
+
+
+def test_success_by_tenant_dropped_and_offered_rate() -> None:
+    rows = [
+        RequestResult("chat", 1.0, 200, 0.1, 0.5, True, tenant="heavy"),
+        RequestResult("chat", 1.0, 200, 0.1, 0.5, True, tenant="light"),
+        RequestResult("chat", 1.0, DROPPED, None, 0.0, False, tenant="light"),
+        RequestResult("chat", 1.0, 200, 0.1, 0.5, True),  # no tenant: not in the tally
+    ]
+    s = summarize(rows, 2.0)
+    assert s.success_by_tenant == {"heavy": 1.0, "light": 0.5}
+    assert s.dropped == 1 and s.success_rate == 0.75  # a dropped request is a failure
+    assert s.offered_rps == 2.0  # every request issued, dropped included, per second
+    assert summarize(rows[-1:], 1.0).success_by_tenant == {}

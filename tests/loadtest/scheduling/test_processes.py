@@ -1,5 +1,6 @@
 """``pdgate bench scheduling --deploy processes``: every shim and gateway its own process,
-several gateways on one Redis, several seeds; and nothing left running afterwards."""
+one and two gateways on one Redis side by side, several seeds; and nothing left running
+afterwards."""
 
 from __future__ import annotations
 
@@ -13,30 +14,37 @@ from pdgate.loadtest.lib.redis import INSTALL_HINT, redis_binary
 from tests.loadtest._procs import marked
 
 
-def test_processes_two_gateways_two_seeds(
+def test_processes_one_and_two_gateways_two_seeds(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if redis_binary() is None:
         pytest.fail(INSTALL_HINT)  # `make test` installs it: its absence is a broken setup
     with marked(monkeypatch):
         code = bench.main(
-            ["scheduling", "--deploy=processes", "--gateways=2", "--seeds=2", "--seed=5",
+            ["scheduling", "--deploy=processes", "--gateways=1,2", "--seeds=2", "--seed=5",
              "--modes=least_sse", "--base-users=2", "--multiples=1", "--prefills=2",
-             "--warmup-s=0.5", "--measure-s=2", f"--out={tmp_path}", "--no-doc", "--kind=p"]
+             "--warmup-s=0.5", "--measure-s=2", "--capacity=off", "--parallel",
+             f"--out={tmp_path}", "--no-doc", "--kind=p"]
         )  # fmt: skip
     assert code == 0
     data = orjson.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert (data["deploy"], data["gateways"], data["seeds"]) == ("processes", 2, [5, 6])
-    # Two users at light load: nearly all in time (a busy shared box may delay a few).
-    assert data["success"]["least_sse"]["1"] >= 0.5
+    assert (data["deploy"], data["gateways"], data["seeds"]) == ("processes", [1, 2], [5, 6])
+    series = ("least_sse/g1", "least_sse/g2")  # one set of rows per gateway count
+    assert set(data["success"]) == set(series)
+    for name in series:
+        # Two users at light load: nearly all in time (a busy shared box may delay a few).
+        assert data["success"][name]["1"] >= 0.5
+        spread = data["spread"]["goodput"][name]["1"]
+        assert 0 < spread["min"] <= spread["median"] <= spread["max"]
+        assert 0.0 < data["kv_hold_max_s"][name]["1"] < 5.0
+        assert data["kv_hold_over_5s"][name]["1"] == 0
+        assert data["rejections_per_request"][name]["1"] >= 0  # measured: a number, not null
     # Users are split across the gateways: one user each, and each gateway served.
-    per_gateway = data["success_by_gateway"]["least_sse"]["1"]
+    assert len(data["success_by_gateway"]["least_sse/g1"]["1"]) == 1
+    per_gateway = data["success_by_gateway"]["least_sse/g2"]["1"]
     assert len(per_gateway) == 2 and all(r > 0 for r in per_gateway)
-    spread = data["spread"]["goodput"]["least_sse"]["1"]
-    assert 0 < spread["min"] <= spread["median"] <= spread["max"]
-    assert 0.0 < data["kv_hold_max_s"]["least_sse"]["1"] < 5.0
-    assert data["kv_hold_over_5s"]["least_sse"]["1"] == 0
     csv = (tmp_path / "p.csv").read_text().splitlines()
-    assert len(csv) == 1 + 2  # a header, one row per seed
+    assert len(csv) == 1 + 2 * 2  # a header, one row per series and seed
     table = (tmp_path / "p.md").read_text()
     assert "every shim and gateway its own process" in table and "Spread over seeds" in table
+    assert "1, 2 gateways (rows /gN)" in table and "| least_sse/g2 | 1A |" in table

@@ -1,0 +1,137 @@
+"""What the closed and the open loop share: sending one request, the measurement window and
+stopping.
+
+The caller opens and closes a measurement window; requests *issued* inside it are the
+sample, each followed to its end even after the window closed, so slow and failed requests
+are counted as fully as fast ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+
+import aiohttp
+import orjson
+
+from pdgate.loadtest.lib.sse import PRIORITY_HEADER, TENANT_HEADER, TTFT_HEADER, post_stream
+from pdgate.loadtest.lib.stats import RequestResult
+from pdgate.loadtest.scheduling.workload import Prompt, Workload
+
+__all__ = ["LoadGenerator", "send_completion"]
+
+
+async def send_completion(
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    prompt: Prompt,
+    *,
+    gateway: int = 0,
+    slack_s: float = 30.0,
+) -> RequestResult:
+    """POST one streaming request to `url` (…/v1/completions) and time it.
+
+    The request asks the gateway for the scenario's TTFT deadline; the client itself only
+    gives up `slack_s` after it, so every failure is the server's verdict, not a client
+    timeout. A prompt with a tenant carries its name and priority class as headers.
+    """
+    scenario = prompt.scenario
+    body = orjson.dumps(
+        {
+            "model": model,
+            "prompt": prompt.text,
+            "max_tokens": scenario.max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+    )
+    headers = {TTFT_HEADER: str(round(scenario.ttft_deadline_s * 1000))}
+    tenant = prompt.tenant
+    if tenant is not None:
+        headers[TENANT_HEADER] = tenant.name
+        headers[PRIORITY_HEADER] = tenant.priority
+    start = time.monotonic()
+    out = await post_stream(
+        session,
+        url,
+        body,
+        headers=headers,
+        client_timeout=aiohttp.ClientTimeout(total=scenario.ttft_deadline_s + slack_s),
+    )
+    return RequestResult(
+        scenario=scenario.name,
+        deadline_s=scenario.ttft_deadline_s,
+        status=out.status,
+        ttft_s=out.ttft_s,
+        e2e_s=out.end - start,
+        completed=out.completed,
+        gateway=gateway,
+        tenant="" if tenant is None else tenant.name,
+    )
+
+
+class LoadGenerator:
+    """Tasks that issue requests to `completions_urls` (one per gateway), a measurement
+    window, and a bounded stop. Subclasses create their tasks in `start` and add them to
+    ``self._tasks``."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        completions_urls: Sequence[str],
+        model: str,
+        workload: Workload,
+    ) -> None:
+        if not completions_urls:
+            raise ValueError("gateway URLs must not be empty")
+        self._session = session
+        self._urls = list(completions_urls)
+        self._model = model
+        self._workload = workload
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopping = False
+        self._window: tuple[float, float] | None = None
+        self.results: list[RequestResult] = []
+        self.issued = 0  # every request issued, in the window or not
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def open_window(self) -> None:
+        self._window = (time.monotonic(), float("inf"))
+
+    def close_window(self) -> float:
+        """Stop sampling new requests; returns the window's length in seconds."""
+        if self._window is None:
+            raise RuntimeError("the window was never opened")
+        start = self._window[0]
+        self._window = (start, time.monotonic())
+        return self._window[1] - start
+
+    def _in_window(self, t: float) -> bool:
+        return self._window is not None and self._window[0] <= t < self._window[1]
+
+    def _halt(self) -> None:
+        """Stop issuing at once (beyond the `_stopping` flag); a hook for subclasses."""
+
+    async def stop(self, timeout_s: float) -> int:
+        """Stop issuing; wait up to `timeout_s` for requests in flight to end. Returns how
+        many were still running and had to be cancelled (0 unless something hung)."""
+        self._stopping = True
+        self._halt()
+        tasks = set(self._tasks)
+        if not tasks:
+            return 0
+        if timeout_s > 0:
+            _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        else:  # stop at once (a failed point): cancel whatever still runs
+            pending = {t for t in tasks if not t.done()}
+        for task in pending:
+            task.cancel()
+        for task in pending:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        return len(pending)

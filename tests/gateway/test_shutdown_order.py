@@ -1,0 +1,156 @@
+"""Shutdown order: a KV release (``DELETE /v1/kv/{id}``) that an abandoned request started is
+still in flight when the gateway is told to stop; it must finish (the prefill answers it and
+the gateway reads the answer) before the gateway's upstream session closes.
+
+A real ``pdgate gateway`` process fronts a fake prefill and a fake decode on real sockets: the
+prefill accepts at once, the decode never answers, the client leaves while the gateway waits
+for the decode, and the prefill takes its time over the release. SIGTERM arrives while the
+release is pending. Closing the session first would cut the release's connection, which the
+prefill sees as a disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from tests._cluster import Subprocess, gateway_url, start, wait_for
+
+MODEL = "shutdown-model"
+RELEASE_S = 1.0  # how long the prefill takes to answer a release
+
+
+class FakeInstances:
+    """One app on two ports: a prefill (accepts, names itself for the KV) and a decode that
+    never answers. Counts what happened to each release."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, int] = {
+            "decode_legs": 0,
+            "release_started": 0,
+            "release_completed": 0,
+            "release_cut": 0,
+        }
+        self.socks = [_listen(), _listen()]
+        self.prefill_url, self.decode_url = (
+            f"http://127.0.0.1:{s.getsockname()[1]}" for s in self.socks
+        )
+        self._server = uvicorn.Server(
+            uvicorn.Config(self._app(), log_level="warning", lifespan="off")
+        )
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _app(self) -> Starlette:
+        state = self.state
+        prefill_port = self.socks[0].getsockname()[1]
+
+        async def models(request: Request) -> Response:
+            return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+        async def health(request: Request) -> Response:
+            return Response(status_code=200)
+
+        async def completions(request: Request) -> Response:
+            body = orjson.loads(await request.body())
+            if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+                params = {
+                    "do_remote_prefill": True,
+                    "remote_host": "127.0.0.1",
+                    "remote_port": prefill_port,
+                    "remote_request_id": "kv-1",
+                }
+                choice = {"index": 0, "text": " a", "finish_reason": "length"}
+                return JSONResponse(
+                    {"id": "x", "choices": [choice], "kv_transfer_params": params, "model": MODEL}
+                )
+            state["decode_legs"] += 1
+            await asyncio.sleep(3600)  # the decode never answers
+            return Response(status_code=500)
+
+        async def release(request: Request) -> Response:
+            state["release_started"] += 1
+            await asyncio.sleep(RELEASE_S)
+            if await request.is_disconnected():
+                state["release_cut"] += 1
+            else:
+                state["release_completed"] += 1
+            return Response(status_code=204)
+
+        return Starlette(
+            routes=[
+                Route("/v1/models", models, methods=["GET"]),
+                Route("/health", health, methods=["GET"]),
+                Route("/v1/completions", completions, methods=["POST"]),
+                Route("/v1/kv/{kv_id}", release, methods=["DELETE"]),
+            ]
+        )
+
+    def _run(self) -> None:
+        asyncio.run(self._server.serve(sockets=self.socks))
+
+    def __enter__(self) -> FakeInstances:
+        self._thread.start()
+        wait_for(lambda: self._server.started, what="fake instances up")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = self._server.force_exit = True  # the decode never ends
+        self._thread.join(10)
+
+
+def _listen() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@pytest.fixture
+def fakes() -> Iterator[FakeInstances]:
+    with FakeInstances() as f:
+        yield f
+
+
+def _send_then_leave(url: str, fakes: FakeInstances) -> None:
+    """A streaming request whose client disconnects while the gateway waits for the decode."""
+    host, port = url.removeprefix("http://").split(":")
+    body = orjson.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": True})
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=5) as client:
+        client.sendall(head + body)
+        wait_for(lambda: fakes.state["decode_legs"] == 1, what="the decode leg sent")
+
+
+def test_a_pending_kv_release_finishes_before_the_upstream_session_closes(
+    fakes: FakeInstances, procs: list[Subprocess]
+) -> None:
+    env: dict[str, Any] = {
+        "PDGATE_GATEWAY_TTFT_TIMEOUT_S": "30",
+        "PDGATE_GATEWAY_DECODE_HEADER_TIMEOUT_S": "30",
+    }
+    args = ["gateway", "--port", "0", "--prefill", fakes.prefill_url]
+    gw = start(procs, [*args, "--decode", fakes.decode_url], env)
+    _send_then_leave(gateway_url(gw), fakes)
+    # The abandoned request's KV is released at the prefill ...
+    wait_for(lambda: fakes.state["release_started"] == 1, what="the release sent")
+    # ... and the gateway is told to stop while the prefill is still answering it.
+    stopped = time.monotonic()
+    assert gw.terminate(timeout=20) == 0
+    assert fakes.state["release_completed"] == 1, (fakes.state, "".join(gw.lines[-20:]))
+    assert fakes.state["release_cut"] == 0
+    # It waited for the release, not for some longer timeout.
+    assert time.monotonic() - stopped < RELEASE_S + 5
