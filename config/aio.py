@@ -25,6 +25,7 @@ __all__ = [
     "ExponentialBackoff",
     "cancel_and_wait",
     "close_abandoned",
+    "finish_or_cancel",
     "run_unless",
     "shielded",
     "wait_disconnect",
@@ -154,6 +155,16 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], *, retry_s: float 
         _, pending = await asyncio.wait(pending, timeout=retry_s)
 
 
+async def finish_or_cancel(tasks: Iterable[asyncio.Task[Any]], grace_s: float) -> int:
+    """Let `tasks` end by themselves for up to `grace_s` (0: not at all), then cancel what
+    still runs and wait for it; how many had to be cancelled."""
+    pending = {t for t in tasks if not t.done()}
+    if pending and grace_s > 0:
+        _, pending = await asyncio.wait(pending, timeout=grace_s)
+    await cancel_and_wait(pending)
+    return len(pending)
+
+
 class Background:
     """Fire-and-forget tasks (clean-up calls) that are still owned: each is referenced until
     it ends, failures are logged, and `aclose()` lets them finish (or cancels them after a
@@ -184,7 +195,4 @@ class Background:
             log.warning("%s: clean-up task failed: %r", self._name, exc)
 
     async def aclose(self, grace_s: float = 2.0) -> None:
-        if not self._tasks:
-            return
-        _, pending = await asyncio.wait(set(self._tasks), timeout=grace_s)
-        await cancel_and_wait(pending)
+        await finish_or_cancel(self._tasks, grace_s)

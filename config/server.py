@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import socket
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any
@@ -28,6 +29,17 @@ def bind_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
 
 def bound_port(sock: socket.socket) -> int:
     return int(sock.getsockname()[1])
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listening address is reachable from this machine only (then a gateway or a
+    shim may serve without credentials)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class _Server(uvicorn.Server):

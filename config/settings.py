@@ -439,6 +439,15 @@ class GatewaySettings(_Settings):
     queue_order: QueueOrder = Field(
         default=QueueOrder.FIFO, description="fifo or edf (earliest deadline first)."
     )
+    queue_guard_s: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=10.0,
+        description="Start guard of the queue (0 = off): a request the queue order would not "
+        "pick next goes first once its latest start (deadline minus the 90% quantile of recent "
+        "prefill times for its length) is this close, so EDF cannot starve long-deadline long "
+        "prompts (docs/scheduling.md measures what it costs past capacity).",
+    )
     keyless_max_priority: Literal["high", "normal", "low"] = Field(
         default="normal",
         description="With client keys off: the most urgent class a request may ask for with "

@@ -108,7 +108,8 @@ def usage(
 
 
 class Shape:
-    """Builds the JSON of one answer (whole or as SSE chunks) with a fixed id and time.
+    """Builds the JSON of one answer (whole or as SSE chunks) with a fixed id and time; the
+    subclasses say where the text goes (`_content`) and how logprobs look (`_logprobs`).
 
     With ``token_ids`` (vLLM's ``return_token_ids``) the answer carries the prompt's ids
     (a stream: in its first event) and each choice the ids of its tokens (a stream: of the
@@ -116,6 +117,8 @@ class Shape:
 
     object = ""
     chunk_object = ""
+    # Where the prompt's ids go: in the choice (completions) or beside the choices (chat).
+    prompt_ids_in_choice = True
 
     def __init__(
         self,
@@ -144,6 +147,34 @@ class Shape:
     def _head(self, object_: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
 
+    def _content(self, text: str, *, delta: bool) -> dict[str, Any]:
+        """The choice's text (`delta`: a stream's chunk)."""
+        raise NotImplementedError
+
+    def _logprobs(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def _choice(
+        self,
+        content: dict[str, Any],
+        finish_reason: str | None,
+        logprobs: Sequence[TokenLogprobs],
+        token_ids: Sequence[int],
+        *,
+        prompt_ids: bool,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": 0,
+            **content,
+            "logprobs": self._logprobs(logprobs),
+            "finish_reason": finish_reason,
+        }
+        if self.with_token_ids:
+            if prompt_ids and self.prompt_ids_in_choice:
+                choice["prompt_token_ids"] = self.prompt_token_ids
+            choice["token_ids"] = list(token_ids)
+        return choice
+
     def completion(
         self,
         text: str,
@@ -153,7 +184,12 @@ class Shape:
         token_ids: Sequence[int] = (),
         **extra: Any,
     ) -> dict[str, Any]:
-        raise NotImplementedError
+        content = self._content(text, delta=False)
+        choice = self._choice(content, finish_reason, logprobs, token_ids, prompt_ids=True)
+        out = {**self._head(self.object), "choices": [choice], "usage": usage_}
+        if self.with_token_ids and not self.prompt_ids_in_choice:
+            out["prompt_token_ids"] = self.prompt_token_ids
+        return {**out, **extra}
 
     def start(self) -> bytes:
         """The stream's opening event, if the API has one (chat: the role); b"" otherwise.
@@ -167,7 +203,9 @@ class Shape:
         logprobs: Sequence[TokenLogprobs] = (),
         token_ids: Sequence[int] = (),
     ) -> bytes:
-        raise NotImplementedError
+        content = self._content(text, delta=True)
+        choice = self._choice(content, finish_reason, logprobs, token_ids, prompt_ids=self._first())
+        return sse_event({**self._head(self.chunk_object), "choices": [choice]})
 
     def usage_chunk(self, usage_: dict[str, Any]) -> bytes:
         return sse_event({**self._head(self.chunk_object), "choices": [], "usage": usage_})
@@ -190,6 +228,9 @@ class CompletionShape(Shape):
         super().__init__(model, **kwargs)
         self._offset = 0
 
+    def _content(self, text: str, *, delta: bool) -> dict[str, Any]:
+        return {"text": text}
+
     def _logprobs(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any] | None:
         if not self.with_logprobs:
             return None
@@ -204,56 +245,20 @@ class CompletionShape(Shape):
             "text_offset": offsets,
         }
 
-    def _choice(
-        self,
-        text: str,
-        finish_reason: str | None,
-        logprobs: Sequence[TokenLogprobs],
-        token_ids: Sequence[int],
-        *,
-        prompt_ids: bool,
-    ) -> dict[str, Any]:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "text": text,
-            "logprobs": self._logprobs(logprobs),
-            "finish_reason": finish_reason,
-        }
-        if self.with_token_ids:
-            if prompt_ids:
-                choice["prompt_token_ids"] = self.prompt_token_ids
-            choice["token_ids"] = list(token_ids)
-        return choice
-
-    def completion(
-        self,
-        text: str,
-        finish_reason: str,
-        usage_: dict[str, Any],
-        logprobs: Sequence[TokenLogprobs] = (),
-        token_ids: Sequence[int] = (),
-        **extra: Any,
-    ) -> dict[str, Any]:
-        choice = self._choice(text, finish_reason, logprobs, token_ids, prompt_ids=True)
-        return {**self._head(self.object), "choices": [choice], "usage": usage_, **extra}
-
-    def chunk(
-        self,
-        text: str,
-        finish_reason: str | None,
-        logprobs: Sequence[TokenLogprobs] = (),
-        token_ids: Sequence[int] = (),
-    ) -> bytes:
-        choice = self._choice(text, finish_reason, logprobs, token_ids, prompt_ids=self._first())
-        return sse_event({**self._head(self.chunk_object), "choices": [choice]})
-
 
 class ChatShape(Shape):
     """``chat.completion`` answers and ``chat.completion.chunk`` streams: a first chunk with
-    the assistant's role, then content deltas; logprobs as ``{"content": [...]}``."""
+    the assistant's role (and the prompt's ids), then content deltas; logprobs as
+    ``{"content": [...]}``."""
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+    prompt_ids_in_choice = False
+
+    def _content(self, text: str, *, delta: bool) -> dict[str, Any]:
+        if delta:
+            return {"delta": {"content": text}}
+        return {"message": {"role": "assistant", "content": text}}
 
     def _logprobs(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any] | None:
         if self.logprobs is None:
@@ -268,27 +273,6 @@ class ChatShape(Shape):
                 for e in entries
             ]
         }
-
-    def completion(
-        self,
-        text: str,
-        finish_reason: str,
-        usage_: dict[str, Any],
-        logprobs: Sequence[TokenLogprobs] = (),
-        token_ids: Sequence[int] = (),
-        **extra: Any,
-    ) -> dict[str, Any]:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": self._logprobs(logprobs),
-            "finish_reason": finish_reason,
-        }
-        out = {**self._head(self.object), "choices": [choice], "usage": usage_}
-        if self.with_token_ids:
-            choice["token_ids"] = list(token_ids)
-            out["prompt_token_ids"] = self.prompt_token_ids
-        return {**out, **extra}
 
     def start(self) -> bytes:
         event: dict[str, Any] = {
@@ -305,23 +289,6 @@ class ChatShape(Shape):
         if self._first() and self.with_token_ids:
             event["prompt_token_ids"] = self.prompt_token_ids
         return sse_event(event)
-
-    def chunk(
-        self,
-        text: str,
-        finish_reason: str | None,
-        logprobs: Sequence[TokenLogprobs] = (),
-        token_ids: Sequence[int] = (),
-    ) -> bytes:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "delta": {"content": text},
-            "logprobs": self._logprobs(logprobs),
-            "finish_reason": finish_reason,
-        }
-        if self.with_token_ids:
-            choice["token_ids"] = list(token_ids)
-        return sse_event({**self._head(self.chunk_object), "choices": [choice]})
 
 
 def _chat_logprob(token: str, logprob: float) -> dict[str, Any]:

@@ -121,11 +121,16 @@ class ClosingStreamingResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            # Closing the body iterator first makes its own `finally` run before the slot is
-            # released, even when the response was cancelled before it started iterating.
-            aclose = getattr(self.body_iterator, "aclose", None)
-            try:
-                if aclose is not None:
-                    await aclose()
-            finally:
-                self._on_close()
+            await close_body(self.body_iterator, self._on_close)
+
+
+async def close_body(body: object, on_close: Callable[[], None]) -> None:
+    """A streaming response's end: close its body iterator, then call `on_close`. The
+    iterator's own `finally` (which may count the request as cancelled) runs before the slot
+    is released, even when the response was cancelled before it started iterating."""
+    aclose = getattr(body, "aclose", None)
+    try:
+        if aclose is not None:
+            await aclose()
+    finally:
+        on_close()

@@ -28,6 +28,8 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from sse_starlette.sse import SendTimeoutError
 from starlette.types import Message, Receive, Scope, Send
 
+from pdgate.engine_shim._http import close_body
+
 __all__ = ["EventStream"]
 
 log = logging.getLogger("pdgate.shim.decode")
@@ -71,14 +73,7 @@ class EventStream(EventSourceResponse):
             # The client stopped reading (its socket buffers are full): give its slot back.
             log.warning("SSE client not reading for %s s; stream dropped", self._send_timeout_s)
         finally:
-            # The events' own clean-up first (it may count the request as cancelled), then
-            # the slot, even when the response was cancelled before it started iterating.
-            aclose = getattr(self.body_iterator, "aclose", None)
-            try:
-                if aclose is not None:
-                    await aclose()
-            finally:
-                self._on_close()
+            await close_body(self.body_iterator, self._on_close)
 
     async def _send_with_timeout(self, send: Send, message: Message) -> None:
         # Replaces sse-starlette's, which opens an anyio cancel scope around every event

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
-import ipaddress
 import logging
 import secrets
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -35,6 +34,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from pdgate.config import RegistrySettings, Role, ShimSettings
+from pdgate.config.server import is_loopback
 from pdgate.config.tracing import Tracing
 from pdgate.config.wire import (
     EXT_BATCH_PREFILL,
@@ -126,20 +126,11 @@ def instance_record(
     )
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def check_exposure(settings: ShimSettings, registry_settings: RegistrySettings) -> str | None:
     """Refuse (ValueError) to serve a non-loopback address without the cluster token unless
     that was asked for explicitly (a warning to log then), as the gateway does without keys:
     whoever reached the port could run prompts and read or drop other requests' KV."""
-    if registry_settings.cluster_token is not None or _is_loopback(settings.host):
+    if registry_settings.cluster_token is not None or is_loopback(settings.host):
         return None
     if not settings.allow_unauthenticated:
         raise ValueError(

@@ -68,13 +68,26 @@ log = logging.getLogger("pdgate.shim.decode")
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
-class _Progress:
-    __slots__ = ("finish_reason", "outcome", "tokens")
+class _Decoding:
+    """One admitted request on its way out: what it asked, its KV pull, the shape of its
+    answer, its span, and how far it got."""
 
-    def __init__(self) -> None:
-        self.tokens = 0
+    __slots__ = ("finish_reason", "generated", "job", "outcome", "prompt", "req", "shape", "span")
+
+    def __init__(
+        self, req: ApiRequest, prompt: list[int], job: PullJob, shape: Shape, span: Span
+    ) -> None:
+        self.req = req
+        self.prompt = prompt  # the prompt's token ids
+        self.job = job
+        self.shape = shape
+        self.span = span
+        self.generated = 0  # tokens
         self.finish_reason = "length"
         self.outcome = "cancelled"  # until it ends otherwise
+
+    def usage(self) -> dict[str, Any]:
+        return usage(len(self.prompt), self.generated)
 
 
 # (text, finish reason, logprobs and ids of the tokens behind the text) per piece
@@ -203,30 +216,28 @@ class DecodeWorker(ShimService[DecodeBackend]):
             self._counts["rejected"] += 1
             raise busy("KV retrieval queue is full", code="kv_queue_full") from None
         self._counts["admitted"] += 1
-        progress = _Progress()
+        shape = shape_for(req, settings.model, caller_request_id(request), tokens)
+        decoding = _Decoding(req, tokens, job, shape, span)
 
         def close() -> None:
             self._retriever.abandon(job)
             slot.release()
 
-        shape = shape_for(req, settings.model, caller_request_id(request), tokens)
         if req.stream:
 
             def close_stream() -> None:
                 close()
-                end_span(span, progress.outcome)
+                end_span(span, decoding.outcome)
 
             return EventStream(
-                self._stream(req, tokens, job, shape, progress, span),
+                self._stream(decoding),
                 headers=_SSE_HEADERS,
                 on_close=close_stream,
                 ping_s=settings.sse_ping_interval_s,
                 send_timeout_s=settings.sse_send_timeout_s or None,
             )
         try:
-            response = await until_disconnect(
-                request, self._whole(req, tokens, job, shape, progress, span)
-            )
+            response = await until_disconnect(request, self._whole(decoding))
         except ClientGone:
             self._counts["cancelled"] += 1
             raise
@@ -248,18 +259,12 @@ class DecodeWorker(ShimService[DecodeBackend]):
         self._counts["local_prefills"] += 1
         return job
 
-    async def _pieces(
-        self,
-        req: ApiRequest,
-        tokens: Sequence[int],
-        job: PullJob,
-        progress: _Progress,
-        parent: Span,
-    ) -> AsyncGenerator[_Piece, None]:
+    async def _pieces(self, decoding: _Decoding) -> AsyncGenerator[_Piece, None]:
         """The completion after stop handling, piece by piece; the last piece has a finish
         reason. Raises `KvTransferError` before the first one."""
-        sink = await self._retriever.wait(job)
-        span = self._tracing.start("pdgate.shim.decode_stream", parent=parent)
+        req = decoding.req
+        sink = await self._retriever.wait(decoding.job)
+        span = self._tracing.start("pdgate.shim.decode_stream", parent=decoding.span)
         matcher = StopMatcher(req.stop_sequences)
         max_tokens = req.max_tokens or 0
         want_logprobs = req.logprob_count is not None
@@ -275,10 +280,10 @@ class DecodeWorker(ShimService[DecodeBackend]):
             return out
 
         try:
-            generate = self._backend.generate(tokens, max_tokens, sink, req.sampling())
+            generate = self._backend.generate(decoding.prompt, max_tokens, sink, req.sampling())
             async with aclosing(generate) as generated:
                 async for token in generated:
-                    progress.tokens += 1
+                    decoding.generated += 1
                     if want_logprobs:
                         if token.logprobs is None:
                             raise InvalidRequest("this engine does not produce logprobs")
@@ -289,36 +294,29 @@ class DecodeWorker(ShimService[DecodeBackend]):
                         ids.append(token.token_id)
                     text, stopped = matcher.feed(token.text)
                     if stopped:
-                        progress.finish_reason = "stop"
+                        decoding.finish_reason = "stop"
                         yield piece(text, "stop")
                         return
-                    if progress.tokens >= max_tokens:
+                    if decoding.generated >= max_tokens:
                         yield piece(text + matcher.flush(), "length")
                         return
                     if text:
                         yield piece(text, None)
             # The engine ended before max_tokens: it generated its end-of-sequence token.
-            progress.finish_reason = "stop"
+            decoding.finish_reason = "stop"
             yield piece(matcher.flush(), "stop")
         finally:
             if span.is_recording():
-                span.set_attribute("pdgate.completion_tokens", progress.tokens)
-                span.set_attribute("pdgate.finish_reason", progress.finish_reason)
+                span.set_attribute("pdgate.completion_tokens", decoding.generated)
+                span.set_attribute("pdgate.finish_reason", decoding.finish_reason)
             span.end()
 
-    async def _stream(
-        self,
-        req: ApiRequest,
-        tokens: Sequence[int],
-        job: PullJob,
-        shape: Shape,
-        progress: _Progress,
-        span: Span,
-    ) -> AsyncIterator[bytes]:
+    async def _stream(self, decoding: _Decoding) -> AsyncIterator[bytes]:
+        shape = decoding.shape
         started = False
         try:
             try:
-                async with aclosing(self._pieces(req, tokens, job, progress, span)) as pieces:
+                async with aclosing(self._pieces(decoding)) as pieces:
                     async for text, finish, logprobs, token_ids in pieces:
                         if not started:
                             # After the KV arrived: a first event tells the gateway so.
@@ -327,47 +325,35 @@ class DecodeWorker(ShimService[DecodeBackend]):
                                 yield head
                         yield shape.chunk(text, finish, logprobs, token_ids)
             except (KvTransferError, EngineBusy, InvalidRequest) as exc:
-                progress.outcome = "failed"
-                yield self._failed(exc, job).sse()
+                decoding.outcome = "failed"
+                yield self._failed(exc, decoding.job).sse()
                 yield SSE_DONE
                 return
-            if req.include_usage:
-                yield shape.usage_chunk(usage(len(tokens), progress.tokens))
+            if decoding.req.include_usage:
+                yield shape.usage_chunk(decoding.usage())
             yield SSE_DONE
-            progress.outcome = "ok"
+            decoding.outcome = "ok"
             self._counts["completed"] += 1
         except (asyncio.CancelledError, GeneratorExit):
             self._counts["cancelled"] += 1
             raise
 
-    async def _whole(
-        self,
-        req: ApiRequest,
-        tokens: Sequence[int],
-        job: PullJob,
-        shape: Shape,
-        progress: _Progress,
-        span: Span,
-    ) -> Response:
+    async def _whole(self, decoding: _Decoding) -> Response:
         parts: list[str] = []
         logprobs: list[TokenLogprobs] = []
         token_ids: list[int] = []
         try:
-            async with aclosing(self._pieces(req, tokens, job, progress, span)) as pieces:
+            async with aclosing(self._pieces(decoding)) as pieces:
                 async for text, _, piece_logprobs, piece_ids in pieces:
                     parts.append(text)
                     logprobs.extend(piece_logprobs)
                     token_ids.extend(piece_ids)
         except (KvTransferError, EngineBusy, InvalidRequest) as exc:
-            raise self._failed(exc, job) from None
+            raise self._failed(exc, decoding.job) from None
         self._counts["completed"] += 1
         return json_response(
-            shape.completion(
-                "".join(parts),
-                progress.finish_reason,
-                usage(len(tokens), progress.tokens),
-                logprobs,
-                token_ids,
+            decoding.shape.completion(
+                "".join(parts), decoding.finish_reason, decoding.usage(), logprobs, token_ids
             )
         )
 

@@ -131,11 +131,18 @@ def render_chat(chat: ChatPrompt) -> list[int]:
 
 
 class _EngineLoop:
-    """A background loop task with a wake-up event; subclasses implement `_run`."""
+    """What both sim engines are: the sim tokenizer and chat template, and a background loop
+    task with a wake-up event; subclasses implement `_run`."""
 
     def __init__(self) -> None:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        return tokenize(prompt)
+
+    def render_chat(self, chat: ChatPrompt) -> list[int]:
+        return render_chat(chat)
 
     async def start(self) -> None:
         if self._task is None:
@@ -178,12 +185,6 @@ class SimPrefillEngine(_EngineLoop):
         self._cache = PrefixCache(profile.prefix_cache_blocks)
         self._pending: deque[_PrefillJob] = deque()
         self._computing = 0
-
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        return tokenize(prompt)
-
-    def render_chat(self, chat: ChatPrompt) -> list[int]:
-        return render_chat(chat)
 
     async def aclose(self) -> None:
         await super().aclose()
@@ -304,12 +305,6 @@ class SimDecodeEngine(_EngineLoop):
         # Local prefills in arrival order (chunks go to the oldest first), then running.
         self._prefilling: dict[int, _Sequence] = {}
         self._running: dict[int, _Sequence] = {}
-
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        return tokenize(prompt)
-
-    def render_chat(self, chat: ChatPrompt) -> list[int]:
-        return render_chat(chat)
 
     async def aclose(self) -> None:
         await super().aclose()

@@ -29,7 +29,6 @@ Stock decodes never get plain requests: they do not declare the extension.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import replace
@@ -38,20 +37,15 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Counter
 
 from pdgate.config.settings import GatewaySettings
-from pdgate.config.tracing import Span, Tracing
+from pdgate.config.tracing import Span
 from pdgate.config.wire import EXT_LOCAL_PREFILL, Role
+from pdgate.gateway._decode_attempt import PREFILL_PATH, DecodeAttempts
 from pdgate.gateway.affinity import PrefixIndex
-from pdgate.gateway.errors import (
-    UpstreamError,
-    UpstreamRejected,
-    UpstreamStatus,
-    UpstreamUnreachable,
-)
+from pdgate.gateway.errors import UpstreamError
 from pdgate.gateway.forwarder import PrefillGrant
 from pdgate.gateway.health import Ejector
 from pdgate.gateway.instances import InstanceTracker, Lease
 from pdgate.gateway.metrics import GatewayMetrics
-from pdgate.gateway.upstream import Upstream
 from pdgate.policies import InstanceLoad, Ranker, RequestInfo
 
 if TYPE_CHECKING:
@@ -59,32 +53,25 @@ if TYPE_CHECKING:
 
 __all__ = ["LocalPlan", "LocalPrefill"]
 
-log = logging.getLogger("pdgate.dispatch")
-
-SPAN_ATTRIBUTE = "pdgate.prefill_path"  # "local" or "disaggregated"
-
 
 class LocalPrefill:
     def __init__(
         self,
         settings: GatewaySettings,
         tracker: InstanceTracker,
-        upstream: Upstream,
+        decodes: DecodeAttempts,
         policy: Ranker,
         metrics: GatewayMetrics,
         ejector: Ejector,
         placement: type[Placement],
-        tracing: Tracing | None = None,
     ) -> None:
         self.max_uncached_chars = settings.local_prefill_max_uncached_chars
         self._candidates = settings.decode_candidates
         self._tracker = tracker
-        self._upstream = upstream
+        self._decodes = decodes
         self._policy = policy
-        self._decode_attempts = metrics.decode_attempts
         self._ejector = ejector
         self._placement = placement
-        self._tracing = tracing or Tracing.off()
         self.index: PrefixIndex | None = None
         if self.max_uncached_chars > 0 and settings.local_prefill_prefix_aware:
             self.index = PrefixIndex(
@@ -160,39 +147,21 @@ class LocalPrefill:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return None
-        tracker = self._tracker
-        stream, inflight = tracker.open_stream(inst.id), tracker.begin(inst.id)
-        span = self._tracing.start("pdgate.decode_attempt", parent=parent)
-        headers: dict[str, str] = {}
-        self._tracing.inject(span, headers)
-        if span.is_recording():
-            span.set_attribute("pdgate.instance", inst.id)
-            span.set_attribute("server.address", inst.url)
-            span.set_attribute(SPAN_ATTRIBUTE, "local")
         try:
-            response = await self._upstream.open_decode(
-                inst.url,
+            response, stream, inflight = await self._decodes.open(
+                inst,
                 body,
                 request_id=request_id,
                 connect_timeout_s=remaining,
-                headers=headers,
+                parent=parent,
                 path=path,
+                local=True,
             )
-        except BaseException as exc:
-            # A decode that refused or was never reached took nothing: no sign of a free slot.
-            took = not isinstance(exc, UpstreamRejected | UpstreamUnreachable)
-            stream.release(slot_freed=took)
-            inflight.release(slot_freed=took)
-            outcome = self._note_failure(inst, exc)
-            _end(span, outcome)
-            if not isinstance(exc, UpstreamError):
-                raise
-            self._decode_attempts.labels(outcome).inc()
+        except UpstreamError:
+            # Even a 4xx: the prefill + decode path then answers for the request.
             return None
-        _end(span, "accepted")
-        self._decode_attempts.labels("accepted").inc()
         # The prompt's work on the decode, until the first byte says it is computed.
-        work = tracker.work(inst.id, uncached_chars // 4 + 1)
+        work = self._tracker.work(inst.id, uncached_chars // 4 + 1)
         grant = PrefillGrant(
             inst,
             {},
@@ -209,21 +178,6 @@ class LocalPrefill:
             [inflight],
             on_first_byte=lambda: self._ejector.success(inst.id),
         )
-
-    def _note_failure(self, inst: InstanceLoad, exc: BaseException) -> str:
-        """Mark `inst` after an attempt that failed with `exc` (as the decode leg does);
-        the attempt's outcome."""
-        if isinstance(exc, UpstreamRejected):
-            self._tracker.rejected(inst.id)
-            return "rejected"
-        if not isinstance(exc, UpstreamError):
-            return "abandoned"
-        log.warning("decode %s did not take a local prefill: %s", inst.id, exc)
-        if isinstance(exc, UpstreamStatus) and exc.is_client_error:
-            return "client_error"  # the prefill + decode path answers for the request
-        self._tracker.failed(inst.id)
-        self._ejector.failure(inst.id, "decode")
-        return "failed"
 
     def count(self, outcome: str) -> None:
         self._requests.labels(outcome).inc()
@@ -289,12 +243,6 @@ def _release(leases: Sequence[Lease]) -> None:
         lease.release()
 
 
-def _end(span: Span, outcome: str) -> None:
-    if span.is_recording():
-        span.set_attribute("pdgate.outcome", outcome)
-    span.end()
-
-
 def _mark(span: Span | None, path: str) -> None:
     if span is not None and span.is_recording():
-        span.set_attribute(SPAN_ATTRIBUTE, path)
+        span.set_attribute(PREFILL_PATH, path)

@@ -25,7 +25,6 @@ from pdgate.config import GatewaySettings, RegistrySettings
 from pdgate.config.aio import ExponentialBackoff
 from pdgate.config.openai_api import error_json
 from pdgate.config.tracing import Tracing
-from pdgate.gateway._instance_keys import KeyedUpstream
 from pdgate.gateway.affinity import PrefixIndex
 from pdgate.gateway.auth import KeyRing
 from pdgate.gateway.completions import CompletionsEndpoint
@@ -154,7 +153,10 @@ def build_gateway_app(
         settings.admin_token.get_secret_value() if settings.admin_token else None,
     )
     decode_policy = load_policy(settings.decode_policy, settings.decode_policy_options)
-    # Static servers' own API keys, from the environment: a missing one fails the start.
+    # Static servers' own API keys (a stock server started with its own ``--api-key``), from
+    # the environment: a missing one fails the start. They live only in this process, never
+    # in flags, config files or registry records; KV releases are not keyed (a stock server
+    # has no release endpoint).
     instance_keys = static_api_keys(settings)
     completions = _Late()
     started = time.time()
@@ -177,13 +179,14 @@ def build_gateway_app(
                 connect_timeout_s=settings.upstream_connect_timeout_s,
                 read_timeout_s=settings.upstream_read_timeout_s,
                 headers=_upstream_headers(settings, registry_settings),
+                instance_headers={
+                    url: {"authorization": f"Bearer {key}"} for url, key in instance_keys.items()
+                },
                 header_timeout_s=settings.decode_header_timeout_s,
             )
             if upstream is None
             else upstream
         )
-        if instance_keys:
-            client = KeyedUpstream(client, instance_keys)
         # Late-bound: the gauge reads the endpoint built just below.
         metrics = GatewayMetrics(
             tracker.totals,

@@ -20,7 +20,6 @@ import base64
 import binascii
 import hashlib
 import hmac
-import ipaddress
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -28,29 +27,20 @@ from pathlib import Path
 
 from starlette.responses import Response
 
-from pdgate.gateway.errors import GatewayError
+from pdgate.config.server import is_loopback
+from pdgate.gateway.errors import Forbidden, RateLimited, Unauthorized
 
 __all__ = [
     "ADMIN_CHALLENGE",
     "AdminUnauthorized",
     "ApiKey",
-    "Forbidden",
     "KeyRing",
-    "RateLimited",
-    "Unauthorized",
     "basic_password",
     "bearer",
     "check_exposure",
     "digest",
-    "is_loopback",
     "parse_keys",
 ]
-
-
-class Unauthorized(GatewayError):
-    status = 401
-    type = "invalid_request_error"
-    code = "invalid_api_key"
 
 
 # What a 401 from an admin endpoint asks for: a browser then prompts for the admin token (as the
@@ -65,18 +55,6 @@ class AdminUnauthorized(Unauthorized):
         response = super().response()
         response.headers["WWW-Authenticate"] = ADMIN_CHALLENGE
         return response
-
-
-class Forbidden(GatewayError):
-    status = 403
-    type = "invalid_request_error"
-    code = "forbidden"
-
-
-class RateLimited(GatewayError):
-    status = 429
-    type = "rate_limit_error"
-    code = "rate_limit_exceeded"
 
 
 def digest(key: str) -> bytes:
@@ -107,15 +85,6 @@ def basic_password(authorization: str | None) -> str | None:
         return None
     _, colon, password = decoded.partition(":")
     return password if colon and password else None
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}

@@ -49,20 +49,17 @@ def configure(p: argparse.ArgumentParser) -> None:
         type=int,
         help="worker processes on one port (they share load through the Redis registry)",
     )
-    p.add_argument(
-        "--prefill",
-        dest="static_prefills",
-        action="append",
-        metavar="'URL [capacity=N] ...'",
-        help=_STATIC_HELP.format(role="prefill", capacity=STATIC_PREFILL_CAPACITY),
-    )
-    p.add_argument(
-        "--decode",
-        dest="static_decodes",
-        action="append",
-        metavar="'URL [capacity=N] ...'",
-        help=_STATIC_HELP.format(role="decode", capacity=STATIC_DECODE_CAPACITY),
-    )
+    for role, capacity in (
+        ("prefill", STATIC_PREFILL_CAPACITY),
+        ("decode", STATIC_DECODE_CAPACITY),
+    ):
+        p.add_argument(
+            f"--{role}",
+            dest=f"static_{role}s",
+            action="append",
+            metavar="'URL [capacity=N] ...'",
+            help=_STATIC_HELP.format(role=role, capacity=capacity),
+        )
     # Internal: a --workers supervisor hands each worker its listening socket.
     p.add_argument("--listen-fd", dest="listen_fd", type=int, help=argparse.SUPPRESS)
 

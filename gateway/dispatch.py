@@ -21,7 +21,6 @@ Either counts against the retry budget, as prefill failovers do.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
@@ -33,6 +32,7 @@ from pdgate.config.openai_api import Api
 from pdgate.config.settings import DispatchMode, GatewaySettings
 from pdgate.config.tracing import Span, Tracing
 from pdgate.config.wire import COMPLETIONS_PATH, Role, prefill_kv_request
+from pdgate.gateway._decode_attempt import DecodeAttempts, release_after
 from pdgate.gateway._local_prefill import LocalPrefill
 from pdgate.gateway.affinity import PrefixIndex
 from pdgate.gateway.errors import (
@@ -45,7 +45,6 @@ from pdgate.gateway.errors import (
     UpstreamError,
     UpstreamRejected,
     UpstreamStatus,
-    UpstreamUnreachable,
 )
 from pdgate.gateway.fleet import Fleet
 from pdgate.gateway.forwarder import ForwardingOptions, PrefillForwarder, PrefillGrant, Shared
@@ -58,8 +57,6 @@ from pdgate.gateway.ratio import RatioAdvisor
 from pdgate.gateway.upstream import DecodeStream, Upstream, upstream_error_message
 from pdgate.policies import InstanceLoad, Ranker, RequestInfo
 from pdgate.registry.fleet import LocalFleet
-
-log = logging.getLogger("pdgate.dispatch")
 
 # Queues exist only for (model, group) pairs the registry knows, so this bound is a backstop.
 _MAX_QUEUES = 1024
@@ -181,9 +178,12 @@ class Dispatcher:
         self.advisor = RatioAdvisor(
             window_s=settings.ratio_window_s, target_utilization=settings.ratio_target_utilization
         )
+        self._decodes = DecodeAttempts(
+            tracker, upstream, metrics.decode_attempts, self.ejector, self._tracing
+        )
         # Conditional disaggregation (gateway/_local_prefill.py).
         self._local = LocalPrefill(
-            settings, tracker, upstream, decode_policy, metrics, self.ejector, Placement, tracing
+            settings, tracker, self._decodes, decode_policy, metrics, self.ejector, Placement
         )
         self._options = ForwardingOptions(
             batch_forwarding=settings.batch_forwarding,
@@ -344,7 +344,11 @@ class Dispatcher:
             fwd = self._forwarders[key] = PrefillForwarder(
                 info.model,
                 info.group,
-                WaitQueue(self._groups.queue_size(info.group), self._settings.queue_order),
+                WaitQueue(
+                    self._groups.queue_size(info.group),
+                    self._settings.queue_order,
+                    guard_s=self._settings.queue_guard_s,
+                ),
                 self._prefill_policy,
                 self._shared,
             )
@@ -396,7 +400,7 @@ class Dispatcher:
                 inst.url, body, request_id=request_id, timeout_s=remaining, kv_id=kv_id, path=path
             )
         except UpstreamRejected as exc:
-            _release_after(exc, stream, inflight)
+            release_after(exc, stream, inflight)
             self._tracker.rejected(inst.id)
             counter.labels("rejected").inc()
             raise DeadlineExceeded(
@@ -404,7 +408,7 @@ class Dispatcher:
             ) from exc
         except UpstreamStatus as exc:
             if exc.is_client_error:
-                _release_after(exc, stream, inflight)
+                release_after(exc, stream, inflight)
                 raise client_error(exc) from exc
             await shielded(release(None, slot_freed=False))
             counter.labels("failed").inc()
@@ -449,7 +453,6 @@ class Dispatcher:
         extension: str | None = None,
         avoid: Collection[str] = (),
     ) -> tuple[InstanceLoad, DecodeStream, list[Lease]]:
-        counter = self._metrics.decode_attempts
         round_no = 0
         failures: list[str] = []
         while True:
@@ -462,56 +465,30 @@ class Dispatcher:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                stream, inflight = self._tracker.open_stream(inst.id), self._tracker.begin(inst.id)
-                span = self._tracing.start("pdgate.decode_attempt", parent=parent)
-                headers: dict[str, str] = {}
-                self._tracing.inject(span, headers)
-                if span.is_recording():
-                    span.set_attribute("pdgate.instance", inst.id)
-                    span.set_attribute("server.address", inst.url)
                 try:
-                    response = await self._upstream.open_decode(
-                        inst.url,
+                    response, stream, inflight = await self._decodes.open(
+                        inst,
                         body,
                         request_id=request_id,
                         connect_timeout_s=remaining,
-                        headers=headers,
+                        parent=parent,
                         path=path,
                     )
-                except BaseException as exc:
-                    _release_after(exc, stream, inflight)
-                    if span.is_recording():
-                        span.set_attribute("pdgate.outcome", _decode_outcome(exc))
-                    span.end()
-                    if isinstance(exc, UpstreamRejected):
-                        self._tracker.rejected(inst.id)
-                        counter.labels("rejected").inc()
-                        continue
-                    if isinstance(exc, UpstreamStatus) and exc.is_client_error:
-                        counter.labels("client_error").inc()
+                except UpstreamRejected:
+                    continue
+                except UpstreamStatus as exc:
+                    if exc.is_client_error:
                         raise client_error(exc) from exc
-                    if isinstance(exc, UpstreamError):
-                        self._tracker.failed(inst.id)
-                        self.ejector.failure(inst.id, "decode")
-                        counter.labels("failed").inc()
-                        log.warning("decode %s failed: %s", inst.id, exc)
-                        failures.append(str(exc))
-                        if isinstance(exc, UpstreamStatus):
-                            # It answered: its KV pull may have consumed the prefill's copy,
-                            # so another decode cannot be given the same kv_transfer_params.
-                            raise DecodeLost("the decode instance failed") from exc
-                        if not self.budget.withdraw():
-                            # A fleet-wide failure must not multiply the load on what is left.
-                            self._metrics.retry_budget_exhausted.inc()
-                            raise BadGateway(
-                                "the decode instances are failing; not retried"
-                            ) from exc
-                        continue  # never reached it: the KV is still at the prefill
-                    raise
-                counter.labels("accepted").inc()
-                if span.is_recording():
-                    span.set_attribute("pdgate.outcome", "accepted")
-                span.end()
+                    # It answered: its KV pull may have consumed the prefill's copy, so
+                    # another decode cannot be given the same kv_transfer_params.
+                    raise DecodeLost("the decode instance failed") from exc
+                except UpstreamError as exc:
+                    failures.append(str(exc))
+                    if not self.budget.withdraw():
+                        # A fleet-wide failure must not multiply the load on what is left.
+                        self._metrics.retry_budget_exhausted.inc()
+                        raise BadGateway("the decode instances are failing; not retried") from exc
+                    continue  # never reached it: the KV is still at the prefill
                 return inst, response, [stream, inflight]
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -536,24 +513,6 @@ class Dispatcher:
             for c in loads
             if (rec := records.get(c.id)) is not None and extension in rec.extensions
         ]
-
-
-def _decode_outcome(exc: BaseException) -> str:
-    if isinstance(exc, UpstreamRejected):
-        return "rejected"
-    if isinstance(exc, UpstreamStatus) and exc.is_client_error:
-        return "client_error"
-    if isinstance(exc, UpstreamError):
-        return "failed"
-    return "abandoned"
-
-
-def _release_after(exc: BaseException, *leases: Lease) -> None:
-    """Give back the counts of a call that failed with `exc`. A rejected or unreachable
-    instance never took the request, so its end is no sign of a freed slot."""
-    took_slot = not isinstance(exc, UpstreamRejected | UpstreamUnreachable)
-    for lease in leases:
-        lease.release(slot_freed=took_slot)
 
 
 def client_error(exc: UpstreamStatus) -> GatewayError:

@@ -43,6 +43,26 @@ class PayloadTooLarge(GatewayError):
     code = "payload_too_large"
 
 
+class Unauthorized(GatewayError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(GatewayError):
+    status = 403
+    type = "invalid_request_error"
+    code = "forbidden"
+
+
+class RateLimited(GatewayError):
+    """429: the client's key is over its requests per minute (gateway/auth.py)."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
 class ModelNotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
@@ -118,6 +138,17 @@ class UpstreamUnreachable(UpstreamError):
     """Connect failure, reset or timeout before an answer: try another instance."""
 
 
+# The statuses by which an instance says the request itself is bad: the client hears them.
+# Any other 4xx is the instance's or the fleet's fault, not the client's (401/403: the
+# gateway's credentials; 404/405: a wrong URL or a model it stopped serving; 409, 408, ...):
+# a failure like a 5xx, tried on another instance and counted towards ejection.
+_CLIENT_FAULTS = frozenset({400, 413, 422})
+
+
+def is_client_fault(status: int) -> bool:
+    return status in _CLIENT_FAULTS
+
+
 class UpstreamStatus(UpstreamError):
     """A non-2xx, non-429 answer."""
 
@@ -128,7 +159,7 @@ class UpstreamStatus(UpstreamError):
 
     @property
     def is_client_error(self) -> bool:
-        return 400 <= self.status < 500
+        return is_client_fault(self.status)
 
 
 class UpstreamProtocolError(UpstreamError):

@@ -50,6 +50,7 @@ from pdgate.gateway.errors import (
     UpstreamError,
     UpstreamRejected,
     UpstreamStatus,
+    is_client_fault,
 )
 from pdgate.gateway.fleet import Fleet, SlotLease, monotonic_ms_left
 from pdgate.gateway.health import Ejector, RetryBudget
@@ -64,6 +65,8 @@ from pdgate.policies import Holder, InstanceLoad, Option, Ranker, RequestInfo
 log = logging.getLogger("pdgate.forwarder")
 
 _MAX_REMEMBERED = 4096
+# The prefill-time quantile behind a request's latest start (the queue's start guard).
+_GUARD_QUANTILE = 0.9
 
 
 class PrefillGrant:
@@ -222,7 +225,8 @@ class PrefillForwarder:
 
         A grant that lands as the caller gives up (deadline, cancellation) in the same loop
         iteration is closed here: whoever abandons a result closes it."""
-        estimate = self.prefill_times.lower_bound_s(waiter.info.prompt_chars)
+        # Started by then, it most likely makes its deadline (the queue's start guard).
+        estimate = self.prefill_times.upper_bound_s(waiter.info.prompt_chars, _GUARD_QUANTILE)
         if estimate is not None:
             waiter.latest_start = waiter.deadline - estimate
         admission = self.queue.push(waiter)
@@ -695,7 +699,7 @@ class PrefillForwarder:
         _end(
             call.span,
             {200: "accepted", 429: "rejected"}.get(
-                status, "client_error" if 400 <= status < 500 else "failed"
+                status, "client_error" if is_client_fault(status) else "failed"
             ),
             status,
         )
@@ -739,7 +743,7 @@ class PrefillForwarder:
             counter.labels("rejected").inc()
             waiter.rejections += 1
             self._retry(waiter)
-        elif 400 <= status < 500:
+        elif is_client_fault(status):
             call.release(slot_freed=True)
             counter.labels("client_error").inc()
             if not waiter.future.done():

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from pdgate.config.settings import GatewaySettings, ScenarioGroup
-from pdgate.gateway.auth import PRIORITIES, ApiKey, Forbidden
-from pdgate.gateway.errors import BadRequest, ServiceUnavailable
+from pdgate.gateway.auth import PRIORITIES, ApiKey
+from pdgate.gateway.errors import BadRequest, Forbidden, ServiceUnavailable
 from pdgate.gateway.instances import InstanceTracker
 
 __all__ = ["GROUP_HEADER", "GroupResolver"]

@@ -1,4 +1,5 @@
-"""`HttpUpstream`: the `Upstream` seam over aiohttp.
+"""`HttpUpstream`: the `Upstream` seam over aiohttp (`BaseUpstream` holds what an answer
+means; this module moves the bytes).
 
 Every aiohttp failure becomes an `UpstreamError` here, in one place (`_mapped`), with
 ``raise ... from exc``; nothing above this module sees an aiohttp type.
@@ -10,34 +11,19 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterator, Mapping
-from typing import Any
 
 import aiohttp
 import orjson
 
-from pdgate.config.wire import (
-    BATCH_SUFFIX,
-    COMPLETIONS_PATH,
-    KV_ID_HEADER,
-    REQUEST_ID_HEADER,
-    kv_release_url,
-    kv_url,
-)
-from pdgate.gateway.errors import (
-    UpstreamError,
-    UpstreamProtocolError,
-    UpstreamRejected,
-    UpstreamStatus,
-    UpstreamUnreachable,
-)
-from pdgate.gateway.upstream import prefill_reply
+from pdgate.config.wire import KV_ID_HEADER, REQUEST_ID_HEADER
+from pdgate.gateway.errors import UpstreamError, UpstreamProtocolError, UpstreamUnreachable
+from pdgate.gateway.upstream import BaseUpstream, Call, status_error
 
 __all__ = ["HttpUpstream"]
 
 log = logging.getLogger("pdgate.upstream")
 
 _JSON = {"content-type": "application/json"}
-_MAX_ERROR_BODY = 64 * 1024
 _RELEASE_TIMEOUT_S = 2.0
 
 
@@ -74,7 +60,7 @@ class _Stream:
             self._resp.close()
 
 
-class HttpUpstream:
+class HttpUpstream(BaseUpstream):
     def __init__(
         self,
         session: aiohttp.ClientSession,
@@ -83,15 +69,24 @@ class HttpUpstream:
         read_timeout_s: float,
         max_response_bytes: int = 16 * 1024 * 1024,
         headers: dict[str, str] | None = None,
+        instance_headers: Mapping[str, Mapping[str, str]] | None = None,
         header_timeout_s: float = 5.0,
     ) -> None:
+        """`headers` go with every call (e.g. the cluster token towards the shims);
+        `instance_headers` (base URL -> headers) replace some of them towards one instance:
+        a static server with an API key of its own (registry/static.py, `static_api_keys`)."""
         self._session = session
         self._header_timeout_s = header_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._read_timeout_s = read_timeout_s
         self._max_response_bytes = max_response_bytes
-        # Sent on every call (e.g. the cluster token towards the shims).
         self._headers = {**_JSON, **(headers or {})}
+        self._by_instance = {
+            url: {**self._headers, **extra} for url, extra in (instance_headers or {}).items()
+        }
+
+    def __repr__(self) -> str:
+        return f"HttpUpstream({len(self._by_instance)} instances with headers of their own)"
 
     @classmethod
     def connect(
@@ -101,6 +96,7 @@ class HttpUpstream:
         connect_timeout_s: float,
         read_timeout_s: float,
         headers: dict[str, str] | None = None,
+        instance_headers: Mapping[str, Mapping[str, str]] | None = None,
         header_timeout_s: float = 5.0,
     ) -> HttpUpstream:
         """A new session with the gateway's pool settings; `aclose()` closes it."""
@@ -117,6 +113,7 @@ class HttpUpstream:
             connect_timeout_s=connect_timeout_s,
             read_timeout_s=read_timeout_s,
             headers=headers,
+            instance_headers=instance_headers,
             header_timeout_s=header_timeout_s,
         )
 
@@ -126,72 +123,41 @@ class HttpUpstream:
     def _timeout(self, total_s: float) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=total_s, connect=min(self._connect_timeout_s, total_s))
 
-    async def prefill(
-        self,
-        base_url: str,
-        body: dict[str, Any],
-        *,
-        request_id: str,
-        timeout_s: float,
-        kv_id: str | None = None,
-        headers: Mapping[str, str] | None = None,
-        path: str = COMPLETIONS_PATH,
-    ) -> dict[str, Any]:
-        url = base_url + path
-        sent = {**self._headers, **(headers or {}), REQUEST_ID_HEADER: request_id}
-        if kv_id is not None:
-            sent[KV_ID_HEADER] = kv_id
-        with _mapped(url):
-            async with self._session.post(
-                url, data=orjson.dumps(body), headers=sent, timeout=self._timeout(timeout_s)
-            ) as resp:
-                raw = await self._read_limited(resp, url)
-                if resp.status == 429:
-                    raise UpstreamRejected(url, "no free prefill slot")
-                if resp.status != 200:
-                    raise UpstreamStatus(url, resp.status, raw[:_MAX_ERROR_BODY])
-        return prefill_reply(url, raw)
+    def _sent(self, call: Call) -> dict[str, str]:
+        return {
+            **self._by_instance.get(call.url, self._headers),
+            **call.headers,
+            REQUEST_ID_HEADER: call.request_id,
+        }
 
-    async def prefill_batch(
-        self,
-        base_url: str,
-        bodies: list[dict[str, Any]],
-        *,
-        kv_ids: list[str],
-        request_id: str,
-        timeout_s: float,
-        headers: Mapping[str, str] | None = None,
-        path: str = COMPLETIONS_PATH,
-    ) -> AsyncIterator[tuple[int, int, dict[str, Any]]]:
-        url = base_url + path + BATCH_SUFFIX
-        payload = orjson.dumps({"requests": bodies, "kv_ids": kv_ids})
-        sent = {**self._headers, **(headers or {}), REQUEST_ID_HEADER: request_id}
+    async def _post(self, call: Call, timeout_s: float) -> tuple[int, bytes]:
+        url = call.url + call.path
+        sent = self._sent(call)
+        if call.kv_id is not None:
+            sent[KV_ID_HEADER] = call.kv_id
         with _mapped(url):
             async with self._session.post(
-                url, data=payload, headers=sent, timeout=self._timeout(timeout_s)
+                url, data=orjson.dumps(call.body), headers=sent, timeout=self._timeout(timeout_s)
             ) as resp:
-                if resp.status == 429:
-                    raise UpstreamRejected(url, "no free prefill slot")
+                return resp.status, await self._read_limited(resp, url)
+
+    async def _post_batch(
+        self, url: str, calls: list[Call], timeout_s: float
+    ) -> AsyncIterator[bytes]:
+        payload = orjson.dumps(
+            {"requests": [c.body for c in calls], "kv_ids": [c.kv_id for c in calls]}
+        )
+        with _mapped(url):
+            async with self._session.post(
+                url, data=payload, headers=self._sent(calls[0]), timeout=self._timeout(timeout_s)
+            ) as resp:
                 if resp.status != 200:
-                    raise UpstreamStatus(url, resp.status, (await resp.read())[:_MAX_ERROR_BODY])
+                    raise status_error(url, resp.status, await resp.read(), "prefill")
                 while line := await resp.content.readline():
-                    try:
-                        item = orjson.loads(line)
-                        yield int(item["index"]), int(item["status"]), item["body"]
-                    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                        raise UpstreamProtocolError(url, "bad line in a batch answer") from exc
+                    yield line
 
-    async def open_decode(
-        self,
-        base_url: str,
-        body: dict[str, Any],
-        *,
-        request_id: str,
-        connect_timeout_s: float,
-        headers: Mapping[str, str] | None = None,
-        path: str = COMPLETIONS_PATH,
-    ) -> _Stream:
-        url = base_url + path
+    async def _open(self, call: Call, connect_timeout_s: float) -> _Stream | tuple[int, bytes]:
+        url = call.url + call.path
         timeout = aiohttp.ClientTimeout(
             total=None,
             connect=max(0.001, min(self._connect_timeout_s, connect_timeout_s)),
@@ -201,10 +167,7 @@ class HttpUpstream:
             # A decode that accepts the connection and never answers is a failure too.
             async with asyncio.timeout(min(self._header_timeout_s, max(connect_timeout_s, 0.001))):
                 resp = await self._session.post(
-                    url,
-                    data=orjson.dumps(body),
-                    headers={**self._headers, **(headers or {}), REQUEST_ID_HEADER: request_id},
-                    timeout=timeout,
+                    url, data=orjson.dumps(call.body), headers=self._sent(call), timeout=timeout
                 )
         if resp.status == 200:
             return _Stream(resp)
@@ -215,17 +178,7 @@ class HttpUpstream:
             raw = b""
         finally:
             resp.release()
-        if resp.status == 429:
-            raise UpstreamRejected(url, "no free decode slot")
-        raise UpstreamStatus(url, resp.status, raw[:_MAX_ERROR_BODY])
-
-    async def release_kv_id(self, base_url: str, kv_id: str, *, request_id: str) -> None:
-        await self._delete(kv_release_url(base_url, kv_id), request_id)
-
-    async def release_kv(self, kv_params: dict[str, Any], *, request_id: str) -> None:
-        url = kv_url(kv_params)
-        if url is not None:
-            await self._delete(url, request_id)
+        return resp.status, raw
 
     async def _delete(self, url: str, request_id: str) -> None:
         try:

@@ -1,8 +1,9 @@
 """`MockUpstream`: an in-memory `Upstream` for tests, as httpx's `MockTransport` is for its
-transports. A handler function answers each call; the fake applies the same rules as
-`HttpUpstream` (429 -> `UpstreamRejected`, other non-200 -> `UpstreamStatus`, a prefill answer
-without ``kv_transfer_params`` -> `UpstreamProtocolError`), so code tested against it behaves
-the same over HTTP.
+transports. A handler function answers each call (a batch call: each of its requests), and
+the answers go through the same rules as `HttpUpstream`'s (`BaseUpstream`: 429 ->
+`UpstreamRejected`, other non-200 -> `UpstreamStatus`, a prefill answer without
+``kv_transfer_params`` -> `UpstreamProtocolError`), so code tested against it behaves the
+same over HTTP. It keeps every call (`calls`, `batches`) and decode stream (`streams`).
 
     async def handler(call: Call) -> Reply:
         if call.leg == "prefill":
@@ -15,30 +16,16 @@ the same over HTTP.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 
-from pdgate.config.wire import BATCH_SUFFIX, COMPLETIONS_PATH, kv_release_url, kv_url
-from pdgate.gateway.errors import UpstreamRejected, UpstreamStatus, UpstreamUnreachable
-from pdgate.gateway.upstream import prefill_reply
+from pdgate.gateway.errors import UpstreamStatus, UpstreamUnreachable
+from pdgate.gateway.upstream import BaseUpstream, Call
 
 __all__ = ["Call", "MockUpstream", "Reply"]
-
-Leg = Literal["prefill", "decode", "release"]
-
-
-@dataclass(frozen=True)
-class Call:
-    leg: Leg
-    url: str  # the instance's base URL (release: the KV's full URL)
-    body: dict[str, Any] | None
-    request_id: str
-    kv_id: str | None = None
-    headers: Mapping[str, str] = field(default_factory=dict)
-    path: str = COMPLETIONS_PATH  # the API the call went to (release: none)
 
 
 @dataclass
@@ -79,10 +66,11 @@ class _MockStream:
 
 
 @dataclass
-class MockUpstream:
+class MockUpstream(BaseUpstream):
     handler: Handler
     batch_endpoint: bool = True  # False: the batch endpoint answers 404 (a stock server)
     calls: list[Call] = field(default_factory=list)
+    batches: list[list[Call]] = field(default_factory=list)  # each batch call's prefill legs
     streams: list[_MockStream] = field(default_factory=list)
 
     async def _answer(self, call: Call) -> Reply:
@@ -92,85 +80,41 @@ class MockUpstream:
             raise UpstreamUnreachable(call.url, "connection refused")
         return reply
 
-    async def prefill(
-        self,
-        base_url: str,
-        body: dict[str, Any],
-        *,
-        request_id: str,
-        timeout_s: float,
-        kv_id: str | None = None,
-        headers: Mapping[str, str] | None = None,
-        path: str = COMPLETIONS_PATH,
-    ) -> dict[str, Any]:
-        url = base_url + path
-        call = Call("prefill", base_url, body, request_id, kv_id, dict(headers or {}), path)
+    async def _post(self, call: Call, timeout_s: float) -> tuple[int, bytes]:
         try:
             async with asyncio.timeout(timeout_s):
                 reply = await self._answer(call)
         except TimeoutError as exc:
-            raise UpstreamUnreachable(url, "TimeoutError") from exc
-        raw = orjson.dumps(reply.json or {})
-        if reply.status == 429:
-            raise UpstreamRejected(url, "no free prefill slot")
-        if reply.status != 200:
-            raise UpstreamStatus(url, reply.status, raw)
-        return prefill_reply(url, raw)
+            raise UpstreamUnreachable(call.url + call.path, "TimeoutError") from exc
+        return reply.status, orjson.dumps(reply.json or {})
 
-    async def prefill_batch(
-        self,
-        base_url: str,
-        bodies: list[dict[str, Any]],
-        *,
-        kv_ids: list[str],
-        request_id: str,
-        timeout_s: float,
-        headers: Mapping[str, str] | None = None,
-        path: str = COMPLETIONS_PATH,
-    ) -> AsyncIterator[tuple[int, int, dict[str, Any]]]:
+    async def _post_batch(
+        self, url: str, calls: list[Call], timeout_s: float
+    ) -> AsyncIterator[bytes]:
+        self.batches.append(calls)
         if not self.batch_endpoint:
-            raise UpstreamStatus(base_url + path + BATCH_SUFFIX, 404, b"{}")
-        calls = [
-            Call("prefill", base_url, body, request_id, kv_id, dict(headers or {}), path)
-            for body, kv_id in zip(bodies, kv_ids, strict=True)
-        ]
+            raise UpstreamStatus(url, 404, b"{}")
         tasks = [asyncio.ensure_future(self._answer(c)) for c in calls]
         try:
             for index, task in enumerate(tasks):
                 reply = await task
-                yield index, reply.status, reply.json or {}
+                yield orjson.dumps(
+                    {"index": index, "status": reply.status, "body": reply.json or {}}
+                )
         finally:
             for task in tasks:
                 task.cancel()
 
-    async def open_decode(
-        self,
-        base_url: str,
-        body: dict[str, Any],
-        *,
-        request_id: str,
-        connect_timeout_s: float,
-        headers: Mapping[str, str] | None = None,
-        path: str = COMPLETIONS_PATH,
-    ) -> _MockStream:
-        call = Call("decode", base_url, body, request_id, None, dict(headers or {}), path)
+    async def _open(self, call: Call, connect_timeout_s: float) -> _MockStream | tuple[int, bytes]:
         reply = await self._answer(call)
-        url = base_url + path
-        if reply.status == 429:
-            raise UpstreamRejected(url, "no free decode slot")
         if reply.status != 200:
-            raise UpstreamStatus(url, reply.status, orjson.dumps(reply.json or {}))
-        stream = _MockStream(url, reply)
+            return reply.status, orjson.dumps(reply.json or {})
+        stream = _MockStream(call.url + call.path, reply)
         self.streams.append(stream)
         return stream
 
-    async def release_kv_id(self, base_url: str, kv_id: str, *, request_id: str) -> None:
-        self.calls.append(Call("release", kv_release_url(base_url, kv_id), None, request_id))
-
-    async def release_kv(self, kv_params: dict[str, Any], *, request_id: str) -> None:
-        url = kv_url(kv_params)
-        if url is not None:
-            self.calls.append(Call("release", url, None, request_id))
+    async def _delete(self, url: str, request_id: str) -> None:
+        self.calls.append(Call("release", url, None, request_id))
 
     async def aclose(self) -> None:
         return None

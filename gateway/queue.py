@@ -3,9 +3,13 @@
 One `WaitQueue` per (model, group). Which waiting request goes next, in order:
 
 1. **Priority class**: strictly the most urgent class with waiters (0 before 1 before 2).
-2. **A deadline guard**: a request whose latest start (its deadline minus an estimate of its
-   prefill) is within `guard_s` goes first, so earliest-deadline-first cannot starve a
-   long-deadline request (a long document) until it is too late to start.
+2. **A start guard** (off unless `guard_s` > 0): a request that earliest-deadline-first would
+   not pick, whose latest start (its deadline minus a *pessimistic* estimate of its prefill)
+   is within `guard_s`, goes first, so EDF cannot starve a long-deadline, long-prompt request
+   (a document) until it is too late to start. A request past its latest start is left to
+   EDF and early drop: by the estimate it would fail anyway, and letting such requests go
+   first (least slack first) is the overload domino: measured, success at 4x load fell from
+   92-97% to 33-59% when the guard used the optimistic estimate and kept late requests.
 3. **Per-tenant fairness by token cost** (a virtual token counter, as in VTC, Sheng et al.
    2024): each tenant is charged the token cost of what it sends (prompt + max output
    tokens, divided by its weight), and the tenant charged least goes next; a tenant that
@@ -77,7 +81,7 @@ class Waiter:
     rejections: int = 0
     attempt_task: asyncio.Task[None] | None = field(default=None, repr=False)
     span: Span | None = field(default=None, repr=False)  # the request's trace span
-    # Latest start: the deadline minus an (optimistic) estimate of its prefill.
+    # Latest start: the deadline minus a pessimistic estimate of its prefill (the start guard).
     latest_start: float = float("inf")
     charged: float = 0.0  # its tenant's counter was charged this much when it was sent
     held_since: float | None = None  # monotonic: first held for a busy prefill's cache
@@ -112,6 +116,9 @@ class _Heap:
             heapq.heappop(self.entries)
         return self.entries[0][1] if self.entries else None
 
+    def pop_head(self) -> None:
+        heapq.heappop(self.entries)
+
     def compact(self, live: int) -> None:
         # Lazy deletion must not let removed entries pile up behind a long-lived head.
         if len(self.entries) > 2 * live + 64:
@@ -134,7 +141,7 @@ class _Class:
 
 
 class WaitQueue:
-    def __init__(self, max_size: int, order: QueueOrder, *, guard_s: float = 0.25) -> None:
+    def __init__(self, max_size: int, order: QueueOrder, *, guard_s: float = 0.0) -> None:
         self._max_size = max_size
         self._order = order
         self._guard_s = guard_s
@@ -243,7 +250,8 @@ class WaitQueue:
         tenant.heap.push(waiter.key, waiter)
         tenant.queued += 1
         tenant.weight = max(waiter.info.weight, 1e-6)
-        cls.latest_start.push((waiter.latest_start, waiter.key[1]), waiter)
+        if self._guard_s > 0 and time.monotonic() <= waiter.latest_start < float("inf"):
+            cls.latest_start.push((waiter.latest_start, waiter.key[1]), waiter)
         cls.queued += 1
         self._deadlines.push((waiter.deadline, waiter.key[1]), waiter)
         self._live += 1
@@ -292,11 +300,25 @@ class WaitQueue:
         if not self._live:
             return None
         cls = self._classes[min(self._classes)]
-        urgent = cls.latest_start.head()
-        if urgent is not None and urgent.latest_start <= time.monotonic() + self._guard_s:
-            return urgent
         name = min(cls.tenants, key=lambda n: self._counters.get(n, 0.0))
-        return cls.tenants[name].heap.head()
+        head = cls.tenants[name].heap.head()
+        if self._guard_s > 0:
+            urgent = self._guarded(cls)
+            if urgent is not None and (head is None or urgent.key > head.key):
+                return urgent
+        return head
+
+    def _guarded(self, cls: _Class) -> Waiter | None:
+        """The request of `cls` whose latest start comes first, if it is within the guard."""
+        now = time.monotonic()
+        guard = cls.latest_start
+        urgent = guard.head()
+        while urgent is not None and urgent.latest_start < now:
+            guard.pop_head()  # too late to start in time: EDF and early drop decide
+            urgent = guard.head()
+        if urgent is not None and urgent.latest_start <= now + self._guard_s:
+            return urgent
+        return None
 
     def pop(self) -> Waiter | None:
         waiter = self.peek()

@@ -26,8 +26,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pdgate.gateway.auth import PRIORITIES, ApiKey, Forbidden, parse_priority
-from pdgate.gateway.errors import BadRequest
+from pdgate.gateway.auth import PRIORITIES, ApiKey, parse_priority
+from pdgate.gateway.errors import BadRequest, Forbidden
 
 __all__ = ["PRIORITY_HEADER", "TENANT_HEADER", "Tenancy", "resolve_tenancy"]
 

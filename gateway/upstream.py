@@ -1,23 +1,43 @@
 """The upstream seam: the gateway's calls to prefill and decode instances.
 
-`Upstream` is the Protocol the dispatcher and the relay see; `HttpUpstream`
-(gateway/http_upstream.py) speaks HTTP through aiohttp and maps every aiohttp failure to an
-`UpstreamError` in one place; `MockUpstream` (gateway/mock_upstream.py) is an in-memory fake
-beside it for unit tests, as httpx's `MockTransport` is for its transports. Nothing above this
-seam sees sockets or aiohttp types.
+`Upstream` is the Protocol the dispatcher and the relay see. `BaseUpstream` implements it
+once: which URL a leg goes to, what an answer's status means, what a prefill answer and a
+batch line must hold. Its subclasses only move bytes: `HttpUpstream`
+(gateway/http_upstream.py) through aiohttp, mapping every aiohttp failure to an
+`UpstreamError` in one place, and `MockUpstream` (gateway/mock_upstream.py), an in-memory fake
+for unit tests, as httpx's `MockTransport` is for its transports. So code tested against the
+fake meets the same rules over HTTP. Nothing above this seam sees sockets or aiohttp types.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 import orjson
 
-from pdgate.config.wire import COMPLETIONS_PATH
-from pdgate.gateway.errors import UpstreamProtocolError, UpstreamStatus
+from pdgate.config.wire import BATCH_SUFFIX, COMPLETIONS_PATH, kv_release_url, kv_url
+from pdgate.gateway.errors import (
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamRejected,
+    UpstreamStatus,
+)
 
-__all__ = ["DecodeStream", "Upstream", "prefill_reply", "upstream_error_message"]
+__all__ = [
+    "BaseUpstream",
+    "Call",
+    "DecodeStream",
+    "Upstream",
+    "prefill_reply",
+    "status_error",
+    "upstream_error_message",
+]
+
+Leg = Literal["prefill", "decode", "release"]
+
+_MAX_ERROR_BODY = 64 * 1024
 
 
 class DecodeStream(Protocol):
@@ -99,6 +119,117 @@ class Upstream(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+@dataclass(slots=True)
+class Call:
+    """One call to an instance, as `BaseUpstream` hands it to the transport (and as
+    `MockUpstream` records it)."""
+
+    leg: Leg
+    url: str  # the instance's base URL (release: the KV's full URL)
+    body: dict[str, Any] | None
+    request_id: str
+    kv_id: str | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)  # extra ones, e.g. traceparent
+    path: str = COMPLETIONS_PATH  # the API the call goes to (release: none)
+
+
+class BaseUpstream:
+    """`Upstream`'s rules, once for every transport; subclasses implement the four
+    transport methods below and `aclose`."""
+
+    async def _post(self, call: Call, timeout_s: float) -> tuple[int, bytes]:
+        """POST `call` (a prefill leg); the answer's status and body."""
+        raise NotImplementedError
+
+    def _post_batch(self, url: str, calls: list[Call], timeout_s: float) -> AsyncIterator[bytes]:
+        """POST `calls` as one batch to `url`; the answer's lines (a non-200 answer raises
+        its `status_error`)."""
+        raise NotImplementedError
+
+    async def _open(self, call: Call, connect_timeout_s: float) -> DecodeStream | tuple[int, bytes]:
+        """POST `call` (a decode leg); the open stream of a 200, else the status and body."""
+        raise NotImplementedError
+
+    async def _delete(self, url: str, request_id: str) -> None:
+        """DELETE `url` (a KV release); best effort, never raises."""
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    async def prefill(
+        self,
+        base_url: str,
+        body: dict[str, Any],
+        *,
+        request_id: str,
+        timeout_s: float,
+        kv_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        path: str = COMPLETIONS_PATH,
+    ) -> dict[str, Any]:
+        call = Call("prefill", base_url, body, request_id, kv_id, headers or {}, path)
+        status, raw = await self._post(call, timeout_s)
+        if status != 200:
+            raise status_error(base_url + path, status, raw, "prefill")
+        return prefill_reply(base_url + path, raw)
+
+    async def prefill_batch(
+        self,
+        base_url: str,
+        bodies: list[dict[str, Any]],
+        *,
+        kv_ids: list[str],
+        request_id: str,
+        timeout_s: float,
+        headers: Mapping[str, str] | None = None,
+        path: str = COMPLETIONS_PATH,
+    ) -> AsyncIterator[tuple[int, int, dict[str, Any]]]:
+        url = base_url + path + BATCH_SUFFIX
+        calls = [
+            Call("prefill", base_url, body, request_id, kv_id, headers or {}, path)
+            for body, kv_id in zip(bodies, kv_ids, strict=True)
+        ]
+        async for line in self._post_batch(url, calls, timeout_s):
+            try:
+                item = orjson.loads(line)
+                yield int(item["index"]), int(item["status"]), item["body"]
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                raise UpstreamProtocolError(url, "bad line in a batch answer") from exc
+
+    async def open_decode(
+        self,
+        base_url: str,
+        body: dict[str, Any],
+        *,
+        request_id: str,
+        connect_timeout_s: float,
+        headers: Mapping[str, str] | None = None,
+        path: str = COMPLETIONS_PATH,
+    ) -> DecodeStream:
+        call = Call("decode", base_url, body, request_id, None, headers or {}, path)
+        opened = await self._open(call, connect_timeout_s)
+        if isinstance(opened, tuple):
+            raise status_error(base_url + path, *opened, "decode")
+        return opened
+
+    async def release_kv_id(self, base_url: str, kv_id: str, *, request_id: str) -> None:
+        await self._delete(kv_release_url(base_url, kv_id), request_id)
+
+    async def release_kv(self, kv_params: dict[str, Any], *, request_id: str) -> None:
+        url = kv_url(kv_params)
+        if url is not None:
+            await self._delete(url, request_id)
+
+
+def status_error(url: str, status: int, raw: bytes, leg: Leg) -> UpstreamError:
+    """What a non-200 answer means: 429 is "no free slot" (`UpstreamRejected`), any other
+    status an `UpstreamStatus` carrying the start of the body."""
+    if status == 429:
+        return UpstreamRejected(url, f"no free {leg} slot")
+    return UpstreamStatus(url, status, raw[:_MAX_ERROR_BODY])
 
 
 def upstream_error_message(exc: UpstreamStatus) -> str:

@@ -41,19 +41,13 @@ from pdgate.config.settings import (
 from pdgate.config.wire import Role
 from pdgate.registry import (
     Heartbeat,
-    InstanceRecord,
     InstanceState,
     Registry,
     check_access,
     open_registry,
 )
 from pdgate.registry.redis import redact_url
-from pdgate.registry.static import (
-    ProbeError,
-    check_health,
-    list_models,
-    static_instance_id,
-)
+from pdgate.registry.static import StockInstance, check_health, served_model
 
 log = logging.getLogger("pdgate.announce")
 
@@ -139,17 +133,12 @@ class _Announcer:
         role: Role,
     ) -> None:
         self._reg = reg
-        self._spec = spec
-        self._role = role
-        self._id = spec.id or static_instance_id(role, spec.url)
-        default = STATIC_PREFILL_CAPACITY if role is Role.PREFILL else STATIC_DECODE_CAPACITY
-        self._capacity = spec.capacity or default
         self._interval_s: float = args.probe_interval_s or reg.heartbeat_interval_s
         self._timeout_s: float = args.probe_timeout_s
         self._down_after: int = args.down_after
         self._drain_s: float = args.drain_s
         key = os.environ.get(API_KEY_ENV)
-        self._headers = {"authorization": f"Bearer {key}"} if key else {}
+        self._server = StockInstance(role, spec, {"authorization": f"Bearer {key}"} if key else {})
         self._name = f"{role.value} {spec.url}"
         self._heartbeat: Heartbeat | None = None  # while registered
 
@@ -162,7 +151,7 @@ class _Announcer:
         try:
             await check_access(registry)  # refused credentials: fail now, loudly
             print(
-                f"pdgate announce: {self._name} as {self._id!r} into "
+                f"pdgate announce: {self._name} as {self._server.id!r} into "
                 f"{redact_url(self._reg.url or '')}",
                 flush=True,
             )
@@ -189,8 +178,12 @@ class _Announcer:
             started = loop.time()
             try:
                 async with asyncio.timeout(self._timeout_s):
-                    await check_health(session, self._spec.url, self._headers)
-                    model = None if self._heartbeat is not None else await self._model(session)
+                    await check_health(session, self._server.spec.url, self._server.headers)
+                    model = (
+                        None
+                        if self._heartbeat is not None
+                        else await served_model(session, self._server, self._name)
+                    )
             except Exception as exc:  # whatever the server does, the sidecar carries on
                 failures += 1
                 reason = "timed out" if isinstance(exc, TimeoutError) else str(exc) or repr(exc)
@@ -213,7 +206,7 @@ class _Announcer:
                     assert model is not None
                     heartbeat = Heartbeat(
                         registry,
-                        self._record(model),
+                        self._server.ready_record(model, _VERSION),
                         interval_s=self._reg.heartbeat_interval_s,
                         ttl_s=self._reg.ttl_s,
                     )
@@ -222,37 +215,13 @@ class _Announcer:
                     log.info(
                         "%s registered as %r: model %r, capacity %d",
                         self._name,
-                        self._id,
+                        self._server.id,
                         model,
-                        self._capacity,
+                        self._server.capacity,
                     )
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, started + self._interval_s - loop.time())):
                     await stop.wait()
-
-    async def _model(self, session: aiohttp.ClientSession) -> str:
-        given = self._spec.model
-        try:
-            names = await list_models(session, self._spec.url, self._headers)
-        except (ProbeError, aiohttp.ClientError) as exc:
-            if given is None:
-                raise
-            log.info("%s: %s; using the given model %r", self._name, exc, given)
-            return given
-        if given is not None and given not in names:
-            log.warning("%s: model %r given, but the server lists %s", self._name, given, names[:8])
-        return given or names[0]
-
-    def _record(self, model: str) -> InstanceRecord:
-        return InstanceRecord(
-            id=self._id,
-            role=self._role,
-            url=self._spec.url,
-            model=model,
-            group=self._spec.group,
-            capacity=self._capacity,
-            version=_VERSION,
-        )
 
     async def _drain(self, heartbeat: Heartbeat, session: aiohttp.ClientSession) -> None:
         """DRAINING while the server still answers, at most ``drain_s``; a second signal
@@ -267,7 +236,7 @@ class _Announcer:
         while not again.is_set() and loop.time() < deadline:
             try:
                 async with asyncio.timeout(self._timeout_s):
-                    await check_health(session, self._spec.url, self._headers)
+                    await check_health(session, self._server.spec.url, self._server.headers)
             except Exception:  # the server has stopped: nothing left to drain
                 return
             with contextlib.suppress(TimeoutError):

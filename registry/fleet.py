@@ -47,8 +47,8 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import RedisError
 
 from pdgate.registry._slot_table import SlotTable
-from pdgate.registry.base import RegistryAuthError, RegistryUnavailable, is_auth_failure
-from pdgate.registry.redis import redact_url
+from pdgate.registry.base import RegistryUnavailable
+from pdgate.registry.redis import redact_url, redis_unavailable
 
 __all__ = [
     "Candidate",
@@ -477,12 +477,7 @@ class RedisFleet:
         return f"{self._base}heads:{queue}"
 
     def _unavailable(self, op: str, exc: BaseException) -> RegistryUnavailable:
-        if is_auth_failure(exc):
-            return RegistryAuthError(
-                f"fleet state {self._safe_url}: {op}: Redis refused the credentials "
-                f"(password, ACL user or TLS settings in the URL): {exc}"
-            )
-        return RegistryUnavailable(f"fleet state {self._safe_url}: {op} failed: {exc!r}")
+        return redis_unavailable(f"fleet state {self._safe_url}", op, exc)
 
     async def acquire(
         self,

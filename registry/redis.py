@@ -74,6 +74,17 @@ def redact_url(url: str) -> str:
     return f"{scheme}{sep}{authority}{tail}"
 
 
+def redis_unavailable(where: str, op: str, exc: BaseException) -> RegistryUnavailable:
+    """A failed Redis call `op` of `where` (a store and its redacted URL) as the registry's
+    error: `RegistryAuthError` when Redis refused the credentials, else `RegistryUnavailable`."""
+    if is_auth_failure(exc):
+        return RegistryAuthError(
+            f"{where}: {op}: Redis refused the credentials "
+            f"(password, ACL user or TLS settings in the URL): {exc}"
+        )
+    return RegistryUnavailable(f"{where}: {op} failed: {exc!r}")
+
+
 def _event_payload(kind: EventKind, instance_id: str, record: InstanceRecord | None) -> bytes:
     return orjson.dumps(
         {"kind": kind, "id": instance_id, "record": None if record is None else record.to_dict()}
@@ -374,9 +385,4 @@ class RedisRegistry:
         self._over_limit = over
 
     def _unavailable(self, op: str, exc: BaseException) -> RegistryUnavailable:
-        if is_auth_failure(exc):
-            return RegistryAuthError(
-                f"redis registry {self._safe_url}: {op}: Redis refused the credentials "
-                f"(password, ACL user or TLS settings in the URL): {exc}"
-            )
-        return RegistryUnavailable(f"redis registry {self._safe_url}: {op} failed: {exc!r}")
+        return redis_unavailable(f"redis registry {self._safe_url}", op, exc)

@@ -50,8 +50,10 @@ __all__ = [
     "MergedRegistry",
     "ProbeError",
     "StaticRegistry",
+    "StockInstance",
     "check_health",
     "list_models",
+    "served_model",
     "static_api_keys",
     "static_instance_id",
     "with_static_instances",
@@ -137,12 +139,45 @@ def static_api_keys(
 
 
 @dataclass(slots=True)
-class _Target:
+class StockInstance:
+    """A server that does not register itself (stock vLLM), as pdgate lists it, whether a
+    gateway declares it (static) or a `pdgate announce` sidecar does: the id and capacity
+    its declaration names, else its URL's id and its role's default capacity."""
+
     role: Role
     spec: StaticInstance
-    id: str
-    capacity: int
     headers: Mapping[str, str]  # with the probes: the bearer token this server expects
+
+    @property
+    def id(self) -> str:
+        return self.spec.id or static_instance_id(self.role, self.spec.url)
+
+    @property
+    def capacity(self) -> int:
+        default = STATIC_PREFILL_CAPACITY if self.role is Role.PREFILL else STATIC_DECODE_CAPACITY
+        return self.spec.capacity or default
+
+    def ready_record(
+        self, model: str, version: str, started_at: float | None = None
+    ) -> InstanceRecord:
+        """Its record, ready and serving `model` (started now unless `started_at`)."""
+        return InstanceRecord(
+            id=self.id,
+            role=self.role,
+            url=self.spec.url,
+            model=model,
+            group=self.spec.group,
+            capacity=self.capacity,
+            state=InstanceState.READY,
+            version=version,
+            started_at=time.time() if started_at is None else started_at,
+        )
+
+
+@dataclass(slots=True)
+class _Target(StockInstance):
+    """A static instance with its prober's state."""
+
     record: InstanceRecord | None = None  # what is published (None: never answered yet)
     failures: int = 0  # failed probes in a row
     learn: bool = True  # read GET /v1/models at the next answer (first, or after a failure)
@@ -151,6 +186,32 @@ class _Target:
     @property
     def name(self) -> str:
         return f"static {self.role.value} {self.spec.url}"
+
+
+async def served_model(session: aiohttp.ClientSession, server: StockInstance, name: str) -> str:
+    """The model to register `server` under: the one its declaration names, else the first
+    the server lists.
+    A named model stands even when the server's list cannot be read (logged) or lacks it
+    (a warning); with none named, a failed list raises (`ProbeError`, aiohttp's errors)."""
+    given = server.spec.model
+    try:
+        names = await list_models(session, server.spec.url, server.headers)
+    except (ProbeError, aiohttp.ClientError) as exc:
+        if given is None:
+            raise
+        logger.info("%s: %s; using the given model %r", name, _describe(exc), given)
+        return given
+    if given is None:
+        return names[0]
+    if given not in names:
+        logger.warning(
+            "%s: model %r given, but the server lists %s: requests for %r will fail there",
+            name,
+            given,
+            names[:8],
+            given,
+        )
+    return given
 
 
 class StaticRegistry:
@@ -174,17 +235,12 @@ class StaticRegistry:
         common = dict(headers or {})
         keys = dict(api_keys or {})
         self._targets: list[_Target] = []
-        for role, specs, default_capacity in (
-            (Role.PREFILL, prefills, STATIC_PREFILL_CAPACITY),
-            (Role.DECODE, decodes, STATIC_DECODE_CAPACITY),
-        ):
+        for role, specs in ((Role.PREFILL, prefills), (Role.DECODE, decodes)):
             for spec in specs:
                 self._targets.append(
                     _Target(
                         role,
                         spec,
-                        spec.id or static_instance_id(role, spec.url),
-                        spec.capacity or default_capacity,
                         {**common, "authorization": f"Bearer {keys[spec.url]}"}
                         if spec.url in keys
                         else common,
@@ -274,47 +330,18 @@ class StaticRegistry:
             async with asyncio.timeout(self._timeout_s):
                 await check_health(session, target.spec.url, target.headers)
                 if target.learn or target.record is None:
-                    model = await self._model(session, target)
+                    model = await served_model(session, target, target.name)
         except Exception as exc:  # the prober must outlive anything a server answers
             await self._failed(target, _describe(exc))
             return
         await self._answered(target, model)
 
-    async def _model(self, session: aiohttp.ClientSession, target: _Target) -> str:
-        given = target.spec.model
-        try:
-            names = await list_models(session, target.spec.url, target.headers)
-        except (ProbeError, aiohttp.ClientError) as exc:
-            if given is None:
-                raise
-            logger.info("%s: %s; using the given model %r", target.name, _describe(exc), given)
-            return given
-        if given is None:
-            return names[0]
-        if given not in names:
-            logger.warning(
-                "%s: model %r given, but the server lists %s: requests for %r will fail there",
-                target.name,
-                given,
-                names[:8],
-                given,
-            )
-        return given
-
     async def _answered(self, target: _Target, model: str | None) -> None:
         old = target.record
         model = model or (old.model if old is not None else None)
         assert model is not None  # learned when there was no record
-        record = InstanceRecord(
-            id=target.id,
-            role=target.role,
-            url=target.spec.url,
-            model=model,
-            group=target.spec.group,
-            capacity=target.capacity,
-            state=InstanceState.READY,
-            version=STATIC_VERSION,
-            started_at=old.started_at if old is not None else time.time(),
+        record = target.ready_record(
+            model, STATIC_VERSION, started_at=old.started_at if old is not None else None
         )
         changed = record != old
         if changed:

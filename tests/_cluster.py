@@ -2,7 +2,8 @@
 
 `ThreadedCluster` runs `pdgate up`'s embedded cluster on its own event loop in a thread, so
 tests can drive it with blocking clients (the official openai client); `Subprocess` runs a
-``pdgate`` command as a real child process (for kill -9 and registry tests).
+``pdgate`` command as a real child process (for kill -9 and registry tests), and
+`Processes` starts a test's shims and gateways that way, on one shared registry.
 """
 
 from __future__ import annotations
@@ -10,17 +11,21 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from pdgate.config import ClusterSettings, GatewaySettings, RegistrySettings, ShimSettings
 from pdgate.loadtest.embedded import ClusterInfo, embedded_cluster
+
+SIM_MODEL = "sim-llama-3.1-8b"  # what a sim shim serves unless told otherwise
 
 
 class ThreadedCluster:
@@ -97,6 +102,31 @@ class ThreadedCluster:
         self, predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition"
     ) -> None:
         wait_for(predicate, timeout, what)
+
+
+def raw_post(url: str, body: bytes, length: int | None = None) -> socket.socket:
+    """A client on a bare socket: ``POST /v1/completions`` to `url` with `body` sent and a
+    Content-Length of `length` (default: the body's own; more makes an upload that stalls).
+    The socket stays open for the test to read from or drop."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    size = len(body) if length is None else length
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {size}\r\n\r\n".encode()
+        + body
+    )
+    return sock
+
+
+def keyed_cluster(tmp_path: Path, keys: str, **gateway: Any) -> ThreadedCluster:
+    """A one-prefill, one-decode cluster whose gateway reads its client keys from a keys file
+    holding `keys` (`gateway`: more gateway settings; the admin token is "adm" unless
+    they name another)."""
+    keys_file = tmp_path / "keys"
+    keys_file.write_text(keys)
+    settings = {"api_keys_file": keys_file, "admin_token": "adm", **gateway}
+    return ThreadedCluster(prefills=1, decodes=1, gateway=settings)
 
 
 def get_instances(gateway_url: str, admin_token: str | None = None) -> list[dict[str, Any]]:
@@ -193,6 +223,23 @@ class Subprocess:
         return self.proc.wait(timeout)
 
 
+def refused(
+    args: list[str], message: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``pdgate ARGS`` to its end and check that it refused to start as a command should:
+    exit status 2 and `message` on stderr, never a traceback."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pdgate.config.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    return out
+
+
 def registry_env(
     url: str, prefix: str, *, ttl: float = 1.0, heartbeat: float = 0.25, poll: float = 0.25
 ) -> dict[str, str]:
@@ -214,3 +261,35 @@ def start(procs: list[Subprocess], args: list[str], env: dict[str, str]) -> Subp
 def gateway_url(p: Subprocess) -> str:
     line = next(line for line in p.lines if line.startswith("pdgate gateway:"))
     return line.split()[-1].removesuffix("/v1")
+
+
+def wait_instances(gateway_url: str, n: int, timeout: float = 10.0) -> None:
+    """Until the gateway lists `n` instances."""
+    wait_for(lambda: len(get_instances(gateway_url)) == n, timeout, f"{n} instances listed")
+
+
+def instances_by_id(gateway_url: str) -> dict[str, dict[str, Any]]:
+    return {row["id"]: row for row in get_instances(gateway_url)}
+
+
+def instance_urls(gateway_url: str, role: str) -> list[str]:
+    return [row["url"] for row in get_instances(gateway_url) if row["role"] == role]
+
+
+class Processes:
+    """A test's shims and gateways, each a ``pdgate`` process on loopback with settings `env`
+    (a shared registry: `registry_env`), killed after the test with the rest of `procs`."""
+
+    def __init__(self, procs: list[Subprocess], env: Mapping[str, str]) -> None:
+        self.procs = procs
+        self.env = dict(env)
+
+    def shim(self, role: str, *args: str, env: Mapping[str, str] | None = None) -> Subprocess:
+        """A sim shim of `role`; `args` are more flags, `env` more settings."""
+        argv = ["shim", "--host", "127.0.0.1", "--port", "0", "--role", role, *args]
+        return start(self.procs, argv, {**self.env, **(env or {})})
+
+    def gateway(self, *args: str, env: Mapping[str, str] | None = None) -> str:
+        """A gateway (`args`: more flags, `env`: more settings); its URL."""
+        argv = ["gateway", "--host", "127.0.0.1", "--port", "0", *args]
+        return gateway_url(start(self.procs, argv, {**self.env, **(env or {})}))

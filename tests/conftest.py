@@ -16,7 +16,7 @@ from typing import NoReturn
 import pytest
 from redis.exceptions import RedisError
 
-from tests._cluster import Subprocess
+from tests._cluster import Processes, Subprocess, registry_env
 from tests._redis import RedisServer, RedisServerError, delete_prefix, find_shared_redis
 
 
@@ -73,3 +73,10 @@ def procs() -> Iterator[list[Subprocess]]:
     yield started
     for p in started:
         p.kill()
+
+
+@pytest.fixture
+def processes(redis_url: str, registry_prefix: str, procs: list[Subprocess]) -> Processes:
+    """`pdgate` shims and gateways that register in a real Redis, under a key prefix of
+    their own."""
+    return Processes(procs, registry_env(redis_url, registry_prefix))

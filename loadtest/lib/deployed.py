@@ -18,7 +18,6 @@ import contextlib
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 import orjson
@@ -97,7 +96,7 @@ class DeployedCluster:
         try:
             await self._start()
         except BaseException:
-            await self._stack.aclose()
+            await self.aclose()
             raise
         return self
 
@@ -168,10 +167,9 @@ class DeployedCluster:
         if failed:
             raise failed[0]
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def aclose(self) -> None:
+        """Stop the gateways, then the shims, then Redis."""
         await self._stack.aclose()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,11 +1,14 @@
 """Generated blocks of the docs: the text between ``<!-- NAME:begin -->`` and
-``<!-- NAME:end -->`` is a benchmark's output, the prose around it is kept."""
+``<!-- NAME:end -->`` is a benchmark's output, the prose around it is kept; and what every
+benchmark command does with its result (`save_run`, `publish`)."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["update_block"]
+__all__ = ["publish", "save_run", "update_block"]
 
 
 def update_block(doc: Path, name: str, block: str, *, append: bool = False) -> bool:
@@ -23,3 +26,35 @@ def update_block(doc: Path, name: str, block: str, *, append: bool = False) -> b
         return True
     doc.write_text(text[: start + len(begin)] + body + text[stop:])
     return True
+
+
+def save_run(
+    out: Path,
+    kind: str,
+    *,
+    plot: Callable[[Path], None],
+    csv: Callable[[Path], None] | None = None,
+) -> str | None:
+    """Write run `kind`'s files into `out` (created): ``<kind>.csv`` with `csv`, and
+    ``<kind>.png`` with `plot`; the plot as the docs link it (``<out>/<kind>.png``), None
+    when it could not be drawn (matplotlib, the loadtest extra, missing: a hint on stderr,
+    the numbers are published without their plot)."""
+    out.mkdir(parents=True, exist_ok=True)
+    if csv is not None:
+        csv(out / f"{kind}.csv")
+    png = out / f"{kind}.png"
+    try:
+        plot(png)
+    except ImportError:
+        print("no plot: matplotlib is missing (pip install -e '.[loadtest]')", file=sys.stderr)
+        return None
+    return f"{out.name}/{png.name}"
+
+
+def publish(block: str, out: Path, kind: str, doc: Path | None, bench: str) -> None:
+    """Write the result `block` of run `kind` to ``out/<kind>.md`` and, when `doc` exists, into
+    its ``<bench>:<kind>`` markers (a note on stderr when it has none: the doc is left as
+    it is)."""
+    (out / f"{kind}.md").write_text(block)
+    if doc is not None and doc.exists() and not update_block(doc, f"{bench}:{kind}", block):
+        print(f"{doc}: no {bench}:{kind} markers; see {out}/{kind}.md", file=sys.stderr)

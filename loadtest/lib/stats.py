@@ -79,6 +79,18 @@ class Summary:
         """Requests the client never sent (open loop, in-flight bound reached)."""
         return self.status_counts.get(DROPPED, 0)
 
+    def headline(self) -> dict[str, float]:
+        """The figures every benchmark's CSV rows carry, by column name, in column order."""
+        return {
+            "success_rate": self.success_rate,
+            "goodput_rps": self.goodput_rps,
+            "throughput_rps": self.throughput_rps,
+            "ttft_p50_s": self.ttft_p50_s,
+            "ttft_p99_s": self.ttft_p99_s,
+            "e2e_p50_s": self.e2e_p50_s,
+            "e2e_p99_s": self.e2e_p99_s,
+        }
+
 
 def summarize(results: Iterable[RequestResult], window_s: float) -> Summary:
     """Summary of the requests issued during a measurement window of `window_s` seconds."""

@@ -13,15 +13,15 @@ and, unless ``--no-doc``, the ``ratio:KIND`` block of the doc (KIND = quick or f
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import orjson
 
 from pdgate.loadtest.lib.children import run_main
+from pdgate.loadtest.lib.docs import publish, save_run
 from pdgate.loadtest.ratio.experiment import Plan, Result, Split, run_experiment
-from pdgate.loadtest.ratio.report import markdown, summary_json, update_doc, write_csv, write_plot
+from pdgate.loadtest.ratio.report import markdown, summary_json, write_csv, write_plot
 from pdgate.loadtest.ratio.workload import QUICK_WORKLOADS, WORKLOADS, Shape, workload_named
 from pdgate.loadtest.scheduling.runner import Timing
 
@@ -133,18 +133,13 @@ def describe(plan: Plan) -> str:
 
 
 def write_outputs(result: Result, kind: str, out: Path, doc: Path | None, command: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    write_csv(result, out / f"{kind}.csv")
-    plot: str | None = f"{out.name}/{kind}.png"
-    try:
-        write_plot(result, out / f"{kind}.png", f"pdgate bench ratio ({kind})")
-    except ImportError:
-        print("no plot: matplotlib is missing (pip install -e '.[loadtest]')", file=sys.stderr)
-        plot = None
-    block = markdown(result, command, plot, describe(result.plan))
-    (out / f"{kind}.md").write_text(block)
-    if doc is not None and doc.exists() and not update_doc(doc, kind, block):
-        print(f"{doc}: no ratio:{kind} markers; see {out}/{kind}.md", file=sys.stderr)
+    plot = save_run(
+        out,
+        kind,
+        csv=lambda path: write_csv(result, path),
+        plot=lambda path: write_plot(result, path, f"pdgate bench ratio ({kind})"),
+    )
+    publish(markdown(result, command, plot, describe(result.plan)), out, kind, doc, "ratio")
 
 
 def main(args: argparse.Namespace, command: str) -> int:

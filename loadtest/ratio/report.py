@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pdgate.loadtest.lib.docs import update_block
 from pdgate.loadtest.lib.stats import Spread
 from pdgate.loadtest.ratio.experiment import Result, Run, Split, split_label
 from pdgate.loadtest.ratio.workload import Workload, model_ratio, split_of
@@ -24,7 +23,6 @@ __all__ = [
     "comparisons",
     "markdown",
     "summary_json",
-    "update_doc",
     "write_csv",
     "write_plot",
 ]
@@ -136,13 +134,7 @@ def _row(run: Run) -> dict[str, Any]:
         "decodes": run.split[1],
         "users": run.point.users,
         "requests": s.requests,
-        "success_rate": s.success_rate,
-        "goodput_rps": s.goodput_rps,
-        "throughput_rps": s.throughput_rps,
-        "ttft_p50_s": s.ttft_p50_s,
-        "ttft_p99_s": s.ttft_p99_s,
-        "e2e_p50_s": s.e2e_p50_s,
-        "e2e_p99_s": s.e2e_p99_s,
+        **s.headline(),
         "gateway_503s": s.status_counts.get(503, 0),
         "host_cpu_cores": run.point.host_cpu,
         "cluster_cpu_cores": run.point.cluster_cpu,
@@ -306,7 +298,3 @@ def _cores() -> int:
     import os
 
     return os.cpu_count() or 1
-
-
-def update_doc(doc: Path, kind: str, block: str) -> bool:
-    return update_block(doc, f"ratio:{kind}", block)

@@ -9,13 +9,14 @@ are counted as fully as fast ones.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import aiohttp
 import orjson
 
+from pdgate.config.aio import finish_or_cancel
 from pdgate.loadtest.lib.sse import PRIORITY_HEADER, TENANT_HEADER, TTFT_HEADER, post_stream
 from pdgate.loadtest.lib.stats import RequestResult
 from pdgate.loadtest.scheduling.workload import Prompt, Workload
@@ -73,29 +74,25 @@ async def send_completion(
     )
 
 
+@dataclass(eq=False)
 class LoadGenerator:
-    """Tasks that issue requests to `completions_urls` (one per gateway), a measurement
-    window, and a bounded stop. Subclasses create their tasks in `start` and add them to
-    ``self._tasks``."""
+    """Tasks that issue requests of `workload` to `completions_urls` (one per gateway), a
+    measurement window, and a bounded stop. Subclasses add what drives their load as
+    fields, and create their tasks in `start` (adding them to ``self._tasks``)."""
 
-    def __init__(
-        self,
-        session: aiohttp.ClientSession,
-        completions_urls: Sequence[str],
-        model: str,
-        workload: Workload,
-    ) -> None:
-        if not completions_urls:
+    session: aiohttp.ClientSession
+    completions_urls: Sequence[str]
+    model: str
+    workload: Workload
+    results: list[RequestResult] = field(default_factory=list, init=False)
+    issued: int = field(default=0, init=False)  # every request issued, in the window or not
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set, init=False, repr=False)
+    _stopping: bool = field(default=False, init=False, repr=False)
+    _window: tuple[float, float] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.completions_urls:
             raise ValueError("gateway URLs must not be empty")
-        self._session = session
-        self._urls = list(completions_urls)
-        self._model = model
-        self._workload = workload
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._stopping = False
-        self._window: tuple[float, float] | None = None
-        self.results: list[RequestResult] = []
-        self.issued = 0  # every request issued, in the window or not
 
     def start(self) -> None:
         raise NotImplementedError
@@ -122,16 +119,5 @@ class LoadGenerator:
         many were still running and had to be cancelled (0 unless something hung)."""
         self._stopping = True
         self._halt()
-        tasks = set(self._tasks)
-        if not tasks:
-            return 0
-        if timeout_s > 0:
-            _, pending = await asyncio.wait(tasks, timeout=timeout_s)
-        else:  # stop at once (a failed point): cancel whatever still runs
-            pending = {t for t in tasks if not t.done()}
-        for task in pending:
-            task.cancel()
-        for task in pending:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        return len(pending)
+        # A timeout of 0 stops at once (a failed point).
+        return await finish_or_cancel(set(self._tasks), timeout_s)

@@ -12,51 +12,40 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
-
-import aiohttp
+from dataclasses import dataclass, field
 
 from pdgate.loadtest.scheduling._load import LoadGenerator, send_completion
-from pdgate.loadtest.scheduling.workload import Workload
 
 __all__ = ["ClosedLoop", "send_completion"]
 
 
+@dataclass(eq=False)
 class ClosedLoop(LoadGenerator):
-    def __init__(
-        self,
-        session: aiohttp.ClientSession,
-        completions_urls: Sequence[str],
-        model: str,
-        workload: Workload,
-        users: int,
-        *,
-        user_offset: int = 0,
-        ramp_s: float = 0.5,
-    ) -> None:
-        if users <= 0:
+    users: int
+    user_offset: int = field(default=0, kw_only=True)  # distinct random streams per load level
+    ramp_s: float = field(default=0.5, kw_only=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.users <= 0:
             raise ValueError("users must not be empty")
-        super().__init__(session, completions_urls, model, workload)
-        self._users = users
-        self._offset = user_offset  # distinct random streams for each load level
-        self._ramp_s = ramp_s
 
     def start(self) -> None:
         self._tasks = {
-            asyncio.create_task(self._user(i), name=f"user-{i}") for i in range(self._users)
+            asyncio.create_task(self._user(i), name=f"user-{i}") for i in range(self.users)
         }
 
     async def _user(self, index: int) -> None:
-        rng = self._workload.user_rng(self._offset + index)
-        gateway = index % len(self._urls)
-        url = self._urls[gateway]
-        tenant = self._workload.tenant_for(index // len(self._urls))
+        rng = self.workload.user_rng(self.user_offset + index)
+        gateway = index % len(self.completions_urls)
+        url = self.completions_urls[gateway]
+        tenant = self.workload.tenant_for(index // len(self.completions_urls))
         # Spread the first requests so the run does not start with one synchronised burst.
-        await asyncio.sleep(self._ramp_s * index / self._users)
+        await asyncio.sleep(self.ramp_s * index / self.users)
         while not self._stopping:
-            prompt = self._workload.next_prompt(rng, tenant)
+            prompt = self.workload.next_prompt(rng, tenant)
             issued = time.monotonic()
             self.issued += 1
-            result = await send_completion(self._session, url, self._model, prompt, gateway=gateway)
+            result = await send_completion(self.session, url, self.model, prompt, gateway=gateway)
             if self._in_window(issued):
                 self.results.append(result)

@@ -17,7 +17,6 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from types import TracebackType
 
 import aiohttp
 import orjson
@@ -84,13 +83,12 @@ class Cluster:
     async def __aenter__(self) -> Cluster:
         raise NotImplementedError
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def aclose(self) -> None:
+        """Stop every server of the cluster."""
         raise NotImplementedError
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 class InProcessCluster(Cluster):
@@ -116,12 +114,7 @@ class InProcessCluster(Cluster):
         data: dict[str, float] = orjson.loads(await self._child.ask(b"stats"))
         return {"gateway_cpu_s": math.nan, **data}
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def aclose(self) -> None:
         await self._child.stop()
 
 
@@ -158,13 +151,8 @@ class ProcessCluster(Cluster):
         shims = sum(c.cpu_s() for c in (*self._deployed.prefills, *self._deployed.decodes))
         return {"cpu_s": gateways + shims, "gateway_cpu_s": gateways, "wall_s": time.monotonic()}
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._deployed.__aexit__(exc_type, exc, tb)
+    async def aclose(self) -> None:
+        await self._deployed.aclose()
 
 
 def open_cluster(spec: ClusterSpec, mode: Mode, deploy: str) -> Cluster:

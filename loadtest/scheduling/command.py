@@ -26,6 +26,7 @@ from pathlib import Path
 import orjson
 
 from pdgate.loadtest.lib.children import run_main
+from pdgate.loadtest.lib.docs import publish, save_run
 from pdgate.loadtest.scheduling.capacity import Capacity, CapacityPlan
 from pdgate.loadtest.scheduling.clusters import DEPLOYS
 from pdgate.loadtest.scheduling.experiment import Plan, Result, run_experiment
@@ -43,7 +44,6 @@ from pdgate.loadtest.scheduling.report import (
     markdown_table,
     spread_table,
     summary_json,
-    update_doc,
     write_csv,
     write_plot,
 )
@@ -325,13 +325,13 @@ def describe(plan: Plan) -> str:
 
 
 def write_outputs(result: Result, kind: str, out: Path, doc: Path | None, command: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    write_csv(result, out / f"{kind}.csv")
     title = f"pdgate bench scheduling ({kind}): {describe(result.plan)}"
-    try:
-        write_plot(result, out / f"{kind}.png", title)
-    except ImportError:
-        print("no plot: matplotlib is missing (pip install -e '.[loadtest]')", file=sys.stderr)
+    save_run(
+        out,
+        kind,
+        csv=lambda path: write_csv(result, path),
+        plot=lambda path: write_plot(result, path, title),
+    )
     plan = result.plan
     calibration = calibration_table(result.calibration, plan.success_target)
     capacity = capacity_table(result)
@@ -359,9 +359,7 @@ def write_outputs(result: Result, kind: str, out: Path, doc: Path | None, comman
         + (f"\nCapacity:\n\n{capacity}" if capacity else "")
         + f"\n![{kind} run]({out.name}/{kind}.png)\n"
     )
-    (out / f"{kind}.md").write_text(block)
-    if doc is not None and doc.exists() and not update_doc(doc, kind, block):
-        print(f"{doc}: no scheduling:{kind} markers; see {out}/{kind}.md", file=sys.stderr)
+    publish(block, out, kind, doc, "scheduling")
 
 
 def main(args: argparse.Namespace, command: str) -> int:

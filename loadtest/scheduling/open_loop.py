@@ -24,14 +24,12 @@ import asyncio
 import math
 import random
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-
-import aiohttp
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from pdgate.loadtest.lib.stats import DROPPED, RequestResult
 from pdgate.loadtest.scheduling._load import LoadGenerator, send_completion
-from pdgate.loadtest.scheduling.workload import Prompt, Workload
+from pdgate.loadtest.scheduling.workload import Prompt
 
 __all__ = ["ARRIVALS", "Arrivals", "OpenLoop", "arrival_times"]
 
@@ -106,29 +104,20 @@ def arrival_times(arrivals: Arrivals, rate: float, rng: random.Random) -> Iterat
         end = t + rng.expovariate(1 / (on_s if on else off_s))
 
 
+@dataclass(eq=False)
 class OpenLoop(LoadGenerator):
-    def __init__(
-        self,
-        session: aiohttp.ClientSession,
-        completions_urls: Sequence[str],
-        model: str,
-        workload: Workload,
-        arrivals: Arrivals,
-        rate: float,
-        *,
-        max_in_flight: int,
-        stream: int = 0,
-    ) -> None:
-        if rate <= 0 or max_in_flight < 1:
+    arrivals: Arrivals
+    rate: float
+    max_in_flight: int = field(kw_only=True)
+    stream: int = field(default=0, kw_only=True)  # distinct random streams per load level
+    dropped: int = field(default=0, init=False)  # every arrival not sent, in the window or not
+    _inflight: set[asyncio.Task[None]] = field(default_factory=set, init=False, repr=False)
+    _arriving: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rate <= 0 or self.max_in_flight < 1:
             raise ValueError("the rate and the in-flight bound must be positive")
-        super().__init__(session, completions_urls, model, workload)
-        self._arrivals = arrivals
-        self._rate = rate
-        self._bound = max_in_flight
-        self._stream = stream  # distinct random streams for each load level
-        self._inflight: set[asyncio.Task[None]] = set()
-        self._arriving: asyncio.Task[None] | None = None
-        self.dropped = 0  # every arrival not sent, in the window or not
 
     def start(self) -> None:
         self._arriving = asyncio.create_task(self._arrive(), name="arrivals")
@@ -139,20 +128,20 @@ class OpenLoop(LoadGenerator):
             self._arriving.cancel()
 
     async def _arrive(self) -> None:
-        rng = self._workload.user_rng(self._stream)  # the prompts (and tenants)
-        seed = f"{self._workload.seed}/arrivals/{self._stream}"
-        times = arrival_times(self._arrivals, self._rate, random.Random(seed))
+        rng = self.workload.user_rng(self.stream)  # the prompts (and tenants)
+        seed = f"{self.workload.seed}/arrivals/{self.stream}"
+        times = arrival_times(self.arrivals, self.rate, random.Random(seed))
         began = time.monotonic()
         for i, at in enumerate(times):
             await asyncio.sleep(max(0.0, began + at - time.monotonic()))
             if self._stopping:
                 return
-            self._issue(i % len(self._urls), self._workload.next_prompt(rng))
+            self._issue(i % len(self.completions_urls), self.workload.next_prompt(rng))
 
     def _issue(self, gateway: int, prompt: Prompt) -> None:
         issued = time.monotonic()
         self.issued += 1
-        if len(self._inflight) >= self._bound:
+        if len(self._inflight) >= self.max_in_flight:
             self.dropped += 1
             if self._in_window(issued):
                 self.results.append(_dropped(prompt, gateway))
@@ -164,8 +153,8 @@ class OpenLoop(LoadGenerator):
         task.add_done_callback(self._tasks.discard)
 
     async def _send(self, gateway: int, prompt: Prompt, issued: float) -> None:
-        url = self._urls[gateway]
-        result = await send_completion(self._session, url, self._model, prompt, gateway=gateway)
+        url = self.completions_urls[gateway]
+        result = await send_completion(self.session, url, self.model, prompt, gateway=gateway)
         if self._in_window(issued):
             self.results.append(result)
 

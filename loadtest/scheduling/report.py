@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdgate.loadtest.lib.docs import update_block
 from pdgate.loadtest.lib.stats import Spread
 from pdgate.loadtest.scheduling.experiment import Result
 from pdgate.loadtest.scheduling.runner import Point
@@ -29,7 +28,6 @@ __all__ = [
     "markdown_table",
     "spread_table",
     "summary_json",
-    "update_doc",
     "write_csv",
     "write_plot",
 ]
@@ -365,8 +363,3 @@ def capacity_table(result: Result) -> str:
         + ".\n"
     )
     return "".join(lines)
-
-
-def update_doc(doc: Path, kind: str, block: str) -> bool:
-    """Replace the generated block `kind` of `doc`; False when the markers are missing."""
-    return update_block(doc, f"scheduling:{kind}", block)

@@ -12,14 +12,13 @@ requests) and the run's success rate. Unless ``--quick`` or ``--no-doc`` it also
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import orjson
 
 from pdgate.loadtest.lib.children import run_main
-from pdgate.loadtest.lib.docs import update_block
+from pdgate.loadtest.lib.docs import save_run, update_block
 from pdgate.loadtest.lib.log import to_stderr
 
 __all__ = ["HELP", "configure", "main"]
@@ -55,13 +54,8 @@ def main(args: argparse.Namespace, command: str) -> int:
     doc = args.doc or (None if args.quick else Path("docs/soak.md"))
     if doc is not None and not args.no_doc:
         kind = args.kind or plan.policy
-        plot: str | None = None
-        try:
-            args.out.mkdir(parents=True, exist_ok=True)
-            write_plot(result, args.out / f"{kind}.png", f"pdgate bench soak ({kind})")
-            plot = f"{args.out.name}/{kind}.png"
-        except ImportError:
-            print("no plot: matplotlib is missing (pip install -e '.[loadtest]')", file=sys.stderr)
+        title = f"pdgate bench soak ({kind})"
+        plot = save_run(args.out, kind, plot=lambda path: write_plot(result, path, title))
         update_block(doc, f"soak:{kind}", markdown(result, command, plot), append=True)
     print(orjson.dumps(result).decode(), flush=True)
     return 0

@@ -13,13 +13,13 @@ the ``upgrade:KIND`` block of the doc (KIND = quick or full, or ``--kind``).
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import orjson
 
 from pdgate.loadtest.lib.children import run_main
+from pdgate.loadtest.lib.docs import publish, save_run
 
 __all__ = ["HELP", "configure", "main"]
 
@@ -46,7 +46,6 @@ def main(args: argparse.Namespace, command: str) -> int:
     from pdgate.loadtest.upgrade.report import (
         markdown,
         summary_json,
-        update_doc,
         write_csv,
         write_plot,
     )
@@ -60,18 +59,13 @@ def main(args: argparse.Namespace, command: str) -> int:
     kind = args.kind or ("quick" if args.quick else "full")
     result = run_main(run_upgrade(plan))
     out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    write_csv(result, out / f"{kind}.csv")
-    plot: str | None = f"{out.name}/{kind}.png"
-    try:
-        write_plot(result, out / f"{kind}.png", f"pdgate bench upgrade ({kind})")
-    except ImportError:
-        print("no plot: matplotlib is missing (pip install -e '.[loadtest]')", file=sys.stderr)
-        plot = None
-    block = markdown(result, command, plot)
-    (out / f"{kind}.md").write_text(block)
+    plot = save_run(
+        out,
+        kind,
+        csv=lambda path: write_csv(result, path),
+        plot=lambda path: write_plot(result, path, f"pdgate bench upgrade ({kind})"),
+    )
     doc: Path | None = None if args.no_doc else args.doc
-    if doc is not None and doc.exists() and not update_doc(doc, kind, block):
-        print(f"{doc}: no upgrade:{kind} markers; see {out}/{kind}.md", file=sys.stderr)
+    publish(markdown(result, command, plot), out, kind, doc, "upgrade")
     print(orjson.dumps(summary_json(result)).decode(), flush=True)
     return 0

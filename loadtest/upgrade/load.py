@@ -16,7 +16,6 @@ cannot be taken back. TTFT counts from the first attempt, so reconnecting shows 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
+from pdgate.config.aio import finish_or_cancel
 from pdgate.loadtest.lib.sse import post_stream
 from pdgate.loadtest.scheduling.workload import Workload as Prompts
 
@@ -129,19 +129,7 @@ class StreamingLoad:
         """Stop issuing, let requests in flight end (at most `timeout_s`); how many had to be
         cancelled."""
         self._stopping = True
-        if not self._tasks:
-            return 0
-        pending: set[asyncio.Task[None]] = set()
-        if timeout_s > 0:
-            _, pending = await asyncio.wait(self._tasks, timeout=timeout_s)
-        else:
-            pending = {t for t in self._tasks if not t.done()}
-        for task in pending:
-            task.cancel()
-        for task in pending:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        return len(pending)
+        return await finish_or_cancel(self._tasks, timeout_s)
 
     async def _user(self, index: int) -> None:
         rng = self._prompts.user_rng(index)

@@ -9,11 +9,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pdgate.loadtest.lib.docs import update_block
 from pdgate.loadtest.lib.stats import percentile
 from pdgate.loadtest.upgrade.run import UpgradeResult
 
-__all__ = ["by_phase", "markdown", "summary_json", "update_doc", "write_csv", "write_plot"]
+__all__ = ["by_phase", "markdown", "summary_json", "write_csv", "write_plot"]
 
 
 def by_phase(result: UpgradeResult) -> dict[str, dict[str, Any]]:
@@ -233,7 +232,3 @@ def markdown(result: UpgradeResult, command: str, plot: str | None) -> str:
     if plot:
         lines.append(f"\n![rolling upgrade timeline]({plot})\n")
     return "".join(lines)
-
-
-def update_doc(doc: Path, kind: str, block: str) -> bool:
-    return update_block(doc, f"upgrade:{kind}", block)

@@ -23,10 +23,10 @@ from unittest import mock
 from urllib.parse import urlsplit
 
 from pdgate.config.cli import _parser as pdgate_parser
-from pdgate.config.server import make_server
+from pdgate.config.server import is_loopback, make_server
 from pdgate.config.settings import GatewaySettings, RegistrySettings, ShimSettings
 from pdgate.gateway._workers import Supervisor
-from pdgate.gateway.auth import check_exposure, is_loopback, parse_keys
+from pdgate.gateway.auth import check_exposure, parse_keys
 from tests.deploy._k8s import (
     NotModelled,
     Obj,
@@ -243,6 +243,23 @@ def _where(workload: Obj, container: Obj | None = None) -> str:
     return f"{name} container {container['name']}" if container is not None else name
 
 
+def _modelled(
+    r: Rendered, problems: list[str], *, init: bool = True
+) -> Iterator[tuple[str, Obj, Process | None]]:
+    """(where, container, the pdgate process it runs or None) for every container (`init`:
+    init containers too); one whose process cannot be modelled goes to `problems` instead."""
+    for workload, template in pod_templates(r.objects):
+        spec = template["spec"]
+        for container in containers(spec) if init else spec["containers"]:
+            where = _where(workload, container)
+            try:
+                proc = process(r, workload, container)
+            except (ValueError, NotModelled) as exc:
+                problems.append(f"{where}: {exc}")
+                continue
+            yield where, container, proc
+
+
 # --- the checks ---------------------------------------------------------------------------
 
 
@@ -250,39 +267,32 @@ def check_settings(r: Rendered) -> list[str]:
     """Every pdgate container starts: known settings with valid values, a CLI pdgate
     accepts, $(VAR)s defined before use, a shared Redis registry and cluster token,
     listening where others can reach it (and a shim advertising its own pod IP and port)."""
-    problems = []
-    for workload, template in pod_templates(r.objects):
-        for container in containers(template["spec"]):
-            where = _where(workload, container)
+    problems: list[str] = []
+    for where, _, proc in _modelled(r, problems):
+        if proc is None:
+            continue
+        s, reg = proc.settings, proc.registry
+        if reg.url is None or not reg.url.startswith(("redis://", "rediss://")):
+            problems.append(f"{where}: no Redis registry (each process would be alone)")
+        if reg.cluster_token is None:
+            problems.append(f"{where}: no cluster token")
+        if is_loopback(s.host):
+            problems.append(f"{where}: listens on {s.host}, unreachable from other pods")
+        if isinstance(s, GatewaySettings):
             try:
-                proc = process(r, workload, container)
-            except (ValueError, NotModelled) as exc:
+                check_exposure(
+                    s.host,
+                    keys=bool(s.api_keys or s.api_keys_file),
+                    allow_unauthenticated=s.allow_unauthenticated,
+                )
+            except ValueError as exc:
                 problems.append(f"{where}: {exc}")
-                continue
-            if proc is None:
-                continue
-            s, reg = proc.settings, proc.registry
-            if reg.url is None or not reg.url.startswith(("redis://", "rediss://")):
-                problems.append(f"{where}: no Redis registry (each process would be alone)")
-            if reg.cluster_token is None:
-                problems.append(f"{where}: no cluster token")
-            if is_loopback(s.host):
-                problems.append(f"{where}: listens on {s.host}, unreachable from other pods")
-            if isinstance(s, GatewaySettings):
-                try:
-                    check_exposure(
-                        s.host,
-                        keys=bool(s.api_keys or s.api_keys_file),
-                        allow_unauthenticated=s.allow_unauthenticated,
-                    )
-                except ValueError as exc:
-                    problems.append(f"{where}: {exc}")
-                if s.admin_token is None:
-                    problems.append(f"{where}: no admin token (/admin and /dashboard open)")
-            else:
-                want = f"http://{POD_IP}:{s.port}"
-                if s.advertise_url != want:
-                    problems.append(f"{where}: advertises {s.advertise_url}, not {want}")
+            if s.admin_token is None:
+                problems.append(f"{where}: no admin token (/admin and /dashboard open)")
+        else:
+            want = f"http://{POD_IP}:{s.port}"
+            if s.advertise_url != want:
+                problems.append(f"{where}: advertises {s.advertise_url}, not {want}")
     return problems
 
 
@@ -299,40 +309,32 @@ def check_probes(r: Rendered) -> list[str]:
     """Readiness and liveness (and, for pdgate, startup) probes on a port the container
     declares; pdgate's are GET /health on the port the process listens on (a draining shim
     answers 503 there, so it goes unready)."""
-    problems = []
-    for workload, template in pod_templates(r.objects):
-        for container in template["spec"]["containers"]:
-            where = _where(workload, container)
-            try:
-                proc = process(r, workload, container)
-            except (ValueError, NotModelled) as exc:
-                problems.append(f"{where}: {exc}")
+    problems: list[str] = []
+    for where, container, proc in _modelled(r, problems, init=False):
+        kinds = ["readinessProbe", "livenessProbe"]
+        kinds += ["startupProbe"] if proc is not None else []
+        declared = _declared_ports(container)
+        for kind in kinds:
+            probe = container.get(kind)
+            if probe is None:
+                problems.append(f"{where}: no {kind}")
                 continue
-            kinds = ["readinessProbe", "livenessProbe"]
-            kinds += ["startupProbe"] if proc is not None else []
-            declared = _declared_ports(container)
-            for kind in kinds:
-                probe = container.get(kind)
-                if probe is None:
-                    problems.append(f"{where}: no {kind}")
-                    continue
-                handler = probe.get("httpGet") or probe.get("tcpSocket")
-                if handler is None:
-                    problems.append(f"{where}: {kind} is neither httpGet nor tcpSocket")
-                    continue
-                port = declared.get(handler["port"])
-                if port is None:
-                    problems.append(f"{where}: {kind} port {handler['port']} is not declared")
-                    continue
-                if proc is None:
-                    continue
-                if probe.get("httpGet", {}).get("path") != "/health":
-                    problems.append(f"{where}: {kind} is not GET /health")
-                if port != proc.settings.port:
-                    problems.append(
-                        f"{where}: {kind} probes port {port}; pdgate listens on "
-                        f"{proc.settings.port}"
-                    )
+            handler = probe.get("httpGet") or probe.get("tcpSocket")
+            if handler is None:
+                problems.append(f"{where}: {kind} is neither httpGet nor tcpSocket")
+                continue
+            port = declared.get(handler["port"])
+            if port is None:
+                problems.append(f"{where}: {kind} port {handler['port']} is not declared")
+                continue
+            if proc is None:
+                continue
+            if probe.get("httpGet", {}).get("path") != "/health":
+                problems.append(f"{where}: {kind} is not GET /health")
+            if port != proc.settings.port:
+                problems.append(
+                    f"{where}: {kind} probes port {port}; pdgate listens on {proc.settings.port}"
+                )
     return problems
 
 

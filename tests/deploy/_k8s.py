@@ -73,21 +73,12 @@ def selects(selector: Obj | None, labels: Mapping[str, str]) -> bool:
     return True
 
 
+# Kubernetes' quantity suffixes: decimal k to E are powers of 1000, binary Ki to Ei of 1024.
 _SUFFIXES = {
     "": Decimal(1),
     "m": Decimal("0.001"),
-    "k": Decimal(10**3),
-    "M": Decimal(10**6),
-    "G": Decimal(10**9),
-    "T": Decimal(10**12),
-    "P": Decimal(10**15),
-    "E": Decimal(10**18),
-    "Ki": Decimal(2**10),
-    "Mi": Decimal(2**20),
-    "Gi": Decimal(2**30),
-    "Ti": Decimal(2**40),
-    "Pi": Decimal(2**50),
-    "Ei": Decimal(2**60),
+    **{s: Decimal(1000**i) for i, s in enumerate("kMGTPE", start=1)},
+    **{s + "i": Decimal(1024**i) for i, s in enumerate("KMGTPE", start=1)},
 }
 _QUANTITY = re.compile(r"^([+-]?[0-9]+(?:\.[0-9]*)?|[+-]?\.[0-9]+)([eE][+-]?[0-9]+|[a-zA-Z]*)$")
 

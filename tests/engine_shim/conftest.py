@@ -16,10 +16,12 @@ from starlette.applications import Starlette
 
 from pdgate.config import RegistrySettings, Role, ShimSettings
 from pdgate.config.server import bind_socket, bound_port, serving
+from pdgate.config.wire import COMPLETIONS_PATH, kv_url
 from pdgate.engine_shim.app import build_shim_app
 from pdgate.registry.memory import MemoryRegistry
 
 MODEL = "sim-llama-3.1-8b"
+PROMPT = "Hello there, general Kenobi."
 REGISTRY_SETTINGS = RegistrySettings(heartbeat_interval_s=0.2, ttl_s=1.0)
 
 
@@ -36,9 +38,35 @@ class Shim:
             data: dict[str, Any] = await resp.json()
             return data
 
-    async def post(self, body: dict[str, Any]) -> tuple[int, dict[str, Any], CIMultiDictProxy[str]]:
-        async with self.http.post(self.url + "/v1/completions", data=orjson.dumps(body)) as resp:
+    async def post(
+        self, body: dict[str, Any], path: str = COMPLETIONS_PATH
+    ) -> tuple[int, dict[str, Any], CIMultiDictProxy[str]]:
+        async with self.http.post(self.url + path, data=orjson.dumps(body)) as resp:
             return resp.status, orjson.loads(await resp.read()), resp.headers
+
+    async def prefilled(self, prompt: Any = PROMPT, **extra: Any) -> dict[str, Any]:
+        """This prefill's answer to a prefill leg for `prompt` (which must be 200): the first
+        token and the ``kv_transfer_params`` a decode pulls the KV by."""
+        status, body, _ = await self.post(prefill_body(prompt, **extra))
+        assert status == 200, body
+        return body
+
+    async def kv(self, method: str, reply: dict[str, Any]) -> int:
+        """``GET`` or ``DELETE`` the KV a prefill's `reply` names (the answer read whole); the
+        status."""
+        url = kv_url(reply["kv_transfer_params"])
+        assert url is not None
+        async with self.http.request(method, url) as resp:
+            await resp.read()
+            return resp.status
+
+    async def stream(self, body: dict[str, Any], path: str = COMPLETIONS_PATH) -> list[Any]:
+        """The events of `body` streamed (which must be a 200 event stream), [DONE] last."""
+        data = orjson.dumps({**body, "stream": True})
+        async with self.http.post(self.url + path, data=data) as resp:
+            assert resp.status == 200, await resp.text()
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            return await sse_events(resp)
 
 
 StartShim = Callable[..., Awaitable[Shim]]
@@ -74,7 +102,13 @@ async def start_shim(
         yield start
 
 
-def prefill_body(prompt: Any = "Hello there, general Kenobi.", **extra: Any) -> dict[str, Any]:
+@pytest.fixture
+async def pair(start_shim: StartShim) -> tuple[Shim, Shim]:
+    """A prefill and a decode, 4 slots each."""
+    return await start_shim(Role.PREFILL, capacity=4), await start_shim(Role.DECODE, capacity=4)
+
+
+def prefill_body(prompt: Any = PROMPT, **extra: Any) -> dict[str, Any]:
     return {
         "model": MODEL,
         "prompt": prompt,
@@ -83,6 +117,11 @@ def prefill_body(prompt: Any = "Hello there, general Kenobi.", **extra: Any) -> 
         "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
         **extra,
     }
+
+
+def prefill_leg(body: dict[str, Any]) -> dict[str, Any]:
+    """A request of any API as the gateway sends it to a prefill: one token, its KV kept."""
+    return {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
 
 
 def assert_openai_error(body: dict[str, Any]) -> dict[str, Any]:

@@ -10,11 +10,10 @@ from typing import Any
 import orjson
 import pytest
 
-from pdgate.config import Role
 from pdgate.engine_shim import tokenizer
 from pdgate.engine_shim.backend import ChatPrompt
 from pdgate.engine_shim.sim_engine import render_chat_text
-from tests.engine_shim.conftest import MODEL, Shim, StartShim, assert_openai_error, sse_events
+from tests.engine_shim.conftest import MODEL, Shim, assert_openai_error, sse_events
 
 MESSAGES: list[dict[str, Any]] = [
     {"role": "system", "content": "You are terse."},
@@ -50,11 +49,6 @@ def test_the_sim_chat_template() -> None:
         continue_final_message=True,
     )
     assert render_chat_text(partial) == "<|user|>\nCount:<|end|>\n<|assistant|>\none, two,"
-
-
-@pytest.fixture
-async def pair(start_shim: StartShim) -> tuple[Shim, Shim]:
-    return await start_shim(Role.PREFILL, capacity=4), await start_shim(Role.DECODE, capacity=4)
 
 
 async def _post(shim: Shim, body: dict[str, Any]) -> tuple[int, Any]:

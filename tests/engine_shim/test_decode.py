@@ -4,41 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from pdgate.config import Role
-from pdgate.config.server import bind_socket, bound_port, serving
-from pdgate.config.wire import KV_DIGEST_HEADER, KV_TOKENS_HEADER
 from pdgate.engine_shim import tokenizer
-from pdgate.registry.base import InstanceRecord
 from pdgate.registry.memory import MemoryRegistry
-from tests.engine_shim.conftest import (
-    MODEL,
-    Shim,
-    StartShim,
-    assert_openai_error,
-    prefill_body,
-    sse_events,
-    wait_load,
+from tests.engine_shim._fake_prefill import (
+    PROMPT,
+    fake_prefill,
+    kv_params,
+    kv_response,
+    register_prefill,
+    stuck_pull,
 )
-
-PROMPT = "Tell me a story about disaggregated inference."
-
-
-async def _prefill(prefill: Shim, prompt: str = PROMPT) -> dict[str, Any]:
-    status, body, _ = await prefill.post(prefill_body(prompt))
-    assert status == 200, body
-    return body
+from tests.engine_shim.conftest import MODEL, Shim, StartShim, assert_openai_error, wait_load
 
 
 def _decode_body(
@@ -53,25 +39,11 @@ def _decode_body(
     }
 
 
-async def _stream(decode: Shim, body: dict[str, Any]) -> list[Any]:
-    async with decode.http.post(
-        decode.url + "/v1/completions", data=orjson.dumps({**body, "stream": True})
-    ) as resp:
-        assert resp.status == 200, await resp.text()
-        assert resp.headers["content-type"].startswith("text/event-stream")
-        return await sse_events(resp)
-
-
-@pytest.fixture
-async def pair(start_shim: StartShim) -> tuple[Shim, Shim]:
-    return await start_shim(Role.PREFILL, capacity=4), await start_shim(Role.DECODE, capacity=4)
-
-
 async def test_decode_pulls_kv_and_streams_deterministic_sse(pair: tuple[Shim, Shim]) -> None:
     prefill, decode = pair
-    reply = await _prefill(prefill)
+    reply = await prefill.prefilled(PROMPT)
     assert (await prefill.load())["used"] == 1
-    events = await _stream(decode, _decode_body(reply, stream_options={"include_usage": True}))
+    events = await decode.stream(_decode_body(reply, stream_options={"include_usage": True}))
     assert events[-1] == "[DONE]"
     *chunks, usage_chunk, _ = events
     assert usage_chunk["choices"] == []
@@ -106,7 +78,7 @@ async def test_decode_pulls_kv_and_streams_deterministic_sse(pair: tuple[Shim, S
     assert load["retrieving"] == 0
 
     # Deterministic: the same prompt gives the same text, streamed or not.
-    again = await _prefill(prefill)
+    again = await prefill.prefilled(PROMPT)
     async with decode.http.post(
         decode.url + "/v1/completions", data=orjson.dumps(_decode_body(again))
     ) as resp:
@@ -115,14 +87,14 @@ async def test_decode_pulls_kv_and_streams_deterministic_sse(pair: tuple[Shim, S
     assert whole["choices"][0]["text"] == text
     assert whole["choices"][0]["finish_reason"] == "length"
     assert whole["usage"]["completion_tokens"] == 8
-    other = await _prefill(prefill, "A different prompt entirely.")
-    events = await _stream(decode, _decode_body(other, "A different prompt entirely."))
+    other = await prefill.prefilled("A different prompt entirely.")
+    events = await decode.stream(_decode_body(other, "A different prompt entirely."))
     assert "".join(c["choices"][0]["text"] for c in events[:-1]) != text
 
 
 async def test_no_usage_chunk_unless_asked(pair: tuple[Shim, Shim]) -> None:
     prefill, decode = pair
-    events = await _stream(decode, _decode_body(await _prefill(prefill), max_tokens=3))
+    events = await decode.stream(_decode_body(await prefill.prefilled(PROMPT), max_tokens=3))
     assert events[-1] == "[DONE]"
     assert all(e["choices"] for e in events[:-1])
     assert "usage" not in events[-2]
@@ -130,17 +102,16 @@ async def test_no_usage_chunk_unless_asked(pair: tuple[Shim, Shim]) -> None:
 
 async def test_stop_sequence_truncates_before_the_match(pair: tuple[Shim, Shim]) -> None:
     prefill, decode = pair
-    events = await _stream(decode, _decode_body(await _prefill(prefill), max_tokens=40))
+    events = await decode.stream(_decode_body(await prefill.prefilled(PROMPT), max_tokens=40))
     full = "".join(e["choices"][0]["text"] for e in events[:-1])
     # A stop string spanning a token boundary, starting after the first few tokens.
     start = len(full) // 2
     stop = full[start : start + 4]
     expected = full[: full.index(stop)]
 
-    events = await _stream(
-        decode,
+    events = await decode.stream(
         _decode_body(
-            await _prefill(prefill),
+            await prefill.prefilled(PROMPT),
             max_tokens=40,
             stop=[stop, "never-matches"],
             stream_options={"include_usage": True},
@@ -152,7 +123,7 @@ async def test_stop_sequence_truncates_before_the_match(pair: tuple[Shim, Shim])
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert 0 < usage_chunk["usage"]["completion_tokens"] < 40
 
-    body = _decode_body(await _prefill(prefill), max_tokens=40, stop=stop)
+    body = _decode_body(await prefill.prefilled(PROMPT), max_tokens=40, stop=stop)
     async with decode.http.post(decode.url + "/v1/completions", data=orjson.dumps(body)) as resp:
         whole = await resp.json()
     assert whole["choices"][0] == {
@@ -164,16 +135,20 @@ async def test_stop_sequence_truncates_before_the_match(pair: tuple[Shim, Shim])
     await wait_load(decode, "used", 0)
 
 
-async def test_decode_rejects_at_once_when_full(start_shim: StartShim) -> None:
+async def _long_stream(start_shim: StartShim) -> tuple[Shim, Shim, aiohttp.ClientResponse]:
+    """A prefill and a one-slot decode, its slot taken by a stream of 2000 tokens (open)."""
     prefill = await start_shim(Role.PREFILL, capacity=4)
     decode = await start_shim(Role.DECODE, capacity=1)
-    long = await decode.http.post(
-        decode.url + "/v1/completions",
-        data=orjson.dumps(_decode_body(await _prefill(prefill), max_tokens=2000, stream=True)),
-    )
+    body = _decode_body(await prefill.prefilled(PROMPT), max_tokens=2000, stream=True)
+    resp = await decode.http.post(decode.url + "/v1/completions", data=orjson.dumps(body))
+    return prefill, decode, resp
+
+
+async def test_decode_rejects_at_once_when_full(start_shim: StartShim) -> None:
+    prefill, decode, long = await _long_stream(start_shim)
     try:
         assert long.status == 200
-        second = await _prefill(prefill)
+        second = await prefill.prefilled(PROMPT)
         status, body, headers = await decode.post(_decode_body(second))
         assert status == 429
         assert headers["Retry-After"] == "1"
@@ -185,12 +160,7 @@ async def test_decode_rejects_at_once_when_full(start_shim: StartShim) -> None:
 
 
 async def test_client_disconnect_mid_stream_frees_the_decode_slot(start_shim: StartShim) -> None:
-    prefill = await start_shim(Role.PREFILL, capacity=4)
-    decode = await start_shim(Role.DECODE, capacity=1)
-    resp = await decode.http.post(
-        decode.url + "/v1/completions",
-        data=orjson.dumps(_decode_body(await _prefill(prefill), max_tokens=2000, stream=True)),
-    )
+    prefill, decode, resp = await _long_stream(start_shim)
     assert resp.status == 200
     for _ in range(3):
         line = await resp.content.readline()
@@ -206,55 +176,13 @@ async def test_client_disconnect_mid_stream_frees_the_decode_slot(start_shim: St
     assert load["running"] == 0
     assert load["cancelled"] == 1
     # The freed slot is usable again.
-    events = await _stream(decode, _decode_body(await _prefill(prefill), max_tokens=2))
+    events = await decode.stream(_decode_body(await prefill.prefilled(PROMPT), max_tokens=2))
     assert events[-1] == "[DONE]"
-
-
-async def _register_prefill(registry: MemoryRegistry, port: int) -> None:
-    """A prefill record for 127.0.0.1:`port`: decodes pull KV from registered prefills only."""
-    record = InstanceRecord(
-        id=f"fake-prefill-{port}", role=Role.PREFILL, url=f"http://127.0.0.1:{port}", model=MODEL
-    )
-    await registry.put(record, ttl_s=60, announce=True)
-
-
-@contextlib.asynccontextmanager
-async def _fake_prefill(handler: Any, registry: MemoryRegistry) -> AsyncIterator[int]:
-    """A registered server answering ``GET /v1/kv/{id}`` with `handler`; yields its port."""
-    sock = bind_socket("127.0.0.1", 0)
-    app = Starlette(routes=[Route("/v1/kv/{request_id}", handler, methods=["GET", "DELETE"])])
-    await _register_prefill(registry, bound_port(sock))
-    async with serving(app, sock):
-        yield bound_port(sock)
-
-
-def _params(port: int, rid: str = "abcdefgh") -> dict[str, Any]:
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_engine_id": "fake",
-        "remote_host": "127.0.0.1",
-        "remote_port": port,
-        "remote_block_ids": [0],
-        "remote_request_id": rid,
-        "tp_size": 1,
-    }
-
-
-def _kv_response(tokens: int, body: bytes, digest: str | None = None) -> Response:
-    return Response(
-        body,
-        media_type="application/octet-stream",
-        headers={
-            KV_TOKENS_HEADER: str(tokens),
-            KV_DIGEST_HEADER: digest or hashlib.blake2b(body, digest_size=16).hexdigest(),
-        },
-    )
 
 
 async def _expect_inband_error(decode: Shim, params: dict[str, Any]) -> dict[str, Any]:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": params}
-    events = await _stream(decode, body)
+    events = await decode.stream(body)
     assert len(events) == 2, events
     assert events[1] == "[DONE]"
     err = assert_openai_error(events[0])
@@ -273,10 +201,10 @@ async def test_kv_digest_mismatch_is_an_inband_error(
     n = tokenizer.count(PROMPT)
 
     async def corrupt(request: Request) -> Response:
-        return _kv_response(n, b"\x01" * 64, digest="0" * 32)
+        return kv_response(n, b"\x01" * 64, digest="0" * 32)
 
-    async with _fake_prefill(corrupt, registry) as port:
-        err = await _expect_inband_error(decode, _params(port))
+    async with fake_prefill(corrupt, registry) as port:
+        err = await _expect_inband_error(decode, kv_params(port))
     assert "digest" in err["message"]
     assert (await decode.load())["failed"] == 2
 
@@ -287,10 +215,10 @@ async def test_kv_of_another_prompt_is_an_inband_error(
     decode = await start_shim(Role.DECODE, capacity=2)
 
     async def wrong_prompt(request: Request) -> Response:
-        return _kv_response(tokenizer.count(PROMPT) + 1, b"\x01" * 64)
+        return kv_response(tokenizer.count(PROMPT) + 1, b"\x01" * 64)
 
-    async with _fake_prefill(wrong_prompt, registry) as port:
-        err = await _expect_inband_error(decode, _params(port))
+    async with fake_prefill(wrong_prompt, registry) as port:
+        err = await _expect_inband_error(decode, kv_params(port))
     assert "tokens" in err["message"]
 
 
@@ -301,14 +229,14 @@ async def test_prefill_gone_is_an_inband_error(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    await _register_prefill(registry, port)
-    await _expect_inband_error(decode, _params(port))
+    await register_prefill(registry, port)
+    await _expect_inband_error(decode, kv_params(port))
 
 
 async def test_kv_already_taken_is_an_inband_error(pair: tuple[Shim, Shim]) -> None:
     prefill, decode = pair
-    reply = await _prefill(prefill)
-    await _stream(decode, _decode_body(reply, max_tokens=1))
+    reply = await prefill.prefilled(PROMPT)
+    await decode.stream(_decode_body(reply, max_tokens=1))
     await _expect_inband_error(decode, reply["kv_transfer_params"])
 
 
@@ -319,25 +247,9 @@ async def test_full_retrieval_queue_rejects_and_abandoned_pulls_free_the_prefill
     decode = await start_shim(
         Role.DECODE, capacity=4, kv_retrieval_workers=1, kv_retrieval_queue=1, kv_fetch_timeout_s=30
     )
-    pulled = asyncio.Event()
-    unstick = asyncio.Event()
-
-    async def stuck(request: Request) -> Response:
-        pulled.set()
-        await unstick.wait()
-        return Response(status_code=500)
-
-    async with _fake_prefill(stuck, registry) as port, contextlib.AsyncExitStack() as stack:
-        stack.callback(unstick.set)  # lets the fake server shut down at once
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True}
-        first = await decode.http.post(
-            decode.url + "/v1/completions",
-            data=orjson.dumps({**body, "kv_transfer_params": _params(port)}),
-        )
-        assert first.status == 200
-        await asyncio.wait_for(pulled.wait(), 2)
+    async with stuck_pull(decode, registry) as first:
         # The only worker is stuck: the next request waits in the queue...
-        queued_reply = await _prefill(prefill)
+        queued_reply = await prefill.prefilled(PROMPT)
         second = await decode.http.post(
             decode.url + "/v1/completions",
             data=orjson.dumps(_decode_body(queued_reply, stream=True)),
@@ -347,7 +259,7 @@ async def test_full_retrieval_queue_rejects_and_abandoned_pulls_free_the_prefill
         assert load["retrieving"] == 1
         assert load["used"] == 2
         # ...and with the queue full, the third is rejected at once.
-        status, err, headers = await decode.post(_decode_body(await _prefill(prefill, "third")))
+        status, err, headers = await decode.post(_decode_body(await prefill.prefilled("third")))
         assert status == 429
         assert headers["Retry-After"] == "1"
         assert assert_openai_error(err)["code"] == "kv_queue_full"
@@ -395,7 +307,7 @@ async def test_decode_needs_kv_transfer_params(
 
 async def test_decode_bad_input(start_shim: StartShim) -> None:
     decode = await start_shim(Role.DECODE, max_model_len=64)
-    params = _params(1)
+    params = kv_params(1)
     for body, status in [
         (b"nope", 400),
         (orjson.dumps({"prompt": PROMPT, "max_tokens": -1, "kv_transfer_params": params}), 400),
@@ -443,7 +355,7 @@ async def test_decode_registers_as_decode(start_shim: StartShim, registry: Memor
 async def test_non_streaming_client_leaving_frees_the_decode_slot(start_shim: StartShim) -> None:
     prefill = await start_shim(Role.PREFILL, capacity=4)
     decode = await start_shim(Role.DECODE, capacity=1)
-    body = _decode_body(await _prefill(prefill), max_tokens=2000)
+    body = _decode_body(await prefill.prefilled(PROMPT), max_tokens=2000)
     task = asyncio.create_task(decode.post(body))
     await wait_load(decode, "running", 1)
     task.cancel()
@@ -457,7 +369,7 @@ async def test_non_streaming_client_leaving_frees_the_decode_slot(start_shim: St
 async def test_sequences_share_the_running_batch_in_real_time(pair: tuple[Shim, Shim]) -> None:
     prefill, decode = pair
     prompts = [f"{PROMPT} #{i}" for i in range(4)]
-    replies = [await _prefill(prefill, p) for p in prompts]
+    replies = [await prefill.prefilled(p) for p in prompts]
     loop = asyncio.get_running_loop()
     started = loop.time()
     peak = 0
@@ -489,7 +401,7 @@ async def test_sequences_share_the_running_batch_in_real_time(pair: tuple[Shim, 
 async def test_null_profile_answers_at_once(start_shim: StartShim) -> None:
     prefill = await start_shim(Role.PREFILL, sim_profile="null")
     decode = await start_shim(Role.DECODE, sim_profile="null")
-    reply = await _prefill(prefill)
+    reply = await prefill.prefilled(PROMPT)
     loop = asyncio.get_running_loop()
     started = loop.time()
     status, body, _ = await decode.post(_decode_body(reply, max_tokens=200))
@@ -508,10 +420,9 @@ def _merged(lps: list[dict[str, Any]]) -> dict[str, list[Any]]:
 
 async def test_logprobs_go_through_prefill_and_decode(pair: tuple[Shim, Shim]) -> None:
     prefill, decode = pair
-    status, reply, _ = await prefill.post(prefill_body(PROMPT, logprobs=2))
-    assert status == 200, reply
+    reply = await prefill.prefilled(PROMPT, logprobs=2)
     first = reply["choices"][0]["logprobs"]
-    events = await _stream(decode, _decode_body(reply, max_tokens=12, logprobs=2))
+    events = await decode.stream(_decode_body(reply, max_tokens=12, logprobs=2))
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
     # Every chunk carries the logprobs of its own tokens.
@@ -536,14 +447,14 @@ async def test_logprobs_go_through_prefill_and_decode(pair: tuple[Shim, Shim]) -
     assert got["top_logprobs"][0] == first["top_logprobs"][0]
 
     # Whole, the same logprobs in one piece; deterministic.
-    _, again, _ = await prefill.post(prefill_body(PROMPT, logprobs=2))
+    again = await prefill.prefilled(PROMPT, logprobs=2)
     status, whole, _ = await decode.post(_decode_body(again, max_tokens=12, logprobs=2))
     assert status == 200, whole
     assert whole["choices"][0]["text"] == text
     assert whole["choices"][0]["logprobs"] == got
 
     # logprobs=0: just the sampled token's; none asked: null.
-    _, third, _ = await prefill.post(prefill_body(PROMPT))
+    third = await prefill.prefilled(PROMPT)
     status, plain, _ = await decode.post(_decode_body(third, max_tokens=3, logprobs=0))
     assert all(len(top) == 1 for top in plain["choices"][0]["logprobs"]["top_logprobs"])
     assert plain["choices"][0]["logprobs"]["token_logprobs"] == got["token_logprobs"][:3]
@@ -553,10 +464,10 @@ async def test_logprobs_with_a_stop_sequence_cover_every_generated_token(
     pair: tuple[Shim, Shim],
 ) -> None:
     prefill, decode = pair
-    events = await _stream(decode, _decode_body(await _prefill(prefill), max_tokens=40))
+    events = await decode.stream(_decode_body(await prefill.prefilled(PROMPT), max_tokens=40))
     full = "".join(e["choices"][0]["text"] for e in events[:-1])
     stop = full[len(full) // 2 : len(full) // 2 + 4]
-    body = _decode_body(await _prefill(prefill), max_tokens=40, stop=stop, logprobs=1)
+    body = _decode_body(await prefill.prefilled(PROMPT), max_tokens=40, stop=stop, logprobs=1)
     status, whole, _ = await decode.post(body)
     assert status == 200, whole
     choice = whole["choices"][0]
@@ -578,15 +489,15 @@ async def test_stream_waiting_for_its_kv_sends_pings_and_vllm_framing(
 
     async def slow(request: Request) -> Response:
         await asyncio.sleep(0.4)
-        return _kv_response(n, b"\x01" * 64)
+        return kv_response(n, b"\x01" * 64)
 
-    async with _fake_prefill(slow, registry) as port:
+    async with fake_prefill(slow, registry) as port:
         body = {
             "model": MODEL,
             "prompt": PROMPT,
             "max_tokens": 3,
             "stream": True,
-            "kv_transfer_params": _params(port),
+            "kv_transfer_params": kv_params(port),
         }
         async with decode.http.post(decode.url + "/v1/completions", data=orjson.dumps(body)) as r:
             assert r.status == 200
@@ -606,7 +517,7 @@ async def test_stream_waiting_for_its_kv_sends_pings_and_vllm_framing(
 async def test_no_shutdown_watcher_of_sse_starlette_runs(pair: tuple[Shim, Shim]) -> None:
     # pdgate owns shutdown (see engine_shim/_sse.py): no process-wide polling task.
     prefill, decode = pair
-    events = await _stream(decode, _decode_body(await _prefill(prefill), max_tokens=2))
+    events = await decode.stream(_decode_body(await prefill.prefilled(PROMPT), max_tokens=2))
     assert events[-1] == "[DONE]"
     names = {t.get_coro().__qualname__ for t in asyncio.all_tasks()}  # type: ignore[union-attr]
     assert "_shutdown_watcher" not in names, sorted(names)
@@ -617,7 +528,7 @@ async def test_a_client_that_stops_reading_is_dropped_after_the_send_timeout(
 ) -> None:
     prefill = await start_shim(Role.PREFILL, capacity=2, sim_profile="null")
     decode = await start_shim(Role.DECODE, capacity=1, sim_profile="null", sse_send_timeout_s=0.3)
-    reply = await _prefill(prefill)
+    reply = await prefill.prefilled(PROMPT)
     body = orjson.dumps(_decode_body(reply, max_tokens=30000, stream=True))
     host, port = decode.url.removeprefix("http://").split(":")
     loop = asyncio.get_running_loop()

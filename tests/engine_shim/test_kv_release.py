@@ -11,15 +11,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-from starlette.requests import Request
-from starlette.responses import Response
 
 from pdgate.config import Role
 from pdgate.registry.memory import MemoryRegistry
-from tests.engine_shim.conftest import MODEL, Shim, StartShim, prefill_body, wait_load
-from tests.engine_shim.test_decode import _fake_prefill, _params, _register_prefill
+from tests.engine_shim._fake_prefill import PROMPT, register_prefill, stuck_pull
+from tests.engine_shim.conftest import MODEL, Shim, StartShim, wait_load
 
-PROMPT = "Tell me a story about disaggregated inference."
 HOLD_S = 30.0  # the prefill's backstop; the slot must be back long before it
 
 
@@ -39,27 +36,9 @@ async def test_a_queued_pull_is_released_when_its_client_leaves(
     decode = await start_shim(
         Role.DECODE, capacity=4, kv_retrieval_workers=1, kv_fetch_timeout_s=HOLD_S
     )
-    pulled = asyncio.Event()
-    unstick = asyncio.Event()
-
-    async def stuck(request: Request) -> Response:
-        pulled.set()
-        await unstick.wait()
-        return Response(status_code=500)
-
-    async with _fake_prefill(stuck, registry) as port, contextlib.AsyncExitStack() as stack:
-        stack.callback(unstick.set)
-        # Another request keeps the only retrieval worker busy (its client stays).
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True}
-        busy = await decode.http.post(
-            decode.url + "/v1/completions",
-            data=orjson.dumps({**body, "kv_transfer_params": _params(port)}),
-        )
-        stack.callback(busy.close)
-        await asyncio.wait_for(pulled.wait(), 2)
-
-        status, reply, _ = await prefill.post(prefill_body(PROMPT))
-        assert status == 200
+    # Another request keeps the only retrieval worker busy (its client stays).
+    async with stuck_pull(decode, registry):
+        reply = await prefill.prefilled(PROMPT)
         await _leave_after_headers(decode, reply["kv_transfer_params"])
         load = await wait_load(prefill, "used", 0, within=2.0)
         assert (load["kv_released"], load["kv_held"]) == (1, 0)
@@ -112,10 +91,9 @@ async def test_a_pull_not_yet_served_is_released_when_its_client_leaves(
 ) -> None:
     prefill = await start_shim(Role.PREFILL, capacity=2, kv_hold_timeout_s=HOLD_S)
     decode = await start_shim(Role.DECODE, capacity=4, kv_fetch_timeout_s=HOLD_S)
-    status, reply, _ = await prefill.post(prefill_body(PROMPT))
-    assert status == 200
+    reply = await prefill.prefilled(PROMPT)
     async with _stalling_proxy(prefill.settings.port) as (port, stuck):
-        await _register_prefill(registry, port)  # the proxy stands in for the prefill
+        await register_prefill(registry, port)  # the proxy stands in for the prefill
         params = {**reply["kv_transfer_params"], "remote_port": port}
         await _leave_after_headers(decode, params)
         await asyncio.wait_for(stuck.wait(), 2)

@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from pdgate.config import Role
-from pdgate.config.wire import EXT_LOCAL_PREFILL
+from pdgate.config.wire import CHAT_PATH, EXT_LOCAL_PREFILL
 from pdgate.engine_shim import tokenizer
 from pdgate.engine_shim.backend import LocalPrefill
 from pdgate.engine_shim.prefix_cache import BLOCK_SIZE
@@ -29,8 +29,7 @@ from tests.engine_shim.conftest import (
     Shim,
     StartShim,
     assert_openai_error,
-    prefill_body,
-    sse_events,
+    prefill_leg,
     wait_load,
 )
 
@@ -42,18 +41,13 @@ def _plain(prompt: str = PROMPT, **extra: Any) -> dict[str, Any]:
 
 
 async def _text(decode: Shim, body: dict[str, Any]) -> str:
-    async with decode.http.post(
-        decode.url + "/v1/completions", data=orjson.dumps({**body, "stream": True})
-    ) as resp:
-        assert resp.status == 200, await resp.text()
-        events = await sse_events(resp)
+    events = await decode.stream(body)
     assert events[-1] == "[DONE]"
     return "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
 
 
 async def _disaggregated_text(prefill: Shim, decode: Shim, prompt: str = PROMPT) -> str:
-    status, reply, _ = await prefill.post(prefill_body(prompt))
-    assert status == 200, reply
+    reply = await prefill.prefilled(prompt)
     return await _text(decode, _plain(prompt, kv_transfer_params=reply["kv_transfer_params"]))
 
 
@@ -101,14 +95,9 @@ async def test_plain_chat_request_matches_the_disaggregated_chat(
             assert resp.status == 200, await resp.text()
             return str((await resp.json())["choices"][0]["message"]["content"])
 
-    async with prefill.http.post(
-        prefill.url + "/v1/chat/completions",
-        data=orjson.dumps(
-            {**chat, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
-        ),
-    ) as resp:
-        assert resp.status == 200, await resp.text()
-        params = (await resp.json())["kv_transfer_params"]
+    status, reply, _ = await prefill.post(prefill_leg(chat), CHAT_PATH)
+    assert status == 200, reply
+    params = reply["kv_transfer_params"]
     assert await chat_text(chat) == await chat_text({**chat, "kv_transfer_params": params})
 
 

@@ -93,17 +93,12 @@ async def test_capacity_one_rejects_at_once_and_kv_get_frees_the_slot(
 async def test_delete_frees_the_slot(start_shim: StartShim) -> None:
     shim = await start_shim(Role.PREFILL, capacity=1)
     _, body, _ = await shim.post(prefill_body())
-    url = kv_url(body["kv_transfer_params"])
-    assert url is not None
-    async with shim.http.delete(url) as resp:
-        assert resp.status == 204
+    assert await shim.kv("DELETE", body) == 204
     load = await shim.load()
     assert load["used"] == 0
     assert load["kv_released"] == 1
-    async with shim.http.delete(url) as resp:
-        assert resp.status == 404
-    async with shim.http.get(url) as resp:
-        assert resp.status == 404
+    assert await shim.kv("DELETE", body) == 404
+    assert await shim.kv("GET", body) == 404
 
 
 async def test_hold_timeout_drops_unfetched_kv(start_shim: StartShim) -> None:
@@ -115,10 +110,7 @@ async def test_hold_timeout_drops_unfetched_kv(start_shim: StartShim) -> None:
     load = await wait_load(shim, "used", 0, within=2)
     assert load["kv_expired"] == 1
     assert load["kv_held"] == 0
-    url = kv_url(body["kv_transfer_params"])
-    assert url is not None
-    async with shim.http.get(url) as resp:
-        assert resp.status == 404
+    assert await shim.kv("GET", body) == 404
 
 
 async def test_kv_reader_leaving_midway_frees_the_slot(start_shim: StartShim) -> None:
@@ -158,10 +150,7 @@ async def test_queue_admission_waits_fifo_and_rejects_when_full(start_shim: Star
 
     release = held
     for i in range(3):
-        url = kv_url(release["kv_transfer_params"])
-        assert url is not None
-        async with shim.http.delete(url) as resp:
-            assert resp.status == 204
+        assert await shim.kv("DELETE", release) == 204
         release = await tasks[i]
         assert order == list(range(i + 1))
     load = await shim.load()
@@ -346,10 +335,7 @@ async def test_queued_client_leaving_takes_no_slot(start_shim: StartShim) -> Non
     load = await wait_load(shim, "queued", 0)
     assert load["cancelled"] == 1
     assert load["used"] == 1
-    url = kv_url(held["kv_transfer_params"])
-    assert url is not None
-    async with shim.http.delete(url) as resp:
-        assert resp.status == 204
+    assert await shim.kv("DELETE", held) == 204
     assert (await shim.load())["used"] == 0
 
 
@@ -469,10 +455,7 @@ async def test_kv_hold_times_are_recorded_by_outcome(start_shim: StartShim) -> N
 
     _, fetched, _ = await shim.post(prefill_body("fetched"))
     await asyncio.sleep(0.1)
-    url = kv_url(fetched["kv_transfer_params"])
-    assert url is not None
-    async with shim.http.get(url) as resp:
-        await resp.read()
+    assert await shim.kv("GET", fetched) == 200
     load = await wait_load(shim, "used", 0)
     assert 0.1 <= load["kv_hold_max_s"] < 1.0
 

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-import pytest
-
-from pdgate.config import Role
+from pdgate.config.wire import CHAT_PATH
 from pdgate.engine_shim import tokenizer
 from pdgate.engine_shim._sim_text import WORDS, Context, next_token, token_logprobs
-from tests.engine_shim.conftest import MODEL, Shim, StartShim, prefill_body, sse_events
+from tests.engine_shim.conftest import MODEL, Shim, prefill_leg
 
 PROMPT = "Tell me a story about disaggregated inference, with a moral at the end."
 N = 24
@@ -59,16 +56,10 @@ def test_logprobs_follow_the_context_too() -> None:
     assert a.top[0][0] == a.token  # the generated word is the most likely one
 
 
-@pytest.fixture
-async def pair(start_shim: StartShim) -> tuple[Shim, Shim]:
-    return await start_shim(Role.PREFILL, capacity=4), await start_shim(Role.DECODE, capacity=4)
-
-
 async def _run(prefill: Shim, decode: Shim, prompt: Any, max_tokens: int) -> dict[str, Any]:
     """One request through both legs with ``return_token_ids``: the prefill's answer, the
     decode's events, and the streamed text and ids per chunk."""
-    status, first, _ = await prefill.post(prefill_body(prompt, return_token_ids=True))
-    assert status == 200, first
+    first = await prefill.prefilled(prompt, return_token_ids=True)
     body = {
         "model": MODEL,
         "prompt": prompt,
@@ -78,9 +69,7 @@ async def _run(prefill: Shim, decode: Shim, prompt: Any, max_tokens: int) -> dic
         "logprobs": 2,
         "kv_transfer_params": first["kv_transfer_params"],
     }
-    async with decode.http.post(decode.url + "/v1/completions", data=orjson.dumps(body)) as resp:
-        assert resp.status == 200, await resp.text()
-        events = await sse_events(resp)
+    events = await decode.stream(body)
     assert events[-1] == "[DONE]"
     chunks = [e["choices"][0] for e in events[:-1]]
     return {"prefill": first["choices"][0], "chunks": chunks}
@@ -128,14 +117,8 @@ async def test_chat_returns_token_ids_in_vllms_chat_shape(pair: tuple[Shim, Shim
         "messages": [{"role": "user", "content": PROMPT}],
         "return_token_ids": True,
     }
-    async with prefill.http.post(
-        prefill.url + "/v1/chat/completions",
-        data=orjson.dumps(
-            {**chat, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
-        ),
-    ) as resp:
-        assert resp.status == 200, await resp.text()
-        first = await resp.json()
+    status, first, _ = await prefill.post(prefill_leg(chat), CHAT_PATH)
+    assert status == 200, first
     assert first["object"] == "chat.completion"
     prompt_ids = first["prompt_token_ids"]  # top level in chat, as vLLM puts it
     assert len(first["choices"][0]["token_ids"]) == 1
@@ -145,11 +128,7 @@ async def test_chat_returns_token_ids_in_vllms_chat_shape(pair: tuple[Shim, Shim
         "stream": True,
         "kv_transfer_params": first["kv_transfer_params"],
     }
-    async with decode.http.post(
-        decode.url + "/v1/chat/completions", data=orjson.dumps(body)
-    ) as resp:
-        events = await sse_events(resp)
-    head, *chunks, done = events
+    head, *chunks, done = await decode.stream(body, CHAT_PATH)
     assert done == "[DONE]"
     assert head["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert head["prompt_token_ids"] == prompt_ids
@@ -160,11 +139,9 @@ async def test_chat_returns_token_ids_in_vllms_chat_shape(pair: tuple[Shim, Shim
 
 async def test_without_the_field_no_ids_are_sent(pair: tuple[Shim, Shim]) -> None:
     prefill, decode = pair
-    status, first, _ = await prefill.post(prefill_body(PROMPT))
-    assert status == 200
+    first = await prefill.prefilled(PROMPT)
     assert "token_ids" not in first["choices"][0]
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True,
             "kv_transfer_params": first["kv_transfer_params"]}  # fmt: skip
-    async with decode.http.post(decode.url + "/v1/completions", data=orjson.dumps(body)) as resp:
-        events = await sse_events(resp)
+    events = await decode.stream(body)
     assert all("token_ids" not in e["choices"][0] for e in events[:-1])

@@ -157,6 +157,16 @@ def forwarder(
     return fwd, metrics, background
 
 
+def batching_forwarder(
+    upstream: MockUpstream, tracker: InstanceTracker
+) -> tuple[PrefillForwarder, GatewayMetrics, Background]:
+    """A forwarder that sends runs of queued requests as one batch call (FIFO order)."""
+    options = ForwardingOptions(
+        batch_forwarding=True, batch_endpoint=True, client_error=client_error
+    )
+    return forwarder(upstream, tracker, options, order=QueueOrder.FIFO)
+
+
 def dispatcher(
     upstream: MockUpstream, tracker: InstanceTracker, **settings: object
 ) -> tuple[Dispatcher, GatewayMetrics]:

@@ -21,10 +21,16 @@ from pdgate.config import Role
 from pdgate.config.openai_api import sse_event
 from pdgate.config.wire import CHAT_PATH, EXT_BATCH_PREFILL, EXT_CONTINUATION, SSE_DONE
 from pdgate.gateway.instances import InstanceTracker
-from pdgate.gateway.mock_upstream import Call, Reply
+from pdgate.gateway.metrics import GatewayMetrics
+from pdgate.gateway.mock_upstream import Call, MockUpstream, Reply
+from pdgate.gateway.relay import Relay
 from pdgate.registry.base import InstanceRecord
+from tests.gateway._fakes import Sink, dispatcher, eventually, relay
 
 MODEL = "m"
+# The usual request: its prompt and max_tokens.
+PROMPT = "tell me a story"
+N = 12
 
 
 def encode(text: str) -> list[int]:
@@ -214,3 +220,40 @@ def token_tracker(
     tracker = InstanceTracker(reject_hold_s=0.05)
     tracker.update_membership(records)
     return tracker
+
+
+def stream_body(prompt: str = PROMPT, max_tokens: int = N, **extra: Any) -> dict[str, Any]:
+    """A streaming completions request (by default the tests' usual one)."""
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, **extra}
+
+
+@dataclass
+class Relayed:
+    outcome: str
+    relay: Relay
+    sink: Sink  # what the client was sent
+    upstream: MockUpstream  # its calls
+    metrics: GatewayMetrics
+
+
+async def relay_tokens(
+    cluster: TokenCluster,
+    body: dict[str, Any] | None = None,
+    *,
+    decode_extensions: tuple[str, ...] | None = None,
+    sink: Sink | None = None,
+    **options: Any,
+) -> Relayed:
+    """One request (by default `stream_body()`) through a dispatcher and the relay, against
+    `cluster` behind a `MockUpstream` (decodes declaring `decode_extensions`, by default
+    continuations), once every count it took on the instances is back."""
+    upstream = MockUpstream(cluster)
+    extensions = {} if decode_extensions is None else {"decode_extensions": decode_extensions}
+    tracker = token_tracker(**extensions)
+    d, metrics = dispatcher(upstream, tracker)
+    try:
+        outcome, r, sink = await relay(d, metrics, body or stream_body(), sink=sink, **options)
+        await eventually(lambda: tracker.totals() == (0, 0))
+    finally:
+        await d.close()
+    return Relayed(outcome, r, sink, upstream, metrics)

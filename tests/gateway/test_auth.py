@@ -4,8 +4,6 @@ exposed gateway without keys: through real sockets and the official openai clien
 from __future__ import annotations
 
 import base64
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -21,7 +19,7 @@ from pdgate.gateway.auth import (
     digest,
     parse_keys,
 )
-from tests._cluster import ThreadedCluster
+from tests._cluster import ThreadedCluster, keyed_cluster, refused
 
 MODEL = "sim-llama-3.1-8b"
 
@@ -31,13 +29,11 @@ def _client(url: str, key: str) -> openai.OpenAI:
 
 
 def test_keys_gate_every_client_endpoint(tmp_path: Path) -> None:
-    keys_file = tmp_path / "keys"
-    keys_file.write_text(
+    keys = (
         f"# team keys, stored as digests\nsha256:{digest('sk-team').hex()} name=team\n"
         f"sha256:{digest('sk-slow').hex()} name=slow rpm=2\n"
     )
-    gateway = {"api_keys": ["sk-env"], "api_keys_file": keys_file, "admin_token": "adm-1"}
-    with ThreadedCluster(prefills=1, decodes=1, gateway=gateway) as c:
+    with keyed_cluster(tmp_path, keys, api_keys=["sk-env"], admin_token="adm-1") as c:
         for key in ("sk-env", "sk-team"):
             out = _client(c.url, key).completions.create(model=MODEL, prompt="hi", max_tokens=3)
             assert out.choices[0].text
@@ -69,10 +65,7 @@ def test_keys_gate_every_client_endpoint(tmp_path: Path) -> None:
 
 
 def test_group_binding_from_a_keys_file(tmp_path: Path) -> None:
-    keys_file = tmp_path / "keys"
-    keys_file.write_text("sk-chat name=chat group=default\n")
-    gateway = {"api_keys_file": keys_file, "admin_token": "adm"}
-    with ThreadedCluster(prefills=1, decodes=1, gateway=gateway) as c:
+    with keyed_cluster(tmp_path, "sk-chat name=chat group=default\n") as c:
         auth = {"authorization": "Bearer sk-chat"}
         body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
         assert httpx.post(c.url + "/v1/completions", json=body, headers=auth).status_code == 200
@@ -105,7 +98,7 @@ def test_the_admin_token_as_basic_credentials() -> None:
         "basic  " + base64.b64encode(b"x:adm:1").decode() + " ",
     ):
         ring.admin(accepted)
-    for refused in (
+    for wrong in (
         None,
         "",
         "Basic",
@@ -118,7 +111,7 @@ def test_the_admin_token_as_basic_credentials() -> None:
         "Bearer " + _basic(b"ops:adm:1"),
     ):
         with pytest.raises(AdminUnauthorized) as info:
-            ring.admin(refused)
+            ring.admin(wrong)
         assert info.value.response().status_code == 401
         assert info.value.response().headers["www-authenticate"] == ADMIN_CHALLENGE
     assert basic_password(_basic(b"u:p:q")) == "p:q"
@@ -138,7 +131,7 @@ def test_keys_file_errors_name_the_line() -> None:
 
 
 def test_an_exposed_gateway_without_keys_refuses_to_start() -> None:
-    cmd = [sys.executable, "-m", "pdgate.config.cli", "gateway", "--host", "0.0.0.0", "--port", "0"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2
-    assert "refusing to listen on 0.0.0.0 without client API keys" in out.stderr
+    refused(
+        ["gateway", "--host", "0.0.0.0", "--port", "0"],
+        "refusing to listen on 0.0.0.0 without client API keys",
+    )

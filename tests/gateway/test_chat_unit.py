@@ -6,19 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
-from pdgate.config import QueueOrder
 from pdgate.config.openai_api import Api
 from pdgate.config.wire import CHAT_PATH, COMPLETIONS_PATH
-from pdgate.gateway.dispatch import client_error
-from pdgate.gateway.forwarder import ForwardingOptions
 from pdgate.gateway.mock_upstream import MockUpstream
 from tests.gateway._fakes import (
     FakeCluster,
+    batching_forwarder,
     dispatcher,
     eventually,
-    forwarder,
     info,
     tracker_for,
     waiter,
@@ -28,25 +24,13 @@ from tests.gateway._fakes import (
 async def test_a_mixed_run_is_one_batch_call_per_api() -> None:
     upstream = MockUpstream(FakeCluster(prefill_delay_s=0.01))
     tracker = tracker_for([8])
-    fwd, _, background = forwarder(
-        upstream,
-        tracker,
-        ForwardingOptions(batch_forwarding=True, batch_endpoint=True, client_error=client_error),
-        order=QueueOrder.FIFO,
-    )
-    batches: list[tuple[str, int]] = []
-    real_batch = upstream.prefill_batch
-
-    def recording_batch(*a: Any, **kw: Any) -> Any:
-        batches.append((kw["path"], len(a[1])))
-        return real_batch(*a, **kw)
-
-    upstream.prefill_batch = recording_batch  # type: ignore[method-assign]
+    fwd, _, background = batching_forwarder(upstream, tracker)
     waiters = [waiter(i) for i in range(6)]
     for w in waiters[::2]:
         w.path = CHAT_PATH
     grants = await asyncio.gather(*(fwd.acquire(w) for w in waiters))
-    assert sorted(batches) == [(CHAT_PATH, 3), (COMPLETIONS_PATH, 3)]
+    batches = sorted((b[0].path, len(b)) for b in upstream.batches)
+    assert batches == [(CHAT_PATH, 3), (COMPLETIONS_PATH, 3)]
     paths = sorted(c.path for c in upstream.calls if c.leg == "prefill")
     assert paths == [CHAT_PATH] * 3 + [COMPLETIONS_PATH] * 3
     for g in grants:

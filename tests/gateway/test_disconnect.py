@@ -8,19 +8,11 @@ import time
 import httpx
 import orjson
 
-from tests._cluster import ThreadedCluster, hold_prefill_slot, shim_load
+from tests._cluster import ThreadedCluster, hold_prefill_slot, raw_post, shim_load
 
 
 def _raw_stream_request(url: str, body: dict[str, object]) -> socket.socket:
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)))
-    payload = orjson.dumps(body)
-    sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
-        + payload
-    )
-    return sock
+    return raw_post(url, orjson.dumps(body))
 
 
 def test_disconnect_mid_stream_frees_decode_and_prefill_slots() -> None:

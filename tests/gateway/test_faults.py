@@ -15,29 +15,21 @@ import httpx
 import orjson
 
 from tests._cluster import (
-    Subprocess,
+    SIM_MODEL,
+    Processes,
     ThreadedCluster,
-    gateway_url,
     get_instances,
-    registry_env,
+    instance_urls,
+    raw_post,
     shim_load,
-    start,
     wait_for,
+    wait_instances,
 )
 
-MODEL = "sim-llama-3.1-8b"
 
-
-def _stall(url: str, *, declared: int = 1000, sent: bytes = b'{"prompt"') -> socket.socket:
+def _stall(url: str) -> socket.socket:
     """A client that sends its headers and the start of its body, then goes quiet."""
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)))
-    sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {declared}\r\n\r\n".encode()
-        + sent
-    )
-    return sock
+    return raw_post(url, b'{"prompt"', length=1000)
 
 
 def test_stalled_uploads_do_not_lock_other_clients_out() -> None:
@@ -51,7 +43,7 @@ def test_stalled_uploads_do_not_lock_other_clients_out() -> None:
             for _ in range(6):  # more than max_pending, one after another: all served
                 resp = httpx.post(
                     c.url + "/v1/completions",
-                    json={"model": MODEL, "prompt": "still served", "max_tokens": 2},
+                    json={"model": SIM_MODEL, "prompt": "still served", "max_tokens": 2},
                     timeout=10,
                 )
                 assert resp.status_code == 200, resp.text
@@ -74,7 +66,7 @@ def test_too_many_uploads_at_once_get_a_503_with_an_openai_body() -> None:
         try:
             time.sleep(0.2)
             resp = httpx.post(
-                c.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=5
+                c.url + "/v1/completions", json={"model": SIM_MODEL, "prompt": "x"}, timeout=5
             )
             assert resp.status_code == 503
             assert resp.json()["error"]["code"] == "gateway_overloaded"
@@ -86,7 +78,7 @@ def test_too_many_uploads_at_once_get_a_503_with_an_openai_body() -> None:
         wait_for(
             lambda: (
                 httpx.post(
-                    c.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=5
+                    c.url + "/v1/completions", json={"model": SIM_MODEL, "prompt": "x"}, timeout=5
                 ).status_code
                 == 200
             ),
@@ -134,7 +126,7 @@ async def _storm(url: str, clients: int, concurrency: int, seed: int) -> dict[st
             when = moments[i % 3]
             body = orjson.dumps(
                 {
-                    "model": MODEL,
+                    "model": SIM_MODEL,
                     "prompt": f"storm {i} " + "context " * rng.randint(20, 400),
                     "max_tokens": 64,
                     "stream": True,
@@ -147,21 +139,15 @@ async def _storm(url: str, clients: int, concurrency: int, seed: int) -> dict[st
     return done
 
 
-def test_a_disconnect_storm_leaves_every_prefill_slot_free(
-    redis_url: str, registry_prefix: str, procs: list[Subprocess]
-) -> None:
+def test_a_disconnect_storm_leaves_every_prefill_slot_free(processes: Processes) -> None:
     """Issue 9: after 300 clients left at random moments, prefills still held 6 of 8 and 4 of
     8 slots 10 s later (until the 30 s hold timeout): KV nobody would fetch."""
-    env = registry_env(redis_url, registry_prefix)
-    shim = ["shim", "--host", "127.0.0.1", "--port", "0"]
     for _ in range(2):
-        start(procs, [*shim, "--role", "prefill", "--capacity", "8"], env)
-    decode = start(procs, [*shim, "--role", "decode", "--capacity", "32"], env)
-    gw = start(procs, ["gateway", "--host", "127.0.0.1", "--port", "0"], env)
-    url = gateway_url(gw)
-    wait_for(lambda: len(get_instances(url)) == 3, what="instances registered")
-    prefills = [r["url"] for r in get_instances(url) if r["role"] == "prefill"]
-    decodes = [r["url"] for r in get_instances(url) if r["role"] == "decode"]
+        processes.shim("prefill", "--capacity", "8")
+    decode = processes.shim("decode", "--capacity", "32")
+    url = processes.gateway()
+    wait_instances(url, 3)
+    prefills, decodes = instance_urls(url, "prefill"), instance_urls(url, "decode")
     assert decode.proc.poll() is None
 
     done = asyncio.run(_storm(url, clients=300, concurrency=40, seed=9))
@@ -187,6 +173,6 @@ def test_a_disconnect_storm_leaves_every_prefill_slot_free(
         assert shim_load(u)["kv_expired"] == 0
     # And the cluster still serves.
     resp = httpx.post(
-        url + "/v1/completions", json={"model": MODEL, "prompt": "after", "max_tokens": 3}
+        url + "/v1/completions", json={"model": SIM_MODEL, "prompt": "after", "max_tokens": 3}
     )
     assert resp.status_code == 200, resp.text

@@ -22,45 +22,33 @@ import orjson
 from pdgate.config.openai_api import Api
 from pdgate.config.wire import COMPLETIONS_PATH
 from pdgate.gateway.mock_upstream import MockUpstream
-from tests._cluster import Subprocess, gateway_url, get_instances, registry_env, start, wait_for
-from tests.gateway._fakes import Sink, dispatcher, eventually, relay
+from tests._cluster import SIM_MODEL, Processes, wait_instances
+from tests.gateway._fakes import Sink, eventually
 from tests.gateway._tokens import (
+    PROMPT,
     Fault,
+    N,
     TokenCluster,
     encode,
     expected_text,
     generate,
     next_id,
+    relay_tokens,
+    stream_body,
     text_of,
-    token_tracker,
     word,
 )
-
-PROMPT = "what is a prefill"
-N = 10
-
-
-def _body(**extra: Any) -> dict[str, Any]:
-    return {"model": "m", "prompt": PROMPT, "max_tokens": N, "stream": True, **extra}
 
 
 async def _run(
     cluster: TokenCluster,
     body: dict[str, Any] | None = None,
     *,
-    sink: Sink | None = None,
     extensions: tuple[str, ...] | None = None,
     **options: Any,
 ) -> tuple[str, Sink, MockUpstream]:
-    upstream = MockUpstream(cluster)
-    tracker = token_tracker() if extensions is None else token_tracker(decode_extensions=extensions)
-    d, metrics = dispatcher(upstream, tracker)
-    try:
-        outcome, _, sink = await relay(d, metrics, body or _body(), sink=sink, **options)
-        await eventually(lambda: tracker.totals() == (0, 0))
-    finally:
-        await d.close()
-    return outcome, sink, upstream
+    done = await relay_tokens(cluster, body, decode_extensions=extensions, **options)
+    return done.outcome, done.sink, done.upstream
 
 
 async def test_the_first_chunk_reaches_the_client_before_the_decode_answers() -> None:
@@ -90,7 +78,7 @@ async def test_the_first_chunk_reaches_the_client_before_the_decode_answers() ->
 
 
 async def test_greedy_text_and_usage_are_the_same_with_the_flag_on_and_off() -> None:
-    body = _body(stream_options={"include_usage": True}, return_token_ids=True)
+    body = stream_body(stream_options={"include_usage": True}, return_token_ids=True)
     runs = {}
     for early in (False, True):
         outcome, sink, _ = await _run(TokenCluster(), body, first_token_early=early)
@@ -157,7 +145,7 @@ async def test_a_decode_failing_after_the_early_token_is_continued_from_it() -> 
 
 async def test_a_first_token_that_may_begin_a_stop_string_is_not_sent_early() -> None:
     first = word(next_id(encode(PROMPT)))
-    body = _body(stop=[first[-1] + "\u2603"])
+    body = stream_body(stop=[first[-1] + "\u2603"])
     outcome, sink, upstream = await _run(TokenCluster(), body, first_token_early=True)
     assert outcome == "ok"
     decode = next(c for c in upstream.calls if c.leg == "decode")
@@ -167,7 +155,6 @@ async def test_a_first_token_that_may_begin_a_stop_string_is_not_sent_early() ->
 
 # -- real processes ---------------------------------------------------------------------------
 
-SIM_MODEL = "sim-llama-3.1-8b"
 PROMPTS = [
     "Explain prefill and decode in one paragraph.",
     "Why would a gateway send the first token before the decode starts?",
@@ -188,23 +175,18 @@ def _stream(url: str, path: str, body: dict[str, Any]) -> list[Any]:
     return events
 
 
-def test_sim_greedy_text_is_identical_with_the_flag_on_and_off(
-    redis_url: str, registry_prefix: str, procs: list[Subprocess]
-) -> None:
-    env = registry_env(redis_url, registry_prefix)
-    shim = ["shim", "--host", "127.0.0.1", "--port", "0"]
-    start(procs, [*shim, "--role", "prefill", "--capacity", "4"], env)
-    decode = start(procs, [*shim, "--role", "decode", "--capacity", "8"], env)
+def test_sim_greedy_text_is_identical_with_the_flag_on_and_off(processes: Processes) -> None:
+    processes.shim("prefill", "--capacity", "4")
+    decode = processes.shim("decode", "--capacity", "8")
     gateways = {}
     for early in (False, True):
         flags = {
             "PDGATE_GATEWAY_FIRST_TOKEN_EARLY": str(early).lower(),
             "PDGATE_GATEWAY_DECODE_HEADER_TIMEOUT_S": "20",
         }
-        args = ["gateway", "--host", "127.0.0.1", "--port", "0"]
-        gateways[early] = gateway_url(start(procs, args, {**env, **flags}))
+        gateways[early] = processes.gateway(env=flags)
     for url in gateways.values():
-        wait_for(lambda u=url: len(get_instances(u)) == 2, what="instances registered")  # type: ignore[misc]
+        wait_instances(url, 2)
 
     usage = {"stream_options": {"include_usage": True}, "temperature": 0}
     results: dict[bool, list[Any]] = {}

@@ -7,84 +7,67 @@ import concurrent.futures
 import os
 import signal
 import time
-from typing import Any
 
 import httpx
 import pytest
 
 from tests._cluster import (
+    SIM_MODEL,
+    Processes,
     Subprocess,
-    gateway_url,
-    get_instances,
+    instance_urls,
+    instances_by_id,
     registry_env,
     shim_load,
-    start,
     wait_for,
+    wait_instances,
 )
 from tests._redis import RedisServer
 
-MODEL = "sim-llama-3.1-8b"
 TTL_S = 0.8
 GATEWAYS = pytest.mark.parametrize("n", [2, 4])
-
-
-def _fleet_env(redis_url: str, prefix: str, **extra: str) -> dict[str, str]:
-    return {
-        **registry_env(redis_url, prefix),
-        "PDGATE_GATEWAY_FLEET_SYNC_INTERVAL_S": "0.05",
-        "PDGATE_GATEWAY_FLEET_TTL_S": str(TTL_S),
-        **extra,
-    }
+# Gateways that sync often and forget a dead one soon.
+FLEET = {"PDGATE_GATEWAY_FLEET_SYNC_INTERVAL_S": "0.05", "PDGATE_GATEWAY_FLEET_TTL_S": str(TTL_S)}
 
 
 def _cluster(
-    procs: list[Subprocess],
-    env: dict[str, str],
+    processes: Processes,
     *,
     gateways: int,
     prefill_capacity: int = 2,
     prefills: int = 2,
     gateway_env: dict[str, str] | None = None,
 ) -> tuple[list[str], list[str]]:
-    shim = ["shim", "--host", "127.0.0.1", "--port", "0"]
+    """`prefills` prefills and a decode behind `gateways` gateways; the gateways' URLs and
+    the prefills'."""
     for _ in range(prefills):
-        start(procs, [*shim, "--role", "prefill", "--capacity", str(prefill_capacity)], env)
-    start(procs, [*shim, "--role", "decode", "--capacity", "64"], env)
-    urls = []
-    for i in range(gateways):
-        gw = start(
-            procs,
-            ["gateway", "--host", "127.0.0.1", "--port", "0"],
-            {**env, "PDGATE_GATEWAY_GATEWAY_ID": f"gw{i}", **(gateway_env or {})},
+        processes.shim("prefill", "--capacity", str(prefill_capacity))
+    processes.shim("decode", "--capacity", "64")
+    urls = [
+        processes.gateway(
+            env={**FLEET, "PDGATE_GATEWAY_GATEWAY_ID": f"gw{i}", **(gateway_env or {})}
         )
-        urls.append(gateway_url(gw))
+        for i in range(gateways)
+    ]
     for u in urls:
-        wait_for(lambda u=u: len(get_instances(u)) == prefills + 1, what="instances seen")
-    prefill_urls = [r["url"] for r in get_instances(urls[0]) if r["role"] == "prefill"]
-    return urls, prefill_urls
+        wait_instances(u, prefills + 1)
+    return urls, instance_urls(urls[0], "prefill")
 
 
 def _post(url: str, prompt: str, *, max_tokens: int = 4, **headers: str) -> httpx.Response:
     return httpx.post(
         url + "/v1/completions",
-        json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens},
+        json={"model": SIM_MODEL, "prompt": prompt, "max_tokens": max_tokens},
         headers=headers,
         timeout=30,
     )
 
 
-def _fleet_rows(url: str) -> dict[str, dict[str, Any]]:
-    return {r["id"]: r for r in get_instances(url)}
-
-
 @GATEWAYS
-def test_gateways_never_overfill_a_prefill_and_draw_no_429s(
-    redis_url: str, registry_prefix: str, procs: list[Subprocess], n: int
-) -> None:
+def test_gateways_never_overfill_a_prefill_and_draw_no_429s(processes: Processes, n: int) -> None:
     """With each gateway counting only its own requests, every prefill another gateway used
     looked free and was probed: 429s per request grew with the number of gateways."""
-    env = _fleet_env(redis_url, registry_prefix)
-    urls, prefills = _cluster(procs, env, gateways=n, prefill_capacity=1)
+    urls, prefills = _cluster(processes, gateways=n, prefill_capacity=1)
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         jobs = [pool.submit(_post, urls[i % n], f"burst {i}") for i in range(32)]
         codes = [j.result().status_code for j in jobs]
@@ -94,26 +77,30 @@ def test_gateways_never_overfill_a_prefill_and_draw_no_429s(
 
 @GATEWAYS
 def test_counts_agree_across_gateways_and_a_killed_gateway_leaves_no_phantom_load(
-    redis_url: str, registry_prefix: str, procs: list[Subprocess], n: int
+    processes: Processes, n: int
 ) -> None:
-    env = _fleet_env(redis_url, registry_prefix)
-    urls, _ = _cluster(procs, env, gateways=n, prefill_capacity=4)
+    urls, _ = _cluster(processes, gateways=n, prefill_capacity=4)
     victim_url, survivor_urls = urls[0], urls[1:]
-    victim = procs[-n]  # the first gateway started
+    victim = processes.procs[-n]  # the first gateway started
     # Long streams through the victim keep open streams counted at the instances.
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         streams = [
             pool.submit(
                 httpx.post,
                 victim_url + "/v1/completions",
-                json={"model": MODEL, "prompt": f"long {i}", "max_tokens": 3000, "stream": True},
+                json={
+                    "model": SIM_MODEL,
+                    "prompt": f"long {i}",
+                    "max_tokens": 3000,
+                    "stream": True,
+                },
                 timeout=30,
             )
             for i in range(3)
         ]
 
         def agree() -> bool:
-            seen = [_fleet_rows(u) for u in urls]
+            seen = [instances_by_id(u) for u in urls]
             total = sum(r["fleet_open_streams"] for r in seen[-1].values())
             return total >= 6 and all(
                 view[i]["fleet_open_streams"] == seen[0][i]["fleet_open_streams"]
@@ -130,7 +117,7 @@ def test_counts_agree_across_gateways_and_a_killed_gateway_leaves_no_phantom_loa
             return all(
                 r["fleet_open_streams"] == 0 and r["fleet_inflight"] == 0
                 for url in survivor_urls
-                for r in _fleet_rows(url).values()
+                for r in instances_by_id(url).values()
             )
 
         wait_for(no_phantom, timeout=TTL_S + 3, what="the dead gateway's load vanishes")
@@ -144,12 +131,10 @@ def test_counts_agree_across_gateways_and_a_killed_gateway_leaves_no_phantom_loa
 
 @GATEWAYS
 def test_a_prefix_sent_through_one_gateway_then_another_lands_on_the_same_prefill(
-    redis_url: str, registry_prefix: str, procs: list[Subprocess], n: int
+    processes: Processes, n: int
 ) -> None:
-    env = _fleet_env(redis_url, registry_prefix)
     urls, _ = _cluster(
-        procs,
-        env,
+        processes,
         gateways=n,
         prefills=3,
         prefill_capacity=4,
@@ -167,8 +152,8 @@ def test_a_prefix_sent_through_one_gateway_then_another_lands_on_the_same_prefil
 def test_a_gateway_that_loses_redis_keeps_serving_from_its_own_view(
     procs: list[Subprocess], private_redis: RedisServer
 ) -> None:
-    env = _fleet_env(private_redis.url, "pdgate-fleet-down")
-    urls, _ = _cluster(procs, env, gateways=1, prefills=1)
+    processes = Processes(procs, registry_env(private_redis.url, "pdgate-fleet-down"))
+    urls, _ = _cluster(processes, gateways=1, prefills=1)
     assert _post(urls[0], "before").status_code == 200
     private_redis.stop()
     time.sleep(0.5)

@@ -8,39 +8,32 @@ import time
 
 import pytest
 
-from pdgate.config import QueueOrder
 from pdgate.gateway.dispatch import client_error
 from pdgate.gateway.errors import DeadlineExceeded
 from pdgate.gateway.forwarder import ForwardingOptions
 from pdgate.gateway.mock_upstream import MockUpstream, Reply
-from tests.gateway._fakes import FakeCluster, eventually, forwarder, info, tracker_for, waiter
+from tests.gateway._fakes import (
+    FakeCluster,
+    batching_forwarder,
+    eventually,
+    forwarder,
+    info,
+    tracker_for,
+    waiter,
+)
 
 
 async def test_prefill_without_batch_endpoint_falls_back_to_single_calls() -> None:
     upstream = MockUpstream(FakeCluster(prefill_delay_s=0.01), batch_endpoint=False)
     tracker = tracker_for([8])
-    fwd, _, background = forwarder(
-        upstream,
-        tracker,
-        ForwardingOptions(batch_forwarding=True, batch_endpoint=True, client_error=client_error),
-        order=QueueOrder.FIFO,
-    )
-    batch_tries = 0
-    real_batch = upstream.prefill_batch
-
-    def counting_batch(*a: object, **kw: object) -> object:
-        nonlocal batch_tries
-        batch_tries += 1
-        return real_batch(*a, **kw)  # type: ignore[arg-type]
-
-    upstream.prefill_batch = counting_batch  # type: ignore[method-assign]
+    fwd, _, background = batching_forwarder(upstream, tracker)
     for round_no in range(2):
         grants = await asyncio.gather(*(fwd.acquire(waiter(i)) for i in range(4)))
         assert [g.instance.id for g in grants] == ["p0"] * 4
         for g in grants:
             g.close()
         # Tried once, then remembered: the second run goes straight to single calls.
-        assert batch_tries == 1
+        assert len(upstream.batches) == 1
         prefills = [c for c in upstream.calls if c.leg == "prefill"]
         assert len(prefills) == 4 * (round_no + 1)
     await eventually(lambda: tracker.totals() == (0, 0))
@@ -53,25 +46,12 @@ async def test_a_prefill_that_declares_no_batch_endpoint_never_gets_a_batch_call
     batch forwarding still filling its slots."""
     upstream = MockUpstream(FakeCluster(prefill_delay_s=0.01))
     tracker = tracker_for([8], stock=True)
-    fwd, _, background = forwarder(
-        upstream,
-        tracker,
-        ForwardingOptions(batch_forwarding=True, batch_endpoint=True, client_error=client_error),
-        order=QueueOrder.FIFO,
-    )
-    batch_tries = 0
-
-    def no_batch(*a: object, **kw: object) -> object:
-        nonlocal batch_tries
-        batch_tries += 1
-        raise AssertionError("a batch call to a server that declared none")
-
-    upstream.prefill_batch = no_batch  # type: ignore[method-assign]
+    fwd, _, background = batching_forwarder(upstream, tracker)
     grants = await asyncio.gather(*(fwd.acquire(waiter(i)) for i in range(4)))
     assert [g.instance.id for g in grants] == ["p0"] * 4
     for g in grants:
         g.close()
-    assert batch_tries == 0
+    assert upstream.batches == []
     assert [c.leg for c in upstream.calls] == ["prefill"] * 4
     await eventually(lambda: tracker.totals() == (0, 0))
     await fwd.close()
@@ -123,8 +103,14 @@ async def test_without_early_drop_the_same_request_is_sent_and_expires() -> None
 
 @pytest.mark.parametrize(
     "failure",
-    [Reply(unreachable=True), Reply(status=500, json={"error": {"message": "boom"}})],
-    ids=["unreachable-or-timeout", "5xx"],
+    [
+        Reply(unreachable=True),
+        Reply(status=500, json={"error": {"message": "boom"}}),
+        # The gateway's credentials, not the client's request: another prefill, not a 400.
+        Reply(status=401, json={"error": {"message": "invalid api key"}}),
+        Reply(status=404, json={"error": {"message": "no such model"}}),
+    ],
+    ids=["unreachable-or-timeout", "5xx", "401", "404"],
 )
 async def test_a_failed_prefill_call_releases_its_kv_and_the_request_moves_on(
     failure: Reply,

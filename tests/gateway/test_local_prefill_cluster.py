@@ -9,34 +9,19 @@ the decode falls back to prefill + decode. Greedy text is the same either way.
 
 from __future__ import annotations
 
-from typing import Any
-
 import httpx
 import orjson
 
-from tests._cluster import (
-    Subprocess,
-    gateway_url,
-    get_instances,
-    registry_env,
-    shim_load,
-    start,
-    wait_for,
-)
+from tests._cluster import SIM_MODEL, Processes, instances_by_id, shim_load, wait_for
 
-MODEL = "sim-llama-3.1-8b"
 THRESHOLD = 200
 LONG = "A long system prompt that several requests share, with its rules spelled out. " * 8
 SHORT = "Hi there."
 
 
-def _instances(gw: str) -> dict[str, dict[str, Any]]:
-    return {r["id"]: r for r in get_instances(gw)}
-
-
 def _complete(gw: str, prompt: str, *, stream: bool = False) -> tuple[str, str, str]:
     """(text, prefill id, decode id) of one request through the gateway."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "stream": stream}
+    body = {"model": SIM_MODEL, "prompt": prompt, "max_tokens": 10, "stream": stream}
     resp = httpx.post(gw + "/v1/completions", json=body, timeout=10)
     assert resp.status_code == 200, resp.text
     if stream:
@@ -59,16 +44,15 @@ def _metric(gw: str, name: str, labels: str) -> float:
 
 
 def test_short_and_cached_prompts_skip_the_prefill_across_processes(
-    redis_url: str, registry_prefix: str, procs: list[Subprocess]
+    processes: Processes,
 ) -> None:
-    env = registry_env(redis_url, registry_prefix)
-    gw_env = {**env, "PDGATE_GATEWAY_LOCAL_PREFILL_MAX_UNCACHED_CHARS": str(THRESHOLD)}
-    gw = gateway_url(start(procs, ["gateway", "--port", "0"], gw_env))
-    shim = ["shim", "--port", "0", "--instance-id"]
-    start(procs, [*shim, "p-1", "--role", "prefill"], env)
-    start(procs, [*shim, "d-local", "--role", "decode", "--capacity", "1"], env)
-    wait_for(lambda: set(_instances(gw)) == {"p-1", "d-local"}, timeout=10, what="registration")
-    urls = {i: r["url"] for i, r in _instances(gw).items()}
+    gw = processes.gateway(env={"PDGATE_GATEWAY_LOCAL_PREFILL_MAX_UNCACHED_CHARS": str(THRESHOLD)})
+    processes.shim("prefill", "--instance-id", "p-1")
+    processes.shim("decode", "--instance-id", "d-local", "--capacity", "1")
+    wait_for(
+        lambda: set(instances_by_id(gw)) == {"p-1", "d-local"}, timeout=10, what="registration"
+    )
+    urls = {i: r["url"] for i, r in instances_by_id(gw).items()}
 
     # A long new prompt goes through the prefill; once d-local served it, its prefix is
     # cached there and the same prompt (and one that extends it) skips the prefill.
@@ -85,15 +69,15 @@ def test_short_and_cached_prompts_skip_the_prefill_across_processes(
 
     # A decode that does not declare it: short prompts still go to d-local, and only the
     # prefill + decode path ever reaches d-plain.
-    start(procs, [*shim, "d-plain", "--role", "decode"], {**env, "PDGATE_SHIM_LOCAL_PREFILL": "0"})
-    wait_for(lambda: "d-plain" in _instances(gw), timeout=10, what="d-plain")
-    urls = {i: r["url"] for i, r in _instances(gw).items()}
+    processes.shim("decode", "--instance-id", "d-plain", env={"PDGATE_SHIM_LOCAL_PREFILL": "0"})
+    wait_for(lambda: "d-plain" in instances_by_id(gw), timeout=10, what="d-plain")
+    urls = {i: r["url"] for i, r in instances_by_id(gw).items()}
     for i in range(4):
         assert _complete(gw, f"{SHORT} {i}")[1:] == ("d-local", "d-local")
 
     # d-local's only slot taken behind the gateway's back: its 429 sends the request through
     # the prefill, to d-plain.
-    held = {"model": MODEL, "prompt": SHORT, "max_tokens": 5000, "stream": True}
+    held = {"model": SIM_MODEL, "prompt": SHORT, "max_tokens": 5000, "stream": True}
     with httpx.stream("POST", urls["d-local"] + "/v1/completions", json=held, timeout=10) as hold:
         assert hold.status_code == 200
         lines = hold.iter_lines()  # kept: dropping the iterator would close the connection

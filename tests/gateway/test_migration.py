@@ -23,41 +23,30 @@ import pytest
 from pdgate.config.wire import COMPLETIONS_PATH
 from pdgate.gateway.errors import BadGateway, BadRequest
 from pdgate.gateway.mock_upstream import MockUpstream
-from tests._cluster import Subprocess, gateway_url, get_instances, registry_env, start, wait_for
+from tests._cluster import SIM_MODEL, Processes, Subprocess, wait_instances
 from tests.gateway._fakes import dispatcher, eventually, relay
 from tests.gateway._tokens import (
+    PROMPT,
     Fault,
+    N,
     TokenCluster,
     encode,
     expected_text,
     generate,
+    relay_tokens,
+    stream_body,
     text_of,
     token_tracker,
     word,
 )
 
-PROMPT = "tell me a story"
-N = 12
-
-
-def _body(**extra: Any) -> dict[str, Any]:
-    return {"model": "m", "prompt": PROMPT, "max_tokens": N, "stream": True, **extra}
-
 
 async def _run(
     faults: list[Fault | None], body: dict[str, Any] | None = None, **options: Any
 ) -> tuple[str, Any, Any, MockUpstream, Any]:
-    cluster = TokenCluster(faults=list(faults))
-    upstream = MockUpstream(cluster)
-    tracker = token_tracker()
-    d, metrics = dispatcher(upstream, tracker)
     options.setdefault("max_migrations", 2)
-    try:
-        outcome, r, sink = await relay(d, metrics, body or _body(), **options)
-        await eventually(lambda: tracker.totals() == (0, 0))
-    finally:
-        await d.close()
-    return outcome, r, sink, upstream, metrics
+    done = await relay_tokens(TokenCluster(faults=list(faults)), body, **options)
+    return done.outcome, done.relay, done.sink, done.upstream, done.metrics
 
 
 def _legs(upstream: MockUpstream, leg: str) -> list[Any]:
@@ -114,7 +103,7 @@ async def test_migrations_do_not_draw_on_the_retry_budget() -> None:
     tracker = token_tracker()
     d, metrics = dispatcher(upstream, tracker, retry_budget_burst=1, retry_budget_ratio=0)
     assert d.budget.withdraw()  # spent
-    outcome, r, sink = await relay(d, metrics, _body(), max_migrations=2)
+    outcome, r, sink = await relay(d, metrics, stream_body(), max_migrations=2)
     assert outcome == "ok" and r.migrations == 2
     assert text_of(sink.events()) == expected_text(PROMPT, N)
     await eventually(lambda: tracker.totals() == (0, 0))
@@ -146,7 +135,7 @@ async def test_an_in_band_client_error_before_the_first_event_is_a_real_400() ->
 
 @pytest.mark.parametrize("kind", ["lost", "error", "truncated"])
 async def test_a_stream_broken_mid_way_continues_without_repeats(kind: str) -> None:
-    body = _body(stream_options={"include_usage": True})
+    body = stream_body(stream_options={"include_usage": True})
     outcome, r, sink, upstream, metrics = await _run([Fault(kind, after=5)], body)
     assert outcome == "ok" and r.migrations == 1
     events = sink.events()
@@ -201,7 +190,7 @@ async def test_chat_continues_token_exactly_as_chat_chunks() -> None:
 
 
 async def test_ids_the_client_asked_for_go_on_across_the_boundary() -> None:
-    _, _, sink, _, _ = await _run([Fault("lost", after=3)], _body(return_token_ids=True))
+    _, _, sink, _, _ = await _run([Fault("lost", after=3)], stream_body(return_token_ids=True))
     chunks = [e for e in sink.events() if isinstance(e, dict)]
     ids = [t for e in chunks for c in e["choices"] for t in c.get("token_ids", [])]
     assert ids == generate(encode(PROMPT), N)
@@ -246,7 +235,7 @@ async def test_a_non_streaming_answer_survives_a_migration() -> None:
 
 
 async def test_a_stream_that_broke_after_its_last_token_only_gets_its_tail() -> None:
-    body = _body(stream_options={"include_usage": True})
+    body = stream_body(stream_options={"include_usage": True})
     # All N token events went out; the usage chunk and [DONE] did not.
     outcome, r, sink, upstream, _ = await _run([Fault("lost", after=N)], body)
     assert outcome == "ok" and r.migrations == 0
@@ -263,7 +252,7 @@ async def test_a_stop_string_across_the_boundary_ends_the_stream() -> None:
     before = "".join(word(t) for t in ids[:4])
     stop = before[-2:] + word(ids[4])[:3]
     assert stop not in before
-    body = _body(stop=[stop], stream_options={"include_usage": True})
+    body = stream_body(stop=[stop], stream_options={"include_usage": True})
     outcome, _, sink, _, _ = await _run([Fault("lost", after=4)], body)
     events = sink.events()
     assert outcome == "ok" and events[-1] == "[DONE]"
@@ -276,7 +265,7 @@ async def test_stop_strings_on_a_stock_decode_are_not_migrated() -> None:
     upstream = MockUpstream(TokenCluster(faults=[Fault("lost", after=3)]))
     tracker = token_tracker(decode_extensions=())
     d, metrics = dispatcher(upstream, tracker)
-    outcome, r, sink = await relay(d, metrics, _body(stop=["zzz"]), max_migrations=2)
+    outcome, r, sink = await relay(d, metrics, stream_body(stop=["zzz"]), max_migrations=2)
     # A stock server may hold back text for a stop string while its ids went out: that
     # text would be lost, so the stream ends with an in-band error instead.
     assert outcome == "upstream_error" and r.migrations == 0
@@ -309,7 +298,6 @@ async def test_a_client_leaving_during_a_migration_releases_everything() -> None
 
 # -- real processes: kill -9 a decode under streaming load --------------------------------
 
-SIM_MODEL = "sim-llama-3.1-8b"
 CLIENTS = 12
 TOKENS = 120
 
@@ -357,18 +345,15 @@ async def _load(url: str, procs: dict[str, Subprocess]) -> tuple[list[dict[str, 
     return await asyncio.gather(*tasks), victim
 
 
-def test_killing_a_decode_mid_stream_goes_unnoticed(
-    redis_url: str, registry_prefix: str, procs: list[Subprocess]
-) -> None:
-    env = registry_env(redis_url, registry_prefix)
-    shim = ["shim", "--host", "127.0.0.1", "--port", "0"]
-    sim = {**env, "PDGATE_SHIM_SIM_PROFILE": "llama-3.1-8b-a100"}
-    start(procs, [*shim, "--role", "prefill", "--capacity", "8"], sim)
-    decode = [*shim, "--role", "decode", "--capacity", "16", "--instance-id"]
-    decodes = {name: start(procs, [*decode, name], sim) for name in ("d0", "d1")}
-    gw = start(procs, ["gateway", "--host", "127.0.0.1", "--port", "0"], env)
-    url = gateway_url(gw)
-    wait_for(lambda: len(get_instances(url)) == 3, what="instances registered")
+def test_killing_a_decode_mid_stream_goes_unnoticed(processes: Processes) -> None:
+    sim = {"PDGATE_SHIM_SIM_PROFILE": "llama-3.1-8b-a100"}
+    processes.shim("prefill", "--capacity", "8", env=sim)
+    decodes = {
+        name: processes.shim("decode", "--capacity", "16", "--instance-id", name, env=sim)
+        for name in ("d0", "d1")
+    }
+    url = processes.gateway()
+    wait_instances(url, 3)
 
     # The greedy text of every prompt, from an undisturbed run.
     expected = asyncio.run(_expected(url))

@@ -110,7 +110,7 @@ async def test_an_idle_tenant_earns_no_credit() -> None:
 
 
 async def test_the_guard_lets_a_long_deadline_request_start_in_time() -> None:
-    q = WaitQueue(100, QueueOrder.EDF)
+    q = WaitQueue(100, QueueOrder.EDF, guard_s=0.25)
     now = time.monotonic()
     doc = waiter(now + 4.0, "document")
     doc.latest_start = now + 0.1  # a long prefill: it must start within 0.1 s
@@ -118,6 +118,28 @@ async def test_the_guard_lets_a_long_deadline_request_start_in_time() -> None:
     for i in range(5):
         q.push(waiter(now + 1.0 + i * 0.1, f"chat{i}"))  # earlier deadlines, short prefills
     assert q.pop() is doc
+    # Off (the default), the queue is plain EDF.
+    off = WaitQueue(100, QueueOrder.EDF)
+    doc = waiter(now + 4.0, "document")
+    doc.latest_start = now + 0.1
+    off.push(doc)
+    off.push(waiter(now + 1.0, "chat"))
+    assert off.pop() is not doc
+
+
+async def test_the_guard_leaves_a_request_past_its_latest_start_to_edf() -> None:
+    """Late requests first (least slack first) is the overload domino: a request that can no
+    longer start in time by the guard's estimate gets no precedence."""
+    q = WaitQueue(100, QueueOrder.EDF, guard_s=0.25)
+    now = time.monotonic()
+    late = waiter(now + 3.0, "late-document")
+    late.latest_start = now - 0.05
+    q.push(late)
+    chats = [waiter(now + 1.0 + i * 0.1, f"chat{i}") for i in range(3)]
+    for w in chats:
+        q.push(w)
+    assert [q.pop() for _ in range(3)] == chats
+    assert q.pop() is late
 
 
 async def test_a_tenant_over_its_share_is_told_429_not_503() -> None:

@@ -19,7 +19,7 @@ from pdgate.gateway.forwarder import ForwardingOptions
 from pdgate.gateway.health import Ejector, RetryBudget
 from pdgate.gateway.mock_upstream import Call, MockUpstream, Reply
 from pdgate.registry import InstanceRecord, RedisRegistry
-from tests._cluster import Subprocess, gateway_url, get_instances, registry_env, start, wait_for
+from tests._cluster import SIM_MODEL, Processes, instances_by_id, wait_instances
 from tests.gateway._fakes import FakeCluster, forwarder, tracker_for, waiter
 
 
@@ -145,16 +145,10 @@ class _BlackHole:
 
 
 def test_a_decode_that_never_answers_is_passed_over_and_ejected(
-    redis_url: str, registry_prefix: str, procs: list[Subprocess]
+    redis_url: str, registry_prefix: str, processes: Processes
 ) -> None:
-    env = {
-        **registry_env(redis_url, registry_prefix),
-        "PDGATE_GATEWAY_DECODE_HEADER_TIMEOUT_S": "0.3",
-        "PDGATE_GATEWAY_EJECT_AFTER_FAILURES": "2",
-    }
-    shim = ["shim", "--host", "127.0.0.1", "--port", "0"]
-    start(procs, [*shim, "--role", "prefill", "--capacity", "4"], env)
-    start(procs, [*shim, "--role", "decode", "--capacity", "16", "--instance-id", "d-real"], env)
+    processes.shim("prefill", "--capacity", "4")
+    processes.shim("decode", "--capacity", "16", "--instance-id", "d-real")
     hole = _BlackHole()
 
     async def register_hole() -> None:
@@ -163,7 +157,7 @@ def test_a_decode_that_never_answers_is_passed_over_and_ejected(
             id="a-hung-decode",  # ranks before d-real
             role=Role.DECODE,
             url=f"http://127.0.0.1:{hole.port}",
-            model="sim-llama-3.1-8b",
+            model=SIM_MODEL,
             capacity=1000,
         )
         await reg.put(record, ttl_s=60, announce=True)
@@ -171,20 +165,25 @@ def test_a_decode_that_never_answers_is_passed_over_and_ejected(
 
     try:
         asyncio.run(register_hole())
-        url = gateway_url(start(procs, ["gateway", "--host", "127.0.0.1", "--port", "0"], env))
-        wait_for(lambda: len(get_instances(url)) == 3, what="instances seen")
+        url = processes.gateway(
+            env={
+                "PDGATE_GATEWAY_DECODE_HEADER_TIMEOUT_S": "0.3",
+                "PDGATE_GATEWAY_EJECT_AFTER_FAILURES": "2",
+            }
+        )
+        wait_instances(url, 3)
         for i in range(4):
             time.sleep(0.25)  # past the reject hold: the hung decode ranks first again
             began = time.monotonic()
             resp = httpx.post(
                 url + "/v1/completions",
-                json={"model": "sim-llama-3.1-8b", "prompt": f"q{i}", "max_tokens": 2},
+                json={"model": SIM_MODEL, "prompt": f"q{i}", "max_tokens": 2},
                 timeout=10,
             )
             assert resp.status_code == 200, resp.text
             assert resp.headers["x-pdgate-decode"] == "d-real"
             assert time.monotonic() - began < 3
-        rows = {r["id"]: r for r in get_instances(url)}
+        rows = instances_by_id(url)
         assert rows["a-hung-decode"]["ejected"] is True
         assert len(hole.accepted) == 2  # tried twice, then ejected
     finally:

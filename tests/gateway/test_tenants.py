@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
-from pdgate.gateway.auth import ApiKey, Forbidden, digest
-from pdgate.gateway.errors import BadRequest
+from pdgate.gateway.auth import ApiKey, digest
+from pdgate.gateway.errors import BadRequest, Forbidden
 from pdgate.gateway.tenancy import resolve_tenancy
-from tests._cluster import ThreadedCluster, hold_prefill_slot
+from tests._cluster import ThreadedCluster, hold_prefill_slot, keyed_cluster
 from tests.gateway.test_forwarding import BODY, health, no_leaks, release
 
 SHIM = {"capacity": 1, "kv_hold_timeout_s": 30}
@@ -109,10 +109,7 @@ def test_a_high_priority_request_overtakes_queued_normal_ones() -> None:
 
 
 def test_bad_tenant_and_priority_headers_get_an_openai_error(tmp_path: Path) -> None:
-    keys_file = tmp_path / "keys"
-    keys_file.write_text("sk-alice name=alice priority=high\nsk-bob name=bob\n")
-    gateway = {"api_keys_file": keys_file, "admin_token": "adm"}
-    with ThreadedCluster(prefills=1, decodes=1, gateway=gateway) as c:
+    with keyed_cluster(tmp_path, "sk-alice name=alice priority=high\nsk-bob name=bob\n") as c:
         alice = {"authorization": "Bearer sk-alice"}
         bob = {"authorization": "Bearer sk-bob"}
         for value in ("urgent", "", "3", "-1"):

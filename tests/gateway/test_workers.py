@@ -12,15 +12,10 @@ from pathlib import Path
 
 import httpx
 
-from tests._cluster import Subprocess, get_instances, registry_env, start, wait_for
-from tests.registry._stock_server import StockServer
+from tests._cluster import SIM_MODEL, Processes, Subprocess, start, wait_for, wait_instances
+from tests.registry._stock_server import FAST_PROBES, StockServer
 
-MODEL = "sim-llama-3.1-8b"
-PROBES = {
-    "PDGATE_GATEWAY_STATIC_PROBE_INTERVAL_S": "0.2",
-    "PDGATE_GATEWAY_STATIC_PROBE_TIMEOUT_S": "0.5",
-    "PDGATE_GATEWAY_TTFT_TIMEOUT_S": "30",
-}
+PROBES = {**FAST_PROBES, "PDGATE_GATEWAY_TTFT_TIMEOUT_S": "30"}
 
 
 def _children(pid: int) -> set[int]:
@@ -41,28 +36,26 @@ def _served(url: str) -> str:
     # A new connection per request, so the kernel may hand it to either worker.
     with httpx.Client(timeout=10) as client:
         resp = client.post(
-            url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}
+            url + "/v1/completions", json={"model": SIM_MODEL, "prompt": "hi", "max_tokens": 2}
         )
         assert resp.status_code == 200, resp.text
         return str(client.get(url + "/health").json()["gateway_id"])
 
 
 def test_workers_serve_share_the_fleet_restart_and_stop_cleanly(
-    redis_url: str, registry_prefix: str, procs: list[Subprocess]
+    processes: Processes,
 ) -> None:
-    env = registry_env(redis_url, registry_prefix)
-    shim = ["shim", "--host", "127.0.0.1", "--port", "0"]
-    start(procs, [*shim, "--role", "prefill", "--capacity", "4"], env)
-    start(procs, [*shim, "--role", "decode", "--capacity", "16"], env)
+    processes.shim("prefill", "--capacity", "4")
+    processes.shim("decode", "--capacity", "16")
     sup = start(
-        procs,
+        processes.procs,
         ["gateway", "--host", "127.0.0.1", "--port", "0", "--workers", "2"],
-        {**env, "PDGATE_GATEWAY_GATEWAY_ID": "node1"},
+        {**processes.env, "PDGATE_GATEWAY_GATEWAY_ID": "node1"},
     )
     line = next(x for x in sup.lines if x.startswith("pdgate gateway:"))
     assert "(2 workers)" in line
     url = line.split()[2].removesuffix("/v1")
-    wait_for(lambda: len(get_instances(url)) == 2, what="instances seen")
+    wait_instances(url, 2)
     workers = _children(sup.proc.pid)
     assert len(workers) == 2
     ids = {_served(url) for _ in range(20)}
@@ -107,6 +100,7 @@ def test_workers_without_redis_share_every_slot_and_never_overfill_a_prefill(
     model = f"stock-{uuid.uuid4().hex[:8]}"
     prefill = StockServer(model, prefill_s=0.1).start()
     decode = StockServer(model).start()
+    sup: Subprocess | None = None
     try:
         args = ["gateway", "--host", "127.0.0.1", "--port", "0", "--workers", "2"]
         args += ["--prefill", f"{prefill.url} capacity=1", "--decode", decode.url]
@@ -153,6 +147,9 @@ def test_workers_without_redis_share_every_slot_and_never_overfill_a_prefill(
         # With its lease stuck the one slot would stay taken and this would time out (503).
         assert _post_fresh(url, model, "after the kill", ttft_ms=5000) == 200
     finally:
+        if sup is not None:
+            # SIGTERM stops the workers too; the SIGKILL `procs` sends would orphan them.
+            sup.terminate(timeout=30)
         prefill.kill()
         decode.kill()
 

@@ -1,4 +1,4 @@
-"""Finding processes a test started, to prove none outlives it.
+"""Finding processes a test started, to prove none outlives it; running a benchmark so.
 
 Every child of a benchmark inherits the environment, so a test sets a unique variable and
 looks for any process that still carries it: that finds grandchildren and orphans too,
@@ -11,10 +11,12 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from pdgate.loadtest.lib.redis import INSTALL_HINT, redis_binary
 
 MARK = "PDGATE_LOADTEST_TEST_MARK"
 
@@ -64,3 +66,15 @@ def marked(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     monkeypatch.delenv(MARK)
     left = wait_gone(carrying(value))
     assert not left, f"processes left running: {left}"
+
+
+def needs_redis() -> None:
+    """Fail (not skip) without ``redis-server``: `make test` installs it, so its absence is
+    a broken setup."""
+    if redis_binary() is None:
+        pytest.fail(INSTALL_HINT)
+
+
+# ``pdgate bench ARGS`` in this process; the lines it printed on stdout (fixture `run_bench`,
+# tests/loadtest/conftest.py).
+RunBench = Callable[[list[str]], list[str]]

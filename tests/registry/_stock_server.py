@@ -43,6 +43,12 @@ import orjson
 
 READY = "stock-server: "
 
+# A gateway's settings that probe static servers often and give up on one soon (tests).
+FAST_PROBES = {
+    "PDGATE_GATEWAY_STATIC_PROBE_INTERVAL_S": "0.2",
+    "PDGATE_GATEWAY_STATIC_PROBE_TIMEOUT_S": "0.5",
+}
+
 
 def completion_text(prompt: str, max_tokens: int) -> str:
     """The server's deterministic answer: the same for the same prompt on any process."""

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from pdgate.config import Role
-from pdgate.registry import InstanceRecord, InstanceState, RegistryEvent
+from pdgate.registry import EventStream, InstanceRecord, InstanceState, Registry, RegistryEvent
 
 
 def make_record(
@@ -63,3 +64,15 @@ async def no_event(stream: AsyncIterator[RegistryEvent], within: float) -> None:
     except TimeoutError:
         return
     raise AssertionError(f"unexpected event {event}")
+
+
+@contextlib.asynccontextmanager
+async def subscribed(registry: Registry) -> AsyncIterator[EventStream]:
+    """`registry`'s event stream once its subscription is live; closed at the end."""
+    stream = registry.events()
+    assert isinstance(stream, EventStream)
+    try:
+        await stream.wait_subscribed()
+        yield stream
+    finally:
+        await stream.aclose()

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
 from pdgate.registry import MemoryRegistry, RedisRegistry, Registry
+from tests.registry._stock_server import StockServer
 
 
 @pytest.fixture
@@ -27,3 +28,12 @@ async def any_registry(request: pytest.FixtureRequest) -> AsyncIterator[Registry
         )
     yield reg
     await reg.aclose()
+
+
+@pytest.fixture
+def servers() -> Iterator[list[StockServer]]:
+    """Stock servers a test started (append them); killed afterwards whatever happened."""
+    started: list[StockServer] = []
+    yield started
+    for server in started:
+        server.kill()

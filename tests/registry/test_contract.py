@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from pdgate.registry import EventKind, EventStream, InstanceState, Registry
-from tests.registry._util import eventually, make_record, next_event, no_event
+from pdgate.registry import EventKind, InstanceState, Registry
+from tests.registry._util import eventually, make_record, next_event, no_event, subscribed
 
 
 async def test_put_snapshot_remove(any_registry: Registry) -> None:
@@ -51,10 +51,7 @@ async def test_refresh_extends_ttl(any_registry: Registry) -> None:
 
 
 async def test_events_join_and_leave(any_registry: Registry) -> None:
-    stream = any_registry.events()
-    assert isinstance(stream, EventStream)
-    try:
-        await stream.wait_subscribed()
+    async with subscribed(any_registry) as stream:
         record = make_record("a")
         await any_registry.put(record, 5.0)  # not announced: a plain refresh
         await any_registry.put(record, 5.0, announce=True)
@@ -65,20 +62,13 @@ async def test_events_join_and_leave(any_registry: Registry) -> None:
         event = await next_event(stream)
         assert (event.kind, event.instance_id, event.record) == (EventKind.LEAVE, "a", None)
         await no_event(stream, within=0.2)
-    finally:
-        await stream.aclose()
 
 
 async def test_events_start_from_now(any_registry: Registry) -> None:
     await any_registry.put(make_record("before"), 5.0, announce=True)
-    stream = any_registry.events()
-    assert isinstance(stream, EventStream)
-    try:
-        await stream.wait_subscribed()
+    async with subscribed(any_registry) as stream:
         await any_registry.put(make_record("after"), 5.0, announce=True)
         assert (await next_event(stream)).instance_id == "after"
-    finally:
-        await stream.aclose()
 
 
 async def test_bad_ttl_rejected(any_registry: Registry) -> None:

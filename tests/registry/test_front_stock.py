@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
-import sys
 import time
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass
 
 import httpx
 import orjson
@@ -25,12 +22,20 @@ import pytest
 
 from pdgate.config import Role
 from pdgate.registry import InstanceRecord, InstanceState, RedisRegistry
-from tests._cluster import Subprocess, gateway_url, get_instances, registry_env, start, wait_for
-from tests.registry._stock_server import StockServer, completion_text
+from tests._cluster import (
+    Subprocess,
+    gateway_url,
+    get_instances,
+    instances_by_id,
+    refused,
+    registry_env,
+    start,
+    wait_for,
+)
+from tests.registry._stock_server import FAST_PROBES, StockServer, completion_text
 
 PROBES = {
-    "PDGATE_GATEWAY_STATIC_PROBE_INTERVAL_S": "0.2",
-    "PDGATE_GATEWAY_STATIC_PROBE_TIMEOUT_S": "0.5",
+    **FAST_PROBES,
     "PDGATE_GATEWAY_STATIC_DOWN_AFTER": "2",
     "PDGATE_GATEWAY_TTFT_TIMEOUT_S": "30",
 }
@@ -39,14 +44,6 @@ PROBES = {
 @pytest.fixture
 def model() -> str:
     return f"stock-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def servers() -> Iterator[list[StockServer]]:
-    started: list[StockServer] = []
-    yield started
-    for server in started:
-        server.kill()
 
 
 def _serve(servers: list[StockServer], model: str, *, prefill_s: float = 0.05) -> StockServer:
@@ -85,19 +82,37 @@ def _burst(urls: list[str], model: str, clients: int) -> list[str]:
     return texts
 
 
-def _by_id(url: str) -> dict[str, dict[str, Any]]:
-    return {row["id"]: row for row in get_instances(url)}
+def _pair(
+    servers: list[StockServer], model: str, *, prefill_s: float = 0.05
+) -> tuple[StockServer, StockServer]:
+    """A stock prefill (each prefill leg takes `prefill_s`) and a stock decode."""
+    return _serve(servers, model, prefill_s=prefill_s), _serve(servers, model)
 
 
-def _records(redis_url: str, prefix: str) -> dict[str, InstanceRecord]:
-    async def read() -> dict[str, InstanceRecord]:
-        reg = RedisRegistry(redis_url, key_prefix=prefix, connect_timeout_s=1.0)
-        try:
-            return {r.id: r for r in await reg.snapshot()}
-        finally:
-            await reg.aclose()
+@dataclass(frozen=True)
+class Shared:
+    """The Redis registry of a test's processes: their settings for it, and what is in it."""
 
-    return asyncio.run(read())
+    url: str
+    prefix: str
+
+    def env(self, **timing: float) -> dict[str, str]:
+        return registry_env(self.url, self.prefix, **timing)
+
+    def records(self) -> dict[str, InstanceRecord]:
+        async def read() -> dict[str, InstanceRecord]:
+            reg = RedisRegistry(self.url, key_prefix=self.prefix, connect_timeout_s=1.0)
+            try:
+                return {r.id: r for r in await reg.snapshot()}
+            finally:
+                await reg.aclose()
+
+        return asyncio.run(read())
+
+
+@pytest.fixture
+def shared(redis_url: str, registry_prefix: str) -> Shared:
+    return Shared(redis_url, registry_prefix)
 
 
 # --- static --prefill / --decode -------------------------------------------------------------
@@ -106,13 +121,13 @@ def _records(redis_url: str, prefix: str) -> dict[str, InstanceRecord]:
 def test_static_gateway_serves_a_stock_pair_with_the_model_from_v1_models(
     procs: list[Subprocess], servers: list[StockServer], model: str
 ) -> None:
-    prefill, decode = _serve(servers, model), _serve(servers, model)
+    prefill, decode = _pair(servers, model)
     gw = start(
         procs, ["gateway", "--port", "0", "--prefill", prefill.url, "--decode", decode.url], PROBES
     )
     url = gateway_url(gw)
     # Both live servers are in the first view: start-up waited for the first probe round.
-    rows = _by_id(url)
+    rows = instances_by_id(url)
     assert {r["id"]: (r["role"], r["model"], r["capacity"], r["state"]) for r in rows.values()} == {
         f"prefill@127.0.0.1:{prefill.port}": ("prefill", model, 8, "ready"),
         f"decode@127.0.0.1:{decode.port}": ("decode", model, 64, "ready"),
@@ -127,42 +142,28 @@ def test_static_gateway_serves_a_stock_pair_with_the_model_from_v1_models(
     assert prefill.stats()["prefill_legs"] == 2
 
 
-def test_static_prefill_without_batch_endpoint_gets_single_calls_within_its_slots(
-    procs: list[Subprocess], servers: list[StockServer], model: str
+@pytest.mark.parametrize(("capacity", "clients"), [(4, 16), (1, 8)])
+def test_queueless_rule_holds_for_a_queueing_static_prefill(
+    procs: list[Subprocess], servers: list[StockServer], model: str, capacity: int, clients: int
 ) -> None:
-    prefill, decode = _serve(servers, model, prefill_s=0.2), _serve(servers, model)
-    args = ["gateway", "--port", "0", "--prefill", f"{prefill.url} capacity=4"]
+    """The stock server would take every request at once (it never refuses): the gateway
+    keeps it to its declared slots, in full batches of single calls."""
+    prefill, decode = _pair(servers, model, prefill_s=0.2)
+    args = ["gateway", "--port", "0", "--prefill", f"{prefill.url} capacity={capacity}"]
     url = gateway_url(start(procs, [*args, "--decode", decode.url], PROBES))
-    _burst([url], model, 16)
+    _burst([url], model, clients)
     stats = prefill.stats()
     # A stock server declares no pdgate extension: never a batch call, only vLLM's handshake.
     assert stats["not_found"] == {}
-    assert stats["prefill_legs"] == 16
-    assert stats["prefill_max"] == 4  # full batches, never more than the declared slots
-
-
-def test_queueless_rule_holds_for_a_queueing_static_prefill(
-    procs: list[Subprocess], servers: list[StockServer], model: str
-) -> None:
-    prefill, decode = _serve(servers, model, prefill_s=0.2), _serve(servers, model)
-    args = ["gateway", "--port", "0", "--prefill", f"{prefill.url} capacity=1"]
-    url = gateway_url(start(procs, [*args, "--decode", decode.url], PROBES))
-    _burst([url], model, 8)
-    stats = prefill.stats()
-    assert stats["prefill_legs"] == 8
-    # It would have taken all 8 at once: it never refuses.
-    assert stats["prefill_max"] == 1
+    assert stats["prefill_legs"] == clients
+    assert stats["prefill_max"] == capacity
 
 
 def test_queueless_rule_holds_across_two_gateways_on_one_redis(
-    procs: list[Subprocess],
-    servers: list[StockServer],
-    model: str,
-    redis_url: str,
-    registry_prefix: str,
+    procs: list[Subprocess], servers: list[StockServer], model: str, shared: Shared
 ) -> None:
-    prefill, decode = _serve(servers, model, prefill_s=0.2), _serve(servers, model)
-    env = {**registry_env(redis_url, registry_prefix), **PROBES}
+    prefill, decode = _pair(servers, model, prefill_s=0.2)
+    env = {**shared.env(), **PROBES}
     args = ["gateway", "--port", "0", "--prefill", f"{prefill.url} capacity=1"]
     args += ["--decode", decode.url]
     urls = [gateway_url(start(procs, args, env)) for _ in range(2)]
@@ -178,21 +179,23 @@ def test_queueless_rule_holds_across_two_gateways_on_one_redis(
 def test_a_static_instance_that_dies_leaves_the_view_and_comes_back(
     procs: list[Subprocess], servers: list[StockServer], model: str
 ) -> None:
-    prefill, decode = _serve(servers, model), _serve(servers, model)
+    prefill, decode = _pair(servers, model)
     env = {**PROBES, "PDGATE_GATEWAY_TTFT_TIMEOUT_S": "1"}
     args = ["gateway", "--port", "0", "--prefill", prefill.url, "--decode", decode.url]
     url = gateway_url(start(procs, args, env))
     pid = f"prefill@127.0.0.1:{prefill.port}"
     assert _complete(url, model, "before", stream=False) == completion_text("before", 5)
     prefill.kill()
-    wait_for(lambda: _by_id(url)[pid]["state"] == "draining", 5, "the dead prefill drained")
+    wait_for(
+        lambda: instances_by_id(url)[pid]["state"] == "draining", 5, "the dead prefill drained"
+    )
     # No prefill takes requests now: a clean 503 (status first), not a hang or a 502.
     resp = httpx.post(
         url + "/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2}, timeout=10
     )
     assert resp.status_code == 503, resp.text
     servers.append(StockServer(model, port=prefill.port).start())
-    wait_for(lambda: _by_id(url)[pid]["state"] == "ready", 5, "the prefill back")
+    wait_for(lambda: instances_by_id(url)[pid]["state"] == "ready", 5, "the prefill back")
     assert _complete(url, model, "after", stream=True) == completion_text("after", 5)
 
 
@@ -207,22 +210,15 @@ def test_a_static_instance_dead_at_start_up_joins_when_it_starts(
     started = time.monotonic()
     url = gateway_url(start(procs, [*args, "--decode", decode.url], PROBES))
     assert time.monotonic() - started < 10  # start-up is not held by the dead server
-    assert set(_by_id(url)) == {f"decode@127.0.0.1:{decode.port}"}
+    assert set(instances_by_id(url)) == {f"decode@127.0.0.1:{decode.port}"}
     servers.append(StockServer(model, port=port).start())
-    wait_for(lambda: len(_by_id(url)) == 2, 5, "the late prefill listed")
+    wait_for(lambda: len(instances_by_id(url)) == 2, 5, "the late prefill listed")
     assert _complete(url, model, "late", stream=False) == completion_text("late", 5)
 
 
 def test_bad_static_instance_is_one_line_and_exit_2() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "pdgate.config.cli", "gateway", "--prefill", "http://a:1 size=3"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 2
-    assert "size=3" in out.stderr and "key one of capacity, group, model, id" in out.stderr
-    assert "Traceback" not in out.stderr
+    out = refused(["gateway", "--prefill", "http://a:1 size=3"], "key one of capacity, group")
+    assert "size=3" in out.stderr
 
 
 # --- pdgate announce -------------------------------------------------------------------------
@@ -236,19 +232,15 @@ def _announce(
 
 
 def test_announce_registers_heartbeats_drains_and_deregisters(
-    procs: list[Subprocess],
-    servers: list[StockServer],
-    model: str,
-    redis_url: str,
-    registry_prefix: str,
+    procs: list[Subprocess], servers: list[StockServer], model: str, shared: Shared
 ) -> None:
-    prefill, decode = _serve(servers, model), _serve(servers, model)
-    env = registry_env(redis_url, registry_prefix, ttl=1.0, heartbeat=0.25)
+    prefill, decode = _pair(servers, model)
+    env = shared.env(ttl=1.0, heartbeat=0.25)
     p_side = _announce(procs, prefill, Role.PREFILL, env, "--capacity", "2", "--drain-s", "30")
     _announce(procs, decode, Role.DECODE, env, "--group", "default")
     pid, did = f"prefill@127.0.0.1:{prefill.port}", f"decode@127.0.0.1:{decode.port}"
-    wait_for(lambda: set(_records(redis_url, registry_prefix)) == {pid, did}, 10, "registered")
-    records = _records(redis_url, registry_prefix)
+    wait_for(lambda: set(shared.records()) == {pid, did}, 10, "registered")
+    records = shared.records()
     assert (records[pid].model, records[pid].capacity, records[pid].version) == (
         model,
         2,
@@ -257,7 +249,7 @@ def test_announce_registers_heartbeats_drains_and_deregisters(
     assert (records[did].role, records[did].capacity) == (Role.DECODE, 64)
     # Heartbeats: alive well past the 1 s TTL.
     time.sleep(1.5)
-    assert set(_records(redis_url, registry_prefix)) == {pid, did}
+    assert set(shared.records()) == {pid, did}
 
     url = gateway_url(start(procs, ["gateway", "--port", "0"], env))
     wait_for(lambda: len(get_instances(url)) == 2, 5, "the gateway sees both")
@@ -268,68 +260,58 @@ def test_announce_registers_heartbeats_drains_and_deregisters(
 
     # The decode's /health fails: no more heartbeats, the record goes, and returns with it.
     decode.set_health(False)
-    wait_for(lambda: did not in _records(redis_url, registry_prefix), 5, "unhealthy deregistered")
-    wait_for(lambda: did not in _by_id(url), 5, "the gateway dropped it")
+    wait_for(lambda: did not in shared.records(), 5, "unhealthy deregistered")
+    wait_for(lambda: did not in instances_by_id(url), 5, "the gateway dropped it")
     decode.set_health(True)
-    wait_for(lambda: did in _records(redis_url, registry_prefix), 5, "healthy registered again")
+    wait_for(lambda: did in shared.records(), 5, "healthy registered again")
 
     # SIGTERM: draining (in Redis and at the gateway) while the server answers ...
     p_side.proc.send_signal(signal.SIGTERM)
     wait_for(
-        lambda: _records(redis_url, registry_prefix)[pid].state is InstanceState.DRAINING,
+        lambda: shared.records()[pid].state is InstanceState.DRAINING,
         5,
         "draining",
     )
-    wait_for(lambda: _by_id(url)[pid]["state"] == "draining", 5, "the gateway sees it draining")
+    wait_for(
+        lambda: instances_by_id(url)[pid]["state"] == "draining", 5, "the gateway sees it draining"
+    )
     assert p_side.proc.poll() is None
     # ... until the server stops; then the record is removed and the sidecar exits.
     prefill.kill()
     assert p_side.proc.wait(10) == 0
-    assert pid not in _records(redis_url, registry_prefix)
+    assert pid not in shared.records()
 
 
 def test_a_killed_announce_sidecar_lets_the_record_expire(
-    procs: list[Subprocess],
-    servers: list[StockServer],
-    model: str,
-    redis_url: str,
-    registry_prefix: str,
+    procs: list[Subprocess], servers: list[StockServer], model: str, shared: Shared
 ) -> None:
     server = _serve(servers, model)
-    env = registry_env(redis_url, registry_prefix, ttl=1.0, heartbeat=0.25)
+    env = shared.env(ttl=1.0, heartbeat=0.25)
     side = _announce(procs, server, Role.PREFILL, env, "--instance-id", "stock-p1")
-    wait_for(lambda: "stock-p1" in _records(redis_url, registry_prefix), 10, "registered")
+    wait_for(lambda: "stock-p1" in shared.records(), 10, "registered")
     side.kill()
-    took = wait_for(lambda: not _records(redis_url, registry_prefix), 5, "expired")
+    took = wait_for(lambda: not shared.records(), 5, "expired")
     assert took <= 2.0  # the TTL (1 s), not some later clean-up
 
 
 def test_announce_drain_ends_at_drain_s_while_the_server_keeps_answering(
-    procs: list[Subprocess],
-    servers: list[StockServer],
-    model: str,
-    redis_url: str,
-    registry_prefix: str,
+    procs: list[Subprocess], servers: list[StockServer], model: str, shared: Shared
 ) -> None:
     server = _serve(servers, model)
-    env = registry_env(redis_url, registry_prefix)
+    env = shared.env()
     side = _announce(procs, server, Role.DECODE, env, "--drain-s", "1", "--model", model)
-    wait_for(lambda: len(_records(redis_url, registry_prefix)) == 1, 10, "registered")
+    wait_for(lambda: len(shared.records()) == 1, 10, "registered")
     started = time.monotonic()
     assert side.terminate(timeout=10) == 0
     assert 0.9 <= time.monotonic() - started < 5
-    assert not _records(redis_url, registry_prefix)
+    assert not shared.records()
 
 
 def test_queueless_rule_holds_for_an_announced_prefill_across_two_gateways(
-    procs: list[Subprocess],
-    servers: list[StockServer],
-    model: str,
-    redis_url: str,
-    registry_prefix: str,
+    procs: list[Subprocess], servers: list[StockServer], model: str, shared: Shared
 ) -> None:
-    prefill, decode = _serve(servers, model, prefill_s=0.2), _serve(servers, model)
-    env = registry_env(redis_url, registry_prefix)
+    prefill, decode = _pair(servers, model, prefill_s=0.2)
+    env = shared.env()
     _announce(procs, prefill, Role.PREFILL, env, "--capacity", "1")
     _announce(procs, decode, Role.DECODE, env)
     gw_env = {**env, "PDGATE_GATEWAY_TTFT_TIMEOUT_S": "30"}
@@ -354,13 +336,4 @@ def test_queueless_rule_holds_for_an_announced_prefill_across_two_gateways(
     ],
 )
 def test_announce_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "pdgate.config.cli", "announce", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PATH": "/usr/bin:/bin"},
-    )
-    assert out.returncode == 2, out.stderr
-    assert message in out.stderr
-    assert "Traceback" not in out.stderr
+    refused(["announce", *args], message, env={"PATH": "/usr/bin:/bin"})

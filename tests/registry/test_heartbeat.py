@@ -10,7 +10,6 @@ import pytest
 
 from pdgate.registry import (
     EventKind,
-    EventStream,
     Heartbeat,
     InstanceRecord,
     InstanceState,
@@ -20,7 +19,7 @@ from pdgate.registry import (
     RegistryUnavailable,
 )
 from tests._redis import RedisServer
-from tests.registry._util import eventually, make_record, next_event
+from tests.registry._util import eventually, make_record, next_event, subscribed
 
 
 class FlakyRegistry(MemoryRegistry):
@@ -66,45 +65,39 @@ async def ids(registry: Registry) -> set[str]:
 
 
 async def test_keeps_record_alive_and_stop_deregisters(any_registry: Registry) -> None:
-    stream = any_registry.events()
-    assert isinstance(stream, EventStream)
-    await stream.wait_subscribed()
-    hb = Heartbeat(any_registry, make_record("p1"), interval_s=0.1, ttl_s=0.3)
-    await hb.start()
-    assert hb.registered
-    event = await next_event(stream)
-    assert (event.kind, event.instance_id) == (EventKind.JOIN, "p1")
+    async with subscribed(any_registry) as stream:
+        hb = Heartbeat(any_registry, make_record("p1"), interval_s=0.1, ttl_s=0.3)
+        await hb.start()
+        assert hb.registered
+        event = await next_event(stream)
+        assert (event.kind, event.instance_id) == (EventKind.JOIN, "p1")
 
-    deadline = time.monotonic() + 0.9  # three TTLs
-    while time.monotonic() < deadline:
-        assert await ids(any_registry) == {"p1"}
-        await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 0.9  # three TTLs
+        while time.monotonic() < deadline:
+            assert await ids(any_registry) == {"p1"}
+            await asyncio.sleep(0.05)
 
-    await hb.stop()
-    assert await ids(any_registry) == set()  # gone at once, not after the TTL
-    event = await next_event(stream)
-    assert (event.kind, event.instance_id) == (EventKind.LEAVE, "p1")
-    assert not hb.registered
-    await hb.stop()  # idempotent
-    await stream.aclose()
+        await hb.stop()
+        assert await ids(any_registry) == set()  # gone at once, not after the TTL
+        event = await next_event(stream)
+        assert (event.kind, event.instance_id) == (EventKind.LEAVE, "p1")
+        assert not hb.registered
+        await hb.stop()  # idempotent
 
 
 async def test_set_state_is_announced(any_registry: Registry) -> None:
-    stream = any_registry.events()
-    assert isinstance(stream, EventStream)
-    await stream.wait_subscribed()
-    hb = Heartbeat(any_registry, make_record("p1"), interval_s=5.0, ttl_s=15.0)
-    await hb.start()
-    await next_event(stream)  # the initial JOIN
-    await hb.set_state(InstanceState.DRAINING)
-    assert hb.record.state is InstanceState.DRAINING
-    event = await next_event(stream)
-    assert event.kind is EventKind.JOIN
-    assert event.record is not None
-    assert event.record.state is InstanceState.DRAINING
-    assert [r.state for r in await any_registry.snapshot()] == [InstanceState.DRAINING]
-    await hb.stop()
-    await stream.aclose()
+    async with subscribed(any_registry) as stream:
+        hb = Heartbeat(any_registry, make_record("p1"), interval_s=5.0, ttl_s=15.0)
+        await hb.start()
+        await next_event(stream)  # the initial JOIN
+        await hb.set_state(InstanceState.DRAINING)
+        assert hb.record.state is InstanceState.DRAINING
+        event = await next_event(stream)
+        assert event.kind is EventKind.JOIN
+        assert event.record is not None
+        assert event.record.state is InstanceState.DRAINING
+        assert [r.state for r in await any_registry.snapshot()] == [InstanceState.DRAINING]
+        await hb.stop()
 
 
 async def test_outage_logged_once_and_first_success_announced(

@@ -32,28 +32,28 @@ from tests.vllm.conftest import CHATS, MODEL, PROMPTS, REFERENCE_TOKENS, VllmClu
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 
-def _stream(gateway_url: str, body: dict[str, Any]) -> tuple[list[str], dict[str, Any] | None]:
-    """Text of every streamed chunk, and the usage chunk."""
-    texts: list[str] = []
-    usage = None
+def _events(url: str, body: dict[str, Any], timeout: float = 60) -> list[dict[str, Any]]:
+    """The events of `body` streamed through the gateway at `url` (which must answer 200,
+    send no in-band error and end with ``[DONE]``)."""
     with httpx.stream(
-        "POST", gateway_url + "/v1/completions", json={**body, "stream": True}, timeout=60
+        "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=timeout
     ) as resp:
         assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if not line:
-                continue
-            assert line.startswith("data: "), line
-            data = line.removeprefix("data: ")
-            if data == "[DONE]":
-                break
-            event = orjson.loads(data)
-            assert "error" not in event, event
-            if event["choices"]:
-                texts.append(event["choices"][0]["text"])
-            if event.get("usage"):
-                usage = event["usage"]
-    return texts, usage
+        lines = [line for line in resp.iter_lines() if line and not line.startswith(":")]
+    assert all(line.startswith("data: ") for line in lines), lines
+    assert lines[-1] == "data: [DONE]", lines[-1]
+    events = [orjson.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    for event in events:
+        assert "error" not in event, event
+    return events
+
+
+def _stream(gateway_url: str, body: dict[str, Any]) -> tuple[list[str], dict[str, Any] | None]:
+    """Text of every streamed chunk, and the usage chunk."""
+    events = _events(gateway_url, body)
+    texts = [e["choices"][0]["text"] for e in events if e["choices"]]
+    usages = [e["usage"] for e in events if e.get("usage")]
+    return texts, usages[-1] if usages else None
 
 
 def _greedy(prompt: str, max_tokens: int = REFERENCE_TOKENS) -> dict[str, Any]:
@@ -96,23 +96,12 @@ def test_logprobs_through_prefill_and_decode_match_one_engine(vllm_cluster: Vllm
     logprobs: list[float] = []
     tops: list[dict[str, float]] = []
     texts: list[str] = []
-    with httpx.stream(
-        "POST",
-        vllm_cluster.gateway_url + "/v1/completions",
-        json={**_greedy(prompt), "logprobs": 2, "stream": True},
-        timeout=60,
-    ) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = orjson.loads(line.removeprefix("data: "))
-            assert "error" not in event, event
-            for choice in event["choices"]:
-                texts.append(choice["text"])
-                tokens += choice["logprobs"]["tokens"]
-                logprobs += choice["logprobs"]["token_logprobs"]
-                tops += choice["logprobs"]["top_logprobs"]
+    for event in _events(vllm_cluster.gateway_url, {**_greedy(prompt), "logprobs": 2}):
+        for choice in event["choices"]:
+            texts.append(choice["text"])
+            tokens += choice["logprobs"]["tokens"]
+            logprobs += choice["logprobs"]["token_logprobs"]
+            tops += choice["logprobs"]["top_logprobs"]
     assert "".join(texts) == ref["text"]  # greedy output unchanged by asking for logprobs
     assert tokens == [t["token"] for t in ref["logprobs"]]
     # The same model on the same KV: the same log-probabilities, to float32 rounding.
@@ -313,16 +302,10 @@ def _token_ids(gateway_url: str, prompt: str | list[int], max_tokens: int) -> di
     ids: list[int] = []
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "return_token_ids": True}  # fmt: skip
-    with httpx.stream("POST", gateway_url + "/v1/completions", json=body, timeout=60) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = orjson.loads(line.removeprefix("data: "))
-            assert "error" not in event, event
-            for choice in event["choices"]:
-                prompt_ids = prompt_ids or choice.get("prompt_token_ids")
-                ids += choice["token_ids"]
+    for event in _events(gateway_url, body):
+        for choice in event["choices"]:
+            prompt_ids = prompt_ids or choice.get("prompt_token_ids")
+            ids += choice["token_ids"]
     assert prompt_ids is not None
     return {"prompt_token_ids": prompt_ids, "token_ids": ids}
 
@@ -351,13 +334,7 @@ def _stream_ids(url: str, body: dict[str, Any]) -> tuple[str, list[int]]:
     """Text and token ids of a streamed completion (the body asks for ``return_token_ids``)."""
     texts: list[str] = []
     ids: list[int] = []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
-        assert resp.status_code == 200, resp.read()
-        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    for line in lines[:-1]:
-        event = orjson.loads(line.removeprefix("data: "))
-        assert "error" not in event, event
+    for event in _events(url, body, timeout=120):
         for choice in event["choices"]:
             texts.append(choice["text"])
             ids += choice.get("token_ids", [])

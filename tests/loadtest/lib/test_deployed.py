@@ -9,9 +9,8 @@ import pytest
 
 from pdgate.loadtest.lib.deployed import DeployedCluster, Deployment, settings_env
 from pdgate.loadtest.lib.probes import wait_instances
-from pdgate.loadtest.lib.redis import INSTALL_HINT, redis_binary
 from pdgate.loadtest.lib.sse import post_stream
-from tests.loadtest._procs import marked, wait_gone
+from tests.loadtest._procs import marked, needs_redis, wait_gone
 
 
 def test_settings_reach_the_servers_as_pdgate_environment() -> None:
@@ -31,8 +30,7 @@ def test_settings_reach_the_servers_as_pdgate_environment() -> None:
 async def test_a_deployed_cluster_serves_through_every_gateway_and_stops(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if redis_binary() is None:
-        pytest.fail(INSTALL_HINT)  # `make test` installs it: its absence is a broken setup
+    needs_redis()
     deployment = Deployment(
         prefills=1,
         decodes=1,

@@ -13,7 +13,6 @@ import orjson
 import pytest
 
 from pdgate.loadtest import bench
-from pdgate.loadtest.lib.redis import INSTALL_HINT, redis_binary
 from pdgate.loadtest.lib.stats import RequestResult, summarize
 from pdgate.loadtest.ratio.command import _splits, plan_from_args
 from pdgate.loadtest.ratio.experiment import Plan, Result, Run, _combine
@@ -27,7 +26,7 @@ from pdgate.loadtest.ratio.workload import (
     split_of,
 )
 from pdgate.loadtest.scheduling.runner import Point
-from tests.loadtest._procs import marked
+from tests.loadtest._procs import RunBench
 
 
 def test_the_advice_rounds_to_whole_instances_of_each_role() -> None:
@@ -124,21 +123,14 @@ def test_the_report_compares_each_start_with_its_advised_split() -> None:
     assert "load average 1.0 at the start, 2.0 at the end" in text
 
 
-def test_a_short_real_run_reads_the_gateways_advice(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if redis_binary() is None:
-        pytest.fail(INSTALL_HINT)  # `make test` installs it: its absence is a broken setup
+def test_a_short_real_run_reads_the_gateways_advice(tmp_path: Path, run_bench: RunBench) -> None:
     doc = tmp_path / "ratio.md"
     doc.write_text("# Ratio\n\nprose kept\n<!-- ratio:t:begin -->\nOLD\n<!-- ratio:t:end -->\n")
-    with marked(monkeypatch):
-        code = bench.main(
-            ["ratio", "--quick", "--workloads=prompt_heavy", "--instances=3", "--starts=1:2",
-             "--users-scale=0.3", "--warmup-s=1", "--measure-s=4", f"--out={tmp_path}",
-             f"--doc={doc}", "--kind=t"]
-        )  # fmt: skip
-    assert code == 0
-    lines = capsys.readouterr().out.strip().splitlines()
+    lines = run_bench(
+        ["ratio", "--quick", "--workloads=prompt_heavy", "--instances=3", "--starts=1:2",
+         "--users-scale=0.3", "--warmup-s=1", "--measure-s=4", f"--out={tmp_path}",
+         f"--doc={doc}", "--kind=t"]
+    )  # fmt: skip
     assert len(lines) == 1  # progress goes to stderr
     data = orjson.loads(lines[0])
     assert data["instances"] == 3 and data["seeds"] == [0]

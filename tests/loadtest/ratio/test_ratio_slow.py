@@ -8,19 +8,17 @@ from __future__ import annotations
 import pytest
 
 from pdgate.loadtest.lib.log import to_stderr
-from pdgate.loadtest.lib.redis import INSTALL_HINT, redis_binary
 from pdgate.loadtest.ratio.experiment import Plan, run_experiment
 from pdgate.loadtest.ratio.report import comparisons
 from pdgate.loadtest.ratio.workload import QUICK_WORKLOADS, Shape, model_ratio
 from pdgate.loadtest.scheduling.runner import Timing
-from tests.loadtest._procs import marked
+from tests.loadtest._procs import marked, needs_redis
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 async def test_the_advised_split_beats_the_unbalanced_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    if redis_binary() is None:
-        pytest.fail(INSTALL_HINT)
+    needs_redis()
     plan = Plan(
         workloads=QUICK_WORKLOADS,
         starts_by_workload=(("prompt_heavy", ((2, 6),)), ("decode_heavy", ((6, 2),))),

@@ -7,27 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import orjson
-import pytest
 
-from pdgate.loadtest import bench
-from pdgate.loadtest.lib.redis import INSTALL_HINT, redis_binary
-from tests.loadtest._procs import marked
+from tests.loadtest._procs import RunBench
 
 
-def test_processes_one_and_two_gateways_two_seeds(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if redis_binary() is None:
-        pytest.fail(INSTALL_HINT)  # `make test` installs it: its absence is a broken setup
-    with marked(monkeypatch):
-        code = bench.main(
-            ["scheduling", "--deploy=processes", "--gateways=1,2", "--seeds=2", "--seed=5",
-             "--modes=least_sse", "--base-users=2", "--multiples=1", "--prefills=2",
-             "--warmup-s=0.5", "--measure-s=2", "--capacity=off", "--parallel",
-             f"--out={tmp_path}", "--no-doc", "--kind=p"]
-        )  # fmt: skip
-    assert code == 0
-    data = orjson.loads(capsys.readouterr().out.strip().splitlines()[-1])
+def test_processes_one_and_two_gateways_two_seeds(tmp_path: Path, run_bench: RunBench) -> None:
+    lines = run_bench(
+        ["scheduling", "--deploy=processes", "--gateways=1,2", "--seeds=2", "--seed=5",
+         "--modes=least_sse", "--base-users=2", "--multiples=1", "--prefills=2",
+         "--warmup-s=0.5", "--measure-s=2", "--capacity=off", "--parallel",
+         f"--out={tmp_path}", "--no-doc", "--kind=p"]
+    )  # fmt: skip
+    data = orjson.loads(lines[-1])
     assert (data["deploy"], data["gateways"], data["seeds"]) == ("processes", [1, 2], [5, 6])
     series = ("least_sse/g1", "least_sse/g2")  # one set of rows per gateway count
     assert set(data["success"]) == set(series)

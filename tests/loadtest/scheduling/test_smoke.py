@@ -13,13 +13,11 @@ import orjson
 import pytest
 
 from pdgate.loadtest import bench
-from pdgate.loadtest.lib.redis import INSTALL_HINT as REDIS_HINT
-from pdgate.loadtest.lib.redis import redis_binary
+from pdgate.loadtest.lib.docs import publish
 from pdgate.loadtest.lib.router import INSTALL_HINT, router_binary
 from pdgate.loadtest.scheduling.clusters import open_cluster
 from pdgate.loadtest.scheduling.modes import ClusterSpec, Mode
-from pdgate.loadtest.scheduling.report import update_doc
-from tests.loadtest._procs import marked
+from tests.loadtest._procs import marked, needs_redis
 
 
 def test_bench_scheduling_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -78,11 +76,15 @@ def test_bench_scheduling_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert text.startswith("intro\n") and "OLD TABLE" not in text and "| baseline | 2A |" in text
 
 
-def test_update_doc_needs_its_markers(tmp_path: Path) -> None:
+def test_publishing_into_a_doc_needs_its_markers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     doc = tmp_path / "d.md"
     doc.write_text("no markers\n")
-    assert not update_doc(doc, "full", "table\n")
+    publish("table\n", tmp_path, "full", doc, "scheduling")
     assert doc.read_text() == "no markers\n"
+    assert (tmp_path / "full.md").read_text() == "table\n"
+    assert "no scheduling:full markers" in capsys.readouterr().err
 
 
 def test_bench_scheduling_behind_vllm_router(
@@ -192,8 +194,8 @@ async def test_mode_overrides_and_slots_reach_the_servers(
 ) -> None:
     """A mode's setting overrides and the slots per prefill are what the servers run with,
     in either deployment (the in-process child gets the whole mode, not its name)."""
-    if deploy == "processes" and redis_binary() is None:
-        pytest.fail(REDIS_HINT)
+    if deploy == "processes":
+        needs_redis()
     spec = ClusterSpec(prefills=1, prefill_capacity=3)
     mode = Mode("custom", "reject", "queue", "least_sse", gateway={"prefill_policy": "round_robin"},
                 decode={"capacity": 5})  # fmt: skip

@@ -7,29 +7,20 @@ import importlib.util
 from pathlib import Path
 
 import orjson
-import pytest
 
-from pdgate.loadtest import bench
-from pdgate.loadtest.lib.redis import INSTALL_HINT, redis_binary
 from pdgate.loadtest.soak.report import markdown
 from pdgate.loadtest.soak.run import SoakPlan
-from tests.loadtest._procs import marked
+from tests.loadtest._procs import RunBench
 
 
-def test_a_short_soak(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if redis_binary() is None:
-        pytest.fail(INSTALL_HINT)  # `make test` installs it: its absence is a broken setup
+def test_a_short_soak(tmp_path: Path, run_bench: RunBench) -> None:
     doc = tmp_path / "soak.md"
     doc.write_text("# Soak\n\nprose kept\n")
-    with marked(monkeypatch):
-        code = bench.main(
-            ["soak", "--duration-s=5", "--warmup-s=2", "--sample-s=0.5", "--users=2",
-             "--policy=affinity_sse", f"--doc={doc}", f"--out={tmp_path / 'soak'}", "--kind=t"]
-        )  # fmt: skip
-    assert code == 0
-    data = orjson.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    lines = run_bench(
+        ["soak", "--duration-s=5", "--warmup-s=2", "--sample-s=0.5", "--users=2",
+         "--policy=affinity_sse", f"--doc={doc}", f"--out={tmp_path / 'soak'}", "--kind=t"]
+    )  # fmt: skip
+    data = orjson.loads(lines[-1])
     assert data["policy"] == "affinity_sse" and data["requests"] > 0
     # Served (the deadlines' verdict depends on how busy the shared box is: not asserted).
     assert data["status_counts"].get("200", 0) > 0 and data["requests_after_warmup"] > 0

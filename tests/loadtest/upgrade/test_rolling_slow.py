@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 
 from pdgate.loadtest.lib.log import to_stderr
-from pdgate.loadtest.lib.redis import INSTALL_HINT, redis_binary
 from pdgate.loadtest.upgrade.report import by_phase
 from pdgate.loadtest.upgrade.run import UpgradePlan, run_upgrade
-from tests.loadtest._procs import marked
+from tests.loadtest._procs import marked, needs_redis
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -20,8 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 async def test_rolling_upgrade_of_every_shim_and_gateway_fails_no_request(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if redis_binary() is None:
-        pytest.fail(INSTALL_HINT)
+    needs_redis()
     # Streams of 192-384 tokens (~2-5 s); the gateways' preStop grace outlasts the longest.
     plan = UpgradePlan(
         prefills=2, decodes=2, gateways=2, users=12, max_tokens=384, steady_s=6.0,

@@ -10,12 +10,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from pdgate.loadtest import bench
-from pdgate.loadtest.lib.redis import INSTALL_HINT, redis_binary
 from pdgate.loadtest.upgrade.load import GatewayPool, Record
 from pdgate.loadtest.upgrade.report import by_phase, markdown, summary_json
 from pdgate.loadtest.upgrade.run import Phase, Restart, UpgradePlan, UpgradeResult
-from tests.loadtest._procs import marked
+from tests.loadtest._procs import RunBench
 
 
 def test_the_pool_sends_users_to_gateways_in_rotation() -> None:
@@ -74,21 +72,15 @@ def test_a_plan_refuses_what_it_cannot_restart() -> None:
         UpgradePlan(decodes=0)
 
 
-def test_a_short_rolling_restart_under_load(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if redis_binary() is None:
-        pytest.fail(INSTALL_HINT)  # `make test` installs it: its absence is a broken setup
+def test_a_short_rolling_restart_under_load(tmp_path: Path, run_bench: RunBench) -> None:
     doc = tmp_path / "ops.md"
     doc.write_text("# Ops\n\n<!-- upgrade:t:begin -->\nOLD\n<!-- upgrade:t:end -->\nkept\n")
-    with marked(monkeypatch):
-        code = bench.main(
-            ["upgrade", "--quick", "--roles=prefill,gateway", "--steady-s=1.5",
-             "--gateway-prestop-s=1", "--after-s=1", f"--out={tmp_path}", f"--doc={doc}",
-             "--kind=t"]
-        )  # fmt: skip
-    assert code == 0
-    data = orjson.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    lines = run_bench(
+        ["upgrade", "--quick", "--roles=prefill,gateway", "--steady-s=1.5",
+         "--gateway-prestop-s=1", "--after-s=1", f"--out={tmp_path}", f"--doc={doc}",
+         "--kind=t"]
+    )  # fmt: skip
+    data = orjson.loads(lines[-1])
     # The prefill drained and each process was replaced by a new one.
     restarts = data["restarts"]
     assert [r["role"] for r in restarts] == ["prefill", "gateway", "gateway"]
