@@ -57,6 +57,11 @@ EXT_LOCAL_PREFILL = "local_prefill"
 # stop string travels with its ids). The first token early and the migration of streams with
 # stop strings rely on it.
 EXT_CONTINUATION = "continuation"
+# A prefill that answers 429 when its slots are full instead of queueing (P/D-Serve's
+# admission): it enforces its own slots, so a gateway alone in its fleet may count them
+# locally instead of leasing each one through Redis. One that queues (stock vLLM, or
+# admission=queue) must be leased: only the gateways can keep it queue-less.
+EXT_QUEUELESS = "queueless"
 MAX_EXTENSIONS = 16
 MAX_EXTENSION_CHARS = 64
 

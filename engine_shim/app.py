@@ -33,13 +33,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from pdgate.config import RegistrySettings, Role, ShimSettings
+from pdgate.config import PrefillAdmission, RegistrySettings, Role, ShimSettings
 from pdgate.config.server import is_loopback
 from pdgate.config.tracing import Tracing
 from pdgate.config.wire import (
     EXT_BATCH_PREFILL,
     EXT_CONTINUATION,
     EXT_LOCAL_PREFILL,
+    EXT_QUEUELESS,
     HEALTH_PATH,
     LOAD_PATH,
 )
@@ -100,6 +101,8 @@ def _base_url(settings: ShimSettings) -> str:
 
 def _extensions(settings: ShimSettings, backend: PrefillBackend | DecodeBackend) -> tuple[str, ...]:
     if settings.role is Role.PREFILL:
+        if settings.admission is PrefillAdmission.REJECT:
+            return (EXT_BATCH_PREFILL, EXT_QUEUELESS)
         return (EXT_BATCH_PREFILL,)
     if isinstance(backend, DecodeBackend) and local_prefill(settings, backend) is not None:
         return (EXT_CONTINUATION, EXT_LOCAL_PREFILL)
