@@ -83,6 +83,10 @@ class Fleet:
         self._live: dict[str, dict[str, SlotLease]] = {}  # instance -> lease id -> lease
         self._to_release: list[SlotLease] = []
         self._flush_scheduled = False
+        # Freed-slot messages still to come back to us for our own releases (Redis publishes
+        # one per instance per release call, to every gateway, us included): instance ->
+        # count. Bounded by the instances; cleared by every sync, which recounts.
+        self._own_freed: dict[str, int] = {}
         # Without Redis the store is the local count (with --workers, the node's shared slot
         # table); with Redis, this is the degraded mode's own counting.
         self._local = store if isinstance(store, LocalFleet) else LocalFleet(store.gateway_id)
@@ -223,6 +227,8 @@ class Fleet:
         batch, self._to_release = self._to_release, []
         if not batch:
             return
+        for instance_id in {x.instance_id for x in batch}:
+            self._own_freed[instance_id] = self._own_freed.get(instance_id, 0) + 1
         try:
             await self.store.release([(x.instance_id, x.lease_id) for x in batch])
         except RegistryUnavailable as exc:
@@ -259,6 +265,7 @@ class Fleet:
         instances = list(self._tracker.records())
         view = await self.store.sync(streams, tokens, self._heads(), instances)
         self._recover()
+        self._own_freed.clear()  # the counts below are fresh
         self.gateways = view.gateways
         # Subtract exactly what is ours: the rest is the other gateways' share. Our leases
         # still in Redis include those given back but not yet flushed.
@@ -284,15 +291,31 @@ class Fleet:
             with contextlib.suppress(RegistryUnavailable):
                 await self.store.renew(live)
 
+    def _freed(self, instance_id: str) -> None:
+        """A slot of `instance_id` was freed somewhere in the fleet ("": somewhere). Another
+        gateway's release also lowers that gateway's share in our view at once: until the next
+        sync (`fleet_sync_interval_s`) the instance would still look full to our policy, and
+        the slot would idle while our queue waits (measured: 4 gateways lost 10% of goodput
+        and 15 points of success at 4A that way). Optimism costs nothing here: the lease in
+        Redis is exact, and an acquire that finds no room corrects the view."""
+        own = self._own_freed.get(instance_id, 0)
+        if own:
+            if own == 1:
+                del self._own_freed[instance_id]
+            else:
+                self._own_freed[instance_id] = own - 1
+        elif instance_id:
+            self._tracker.others_freed(instance_id)
+        self._tracker.pulse()
+
     async def _freed_loop(self) -> None:
         backoff = ExponentialBackoff(0.1, 2.0)
         attempt = 0
         while True:
             try:
-                async for _instance in self.store.freed():
+                async for instance_id in self.store.freed():
                     attempt = 0
-                    # Another gateway freed a slot: our forwarders may try again now.
-                    self._tracker.pulse()
+                    self._freed(instance_id)
             except RegistryUnavailable as exc:
                 self._degrade(exc)
             attempt += 1

@@ -277,6 +277,12 @@ class InstanceTracker:
                 c.others_tokens = max(0, tokens.get(instance_id, 0))
                 c.others_slots = max(0, slots.get(instance_id, 0))
 
+    def others_freed(self, instance_id: str) -> None:
+        """Another gateway gave back a slot of `instance_id`: one fewer in its share."""
+        c = self._counters.get(instance_id)
+        if c is not None and c.others_slots > 0:
+            c.others_slots -= 1
+
     def note_slots(self, fleet_used: Mapping[str, int]) -> None:
         """Fleet-wide used slots just seen (an acquire's answer), this gateway's included."""
         for instance_id, used in fleet_used.items():
