@@ -62,6 +62,9 @@ from pdgate.registry.fleet import LocalFleet
 _MAX_QUEUES = 1024
 
 
+_NOT_FOR_PREFILL = ("stream_options", "return_token_ids")
+
+
 class Placement:
     """A request placed on a prefill and a decode; the decode's stream is open.
 
@@ -267,7 +270,12 @@ class Dispatcher:
             )
         ):
             return placed
-        body = {k: v for k, v in forward.items() if k != "stream_options"}
+        # The prefill's token ids are read only to send the first token early (`after_prefill`);
+        # otherwise they would be a prompt-long list parsed and dropped per request (the decode's
+        # first event carries them too): 8,000 ints for a long prompt, and the gateway's RSS grew
+        # with the peaks of such lists (docs/soak.md).
+        drop = ("stream_options",) if after_prefill is not None else _NOT_FOR_PREFILL
+        body = {k: v for k, v in forward.items() if k not in drop}
         body.update(max_tokens=1, stream=False, kv_transfer_params=prefill_kv_request())
         grant = await self._prefill(info, body, request_id, deadline, span, path=api.path)
         try:

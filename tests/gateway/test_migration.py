@@ -162,6 +162,8 @@ async def test_a_stream_broken_mid_way_continues_without_repeats(kind: str) -> N
     assert decodes[1].body["max_tokens"] == N - 5
     assert decodes[1].url != decodes[0].url
     assert decodes[0].body["return_token_ids"] is True
+    # The prefill's ids are not needed (the decode's first event carries them): not asked.
+    assert "return_token_ids" not in prefills[0].body
     value = metrics.registry.get_sample_value("pdgate_migrations_total", {"reason": kind})
     assert value == 1
 
