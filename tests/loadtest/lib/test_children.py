@@ -102,11 +102,18 @@ _PARENT = textwrap.dedent(
 )
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _parent() -> tuple[subprocess.Popen[str], int]:
     parent = subprocess.Popen(
         [sys.executable, "-c", _PARENT.format(sleeper=_SLEEPER)],
         stdout=subprocess.PIPE,
         text=True,
+        # As from a terminal: a suite started in the background (`make test &`) inherits an
+        # ignored SIGINT, and an ignored Ctrl-C would make the SIGINT case hang.
+        preexec_fn=_sigint_default,
     )
     assert parent.stdout is not None
     line = parent.stdout.readline()
