@@ -6,7 +6,7 @@ Redis round trip per dispatch."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -16,6 +16,7 @@ from pdgate.gateway.fleet import Fleet
 from pdgate.gateway.instances import InstanceTracker
 from pdgate.registry.base import InstanceRecord
 from pdgate.registry.fleet import RedisFleet
+from tests.gateway._fakes import eventually
 
 
 @pytest.fixture
@@ -83,13 +84,6 @@ def _inflight(tracker: InstanceTracker) -> int:
     return load.inflight
 
 
-async def _wait(cond: Callable[[], bool], timeout_s: float = 2.0) -> None:
-    end = asyncio.get_running_loop().time() + timeout_s
-    while not cond():
-        assert asyncio.get_running_loop().time() < end, "condition not met in time"
-        await asyncio.sleep(0.005)
-
-
 async def test_a_slot_another_gateway_frees_is_seen_before_the_next_sync(
     redis_url: str, registry_prefix: str
 ) -> None:
@@ -121,7 +115,7 @@ async def test_a_slot_another_gateway_frees_is_seen_before_the_next_sync(
         (lease,) = held_b.leases
         lease.release()
         # a sees b's slot free long before any sync; b's own message leaves a's share alone.
-        await _wait(lambda: _inflight(ta) == 0)
+        await eventually(lambda: _inflight(ta) == 0)
         await asyncio.sleep(0.2)
         assert _inflight(tb) == 1  # a's slot, still held
         assert _inflight(ta) == 0
