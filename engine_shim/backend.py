@@ -45,6 +45,7 @@ __all__ = [
     "ChatPrompt",
     "ChatTemplate",
     "DecodeBackend",
+    "DecodeJob",
     "EngineBusy",
     "EngineStats",
     "Generated",
@@ -226,6 +227,18 @@ class LocalPrefill(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeJob:
+    """One sequence for `DecodeBackend.generate`: one argument rather than four, so a field
+    added later (as vLLM's own request objects grow) does not change every engine's
+    signature."""
+
+    tokens: Sequence[int]  # the prompt (with any tokens a migrated stream already sent)
+    max_tokens: int
+    kv: KvSink  # committed: the prompt's KV pulled from a prefill, or `local_kv`'s
+    sampling: Sampling | None = None
+
+
 @runtime_checkable
 class DecodeBackend(Protocol):
     def tokenize(self, prompt: Prompt) -> list[int]: ...
@@ -234,18 +247,13 @@ class DecodeBackend(Protocol):
         """A sink for the `nbytes` of KV of the prompt `tokens`."""
         ...
 
-    def generate(
-        self,
-        tokens: Sequence[int],
-        max_tokens: int,
-        kv: KvSink,
-        sampling: Sampling | None = None,
-    ) -> AsyncGenerator[Generated, None]:
-        """Join the running batch with committed `kv`; yield each token as it is generated.
+    def generate(self, job: DecodeJob) -> AsyncGenerator[Generated, None]:
+        """Join the running batch with the job's committed KV; yield each token as it is
+        generated.
 
-        Ends after `max_tokens` tokens, or earlier at an end-of-sequence token; ``aclose()``
+        Ends after ``job.max_tokens`` tokens, or earlier at an end-of-sequence token; ``aclose()``
         leaves the batch at once. Raises `EngineBusy` (on first iteration) when the batch is
-        full and `InvalidRequest` when the engine refuses `sampling`.
+        full and `InvalidRequest` when the engine refuses ``job.sampling``.
         """
         ...
 

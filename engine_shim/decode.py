@@ -55,6 +55,7 @@ from pdgate.engine_shim._sse import EventStream
 from pdgate.engine_shim._stop import StopMatcher
 from pdgate.engine_shim.backend import (
     DecodeBackend,
+    DecodeJob,
     EngineBusy,
     InvalidRequest,
     LocalPrefill,
@@ -280,7 +281,8 @@ class DecodeWorker(ShimService[DecodeBackend]):
             return out
 
         try:
-            generate = self._backend.generate(decoding.prompt, max_tokens, sink, req.sampling())
+            job = DecodeJob(decoding.prompt, max_tokens, sink, req.sampling())
+            generate = self._backend.generate(job)
             async with aclosing(generate) as generated:
                 async for token in generated:
                     decoding.generated += 1

@@ -55,6 +55,7 @@ from pdgate.engine_shim._sim_kv import KvLink, SimKvBuffer, SimKvSink
 from pdgate.engine_shim._sim_text import Context, next_token, token_logprobs
 from pdgate.engine_shim.backend import (
     ChatPrompt,
+    DecodeJob,
     EngineBusy,
     EngineStats,
     Generated,
@@ -329,13 +330,8 @@ class SimDecodeEngine(_EngineLoop):
     def local_kv(self, tokens: Sequence[int]) -> KvSink:
         return LocalKv()
 
-    async def generate(
-        self,
-        tokens: Sequence[int],
-        max_tokens: int,
-        kv: KvSink,
-        sampling: Sampling | None = None,  # the sim does not sample: only `logprobs` is read
-    ) -> AsyncGenerator[Generated, None]:
+    async def generate(self, job: DecodeJob) -> AsyncGenerator[Generated, None]:
+        tokens, kv = job.tokens, job.kv
         local = isinstance(kv, LocalKv)
         if not local and (not isinstance(kv, SimKvSink) or not kv.committed):
             raise ValueError("generate needs a committed KV sink of this engine")
@@ -343,7 +339,8 @@ class SimDecodeEngine(_EngineLoop):
             raise RuntimeError("engine is not running")
         if len(self._running) + len(self._prefilling) + len(self._joining) >= self._max_batch:
             raise EngineBusy("decode batch is full")
-        seq = _Sequence(Context(tokens), len(tokens), max_tokens, _top_logprobs(sampling))
+        # The sim does not sample: of the sampling fields only ``logprobs`` is read.
+        seq = _Sequence(Context(tokens), len(tokens), job.max_tokens, _top_logprobs(job.sampling))
         cached = self._cache.lookup_and_insert(tokens)
         if local:
             self._hit_tokens += cached
@@ -353,7 +350,7 @@ class SimDecodeEngine(_EngineLoop):
         self._wakeup.set()
         try:
             # At most max_tokens items are ever queued for a sequence: bounded.
-            for _ in range(max_tokens):
+            for _ in range(job.max_tokens):
                 piece = await seq.out.get()
                 if piece is None:
                     raise RuntimeError("decode engine stopped")

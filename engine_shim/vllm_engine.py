@@ -46,6 +46,7 @@ from pdgate.config import Role, ShimSettings
 from pdgate.engine_shim._vllm_spool import FileKvSink, FileKvSource, Spool
 from pdgate.engine_shim.backend import (
     ChatPrompt,
+    DecodeJob,
     EngineBusy,
     EngineStats,
     Generated,
@@ -369,13 +370,8 @@ class VllmDecodeEngine(_VllmEngine):
     def local_kv(self, tokens: Sequence[int]) -> KvSink:
         return LocalKv()
 
-    async def generate(
-        self,
-        tokens: Sequence[int],
-        max_tokens: int,
-        kv: KvSink,
-        sampling: Sampling | None = None,
-    ) -> AsyncGenerator[Generated, None]:
+    async def generate(self, job: DecodeJob) -> AsyncGenerator[Generated, None]:
+        tokens, kv = job.tokens, job.kv
         load: dict[str, Any] = {}  # a local prefill: no KV to load, vLLM computes the prompt
         if isinstance(kv, FileKvSink) and kv.committed:
             # The KV may cover only a prefix of the prompt (a continued stream): vLLM
@@ -385,7 +381,7 @@ class VllmDecodeEngine(_VllmEngine):
             raise ValueError("generate needs a committed KV sink of this engine")
         if self._active >= self._max_batch:
             raise EngineBusy("decode batch is full")
-        params = self._params(max_tokens, sampling, load)
+        params = self._params(job.max_tokens, job.sampling, load)
         self._active += 1
         try:
             async for out in self._outputs(tokens, params):

@@ -10,6 +10,7 @@ goes on to the caller, which decides what to try next.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from prometheus_client import Counter
@@ -24,7 +25,7 @@ from pdgate.gateway.errors import (
 from pdgate.gateway.health import Ejector
 from pdgate.gateway.instances import InstanceTracker, Lease
 from pdgate.gateway.upstream import DecodeStream, Upstream
-from pdgate.policies import InstanceLoad
+from pdgate.policies.base import InstanceLoad
 
 __all__ = ["PREFILL_PATH", "DecodeAttempts", "release_after"]
 
@@ -53,16 +54,17 @@ class DecodeAttempts:
         self,
         inst: InstanceLoad,
         body: dict[str, Any],
+        path: str,
         *,
         request_id: str,
-        connect_timeout_s: float,
+        deadline: float,
         parent: Span | None,
-        path: str,
         local: bool = False,
     ) -> tuple[DecodeStream, Lease, Lease]:
         """The decode's open stream with its open-stream and in-flight leases, which the
         caller now owns; a failure raises the `open_decode` error, already accounted for.
-        `local`: the body is the whole request (no ``kv_transfer_params``)."""
+        The connection must be made by `deadline` (``time.monotonic()``). `local`: the body
+        is the whole request (no ``kv_transfer_params``)."""
         stream, inflight = self._tracker.open_stream(inst.id), self._tracker.begin(inst.id)
         span = self._tracing.start("pdgate.decode_attempt", parent=parent)
         headers: dict[str, str] = {}
@@ -77,7 +79,7 @@ class DecodeAttempts:
                 inst.url,
                 body,
                 request_id=request_id,
-                connect_timeout_s=connect_timeout_s,
+                connect_timeout_s=max(deadline - time.monotonic(), 0.001),
                 headers=headers,
                 path=path,
             )

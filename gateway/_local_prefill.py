@@ -46,7 +46,7 @@ from pdgate.gateway.forwarder import PrefillGrant
 from pdgate.gateway.health import Ejector
 from pdgate.gateway.instances import InstanceTracker, Lease
 from pdgate.gateway.metrics import GatewayMetrics
-from pdgate.policies import InstanceLoad, Ranker, RequestInfo
+from pdgate.policies.base import InstanceLoad, Ranker, RequestInfo
 
 if TYPE_CHECKING:
     from pdgate.gateway.dispatch import Placement
@@ -144,17 +144,16 @@ class LocalPrefill:
         path: str,
     ) -> Placement | None:
         """One try at `inst`: its placement, or None after a 429 or a failure (counted)."""
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if time.monotonic() >= deadline:
             return None
         try:
             response, stream, inflight = await self._decodes.open(
                 inst,
                 body,
+                path,
                 request_id=request_id,
-                connect_timeout_s=remaining,
+                deadline=deadline,
                 parent=parent,
-                path=path,
                 local=True,
             )
         except UpstreamError:

@@ -36,7 +36,8 @@ from pdgate.gateway.http_upstream import HttpUpstream
 from pdgate.gateway.instances import InstanceTracker
 from pdgate.gateway.metrics import GatewayMetrics
 from pdgate.gateway.upstream import Upstream
-from pdgate.policies import Ranker, load_policy, needs
+from pdgate.policies import load_policy, needs
+from pdgate.policies.base import Ranker
 from pdgate.registry.base import InstanceRecord, Registry
 from pdgate.registry.fleet import FleetStore, LocalFleet, RedisFleet, SlotTable
 from pdgate.registry.membership import Listener, Membership

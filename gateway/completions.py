@@ -57,7 +57,7 @@ from pdgate.gateway.metrics import ANY_GROUP, GatewayMetrics
 from pdgate.gateway.relay import Relay, RelayOptions, RelayRequest
 from pdgate.gateway.series import Series
 from pdgate.gateway.tenancy import resolve_tenancy
-from pdgate.policies import RequestInfo
+from pdgate.policies.base import RequestInfo
 
 log = logging.getLogger("pdgate.completions")
 

@@ -31,7 +31,7 @@ from pdgate.config.aio import Background, Backoff, shielded
 from pdgate.config.openai_api import Api
 from pdgate.config.settings import DispatchMode, GatewaySettings
 from pdgate.config.tracing import Span, Tracing
-from pdgate.config.wire import COMPLETIONS_PATH, Role, prefill_kv_request
+from pdgate.config.wire import Role, prefill_kv_request
 from pdgate.gateway._decode_attempt import DecodeAttempts, release_after
 from pdgate.gateway._local_prefill import LocalPrefill
 from pdgate.gateway.affinity import PrefixIndex
@@ -49,13 +49,13 @@ from pdgate.gateway.errors import (
 from pdgate.gateway.fleet import Fleet
 from pdgate.gateway.forwarder import ForwardingOptions, PrefillForwarder, PrefillGrant, Shared
 from pdgate.gateway.groups import GroupResolver
-from pdgate.gateway.health import Ejector, RetryBudget
+from pdgate.gateway.health import Ejection, Ejector, RetryBudget
 from pdgate.gateway.instances import InstanceTracker, Lease
 from pdgate.gateway.metrics import GatewayMetrics
 from pdgate.gateway.queue import Waiter, WaitQueue
 from pdgate.gateway.ratio import RatioAdvisor
 from pdgate.gateway.upstream import DecodeStream, Upstream, upstream_error_message
-from pdgate.policies import InstanceLoad, Ranker, RequestInfo
+from pdgate.policies.base import InstanceLoad, Ranker, RequestInfo
 from pdgate.registry.fleet import LocalFleet
 
 # Queues exist only for (model, group) pairs the registry knows, so this bound is a backstop.
@@ -135,6 +135,16 @@ class DecodeLeg:
     extension: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """One client request as both of its legs see it."""
+
+    info: RequestInfo
+    request_id: str
+    deadline: float  # time.monotonic() by which the first byte is due
+    span: Span | None  # the request's trace span: the legs' spans are its children
+
+
 # Called with the prefill's grant before the decode leg is placed; returns that leg (None:
 # the request's own body). The first token early sends the client its first chunk here.
 AfterPrefill = Callable[[PrefillGrant], Awaitable[DecodeLeg | None]]
@@ -170,13 +180,10 @@ class Dispatcher:
         self.background = Background("pdgate-dispatch")
         self.fleet = fleet or Fleet(LocalFleet(settings.gateway_id), tracker)
         self.fleet.set_heads(self.heads)
-        self.ejector = Ejector(
-            tracker,
-            metrics,
-            consecutive=settings.eject_after_failures,
-            base_s=settings.eject_base_s,
-            max_s=settings.eject_max_s,
+        ejection = Ejection(
+            settings.eject_after_failures, settings.eject_base_s, settings.eject_max_s
         )
+        self.ejector = Ejector(tracker, metrics, ejection)
         self.budget = RetryBudget(settings.retry_budget_ratio, settings.retry_budget_burst)
         self.advisor = RatioAdvisor(
             window_s=settings.ratio_window_s, target_utilization=settings.ratio_target_utilization
@@ -277,7 +284,8 @@ class Dispatcher:
         drop = ("stream_options",) if after_prefill is not None else _NOT_FOR_PREFILL
         body = {k: v for k, v in forward.items() if k not in drop}
         body.update(max_tokens=1, stream=False, kv_transfer_params=prefill_kv_request())
-        grant = await self._prefill(info, body, request_id, deadline, span, path=api.path)
+        req = _Request(info, request_id, deadline, span)
+        grant = await self._prefill(req, body, api.path)
         try:
             leg = await after_prefill(grant) if after_prefill is not None else None
             if leg is None:
@@ -286,14 +294,7 @@ class Dispatcher:
             if not leg.body.get("stream"):
                 decode_body["stream_options"] = {"include_usage": True}
             decode, stream, decode_leases = await self._decode(
-                info,
-                decode_body,
-                request_id,
-                deadline,
-                span,
-                path=leg.api.path,
-                extension=leg.extension,
-                avoid=avoid,
+                req, decode_body, leg.api.path, extension=leg.extension, avoid=avoid
             )
         except BaseException:
             grant.close()
@@ -319,28 +320,19 @@ class Dispatcher:
         record = self._tracker.records().get(instance_id)
         return () if record is None else record.extensions
 
-    async def _prefill(
-        self,
-        info: RequestInfo,
-        body: dict[str, Any],
-        request_id: str,
-        deadline: float,
-        span: Span | None,
-        *,
-        path: str = COMPLETIONS_PATH,
-    ) -> PrefillGrant:
+    async def _prefill(self, req: _Request, body: dict[str, Any], path: str) -> PrefillGrant:
         if self._settings.dispatch is DispatchMode.DIRECT:
-            return await self._prefill_direct(info, body, request_id, deadline, path=path)
+            return await self._prefill_direct(req, body, path)
         waiter = Waiter(
-            info=info,
+            info=req.info,
             body=body,
-            request_id=request_id,
-            deadline=deadline,
+            request_id=req.request_id,
+            deadline=req.deadline,
             future=asyncio.get_running_loop().create_future(),
-            span=span,
+            span=req.span,
             path=path,
         )
-        return await self._forwarder(info).acquire(waiter)
+        return await self._forwarder(req.info).acquire(waiter)
 
     def _forwarder(self, info: RequestInfo) -> PrefillForwarder:
         key = (info.model, info.group)
@@ -362,17 +354,10 @@ class Dispatcher:
             )
         return fwd
 
-    async def _prefill_direct(
-        self,
-        info: RequestInfo,
-        body: dict[str, Any],
-        request_id: str,
-        deadline: float,
-        *,
-        path: str = COMPLETIONS_PATH,
-    ) -> PrefillGrant:
+    async def _prefill_direct(self, req: _Request, body: dict[str, Any], path: str) -> PrefillGrant:
         """The paper's original gateway: the top-ranked prefill or nothing. Its ranking sees
         every ready prefill (the baseline does not know which one has room)."""
+        info, request_id = req.info, req.request_id
         ranked = self._prefill_policy.rank(
             info,
             [c for c in self._tracker.loads(Role.PREFILL, info.model, info.group) if not c.ejected],
@@ -403,7 +388,7 @@ class Dispatcher:
                     lease.release(slot_freed=slot_freed)
 
         try:
-            remaining = max(deadline - time.monotonic(), 0.001)
+            remaining = max(req.deadline - time.monotonic(), 0.001)
             reply = await upstream.prefill(
                 inst.url, body, request_id=request_id, timeout_s=remaining, kv_id=kv_id, path=path
             )
@@ -451,16 +436,14 @@ class Dispatcher:
 
     async def _decode(
         self,
-        info: RequestInfo,
+        req: _Request,
         body: dict[str, Any],
-        request_id: str,
-        deadline: float,
-        parent: Span | None,
+        path: str,
         *,
-        path: str = COMPLETIONS_PATH,
         extension: str | None = None,
         avoid: Collection[str] = (),
     ) -> tuple[InstanceLoad, DecodeStream, list[Lease]]:
+        info, deadline = req.info, req.deadline
         round_no = 0
         failures: list[str] = []
         while True:
@@ -470,17 +453,16 @@ class Dispatcher:
                     c for c in ranked if c.id in avoid
                 ]
             for inst in ranked[: self._settings.decode_candidates]:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if time.monotonic() >= deadline:
                     break
                 try:
                     response, stream, inflight = await self._decodes.open(
                         inst,
                         body,
-                        request_id=request_id,
-                        connect_timeout_s=remaining,
-                        parent=parent,
-                        path=path,
+                        path,
+                        request_id=req.request_id,
+                        deadline=deadline,
+                        parent=req.span,
                     )
                 except UpstreamRejected:
                     continue

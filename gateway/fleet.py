@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pdgate.config.aio import ExponentialBackoff, cancel_and_wait
 from pdgate.config.wire import EXT_QUEUELESS
 from pdgate.gateway.instances import InstanceTracker
-from pdgate.policies import InstanceLoad
+from pdgate.policies.base import InstanceLoad
 from pdgate.registry.base import RegistryUnavailable
 from pdgate.registry.fleet import Candidate, FleetStore, LocalFleet
 

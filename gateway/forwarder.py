@@ -60,7 +60,7 @@ from pdgate.gateway.prefill_time import PrefillTimes, TokenRatio, uncached_chars
 from pdgate.gateway.queue import Admission, Waiter, WaiterState, WaitQueue
 from pdgate.gateway.ratio import RatioAdvisor
 from pdgate.gateway.upstream import Upstream
-from pdgate.policies import Holder, InstanceLoad, Option, Ranker, RequestInfo
+from pdgate.policies.base import Holder, InstanceLoad, Option, Ranker, RequestInfo
 
 log = logging.getLogger("pdgate.forwarder")
 
@@ -182,6 +182,21 @@ class Shared:
     advisor: RatioAdvisor = field(default_factory=RatioAdvisor)
 
 
+def _batch_size(queued: int, ranked: Sequence[InstanceLoad]) -> int:
+    """How many queued requests batch forwarding sends the best prefill in one go: its share
+    of the backlog spread over every prefill that can take requests now, at most its room.
+
+    Prefill is compute bound: a batch of k prompts takes about as long as the k one after
+    another (only the pass over the weights is shared), and each of them waits for the
+    whole batch. So a batch pays only for what the other prefills cannot take now; filling
+    one prefill while another idles made every request in the batch wait for the others'
+    prompts (at 4 slots a prefill, 4A: 47% success filling, against spreading;
+    docs/scheduling.md, "Batch forwarding")."""
+    best = ranked[0]
+    share = -(-queued // len(ranked))  # ceil
+    return max(1, min(share, best.capacity - best.inflight))
+
+
 class PrefillForwarder:
     def __init__(
         self, model: str, group: str | None, queue: WaitQueue, policy: Ranker, shared: Shared
@@ -191,18 +206,10 @@ class PrefillForwarder:
         self.key = f"{model}|{group or ''}"  # this queue's name in the fleet
         self.queue = queue
         self._policy = policy
-        self._fleet = shared.fleet
-        self._tracker = shared.tracker
-        self._upstream = shared.upstream
-        self._backoff = shared.backoff
-        self._metrics = shared.metrics
+        self._shared = shared
+        self._tracker = shared.tracker  # these three on every attempt: one lookup
         self._index = shared.index
         self._options = shared.options
-        self._background = shared.background
-        self._ejector = shared.ejector
-        self._budget = shared.budget
-        self._tracing = shared.tracing
-        self._advisor = shared.advisor
         self._task: asyncio.Task[None] | None = None
         self._hashes: dict[int, list[bytes]] = {}  # id(waiter) -> prompt block hashes
         self.waiting = 0  # requests waiting for a prefill grant: queued or being tried
@@ -247,7 +254,7 @@ class PrefillForwarder:
             self._hashes[id(waiter)] = self._index.hashes(waiter.info.prompt)
         self._wake()
         returned = False
-        wait = self._tracing.start("pdgate.queue_wait", parent=waiter.span)
+        wait = self._shared.tracing.start("pdgate.queue_wait", parent=waiter.span)
         try:
             try:
                 async with asyncio.timeout(max(waiter.deadline - time.monotonic(), 0)):
@@ -321,15 +328,14 @@ class PrefillForwarder:
                 # The head waits for the busy prefill holding its prefix and nobody behind it
                 # can use a free one: sleep until a slot frees, a request arrives or a
                 # back-off passes.
-                await self._sleep(self._backoff.delay(round_no), arrivals=True)
+                await self._sleep(self._shared.backoff.delay(round_no), arrivals=True)
                 round_no += 1
                 continue
             first, ranked = picked
             want = 1
             if ranked and self._options.batch_forwarding:
-                # Batch forwarding: as many queued requests as the best prefill has room for.
-                want = max(1, min(len(self.queue), ranked[0].capacity - ranked[0].inflight))
-            slots = await self._fleet.acquire(
+                want = _batch_size(len(self.queue), ranked)
+            slots = await self._shared.fleet.acquire(
                 self.key,
                 ranked,
                 want,
@@ -341,7 +347,11 @@ class PrefillForwarder:
                 # somewhere (the likeliest moment a prefill accepts again) or a back-off. A
                 # gateway that yielded to a more urgent one elsewhere retries after the
                 # fleet's priority window.
-                wait = self._fleet.window_s if slots.yielded else self._backoff.delay(round_no)
+                wait = (
+                    self._shared.fleet.window_s
+                    if slots.yielded
+                    else self._shared.backoff.delay(round_no)
+                )
                 await self._sleep(wait, arrivals=False)
                 round_no += 1
                 continue
@@ -370,7 +380,7 @@ class PrefillForwarder:
                     and self._speaks_batch(target)
                     and target.url + path not in self._no_batch_endpoint
                 ):
-                    self._background.spawn(self._attempt_batch(calls, target))
+                    self._shared.background.spawn(self._attempt_batch(calls, target))
                 else:
                     for call in calls:
                         call.waiter.attempt_task = asyncio.create_task(self._attempt(call, target))
@@ -513,7 +523,7 @@ class PrefillForwarder:
         if not self.prefill_times.hopeless(waiter.info.prompt_chars, remaining):
             return False
         self.queue.remove(waiter)
-        self._metrics.early_drops.inc()
+        self._shared.metrics.early_drops.inc()
         if not waiter.future.done():
             waiter.future.set_exception(
                 DeadlineExceeded(
@@ -526,7 +536,7 @@ class PrefillForwarder:
     def _next_head_ms(self, placing: int) -> float | None:
         """Ms to the deadline of the request that will head the queue once `placing` requests
         left it (None: empty). Only the fleet's deadline order needs it."""
-        if not self._fleet.shared:
+        if not self._shared.fleet.shared:
             return None
         deadline = self.queue.deadline_after(placing)
         return None if deadline is None else monotonic_ms_left(deadline)
@@ -547,7 +557,7 @@ class PrefillForwarder:
         self.queue.take(waiter)
         waiter.attempts += 1
         uncached = self._uncached_chars(self._with_affinity(waiter), inst.id)
-        span = self._tracing.start("pdgate.prefill_attempt", parent=waiter.span)
+        span = self._shared.tracing.start("pdgate.prefill_attempt", parent=waiter.span)
         if span.is_recording():
             span.set_attribute("pdgate.instance", inst.id)
             span.set_attribute("server.address", inst.url)
@@ -570,13 +580,13 @@ class PrefillForwarder:
         call.started = time.monotonic()
         try:
             remaining = max(waiter.deadline - time.monotonic(), 0.001)
-            reply = await self._upstream.prefill(
+            reply = await self._shared.upstream.prefill(
                 inst.url,
                 waiter.body,
                 request_id=waiter.request_id,
                 timeout_s=min(remaining, self._try_timeout_s(waiter.info.prompt_chars)),
                 kv_id=call.kv_id,
-                headers=call.trace_headers(self._tracing),
+                headers=call.trace_headers(self._shared.tracing),
                 path=waiter.path,
             )
         except UpstreamRejected:
@@ -608,13 +618,13 @@ class PrefillForwarder:
         try_timeout = self._try_timeout_s(max(c.waiter.info.prompt_chars for c in calls))
         path = calls[0].waiter.path  # one API per batch call
         try:
-            async for index, status, body in self._upstream.prefill_batch(
+            async for index, status, body in self._shared.upstream.prefill_batch(
                 inst.url,
                 [c.waiter.body for c in calls],
                 kv_ids=[c.kv_id for c in calls],
                 request_id=calls[0].waiter.request_id,
                 timeout_s=min(max(last_deadline - time.monotonic(), 0.001), try_timeout),
-                headers=calls[0].trace_headers(self._tracing),
+                headers=calls[0].trace_headers(self._shared.tracing),
                 path=path,
             ):
                 call = pending.pop(index, None)
@@ -683,18 +693,20 @@ class PrefillForwarder:
         async def run() -> None:
             try:
                 if kv_params is not None:
-                    await self._upstream.release_kv(kv_params, request_id=request_id)
+                    await self._shared.upstream.release_kv(kv_params, request_id=request_id)
                 else:
-                    await self._upstream.release_kv_id(inst.url, call.kv_id, request_id=request_id)
+                    await self._shared.upstream.release_kv_id(
+                        inst.url, call.kv_id, request_id=request_id
+                    )
             finally:
                 for lease in held:
                     lease.release(slot_freed=slot_freed)
 
-        self._background.spawn(run())
+        self._shared.background.spawn(run())
 
     def _settle(self, call: _Call, inst: InstanceLoad, status: int, answer: Any) -> None:
         """One prefill call's outcome, whichever way it was made."""
-        waiter, counter = call.waiter, self._metrics.prefill_attempts
+        waiter, counter = call.waiter, self._shared.metrics.prefill_attempts
         call.work.release()  # the prefill is no longer computing it, whatever the outcome
         _end(
             call.span,
@@ -713,14 +725,14 @@ class PrefillForwarder:
                 self._release_then_free(call, inst, slot_freed=True, kv_params=params)
                 return
             counter.labels("accepted").inc()
-            self._ejector.success(inst.id)
+            self._shared.ejector.success(inst.id)
             took = time.monotonic() - call.started
             chars = waiter.info.prompt_chars
             self.prefill_times.record(chars, took)
             usage = answer.get("usage")
             self.token_ratio.observe(chars, usage)
             self.compute_times.record(max(1, uncached_chars(chars, usage)), took)
-            self._advisor.prefill(inst.group, took)
+            self._shared.advisor.prefill(inst.group, took)
             hashes = self._hashes.get(id(waiter))
             if self._index is not None and hashes:
                 self._index.record(hashes, inst.id)
@@ -755,12 +767,12 @@ class PrefillForwarder:
             # before failing (or before our timeout fired). Nobody will fetch it.
             self._release_then_free(call, inst, slot_freed=False)
             self._tracker.failed(inst.id)
-            self._ejector.failure(inst.id, "prefill")
+            self._shared.ejector.failure(inst.id, "prefill")
             counter.labels("failed").inc()
             log.warning("prefill %s failed: %s", inst.id, answer)
-            if not self._budget.withdraw():
+            if not self._shared.budget.withdraw():
                 # A fleet-wide failure must not multiply the load on what is left.
-                self._metrics.retry_budget_exhausted.inc()
+                self._shared.metrics.retry_budget_exhausted.inc()
                 if not waiter.future.done():
                     waiter.future.set_exception(
                         BadGateway("the prefill instances are failing; not retried")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pdgate.gateway.instances import InstanceTracker
 from pdgate.gateway.metrics import GatewayMetrics
 
-__all__ = ["Ejector", "RetryBudget"]
+__all__ = ["Ejection", "Ejector", "RetryBudget"]
 
 log = logging.getLogger("pdgate.health")
 
@@ -40,23 +40,31 @@ class _State:
     half_open: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Ejection:
+    """When an instance is ejected and for how long: after `consecutive` failures in a row,
+    for `base_s`, doubled with each ejection in a row up to `max_s`."""
+
+    consecutive: int = 5
+    base_s: float = 5.0
+    max_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.consecutive < 1 or self.base_s <= 0 or self.max_s < self.base_s:
+            raise ValueError("consecutive >= 1 and 0 < base_s <= max_s required")
+
+    def cool_down_s(self, ejections: int) -> float:
+        """The cool-down after `ejections` ejections in a row before this one."""
+        return min(self.max_s, self.base_s * 2.0**ejections)
+
+
 class Ejector:
     def __init__(
-        self,
-        tracker: InstanceTracker,
-        metrics: GatewayMetrics,
-        *,
-        consecutive: int = 5,
-        base_s: float = 5.0,
-        max_s: float = 300.0,
+        self, tracker: InstanceTracker, metrics: GatewayMetrics, rules: Ejection = Ejection()
     ) -> None:
-        if consecutive < 1 or base_s <= 0 or max_s < base_s:
-            raise ValueError("consecutive >= 1 and 0 < base_s <= max_s required")
         self._tracker = tracker
         self._metrics = metrics
-        self._consecutive = consecutive
-        self._base_s = base_s
-        self._max_s = max_s
+        self._rules = rules
         self._states: dict[str, _State] = {}
 
     def forget(self, departed: set[str]) -> None:
@@ -80,8 +88,8 @@ class Ejector:
             return
         state = self._states.setdefault(instance_id, _State())
         state.failures += 1
-        if state.half_open or state.failures >= self._consecutive:
-            cool = min(self._max_s, self._base_s * 2.0**state.ejections)
+        if state.half_open or state.failures >= self._rules.consecutive:
+            cool = self._rules.cool_down_s(state.ejections)
             state.ejections += 1
             state.failures = 0
             state.half_open = True  # after the cool-down, its next outcome decides

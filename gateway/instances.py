@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from pdgate.config.wire import Role
-from pdgate.policies import InstanceLoad
+from pdgate.policies.base import InstanceLoad
 from pdgate.registry.base import InstanceRecord, InstanceState
 
 

@@ -55,7 +55,7 @@ from pdgate.gateway.errors import (
 )
 from pdgate.gateway.forwarder import PrefillGrant
 from pdgate.gateway.metrics import ANY_GROUP, GatewayMetrics
-from pdgate.policies import RequestInfo
+from pdgate.policies.base import RequestInfo
 
 __all__ = ["Relay", "RelayOptions", "RelayRequest"]
 

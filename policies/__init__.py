@@ -25,16 +25,13 @@ from typing import Any
 from pdgate.policies.base import (
     Filter,
     Holder,
-    InstanceLoad,
-    Option,
     Picker,
     Policy,
     Ranker,
-    RequestInfo,
     Scorer,
 )
 from pdgate.policies.completion import ExpectedCompletion
-from pdgate.policies.filters import HasRoom, NotBusy, NotEjected
+from pdgate.policies.filters import HasRoom, Idle, NotBusy, NotEjected
 from pdgate.policies.pickers import MaxScore, PowerOfTwo, RoundRobin
 from pdgate.policies.scorers import (
     FreeRoom,
@@ -48,6 +45,7 @@ from pdgate.policies.scorers import (
 
 FILTERS: Mapping[str, Callable[..., Filter]] = {
     "has_room": HasRoom,
+    "idle": Idle,
     "not_busy": NotBusy,
     "not_ejected": NotEjected,
 }
@@ -195,16 +193,7 @@ __all__ = [
     "PICKERS",
     "PROFILES",
     "SCORERS",
-    "Filter",
-    "Holder",
-    "InstanceLoad",
-    "Option",
-    "Picker",
-    "Policy",
     "Profile",
-    "Ranker",
-    "RequestInfo",
-    "Scorer",
     "load_policy",
     "needs",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdgate.policies.base import Candidates, InstanceLoad, RequestInfo
 
-__all__ = ["HasRoom", "NotBusy", "NotEjected"]
+__all__ = ["HasRoom", "Idle", "NotBusy", "NotEjected"]
 
 
 class HasRoom:
@@ -16,6 +16,19 @@ class HasRoom:
 
     def filter(self, request: RequestInfo, candidates: Candidates) -> list[InstanceLoad]:
         return [c for c in candidates if c.inflight < c.capacity]
+
+
+class Idle:
+    """Nothing of ours in flight: P/D-Serve's prefill that accepts only when idle, for
+    prefills with several slots. A prefill computing a batch takes a new prompt into its
+    next batch, so the request waits there, out of the gateway's deadline order; with this
+    filter it waits in the gateway's queue instead, and batch forwarding still sends an idle
+    prefill several requests at once."""
+
+    name = "idle"
+
+    def filter(self, request: RequestInfo, candidates: Candidates) -> list[InstanceLoad]:
+        return [c for c in candidates if c.inflight == 0]
 
 
 class NotBusy:

@@ -31,7 +31,8 @@ from pdgate.gateway.instances import InstanceTracker
 from pdgate.gateway.metrics import GatewayMetrics
 from pdgate.gateway.mock_upstream import Call, MockUpstream, Reply
 from pdgate.gateway.relay import Relay, RelayOptions, RelayRequest
-from pdgate.policies import RequestInfo, load_policy
+from pdgate.policies import load_policy
+from pdgate.policies.base import RequestInfo
 from pdgate.registry.base import InstanceRecord
 
 # mode: (relay options, client asks for ids, the stream is a continuation leg)

@@ -106,6 +106,12 @@ FEATURE_MODES: tuple[Mode, ...] = (
     _on_demand("affinity_overload", "affinity_hold"),
     _on_demand("first_token_early", first_token_early=True),
     _on_demand("local_prefill", local_prefill_max_uncached_chars=4000),
+    # least_sse that sends only to idle prefills (the `idle` filter): with several slots a
+    # prefill, the requests wait in the gateway's EDF queue rather than in a busy prefill.
+    _on_demand(
+        "least_sse_idle",
+        prefill_policy_options={"filters": ["not_ejected", "not_busy", "has_room", "idle"]},
+    ),
 )
 
 

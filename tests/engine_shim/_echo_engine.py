@@ -23,6 +23,7 @@ from hashlib import blake2b
 
 from pdgate.config import Role, ShimSettings
 from pdgate.engine_shim.backend import (
+    DecodeJob,
     EngineStats,
     Generated,
     KvSink,
@@ -132,19 +133,13 @@ class EchoDecode:
     def kv_sink(self, tokens: Sequence[int], nbytes: int) -> KvSink:
         return EchoSink(tokens)
 
-    async def generate(
-        self,
-        tokens: Sequence[int],
-        max_tokens: int,
-        kv: KvSink,
-        sampling: Sampling | None = None,
-    ) -> AsyncGenerator[Generated, None]:
+    async def generate(self, job: DecodeJob) -> AsyncGenerator[Generated, None]:
         # Ending before max_tokens is the engine's end of sequence (finish_reason "stop").
-        if not isinstance(kv, EchoSink) or not kv.committed:
+        if not isinstance(job.kv, EchoSink) or not job.kv.committed:
             raise ValueError("generate needs a committed KV sink of this engine")
         self._running += 1
         try:
-            for token in tokens[:max_tokens]:
+            for token in job.tokens[: job.max_tokens]:
                 yield Generated(chr(token))
         finally:
             self._running -= 1

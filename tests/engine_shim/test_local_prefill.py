@@ -19,7 +19,7 @@ import pytest
 from pdgate.config import Role
 from pdgate.config.wire import CHAT_PATH, EXT_LOCAL_PREFILL
 from pdgate.engine_shim import tokenizer
-from pdgate.engine_shim.backend import LocalPrefill
+from pdgate.engine_shim.backend import DecodeJob, LocalPrefill
 from pdgate.engine_shim.prefix_cache import BLOCK_SIZE
 from pdgate.engine_shim.sim_engine import SimDecodeEngine
 from pdgate.engine_shim.sim_profile import SimProfile, get_profile
@@ -185,10 +185,10 @@ async def test_sim_local_prefill_is_chunked_into_the_running_batch() -> None:
         short = list(range(10))
         long = list(range(1000, 1200))
         # A sequence that keeps decoding (its tokens queue up unread) while another prefills.
-        running = engine.generate(short, 1000, engine.local_kv(short))
+        running = engine.generate(DecodeJob(short, 1000, engine.local_kv(short)))
         assert (await anext(running)).token_id is not None
         steps_before = len(profile.steps)
-        generated = [t async for t in engine.generate(long, 2, engine.local_kv(long))]
+        generated = [t async for t in engine.generate(DecodeJob(long, 2, engine.local_kv(long)))]
         chunks = [c for _, c in profile.steps[steps_before:] if c]
         assert all(len(c) == 1 for c in chunks)
         # 200 tokens in chunks of at most 64 - 1 (one token of the budget went to the running
@@ -199,7 +199,7 @@ async def test_sim_local_prefill_is_chunked_into_the_running_batch() -> None:
         assert [b for b, c in profile.steps[steps_before:] if c] == [1, 1, 1, 1]
         # The same prompt again: the decode's prefix cache holds all but its last block.
         before = len(profile.steps)
-        again = [t async for t in engine.generate(long, 2, engine.local_kv(long))]
+        again = [t async for t in engine.generate(DecodeJob(long, 2, engine.local_kv(long)))]
         assert [t.text for t in again] == [t.text for t in generated]
         assert [c for _, c in profile.steps[before:] if c] == [[(200, 192)]]
         await running.aclose()

@@ -10,7 +10,7 @@ import pytest
 from pdgate.engine_shim import tokenizer
 from pdgate.engine_shim._slots import PoolFull, SlotPool
 from pdgate.engine_shim._stop import StopMatcher
-from pdgate.engine_shim.backend import DecodeBackend, PrefillBackend
+from pdgate.engine_shim.backend import DecodeBackend, DecodeJob, PrefillBackend
 from pdgate.engine_shim.prefix_cache import BLOCK_SIZE, PrefixCache, block_hashes
 from pdgate.engine_shim.sim_engine import SimDecodeEngine, SimPrefillEngine
 from pdgate.engine_shim.sim_profile import PROFILES, get_profile
@@ -222,7 +222,7 @@ async def test_sim_prefill_batches_concurrent_prompts_and_matches_decode_token_0
             sink = decode.kv_sink(p, out.kv.nbytes)
             sink.write(body)
             await sink.commit()
-            pieces = [t async for t in decode.generate(p, 3, sink)]
+            pieces = [t async for t in decode.generate(DecodeJob(p, 3, sink))]
             assert len(pieces) == 3
             assert pieces[0].text == out.first_token
             assert all(t.logprobs is None for t in pieces)  # not asked for

@@ -23,7 +23,8 @@ from pdgate.gateway.metrics import GatewayMetrics
 from pdgate.gateway.mock_upstream import Call, MockUpstream, Reply
 from pdgate.gateway.queue import Waiter, WaitQueue
 from pdgate.gateway.relay import Relay, RelayOptions, RelayRequest
-from pdgate.policies import RequestInfo, load_policy
+from pdgate.policies import load_policy
+from pdgate.policies.base import Ranker, RequestInfo
 from pdgate.registry.base import InstanceRecord
 from pdgate.registry.fleet import LocalFleet
 
@@ -133,6 +134,7 @@ def forwarder(
     options: ForwardingOptions | None = None,
     *,
     order: QueueOrder = QueueOrder.EDF,
+    policy: Ranker | None = None,
 ) -> tuple[PrefillForwarder, GatewayMetrics, Background]:
     metrics = GatewayMetrics(tracker.totals, lambda: 0)
     background = Background("test")
@@ -140,7 +142,7 @@ def forwarder(
         "m",
         None,
         WaitQueue(100, order),
-        load_policy("least_sse"),
+        policy or load_policy("least_sse"),
         Shared(
             tracker,
             upstream,

@@ -7,7 +7,8 @@ import tracemalloc
 import pytest
 
 from pdgate.gateway.affinity import ENTRY_BYTES, PrefixIndex, prefix_hashes
-from pdgate.policies import InstanceLoad, RequestInfo, load_policy
+from pdgate.policies import load_policy
+from pdgate.policies.base import InstanceLoad, RequestInfo
 
 SYSTEM = "You are a helpful assistant for the travel desk. " * 8  # ~400 chars
 

@@ -23,31 +23,18 @@ from pdgate.config.openai_api import Api
 from pdgate.config.wire import COMPLETIONS_PATH
 from pdgate.gateway.mock_upstream import MockUpstream
 from tests._cluster import SIM_MODEL, Processes, wait_instances
+from tests.gateway import _tokens as tokens
 from tests.gateway._fakes import Sink, eventually
-from tests.gateway._tokens import (
-    PROMPT,
-    Fault,
-    N,
-    TokenCluster,
-    encode,
-    expected_text,
-    generate,
-    next_id,
-    relay_tokens,
-    stream_body,
-    text_of,
-    word,
-)
 
 
 async def _run(
-    cluster: TokenCluster,
+    cluster: tokens.TokenCluster,
     body: dict[str, Any] | None = None,
     *,
     extensions: tuple[str, ...] | None = None,
     **options: Any,
 ) -> tuple[str, Sink, MockUpstream]:
-    done = await relay_tokens(cluster, body, decode_extensions=extensions, **options)
+    done = await tokens.relay_tokens(cluster, body, decode_extensions=extensions, **options)
     return done.outcome, done.sink, done.upstream
 
 
@@ -55,70 +42,80 @@ async def test_the_first_chunk_reaches_the_client_before_the_decode_answers() ->
     gate = asyncio.Event()
     sink = Sink()
     task = asyncio.ensure_future(
-        _run(TokenCluster(decode_gate=gate), sink=sink, first_token_early=True)
+        _run(tokens.TokenCluster(decode_gate=gate), sink=sink, first_token_early=True)
     )
     # The decode answers only once the client has its first chunk: without the early token
     # this would wait for ever.
     await eventually(lambda: b"data:" in sink.body)
     first = sink.events()[0]
-    assert first["choices"][0]["text"] == word(next_id(encode(PROMPT)))
+    assert first["choices"][0]["text"] == tokens.word(tokens.next_id(tokens.encode(tokens.PROMPT)))
     assert first["id"] == "req-1"
     gate.set()
     outcome, _, upstream = await task
     assert outcome == "ok"
     events = sink.events()
-    assert text_of(events) == expected_text(PROMPT, N) and events[-1] == "[DONE]"
+    assert (
+        tokens.text_of(events) == tokens.expected_text(tokens.PROMPT, tokens.N)
+        and events[-1] == "[DONE]"
+    )
     assert all("token_ids" not in c for e in events[:-1] for c in e["choices"])
     # The decode continued from prompt + the token the client saw.
     decode = next(c for c in upstream.calls if c.leg == "decode")
     assert decode.path == COMPLETIONS_PATH
-    assert decode.body["prompt"] == [*encode(PROMPT), next_id(encode(PROMPT))]
-    assert decode.body["max_tokens"] == N - 1
+    assert decode.body["prompt"] == [
+        *tokens.encode(tokens.PROMPT),
+        tokens.next_id(tokens.encode(tokens.PROMPT)),
+    ]
+    assert decode.body["max_tokens"] == tokens.N - 1
     assert decode.body["kv_transfer_params"]["remote_host"] == "p0"
 
 
 async def test_greedy_text_and_usage_are_the_same_with_the_flag_on_and_off() -> None:
-    body = stream_body(stream_options={"include_usage": True}, return_token_ids=True)
+    body = tokens.stream_body(stream_options={"include_usage": True}, return_token_ids=True)
     runs = {}
     for early in (False, True):
-        outcome, sink, _ = await _run(TokenCluster(), body, first_token_early=early)
+        outcome, sink, _ = await _run(tokens.TokenCluster(), body, first_token_early=early)
         assert outcome == "ok"
         events = [e for e in sink.events() if isinstance(e, dict)]
         ids = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
-        runs[early] = (text_of(events), events[-1]["usage"], ids)
+        runs[early] = (tokens.text_of(events), events[-1]["usage"], ids)
     assert runs[True] == runs[False]
-    assert runs[True][2] == generate(encode(PROMPT), N)
+    assert runs[True][2] == tokens.generate(tokens.encode(tokens.PROMPT), tokens.N)
 
 
 async def test_chat_gets_its_role_then_the_first_token_early() -> None:
     messages = [{"role": "user", "content": "hi"}]
-    body = {"model": "m", "messages": messages, "max_tokens": N, "stream": True}
+    body = {"model": "m", "messages": messages, "max_tokens": tokens.N, "stream": True}
     texts = {}
     for early in (False, True):
         gate = asyncio.Event()
         sink = Sink()
         task = asyncio.ensure_future(
-            _run(TokenCluster(decode_gate=gate), body, sink=sink, api=Api.CHAT,
+            _run(tokens.TokenCluster(decode_gate=gate), body, sink=sink, api=Api.CHAT,
                  first_token_early=early)
         )  # fmt: skip
         if early:
             await eventually(lambda s=sink: s.body.count(b"data:") == 2)  # type: ignore[misc]
             role, first = sink.events()
             assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-            assert first["choices"][0]["delta"]["content"] == word(next_id(encode("<user>hi")))
+            assert first["choices"][0]["delta"]["content"] == tokens.word(
+                tokens.next_id(tokens.encode("<user>hi"))
+            )
         gate.set()
         _, sink, _ = await task
         events = sink.events()
         assert {e["object"] for e in events[:-1]} == {"chat.completion.chunk"}
-        texts[early] = text_of(events, chat=True)
-    assert texts[True] == texts[False] == expected_text(messages, N)
+        texts[early] = tokens.text_of(events, chat=True)
+    assert texts[True] == texts[False] == tokens.expected_text(messages, tokens.N)
 
 
 async def test_stock_decodes_get_vllms_handshake_unchanged() -> None:
     bodies = {}
     for early in (False, True):
-        _, sink, upstream = await _run(TokenCluster(), extensions=(), first_token_early=early)
-        assert text_of(sink.events()) == expected_text(PROMPT, N)
+        _, sink, upstream = await _run(
+            tokens.TokenCluster(), extensions=(), first_token_early=early
+        )
+        assert tokens.text_of(sink.events()) == tokens.expected_text(tokens.PROMPT, tokens.N)
         bodies[early] = [(c.leg, c.path, _without_kv_id(c.body)) for c in upstream.calls
                          if c.leg != "release"]  # fmt: skip
     assert bodies[True] == bodies[False]
@@ -134,23 +131,25 @@ def _without_kv_id(body: Any) -> Any:
 
 async def test_a_decode_failing_after_the_early_token_is_continued_from_it() -> None:
     outcome, sink, upstream = await _run(
-        TokenCluster(faults=[Fault("status")]), first_token_early=True
+        tokens.TokenCluster(faults=[tokens.Fault("status")]), first_token_early=True
     )
     assert outcome == "ok"
-    assert text_of(sink.events()) == expected_text(PROMPT, N)  # the first token once
+    assert tokens.text_of(sink.events()) == tokens.expected_text(
+        tokens.PROMPT, tokens.N
+    )  # the first token once
     prefills = [c for c in upstream.calls if c.leg == "prefill"]
-    first = next_id(encode(PROMPT))
-    assert prefills[1].body["prompt"] == [*encode(PROMPT), first]
+    first = tokens.next_id(tokens.encode(tokens.PROMPT))
+    assert prefills[1].body["prompt"] == [*tokens.encode(tokens.PROMPT), first]
 
 
 async def test_a_first_token_that_may_begin_a_stop_string_is_not_sent_early() -> None:
-    first = word(next_id(encode(PROMPT)))
-    body = stream_body(stop=[first[-1] + "\u2603"])
-    outcome, sink, upstream = await _run(TokenCluster(), body, first_token_early=True)
+    first = tokens.word(tokens.next_id(tokens.encode(tokens.PROMPT)))
+    body = tokens.stream_body(stop=[first[-1] + "\u2603"])
+    outcome, sink, upstream = await _run(tokens.TokenCluster(), body, first_token_early=True)
     assert outcome == "ok"
     decode = next(c for c in upstream.calls if c.leg == "decode")
-    assert decode.body["prompt"] == PROMPT  # the normal leg: the decode holds it back itself
-    assert text_of(sink.events()) == expected_text(PROMPT, N)
+    assert decode.body["prompt"] == tokens.PROMPT  # the normal leg: the decode holds it back itself
+    assert tokens.text_of(sink.events()) == tokens.expected_text(tokens.PROMPT, tokens.N)
 
 
 # -- real processes ---------------------------------------------------------------------------
@@ -197,10 +196,10 @@ def test_sim_greedy_text_is_identical_with_the_flag_on_and_off(processes: Proces
                     "return_token_ids": True, **usage}  # fmt: skip
             events = _stream(url, "/v1/completions", body)
             ids = [t for e in events[:-1] for c in e["choices"] for t in c.get("token_ids", [])]
-            out.append((text_of(events), events[-2]["usage"], ids))
+            out.append((tokens.text_of(events), events[-2]["usage"], ids))
         body = {"model": SIM_MODEL, "messages": CHAT, "max_tokens": 24, "stream": True, **usage}
         events = _stream(url, "/v1/chat/completions", body)
-        out.append((text_of(events, chat=True), events[-2]["usage"]))
+        out.append((tokens.text_of(events, chat=True), events[-2]["usage"]))
         results[early] = out
     assert results[True] == results[False]
     assert all(len(r[2]) == 24 for r in results[True][:2])
@@ -225,7 +224,7 @@ def test_sim_greedy_text_is_identical_with_the_flag_on_and_off(processes: Proces
     finally:
         os.kill(decode.proc.pid, signal.SIGCONT)
     events = [orjson.loads(first.removeprefix("data: ")), *map(_load, rest)]
-    assert text_of(events) == results[True][0][0]
+    assert tokens.text_of(events) == results[True][0][0]
 
 
 def _load(data: str) -> Any:

@@ -12,6 +12,7 @@ from pdgate.gateway.dispatch import client_error
 from pdgate.gateway.errors import DeadlineExceeded
 from pdgate.gateway.forwarder import ForwardingOptions
 from pdgate.gateway.mock_upstream import MockUpstream, Reply
+from pdgate.policies import load_policy
 from tests.gateway._fakes import (
     FakeCluster,
     batching_forwarder,
@@ -197,6 +198,43 @@ async def test_a_rejection_requeues_at_the_old_place_and_marks_the_prefill_busy(
     )
     assert upstream.released() == []  # a 429 holds nothing at the prefill
     grant.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()
+
+
+async def test_batch_forwarding_spreads_a_backlog_over_the_prefills_with_room() -> None:
+    """A prefill computes a batch in about the time of its prompts one after another, so
+    four queued requests and two idle prefills make two batches of two, not one of four
+    while the other prefill idles."""
+    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.01))
+    tracker = tracker_for([4, 4])
+    fwd, _, background = batching_forwarder(upstream, tracker)
+    grants = await asyncio.gather(*(fwd.acquire(waiter(i)) for i in range(4)))
+    assert sorted(g.instance.id for g in grants) == ["p0", "p0", "p1", "p1"]
+    assert [len(b) for b in upstream.batches] == [2]  # the first run; p1's came one by one
+    for g in grants:
+        g.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()
+
+
+async def test_the_idle_filter_keeps_requests_queued_until_a_prefill_is_idle() -> None:
+    upstream = MockUpstream(FakeCluster())
+    tracker = tracker_for([4])
+    idle = load_policy("least_sse", {"filters": ["not_ejected", "not_busy", "has_room", "idle"]})
+    fwd, _, background = forwarder(upstream, tracker, policy=idle)
+    first = await fwd.acquire(waiter(0))
+    second = asyncio.ensure_future(fwd.acquire(waiter(1)))
+    await asyncio.sleep(0.2)
+    # The prefill has three free slots but is computing (its KV not yet taken): the second
+    # request waits in the gateway's queue, not in the prefill's next batch.
+    assert not second.done()
+    assert [c.leg for c in upstream.calls] == ["prefill"]
+    first.close()
+    (await asyncio.wait_for(second, 5)).close()
+    assert [c.leg for c in upstream.calls].count("prefill") == 2
     await eventually(lambda: tracker.totals() == (0, 0))
     await fwd.close()
     await background.aclose()

@@ -4,6 +4,7 @@ hung ones are given up on, and a fleet-wide failure is not multiplied by retries
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import threading
 import time
@@ -16,7 +17,7 @@ from pdgate.config import Role
 from pdgate.gateway.dispatch import client_error
 from pdgate.gateway.errors import BadGateway
 from pdgate.gateway.forwarder import ForwardingOptions
-from pdgate.gateway.health import Ejector, RetryBudget
+from pdgate.gateway.health import Ejection, Ejector, RetryBudget
 from pdgate.gateway.mock_upstream import Call, MockUpstream, Reply
 from pdgate.registry import InstanceRecord, RedisRegistry
 from tests._cluster import SIM_MODEL, Processes, instances_by_id, wait_instances
@@ -38,8 +39,8 @@ async def test_consecutive_failures_eject_then_a_half_open_probe_decides() -> No
     upstream = MockUpstream(failing("p0"))
     tracker = tracker_for([1, 1])
     fwd, metrics, background = forwarder(upstream, tracker)
-    ejector = Ejector(tracker, metrics, consecutive=3, base_s=1.0, max_s=10)
-    fwd._ejector = ejector
+    ejector = Ejector(tracker, metrics, Ejection(consecutive=3, base_s=1.0, max_s=10))
+    fwd._shared = dataclasses.replace(fwd._shared, ejector=ejector)
 
     def tries_at_p0() -> int:
         return sum(1 for c in upstream.calls if c.leg == "prefill" and c.url == "http://p0")
@@ -66,7 +67,7 @@ async def test_consecutive_failures_eject_then_a_half_open_probe_decides() -> No
 async def test_a_success_after_ejection_closes_the_circuit() -> None:
     tracker = tracker_for([1])
     _, metrics, _ = forwarder(MockUpstream(FakeCluster()), tracker)
-    ejector = Ejector(tracker, metrics, consecutive=2, base_s=0.1)
+    ejector = Ejector(tracker, metrics, Ejection(consecutive=2, base_s=0.1))
 
     def ejected() -> bool:
         return bool(next(iter(tracker.describe()))["ejected"])
@@ -86,8 +87,10 @@ async def test_when_every_prefill_fails_the_retry_budget_fails_requests_fast() -
     upstream = MockUpstream(failing("p0", "p1"))
     tracker = tracker_for([1, 1])
     fwd, metrics, background = forwarder(upstream, tracker)
-    fwd._budget = RetryBudget(ratio=0.0, burst=2)
-    fwd._ejector = Ejector(tracker, metrics, consecutive=100)
+    fwd._shared = dataclasses.replace(fwd._shared, budget=RetryBudget(ratio=0.0, burst=2))
+    fwd._shared = dataclasses.replace(
+        fwd._shared, ejector=Ejector(tracker, metrics, Ejection(consecutive=100))
+    )
     began = time.monotonic()
     with pytest.raises(BadGateway, match="failing"):
         await fwd.acquire(waiter(0, deadline_s=5))

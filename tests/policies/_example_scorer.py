@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdgate.policies import InstanceLoad, RequestInfo
+from pdgate.policies.base import InstanceLoad, RequestInfo
 
 
 class Headroom:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdgate.policies import HOLDERS, Option, Policy, load_policy, needs
+from pdgate.policies import HOLDERS, load_policy, needs
+from pdgate.policies.base import Option, Policy
 from pdgate.policies.completion import ExpectedCompletion
 from pdgate.policies.scorers import InflightTokens
 from tests.policies.test_policies import REQ, ids, inst

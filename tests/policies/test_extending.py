@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import httpx
 
-from pdgate.policies import InstanceLoad, RequestInfo, load_policy
+from pdgate.policies import load_policy
+from pdgate.policies.base import InstanceLoad, RequestInfo
 from tests._cluster import ThreadedCluster
 
 SCORER = "tests.policies._example_scorer:Headroom"

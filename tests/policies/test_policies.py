@@ -6,14 +6,8 @@ from collections import Counter
 
 import pytest
 
-from pdgate.policies import (
-    PROFILES,
-    InstanceLoad,
-    Policy,
-    RequestInfo,
-    load_policy,
-    needs,
-)
+from pdgate.policies import PROFILES, load_policy, needs
+from pdgate.policies.base import InstanceLoad, Policy, RequestInfo
 from pdgate.policies.filters import HasRoom, NotBusy, NotEjected
 from pdgate.policies.pickers import MaxScore
 from pdgate.policies.scorers import OpenStreams, lower_is_better
