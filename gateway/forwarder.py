@@ -182,6 +182,36 @@ class Shared:
     advisor: RatioAdvisor = field(default_factory=RatioAdvisor)
 
 
+class _Batch:
+    """The requests batch forwarding sends one prefill in one go, as long as the batch is
+    expected to end before every member's deadline.
+
+    A batch ends when its last prompt is computed: each member waits for the others' prompts
+    too. The expected time is the sum of the members' expected prefill times (recent calls,
+    by uncached characters): what a compute-bound prefill takes, an upper bound where the
+    engine batches short prompts for less. Without estimates yet, nothing is refused."""
+
+    __slots__ = ("_deadline", "_end", "_known")
+
+    def __init__(self, now: float) -> None:
+        self._end = now
+        self._deadline = float("inf")
+        self._known = True
+
+    def add(self, deadline: float, prefill_s: float | None, *, first: bool) -> bool:
+        """Add a request due by `deadline` that takes `prefill_s` alone, if the batch is then
+        still expected to end before every member's deadline (the `first` always goes: it
+        is the request the prefill was picked for)."""
+        if prefill_s is None:
+            self._known = False
+        end = self._end + (prefill_s or 0.0)
+        due = min(self._deadline, deadline)
+        if self._known and end > due and not first:
+            return False
+        self._end, self._deadline = end, due
+        return True
+
+
 def _batch_size(queued: int, ranked: Sequence[InstanceLoad]) -> int:
     """How many queued requests batch forwarding sends the best prefill in one go: its share
     of the backlog spread over every prefill that can take requests now, at most its room.
@@ -359,10 +389,16 @@ class PrefillForwarder:
             target = slots.instance
             leases = list(slots.leases)
             sent: list[_Call] = []
+            batch = _Batch(time.monotonic())
             while leases:
                 # The queue may have changed while we asked the fleet.
                 nxt = self._next_for(target, loads)
                 if nxt is None:
+                    break
+                took = self.compute_times.estimate_s(
+                    max(1, self._uncached_chars(self._with_affinity(nxt), target.id))
+                )
+                if not batch.add(nxt.deadline, took, first=not sent):
                     break
                 sent.append(self._reserve(nxt, target, leases.pop()))
             for unused in leases:

@@ -238,3 +238,25 @@ async def test_the_idle_filter_keeps_requests_queued_until_a_prefill_is_idle() -
     await eventually(lambda: tracker.totals() == (0, 0))
     await fwd.close()
     await background.aclose()
+
+
+async def test_a_batch_ends_where_it_would_make_a_member_late() -> None:
+    """Each member of a batch waits for the others' prompts: a batch is only as long as its
+    expected end (the sum of its members' expected prefill times) meets every deadline."""
+    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.01))
+    tracker = tracker_for([4])
+    fwd, _, background = batching_forwarder(upstream, tracker)
+    for _ in range(16):  # enough samples for an estimate
+        fwd.compute_times.record(1000, 1.0)  # 1 ms per character: 0.1 s per request below
+    prompt = "x" * 100
+    waiters = [waiter(0, deadline_s=0.25, prompt=prompt)]
+    waiters += [waiter(i, deadline_s=5.0, prompt=prompt) for i in (1, 2, 3)]
+    grants = await asyncio.gather(*(fwd.acquire(w) for w in waiters))
+    # Two fit before the first request's deadline (0.2 s <= 0.25 s); the other two follow
+    # in a batch of their own, not in one batch of four that ends at 0.4 s.
+    assert [len(b) for b in upstream.batches] == [2, 2]
+    for g in grants:
+        g.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()
