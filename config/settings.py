@@ -471,7 +471,10 @@ class GatewaySettings(_Settings):
     )
     batch_forwarding: bool = Field(
         default=True,
-        description="When a prefill accepts, keep sending it queued requests while it has room.",
+        description="Send a prefill several queued requests at once: its share of the queue "
+        "spread over the prefills with room, only as many as are expected to be computed before "
+        "every one's deadline (a batch ends with its last prompt). Off: one request per decision "
+        "(docs/scheduling.md, batch forwarding).",
     )
     prefill_batch_endpoint: bool = Field(
         default=True,

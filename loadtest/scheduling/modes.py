@@ -7,7 +7,8 @@
   full (``admission=reject``), a gateway-held queue with retries until the deadline
   (``dispatch=queue``), prefills ranked by open SSE streams.
 * ``affinity_sse``: the same, with prefills ranked by prefix-cache affinity first.
-* ``least_tokens``, ``affinity_overload``, ``first_token_early``, ``local_prefill`` (issue 12):
+* ``least_tokens``, ``affinity_overload``, ``first_token_early``, ``local_prefill``,
+  ``least_sse_guard``, ``least_sse_idle`` (issue 12):
   on-demand forwarding with one of the gateway's newer features on, each a `Mode` whose
   `Mode.gateway` (and, if needed, `Mode.prefill` / `Mode.decode`) overrides settings.
 * ``router_*`` (issue 5, item 5): the same queue-less prefills behind vllm-router instead of
@@ -106,6 +107,8 @@ FEATURE_MODES: tuple[Mode, ...] = (
     _on_demand("affinity_overload", "affinity_hold"),
     _on_demand("first_token_early", first_token_early=True),
     _on_demand("local_prefill", local_prefill_max_uncached_chars=4000),
+    # least_sse with the queue's start guard (a request about to be late goes first).
+    _on_demand("least_sse_guard", queue_guard_s=0.5),
     # least_sse that sends only to idle prefills (the `idle` filter): with several slots a
     # prefill, the requests wait in the gateway's EDF queue rather than in a busy prefill.
     _on_demand(
