@@ -469,6 +469,15 @@ class GatewaySettings(_Settings):
         "quantile of recent prefill seconds per prompt character (per length class), times the "
         "prompt's length (lower = more optimistic = fewer drops).",
     )
+    prefill_admit: Literal["idle", "room"] = Field(
+        default="idle",
+        description="When a prefill may be sent requests. idle: only while none of this "
+        "gateway's requests computes there (P/D-Serve: a prefill accepts only when idle), "
+        "batch forwarding sending it several at once; the others wait in the gateway's "
+        "deadline-ordered queue. room: whenever it has a free slot, so requests also wait "
+        "inside a busy prefill for its next batch, out of that order (with 4 slots a prefill "
+        "this collapsed past 2A: docs/scheduling.md, batch forwarding). The same with 1 slot.",
+    )
     batch_forwarding: bool = Field(
         default=True,
         description="Send a prefill several queued requests at once: its share of the queue "

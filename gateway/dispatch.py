@@ -55,6 +55,7 @@ from pdgate.gateway.metrics import GatewayMetrics
 from pdgate.gateway.queue import Waiter, WaitQueue
 from pdgate.gateway.ratio import RatioAdvisor
 from pdgate.gateway.upstream import DecodeStream, Upstream, upstream_error_message
+from pdgate.policies import admit_idle
 from pdgate.policies.base import InstanceLoad, Ranker, RequestInfo
 from pdgate.registry.fleet import LocalFleet
 
@@ -168,7 +169,9 @@ class Dispatcher:
         self._settings = settings
         self._tracker = tracker
         self._upstream = upstream
-        self._prefill_policy = prefill_policy
+        self._prefill_policy = (
+            admit_idle(prefill_policy) if settings.prefill_admit == "idle" else prefill_policy
+        )
         self._decode_policy = decode_policy
         self._backoff = backoff
         self._metrics = metrics

@@ -181,6 +181,16 @@ def load_policy(name: str, options: Mapping[str, Any] | None = None) -> Ranker:
     )
 
 
+def admit_idle(ranker: Ranker) -> Ranker:
+    """`ranker` with the `idle` filter last (the prefill leg's ``prefill_admit = idle``); a
+    ranker that is not a `Policy` (``module:factory``) is its own judge and stays as it is."""
+    if not isinstance(ranker, Policy) or any(isinstance(f, Idle) for f in ranker.filters):
+        return ranker
+    return Policy(
+        ranker.name, (*ranker.filters, Idle()), ranker.scorers, ranker.picker, ranker.hold
+    )
+
+
 def needs(ranker: Ranker) -> frozenset[str]:
     """Signals a ranker asks the gateway for (``"prefix"``: the affinity index)."""
     return frozenset(getattr(ranker, "needs", frozenset()))
@@ -194,6 +204,7 @@ __all__ = [
     "PROFILES",
     "SCORERS",
     "Profile",
+    "admit_idle",
     "load_policy",
     "needs",
 ]

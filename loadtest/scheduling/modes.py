@@ -8,7 +8,7 @@
   (``dispatch=queue``), prefills ranked by open SSE streams.
 * ``affinity_sse``: the same, with prefills ranked by prefix-cache affinity first.
 * ``least_tokens``, ``affinity_overload``, ``first_token_early``, ``local_prefill``,
-  ``least_sse_guard``, ``least_sse_idle`` (issue 12):
+  ``least_sse_guard``, ``least_sse_room`` (issue 12):
   on-demand forwarding with one of the gateway's newer features on, each a `Mode` whose
   `Mode.gateway` (and, if needed, `Mode.prefill` / `Mode.decode`) overrides settings.
 * ``router_*`` (issue 5, item 5): the same queue-less prefills behind vllm-router instead of
@@ -109,12 +109,10 @@ FEATURE_MODES: tuple[Mode, ...] = (
     _on_demand("local_prefill", local_prefill_max_uncached_chars=4000),
     # least_sse with the queue's start guard (a request about to be late goes first).
     _on_demand("least_sse_guard", queue_guard_s=0.5),
-    # least_sse that sends only to idle prefills (the `idle` filter): with several slots a
-    # prefill, the requests wait in the gateway's EDF queue rather than in a busy prefill.
-    _on_demand(
-        "least_sse_idle",
-        prefill_policy_options={"filters": ["not_ejected", "not_busy", "has_room", "idle"]},
-    ),
+    # least_sse that sends a prefill requests whenever it has a free slot, not only when idle
+    # (`prefill_admit = room`, the default before issue 12): with several slots a prefill,
+    # requests then wait inside busy prefills, out of the gateway's deadline order.
+    _on_demand("least_sse_room", prefill_admit="room"),
 )
 
 

@@ -178,3 +178,26 @@ async def test_no_decode_before_the_deadline_is_a_503_and_the_kv_is_released() -
     await eventually(lambda: tracker.totals() == (0, 0))
     assert len(upstream.released()) == 1
     await d.close()
+
+
+@pytest.mark.parametrize(("admit", "calls_while_computing"), [("idle", 1), ("room", 2)])
+async def test_a_computing_prefill_gets_no_second_request_unless_admit_is_room(
+    admit: str, calls_while_computing: int
+) -> None:
+    """``prefill_admit = idle`` (the default): a prefill with free slots that is computing one
+    of our requests is not sent another, which waits in the gateway's queue; ``room`` sends
+    it into the prefill's next batch at once."""
+    gate = asyncio.Event()
+    upstream = MockUpstream(FakeCluster(gate=gate))
+    tracker = tracker_for([4], [8])
+    d, _ = dispatcher(upstream, tracker, prefill_admit=admit)
+    first = asyncio.ensure_future(place(d))
+    await eventually(lambda: any(c.leg == "prefill" for c in upstream.calls))
+    second = asyncio.ensure_future(place(d))  # arrives while the prefill computes the first
+    await asyncio.sleep(0.2)
+    assert [c.leg for c in upstream.calls].count("prefill") == calls_while_computing
+    gate.set()
+    for task in (first, second):
+        (await task).close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await d.close()
