@@ -8,7 +8,7 @@
   (``dispatch=queue``), prefills ranked by open SSE streams.
 * ``affinity_sse``: the same, with prefills ranked by prefix-cache affinity first.
 * ``least_tokens``, ``affinity_overload``, ``first_token_early``, ``local_prefill``,
-  ``least_sse_guard``, ``least_sse_q50``, ``least_sse_room`` (issue 12):
+  ``least_sse_guard``, ``least_sse_q10``, ``least_sse_q50``, ``least_sse_q90``, ``least_sse_room`` (issue 12):
   on-demand forwarding with one of the gateway's newer features on, each a `Mode` whose
   `Mode.gateway` (and, if needed, `Mode.prefill` / `Mode.decode`) overrides settings.
 * ``router_*`` (issue 5, item 5): the same queue-less prefills behind vllm-router instead of
@@ -111,6 +111,8 @@ FEATURE_MODES: tuple[Mode, ...] = (
     _on_demand("least_sse_guard", queue_guard_s=0.5),
     # least_sse whose early drop uses the median prefill estimate instead of the 10% quantile.
     _on_demand("least_sse_q50", prefill_estimate_quantile=0.5),
+    _on_demand("least_sse_q90", prefill_estimate_quantile=0.9),
+    _on_demand("least_sse_q10", prefill_estimate_quantile=0.1),
     # least_sse that sends a prefill requests whenever it has a free slot, not only when idle
     # (`prefill_admit = room`, the default before issue 12): with several slots a prefill,
     # requests then wait inside busy prefills, out of the gateway's deadline order.
