@@ -457,17 +457,18 @@ class GatewaySettings(_Settings):
     early_drop: bool = Field(
         default=True,
         description="dispatch=queue: answer 503 at once, instead of sending it, a queued request "
-        "whose remaining "
-        "time is shorter than an optimistic estimate of its prefill (gateway/prefill_time.py): "
-        "past capacity it would only occupy a prefill and fail.",
+        "whose remaining time is shorter than an estimate of its prefill (gateway/prefill_time.py, "
+        "prefill_estimate_quantile): past capacity it would only occupy a prefill and fail.",
     )
     prefill_estimate_quantile: float = Field(
-        default=0.1,
+        default=0.9,
         ge=0.0,
         le=1.0,
         description="The prefill-time estimate behind early_drop: this "
         "quantile of recent prefill seconds per prompt character (per length class), times the "
-        "prompt's length (lower = more optimistic = fewer drops).",
+        "prompt's length (lower = more optimistic = fewer drops). 0.9: send a request only if "
+        "it will most likely make its deadline; the 0.1 of before let a workload of shared "
+        "prefixes and one deadline collapse past capacity (docs/scheduling.md, early drop).",
     )
     prefill_admit: Literal["idle", "room"] = Field(
         default="idle",

@@ -155,7 +155,7 @@ class ForwardingOptions:
     # Answer 503 at once for a queued request even an optimistic prefill cannot serve in time.
     early_drop: bool = True
     # The quantile of recent prefill rates behind the early-drop estimate.
-    prefill_estimate_quantile: float = 0.1
+    prefill_estimate_quantile: float = 0.9
     # Longest one prefill call may take before the request moves on (a prefill that accepted
     # the connection and hangs); None: adaptive, from recent prefill times.
     try_timeout_s: float | None = None
@@ -552,7 +552,7 @@ class PrefillForwarder:
         return max(wait, self._tracker.busy_for_s(inst.id))
 
     def _hopeless(self, waiter: Waiter) -> bool:
-        """Drop `waiter` (503 now) if even an optimistic prefill would end past its deadline."""
+        """Drop `waiter` (503 now) if its prefill would likely end past its deadline."""
         if not self._options.early_drop:
             return False
         remaining = waiter.deadline - time.monotonic()

@@ -92,7 +92,8 @@ class PrefillTimes:
         window.add(rate)
 
     def lower_bound_s(self, prompt_chars: int) -> float | None:
-        """Optimistic prefill time of a `prompt_chars` prompt; None while too few samples."""
+        """The prefill time early drop uses (at this window's quantile) of a `prompt_chars`
+        prompt; None while too few samples."""
         return self.estimate_s(prompt_chars, self._quantile)
 
     def upper_bound_s(self, prompt_chars: int, quantile: float = 0.99) -> float | None:
@@ -110,7 +111,7 @@ class PrefillTimes:
         return window.quantile(quantile) * prompt_chars
 
     def hopeless(self, prompt_chars: int, remaining_s: float) -> bool:
-        """Even an optimistic prefill would end after the request's deadline."""
+        """The request's prefill, at this window's quantile, would end after its deadline."""
         estimate = self.lower_bound_s(prompt_chars)
         return estimate is not None and remaining_s < estimate
 

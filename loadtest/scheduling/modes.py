@@ -8,7 +8,8 @@
   (``dispatch=queue``), prefills ranked by open SSE streams.
 * ``affinity_sse``: the same, with prefills ranked by prefix-cache affinity first.
 * ``least_tokens``, ``affinity_overload``, ``first_token_early``, ``local_prefill``,
-  ``least_sse_guard``, ``least_sse_q10``, ``least_sse_q50``, ``least_sse_q90``, ``least_sse_room`` (issue 12):
+  ``least_sse_guard``, ``least_sse_q10``, ``least_sse_q50``, ``least_sse_q90``,
+  ``least_sse_room`` (issue 12):
   on-demand forwarding with one of the gateway's newer features on, each a `Mode` whose
   `Mode.gateway` (and, if needed, `Mode.prefill` / `Mode.decode`) overrides settings.
 * ``router_*`` (issue 5, item 5): the same queue-less prefills behind vllm-router instead of
