@@ -77,9 +77,11 @@ class PrefillGrant:
     __slots__ = (
         "_closed",
         "_release",
+        "answered_at",
         "attempts",
         "inflight",
         "instance",
+        "on_handover",
         "rejections",
         "reply",
         "stream",
@@ -94,8 +96,12 @@ class PrefillGrant:
         release: Callable[[Sequence[Lease]], None],
         attempts: int,
         rejections: int,
+        on_handover: Callable[[float], None] | None = None,
     ) -> None:
         self.instance = instance
+        self.answered_at = time.monotonic()
+        # Told how long the decode took from here to its first event (early drop learns it).
+        self.on_handover = on_handover
         self.reply = reply
         self.stream = stream  # the request's open stream through this prefill, whole life
         self.inflight = inflight  # the prefill's slot, until the KV has left it
@@ -783,6 +789,7 @@ class PrefillForwarder:
                     ),
                     waiter.attempts,
                     waiter.rejections,
+                    on_handover=self.prefill_times.record_handover,
                 )
             )
         elif status == 429:

@@ -71,6 +71,9 @@ class PrefillTimes:
         self._by_class: dict[int, _Window] = {}  # at most _MAX_CLASSES entries
         self._quantile = quantile
         self._min_samples = min_samples
+        # Seconds from a prefill's answer to its decode's first event (KV transfer, the
+        # decode's admission and first step): the rest of a request's time to first token.
+        self._handover = _Window(class_window)
 
     def __len__(self) -> int:
         return len(self._all)
@@ -111,9 +114,21 @@ class PrefillTimes:
         return window.quantile(quantile) * prompt_chars
 
     def hopeless(self, prompt_chars: int, remaining_s: float) -> bool:
-        """The request's prefill, at this window's quantile, would end after its deadline."""
+        """The request's first token, at this window's quantile of prefill rates plus the
+        median hand-over to its decode, would come after its deadline."""
         estimate = self.lower_bound_s(prompt_chars)
-        return estimate is not None and remaining_s < estimate
+        return estimate is not None and remaining_s < estimate + self.handover_s()
+
+    def record_handover(self, seconds: float) -> None:
+        """A decode's first event came `seconds` after its prefill answered."""
+        if seconds >= 0:
+            self._handover.add(seconds)
+
+    def handover_s(self) -> float:
+        """The median hand-over of recent requests; 0 while too few samples."""
+        if len(self._handover) < self._min_samples:
+            return 0.0
+        return self._handover.quantile(0.5)
 
     def rate_s(self, quantile: float = 0.5) -> float | None:
         """The `quantile` of recent seconds per character, all lengths together."""

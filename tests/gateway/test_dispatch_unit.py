@@ -201,3 +201,21 @@ async def test_a_computing_prefill_gets_no_second_request_unless_admit_is_room(
         (await task).close()
     await eventually(lambda: tracker.totals() == (0, 0))
     await d.close()
+
+
+async def test_the_decode_s_first_event_reports_the_hand_over_time() -> None:
+    """Early drop learns how long a decode takes from the prefill's answer to its first
+    event (the part of a first token's time after the prefill): the first event reports it."""
+    upstream = MockUpstream(FakeCluster(text="abc"))
+    tracker = tracker_for([1], [4])
+    d, _ = dispatcher(upstream, tracker)
+    handed: list[float] = []
+    placement = await place(d)
+    assert placement._grant.on_handover is not None  # the forwarder listens
+    placement._grant.on_handover = handed.append
+    await asyncio.sleep(0.05)
+    placement.first_byte()
+    placement.first_byte()  # once only
+    assert len(handed) == 1 and handed[0] >= 0.05
+    placement.close()
+    await d.close()

@@ -1,4 +1,4 @@
-"""PrefillTimes: the optimistic prefill estimate behind early drops."""
+"""PrefillTimes: the prefill estimate behind early drops."""
 
 from __future__ import annotations
 
@@ -57,3 +57,20 @@ def test_nonsense_samples_are_ignored() -> None:
     assert len(times) == 0
     with pytest.raises(ValueError, match="quantile"):
         PrefillTimes(quantile=1.5)
+
+
+def test_the_hand_over_to_the_decode_counts_against_the_deadline() -> None:
+    """A first token comes after the prefill *and* the KV's hand-over to the decode: a
+    request with time for the first alone is dropped once the hand-over is known."""
+    times = PrefillTimes(min_samples=4, quantile=0.5)
+    for _ in range(4):
+        times.record(1000, 0.3)  # 0.3 s for 1,000 characters
+    assert not times.hopeless(1000, 0.35)
+    for _ in range(3):
+        times.record_handover(0.1)
+    assert times.handover_s() == 0.0  # too few samples: not guessed
+    assert not times.hopeless(1000, 0.35)
+    times.record_handover(0.1)
+    assert times.handover_s() == 0.1
+    assert times.hopeless(1000, 0.35)
+    assert not times.hopeless(1000, 0.45)
