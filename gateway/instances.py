@@ -156,6 +156,7 @@ class InstanceTracker:
                     role=rec.role,
                     inflight_tokens=c.inflight_tokens + c.others_tokens,
                     ejected=c.ejected_until > now or c.probe is not None,
+                    own_inflight=c.inflight,
                 )
             )
         return out

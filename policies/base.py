@@ -56,6 +56,9 @@ class InstanceLoad:
     role: Role = Role.PREFILL
     inflight_tokens: int = 0  # prompt tokens of the requests in flight (token-work load)
     ejected: bool = False  # failing (outlier ejection): not tried until its cool-down ends
+    # Of `inflight`, this gateway's own requests (the rest: other gateways', as of the last
+    # fleet sync or freed-slot message).
+    own_inflight: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,12 +23,14 @@ class Idle:
     prefills with several slots. A prefill computing a batch takes a new prompt into its
     next batch, so the request waits there, out of the gateway's deadline order; with this
     filter it waits in the gateway's queue instead, and batch forwarding still sends an idle
-    prefill several requests at once."""
+    prefill several requests at once. Other gateways' requests count against its slots
+    (`has_room`) but not here: the fleet's view of them lags by up to a sync, and a prefill
+    that looked busy only in that lag would lose its cache affinity."""
 
     name = "idle"
 
     def filter(self, request: RequestInfo, candidates: Candidates) -> list[InstanceLoad]:
-        return [c for c in candidates if c.inflight == 0]
+        return [c for c in candidates if c.own_inflight == 0]
 
 
 class NotBusy:

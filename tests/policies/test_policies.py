@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
 
-from pdgate.policies import PROFILES, load_policy, needs
+from pdgate.policies import FILTERS, PROFILES, load_policy, needs
 from pdgate.policies.base import InstanceLoad, Policy, RequestInfo
 from pdgate.policies.filters import HasRoom, NotBusy, NotEjected
 from pdgate.policies.pickers import MaxScore
@@ -138,3 +139,15 @@ def test_plugins_and_whole_policies_load_from_a_dotted_path() -> None:
     assert ids(scorer.rank(REQ, [inst("a", inflight=3), inst("b", inflight=1)])) == ["b", "a"]
     with pytest.raises(ValueError, match="no rank"):
         load_policy("pdgate.policies.pickers:MaxScore")  # a picker is not a whole policy
+
+
+def test_idle_keeps_a_prefill_only_other_gateways_use_and_drops_one_we_use() -> None:
+    """Other gateways' requests count against the slots (has_room), not against idleness:
+    the fleet's view of them lags a sync behind, and a prefill busy only in that lag would
+    lose its prefix affinity."""
+    idle = FILTERS["idle"]()
+    ours = dataclasses.replace(inst("ours", inflight=1), own_inflight=1)
+    theirs = inst("theirs", inflight=2)  # both of them another gateway's
+    free = inst("free")
+    kept = idle.filter(RequestInfo("m", None, "p", 1, 4), [ours, theirs, free])
+    assert ids(kept) == ["theirs", "free"]
