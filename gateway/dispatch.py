@@ -108,8 +108,7 @@ class Placement:
             self._kv_taken = True
             self._grant.inflight.release()
             self._on_first_byte()
-            if self._grant.on_handover is not None:
-                self._grant.on_handover(time.monotonic() - self._grant.answered_at)
+            self._grant.handed_over()
 
     def close(self) -> None:
         """Release every count and the upstream connection; safe to call more than once.

@@ -119,6 +119,11 @@ class PrefillGrant:
         """A decode accepted: from now on the caller owns the counts (see `Placement`)."""
         self._closed = True
 
+    def handed_over(self) -> None:
+        """The decode sent its first event: report the time since the prefill answered."""
+        if self.on_handover is not None:
+            self.on_handover(time.monotonic() - self.answered_at)
+
     def release_kv_then(self, leases: Sequence[Lease]) -> None:
         """Release the KV at the prefill, then `leases` (for an owner that took the grant)."""
         self._release(leases)
@@ -226,8 +231,7 @@ def _batch_size(queued: int, ranked: Sequence[InstanceLoad]) -> int:
     another (only the pass over the weights is shared), and each of them waits for the
     whole batch. So a batch pays only for what the other prefills cannot take now; filling
     one prefill while another idles made every request in the batch wait for the others'
-    prompts (at 4 slots a prefill, 4A: 47% success filling, against spreading;
-    docs/scheduling.md, "Batch forwarding")."""
+    prompts (docs/scheduling.md, "Batch forwarding and several slots a prefill")."""
     best = ranked[0]
     share = -(-queued // len(ranked))  # ceil
     return max(1, min(share, best.capacity - best.inflight))
@@ -401,12 +405,11 @@ class PrefillForwarder:
                 nxt = self._next_for(target, loads)
                 if nxt is None:
                     break
-                took = self.compute_times.estimate_s(
-                    max(1, self._uncached_chars(self._with_affinity(nxt), target.id))
-                )
+                uncached = self._uncached_chars(self._with_affinity(nxt), target.id)
+                took = self.compute_times.estimate_s(max(1, uncached))
                 if not batch.add(nxt.deadline, took, first=not sent):
                     break
-                sent.append(self._reserve(nxt, target, leases.pop()))
+                sent.append(self._reserve(nxt, target, leases.pop(), uncached, took))
             for unused in leases:
                 unused.release()
             if not sent:
@@ -592,13 +595,19 @@ class PrefillForwarder:
             return waiter.info
         return replace(waiter.info, prefix_blocks=self._index.match(hashes))
 
-    def _reserve(self, waiter: Waiter, inst: InstanceLoad, slot: SlotLease) -> _Call:
+    def _reserve(
+        self,
+        waiter: Waiter,
+        inst: InstanceLoad,
+        slot: SlotLease,
+        uncached: int,
+        expected_s: float | None,
+    ) -> _Call:
         """Take the waiter out of the queue and count it against `inst` before the call: its
-        slot, its open stream and its prompt work (estimated tokens of the part `inst` does
-        not hold in cache, with the call's expected duration)."""
+        slot, its open stream and its prompt work (`uncached`: characters of the part `inst`
+        does not hold in cache, as tokens; `expected_s`: the call's expected duration)."""
         self.queue.take(waiter)
         waiter.attempts += 1
-        uncached = self._uncached_chars(self._with_affinity(waiter), inst.id)
         span = self._shared.tracing.start("pdgate.prefill_attempt", parent=waiter.span)
         if span.is_recording():
             span.set_attribute("pdgate.instance", inst.id)
@@ -608,11 +617,7 @@ class PrefillForwarder:
             waiter,
             self._tracker.open_stream(inst.id),
             self._tracker.begin(inst.id, also=slot.release),
-            self._tracker.work(
-                inst.id,
-                self.token_ratio.tokens(uncached),
-                self.compute_times.estimate_s(max(1, uncached)),
-            ),
+            self._tracker.work(inst.id, self.token_ratio.tokens(uncached), expected_s),
             uuid.uuid4().hex,
             span,
         )
