@@ -34,6 +34,20 @@ def sse_events(buffer: bytearray) -> list[bytes]:
     out: list[bytes] = []
     # Either line ending: pdgate and vLLM send "\n\n", other servers "\r\n\r\n".
     crlf = b"\r" in buffer
+    if not crlf:
+        # The usual case, in C: every whole event at once (this runs for every chunk of
+        # every stream the relay parses).
+        end = buffer.rfind(b"\n\n")
+        if end < 0:
+            return out
+        whole = bytes(buffer[:end])
+        del buffer[: end + 2]
+        for event in whole.split(b"\n\n"):
+            if event.startswith(b"data:") and b"\n" not in event:
+                out.append(event[5:].lstrip(b" "))
+            elif data := [ln[5:].lstrip(b" ") for ln in event.split(b"\n") if ln[:5] == b"data:"]:
+                out.append(b"\n".join(data))
+        return out
     start = 0
     while True:
         cut, sep = buffer.find(b"\n\n", start), 2

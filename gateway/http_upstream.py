@@ -8,9 +8,9 @@ Every aiohttp failure becomes an `UpstreamError` here, in one place (`_mapped`),
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
+from types import TracebackType
 
 import aiohttp
 import orjson
@@ -27,15 +27,28 @@ _JSON = {"content-type": "application/json"}
 _RELEASE_TIMEOUT_S = 2.0
 
 
-@contextlib.contextmanager
-def _mapped(url: str) -> Iterator[None]:
-    """The one place where socket-level failures become `UpstreamUnreachable`."""
-    try:
-        yield
-    except UpstreamError:
-        raise
-    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-        raise UpstreamUnreachable(url, f"{type(exc).__name__}: {exc}") from exc
+class _mapped:
+    """The one place where socket-level failures become `UpstreamUnreachable`. A class, not
+    a generator context manager: it wraps every call and every stream read."""
+
+    __slots__ = ("_url",)
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if isinstance(exc, aiohttp.ClientError | TimeoutError | OSError) and not isinstance(
+            exc, UpstreamError
+        ):
+            raise UpstreamUnreachable(self._url, f"{type(exc).__name__}: {exc}") from exc
 
 
 class _Stream:
@@ -51,9 +64,15 @@ class _Stream:
         return str(self._resp.url)
 
     async def chunks(self, size: int) -> AsyncIterator[bytes]:
+        content = self._resp.content
         with _mapped(self.url):
-            async for chunk in self._resp.content.iter_chunked(size):
+            # What has arrived, up to `size` at a time: one read a chunk, no iterator of
+            # aiohttp's in between (this runs for every token of every stream).
+            while chunk := await content.read(size):
                 yield chunk
+
+    def at_eof(self) -> bool:
+        return self._resp.content.at_eof()
 
     def close(self) -> None:
         if not self._resp.closed:

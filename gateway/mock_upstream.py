@@ -48,18 +48,25 @@ class _MockStream:
     url: str
     reply: Reply
     closed: bool = False
+    sent: int = 0  # chunks read so far (a second `chunks()` goes on from here)
 
     async def chunks(self, size: int) -> AsyncIterator[bytes]:
-        for sent, chunk in enumerate(self.reply.chunks):
+        reply = self.reply
+        while self.sent < len(reply.chunks):
             if self.closed:
                 return
-            if self.reply.fail_after is not None and sent >= self.reply.fail_after:
+            if reply.fail_after is not None and self.sent >= reply.fail_after:
                 raise UpstreamUnreachable(self.url, "connection lost mid-stream")
-            if self.reply.chunk_delay_s:
-                await asyncio.sleep(self.reply.chunk_delay_s)
-            yield chunk
-        if self.reply.fail_after is not None and self.reply.fail_after >= len(self.reply.chunks):
+            if reply.chunk_delay_s:
+                await asyncio.sleep(reply.chunk_delay_s)
+            self.sent += 1
+            yield reply.chunks[self.sent - 1]
+        if reply.fail_after is not None and reply.fail_after >= len(reply.chunks):
             raise UpstreamUnreachable(self.url, "connection lost mid-stream")
+
+    def at_eof(self) -> bool:
+        # A stream that fails at its end still has its failure to deliver.
+        return self.sent >= len(self.reply.chunks) and self.reply.fail_after is None
 
     def close(self) -> None:
         self.closed = True

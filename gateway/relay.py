@@ -131,6 +131,15 @@ class _Broken:
     final: GatewayError | None = None  # not placed again: the client gets this error
 
 
+def _sse(items: Sequence[_Item]) -> bytes:
+    return b"".join(
+        [
+            b"data: " + (raw if raw is not None else orjson.dumps(event)) + b"\n\n"
+            for event, raw in items
+        ]
+    )
+
+
 class _StreamOut:
     """The client's SSE response; its status and headers go out with the first event."""
 
@@ -141,28 +150,22 @@ class _StreamOut:
         self.prefill_id: str | None = None
         self.decode_id: str | None = None
 
-    async def raw(self, body: bytes) -> None:
+    async def raw(self, body: bytes, *, last: bool = False) -> None:
         if not self.started:
             self.started = True
             headers = _SSE_HEADERS + _headers(self._request_id, self.prefill_id, self.decode_id)
             await self._send({"type": "http.response.start", "status": 200, "headers": headers})
-        await self._send({"type": "http.response.body", "body": body, "more_body": True})
+        await self._send({"type": "http.response.body", "body": body, "more_body": not last})
 
     async def events(self, items: Sequence[_Item]) -> None:
-        await self.raw(
-            b"".join(
-                b"data: " + (raw if raw is not None else orjson.dumps(event)) + b"\n\n"
-                for event, raw in items
-            )
-        )
+        await self.raw(_sse(items))
 
-    async def done(self) -> None:
-        await self.raw(SSE_DONE)
-        await self.end()
+    async def done(self, items: Sequence[_Item] = ()) -> None:
+        """The last events, if any, and ``[DONE]``: one send, the response's last."""
+        await self.raw(_sse(items) + SSE_DONE if items else SSE_DONE, last=True)
 
     async def error(self, error: GatewayError) -> None:
-        await self.raw(error.sse() + SSE_DONE)
-        await self.end()
+        await self.raw(error.sse() + SSE_DONE, last=True)
 
     async def end(self) -> None:
         await self._send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -184,7 +187,8 @@ class _WholeOut:
         for event, _ in items:
             self.assembler.add(event)
 
-    async def done(self) -> None:
+    async def done(self, items: Sequence[_Item] = ()) -> None:
+        await self.events(items)
         answer = self.assembler.result()
         answer["id"] = self._request_id  # one id: a stock decode answers with its own
         if not self._client_ids:
@@ -414,6 +418,11 @@ class Relay:
         return DecodeLeg(self._progress.body(self._forward), Api.COMPLETIONS, EXT_CONTINUATION)
 
     async def _emit(self, items: Sequence[_Item], placement: Placement | None = None) -> None:
+        self._emitted(items, placement)
+        await self._out.events(items)
+
+    def _emitted(self, items: Sequence[_Item], placement: Placement | None) -> None:
+        """Timing and counts of events going out now."""
         now = time.monotonic()
         if self._last_emit:
             gap = now - self._last_emit
@@ -427,7 +436,6 @@ class Relay:
             placement.tokens += len(items)
             if placement.first_token_at is None:
                 placement.first_token_at = now
-        await self._out.events(items)
 
     # -- one leg ---------------------------------------------------------------------------
 
@@ -456,7 +464,7 @@ class Relay:
                 out: list[_Item] = []
                 done = False
                 for data in sse_events(buffer):
-                    if data.strip() == b"[DONE]":
+                    if data[:1] == b"[" and data.strip() == b"[DONE]":
                         done = True
                         break
                     event = parse_event(data)
@@ -476,14 +484,22 @@ class Relay:
                         out.append((event, None))
                     else:
                         out.append((event, data))
+                if done:
+                    # Drained before the client's response ends: once it has, the endpoint
+                    # takes the client as gone and cancels this task. Usually the body's end
+                    # came with [DONE]: nothing to wait for, and the last events go out
+                    # with [DONE] in the response's last send.
+                    if not placement.stream.at_eof():
+                        if out:
+                            await self._emit(out, placement)
+                            out = []
+                        await _drain(placement, self._options.chunk_bytes)
+                    if out:
+                        self._emitted(out, placement)
+                    await self._out.done(out)
+                    return None
                 if out:
                     await self._emit(out, placement)
-                if done:
-                    # Before the client's response ends: once it has, the endpoint takes the
-                    # client as gone and cancels this task.
-                    await _drain(placement, self._options.chunk_bytes)
-                    await self._out.done()
-                    return None
             raise UpstreamError(placement.stream.url, "stream ended without [DONE]")
         except StreamError as exc:
             return _Broken("error", str(exc), events)

@@ -47,7 +47,12 @@ class DecodeStream(Protocol):
     def url(self) -> str: ...
 
     def chunks(self, size: int) -> AsyncIterator[bytes]:
-        """The body as it arrives; raises `UpstreamError` if the instance fails mid-way."""
+        """The body as it arrives (a second call goes on where the first stopped); raises
+        `UpstreamError` if the instance fails mid-way."""
+        ...
+
+    def at_eof(self) -> bool:
+        """Whether the whole body has arrived and been read (nothing left to drain)."""
         ...
 
     def close(self) -> None:

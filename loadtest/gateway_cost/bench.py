@@ -6,10 +6,10 @@ so every millisecond and CPU second left is the front end's or the client's), wi
 fronts (load.py): ``direct`` (the client makes the prefill and decode calls itself: the
 floor), ``pdgate`` (``pdgate gateway`` in its own process, finding shims through a private
 Redis or given stock engines by URL; ``pdgate_plain`` without the shims' batch endpoint,
-``pdgate_wN`` with N workers) and ``vllm_router`` (the ``vllm-router`` binary in its vLLM P/D
-mode, ``--vllm-pd-disaggregation``, given the same engines; ``vllm_router_<policy>`` with
-another ``--policy``). Fronts take turns (interleaved) so drift in the machine's load hits
-them alike:
+``pdgate_wN`` with N workers, each of these its own fleet) and ``vllm_router`` (the
+``vllm-router`` binary in its vLLM P/D mode, ``--vllm-pd-disaggregation``, given the same
+engines; ``vllm_router_<policy>`` with another ``--policy``). Fronts take turns
+(interleaved) so drift in the machine's load hits them alike:
 
 * added TTFT at concurrency 1: TTFT percentiles minus the direct floor's; on stock engines
   also split hop by hop from the engines' timestamps (_timeline.py);
@@ -197,6 +197,11 @@ async def running_fronts(
             env = _gateway_env(spec.key_prefix, streams)
             env["PDGATE_GATEWAY_PREFILL_BATCH_ENDPOINT"] = "true" if batch else "false"
             env["PDGATE_GATEWAY_GATEWAY_ID"] = name
+            if name != "pdgate":
+                # Its own fleet: fronts are measured one at a time, and gateways that share a
+                # fleet lease every prefill slot through Redis (a round trip per dispatch), a
+                # cost of running several gateways that would hide in every front's figure.
+                env["PDGATE_GATEWAY_FLEET"] = "false"
             gateways[name] = Child(
                 name,
                 [sys.executable, "-m", "pdgate.config.cli", "--log-level", "WARNING", "gateway",

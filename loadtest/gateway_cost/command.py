@@ -1,14 +1,16 @@
-"""``pdgate bench gateway`` and ``pdgate bench profile``: the gateway's own cost.
+"""``pdgate bench gateway``, ``profile`` and ``compare``: the gateway's own cost.
 
 ``gateway`` (bench.py) prints one JSON line and, unless ``--quick`` or ``--no-doc``, writes
 the generated block of docs/performance.md. ``profile`` (profile.py) prints py-spy's view of
-the gateway's hot path.
+the gateway's hot path. ``compare`` (compare.py) prints a markdown table of gateway builds
+side by side.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,8 +21,11 @@ from pdgate.loadtest.lib.docs import update_block
 from pdgate.loadtest.lib.log import to_stderr
 
 __all__ = [
+    "COMPARE_HELP",
     "GATEWAY_HELP",
     "PROFILE_HELP",
+    "compare_main",
+    "configure_compare",
     "configure_gateway",
     "configure_profile",
     "gateway_main",
@@ -30,6 +35,7 @@ __all__ = [
 
 GATEWAY_HELP = "the gateway's own cost vs vllm-router and no router"
 PROFILE_HELP = "py-spy profile of the gateway on the hot path"
+COMPARE_HELP = "gateway builds (e.g. two checkouts) in front of the same engines, same rates"
 
 
 def configure_gateway(g: argparse.ArgumentParser) -> None:
@@ -96,6 +102,53 @@ def profile_main(args: argparse.Namespace, command: str) -> int:
         concurrency=args.concurrency, seconds=args.seconds, top=args.top, out=args.out
     )
     print(run_main(profile_gateway(plan)), end="", flush=True)
+    return 0
+
+
+def configure_compare(c: argparse.ArgumentParser) -> None:
+    c.add_argument(
+        "--gateway",
+        action="append",
+        default=[],
+        metavar="NAME=COMMAND",
+        help="a gateway build (repeated; the first is the reference): NAME=COMMAND, "
+        "e.g. 'before=env -C ../old ../old/.venv/bin/python -m pdgate.config.cli'",
+    )
+    c.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE",
+        help="an environment variable of one gateway (repeated)",
+    )
+    c.add_argument("--rates", default="100,200", help="offered requests/s, comma-separated")
+    c.add_argument("--rounds", type=int, default=3)
+    c.add_argument("--window-s", type=float, default=10.0)
+    c.add_argument("--max-tokens", type=int, default=16)
+
+
+def compare_main(args: argparse.Namespace, command: str) -> int:
+    from pdgate.loadtest.gateway_cost.compare import (
+        ComparePlan,
+        parse_builds,
+        report,
+        run_compare,
+    )
+
+    try:
+        builds = parse_builds(args.gateway, args.set)
+    except ValueError as exc:
+        print(f"pdgate bench compare: {exc}", file=sys.stderr)
+        return 2
+    plan = ComparePlan(
+        builds=builds,
+        rates=tuple(float(r) for r in args.rates.split(",")),
+        rounds=args.rounds,
+        window_s=args.window_s,
+        max_tokens=args.max_tokens,
+    )
+    windows = run_main(run_compare(plan, to_stderr))
+    print(report(plan, windows, command), end="", flush=True)
     return 0
 
 

@@ -25,6 +25,24 @@ def test_sse_events_split_on_either_line_ending_and_skip_comments() -> None:
     assert bytes(buf) == b'data: {"b"'  # an incomplete event waits for more bytes
 
 
+_STREAM = (
+    b': ping\n\ndata: {"a":1}\n\ndata:{"b":2}\n\n\n\nevent: x\ndata: {"c":\ndata: 3}\n\n'
+    b"id: 7\n\ndata: [DONE]\n\n"
+)
+
+
+@pytest.mark.parametrize("cut", range(1, len(_STREAM)))
+def test_sse_events_are_the_same_however_the_stream_is_cut(cut: int) -> None:
+    """Two reads, cut anywhere (and LF endings turned into CRLF ones): the same events."""
+    expected = [b'{"a":1}', b'{"b":2}', b'{"c":\n3}', b"[DONE]"]
+    for stream in (_STREAM, _STREAM.replace(b"\n", b"\r\n")):
+        buf = bytearray(stream[:cut])
+        got = sse_events(buf)
+        buf += stream[cut:]
+        got += sse_events(buf)
+        assert got == expected and not buf
+
+
 def test_completion_text_logprobs_and_usage() -> None:
     head = {"id": "cmpl-9", "object": "text_completion", "created": 5, "model": "m"}
     lp1 = {"tokens": ["a"], "token_logprobs": [-0.1], "top_logprobs": [{"a": -0.1}],

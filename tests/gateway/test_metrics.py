@@ -6,7 +6,10 @@ import subprocess
 from pathlib import Path
 
 import httpx
+import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
+from pdgate.gateway.metrics import LoopHistogram
 from tests._cluster import ThreadedCluster, wait_for
 from tests._tools import free_port, require_binary
 
@@ -39,6 +42,26 @@ def test_metrics_pass_promtool_and_carry_per_instance_series() -> None:
     assert "pdgate_inter_token_seconds_count" in text
     for role in ("prefill", "decode"):
         assert f'pdgate_instance_capacity{{group="default",instance="{role}-' in text
+
+
+@pytest.mark.parametrize("values", [[], [0.1], [0.0005, 0.1, 0.3, 0.5, 0.7, 2.5, 99.0]])
+def test_the_loop_histogram_exposes_what_prometheus_client_would(values: list[float]) -> None:
+    """The relay's lock-free histogram: the same buckets (a bound's own value counts in it),
+    count and sum as prometheus_client's `Histogram` given the same observations."""
+    buckets = (0.1, 0.5, 1, 2.5)
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    loop = LoopHistogram("gap_seconds", "Gaps", buckets)
+    ours.register(loop)
+    reference = Histogram("gap_seconds", "Gaps", buckets=buckets, registry=theirs)
+    for v in values:
+        loop.observe(v)
+        reference.observe(v)
+
+    def samples(registry: CollectorRegistry) -> list[str]:
+        text = generate_latest(registry).decode()
+        return [line for line in text.splitlines() if "_created" not in line]
+
+    assert samples(ours) == samples(theirs)
 
 
 def test_a_real_prometheus_scrapes_the_gateway(tmp_path: Path) -> None:
