@@ -213,9 +213,7 @@ class Fleet:
             asyncio.get_running_loop().call_soon(self._start_flush)
 
     def _local_release(self, lease: SlotLease) -> None:
-        task = asyncio.ensure_future(self._local.release([(lease.instance_id, lease.lease_id)]))
-        self._flushes.add(task)
-        task.add_done_callback(self._flushes.discard)
+        self._local.release_now([(lease.instance_id, lease.lease_id)])
 
     def _start_flush(self) -> None:
         self._flush_scheduled = False

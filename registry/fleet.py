@@ -200,6 +200,11 @@ class LocalFleet:
         return ids
 
     async def release(self, leases: Sequence[tuple[str, str]]) -> None:
+        self.release_now(leases)
+
+    def release_now(self, leases: Sequence[tuple[str, str]]) -> None:
+        """`release` without the event loop: nothing here waits (one per request, on the
+        hot path of a gateway that counts its own slots)."""
         for instance_id, lease_id in leases:
             held = self._leases.get(instance_id)
             if held is None or lease_id not in held:
