@@ -3,7 +3,8 @@ transports. A handler function answers each call (a batch call: each of its requ
 the answers go through the same rules as `HttpUpstream`'s (`BaseUpstream`: 429 ->
 `UpstreamRejected`, other non-200 -> `UpstreamStatus`, a prefill answer without
 ``kv_transfer_params`` -> `UpstreamProtocolError`), so code tested against it behaves the
-same over HTTP. It keeps every call (`calls`, `batches`) and decode stream (`streams`).
+same over HTTP. It keeps every call (`calls`, `batches`) and decode stream (`streams`),
+unless told not to (``record=False``: a benchmark's thousands of requests).
 
     async def handler(call: Call) -> Reply:
         if call.leg == "prefill":
@@ -79,9 +80,11 @@ class MockUpstream(BaseUpstream):
     calls: list[Call] = field(default_factory=list)
     batches: list[list[Call]] = field(default_factory=list)  # each batch call's prefill legs
     streams: list[_MockStream] = field(default_factory=list)
+    record: bool = True
 
     async def _answer(self, call: Call) -> Reply:
-        self.calls.append(call)
+        if self.record:
+            self.calls.append(call)
         reply = await self.handler(call)
         if reply.unreachable:
             raise UpstreamUnreachable(call.url, "connection refused")
@@ -98,7 +101,8 @@ class MockUpstream(BaseUpstream):
     async def _post_batch(
         self, url: str, calls: list[Call], timeout_s: float
     ) -> AsyncIterator[bytes]:
-        self.batches.append(calls)
+        if self.record:
+            self.batches.append(calls)
         if not self.batch_endpoint:
             raise UpstreamStatus(url, 404, b"{}")
         tasks = [asyncio.ensure_future(self._answer(c)) for c in calls]
@@ -117,11 +121,13 @@ class MockUpstream(BaseUpstream):
         if reply.status != 200:
             return reply.status, orjson.dumps(reply.json or {})
         stream = _MockStream(call.url + call.path, reply)
-        self.streams.append(stream)
+        if self.record:
+            self.streams.append(stream)
         return stream
 
     async def _delete(self, url: str, request_id: str) -> None:
-        self.calls.append(Call("release", url, None, request_id))
+        if self.record:
+            self.calls.append(Call("release", url, None, request_id))
 
     async def aclose(self) -> None:
         return None

@@ -132,6 +132,9 @@ class _Broken:
 
 
 def _sse(items: Sequence[_Item]) -> bytes:
+    if len(items) == 1:  # the usual chunk: one token's event
+        event, raw = items[0]
+        return b"data: " + (raw if raw is not None else orjson.dumps(event)) + b"\n\n"
     return b"".join(
         [
             b"data: " + (raw if raw is not None else orjson.dumps(event)) + b"\n\n"
@@ -158,7 +161,10 @@ class _StreamOut:
         await self._send({"type": "http.response.body", "body": body, "more_body": not last})
 
     async def events(self, items: Sequence[_Item]) -> None:
-        await self.raw(_sse(items))
+        if self.started:  # every chunk but the first: straight to the client
+            await self._send({"type": "http.response.body", "body": _sse(items), "more_body": True})
+        else:
+            await self.raw(_sse(items))
 
     async def done(self, items: Sequence[_Item] = ()) -> None:
         """The last events, if any, and ``[DONE]``: one send, the response's last."""

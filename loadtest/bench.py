@@ -1,4 +1,4 @@
-"""``pdgate bench scheduling|gateway|profile|compare|soak|ratio|upgrade``: the command line.
+"""``pdgate bench scheduling|gateway|profile|compare|hotpath|soak|ratio|upgrade``: the CLI.
 
 Each benchmark is its own suite (loadtest/scheduling, loadtest/gateway_cost, loadtest/soak,
 loadtest/ratio, loadtest/upgrade);
@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     gateway_cost.configure_compare(
         sub.add_parser("compare", help=gateway_cost.COMPARE_HELP, description=gateway_cost.__doc__)
     )
+    gateway_cost.configure_hotpath(
+        sub.add_parser("hotpath", help=gateway_cost.HOTPATH_HELP, description=gateway_cost.__doc__)
+    )
     soak.configure(sub.add_parser("soak", help=soak.HELP, description=soak.__doc__))
     ratio.configure(sub.add_parser("ratio", help=ratio.HELP, description=ratio.__doc__))
     upgrade.configure(sub.add_parser("upgrade", help=upgrade.HELP, description=upgrade.__doc__))
@@ -49,12 +52,16 @@ _MAINS: dict[str, Callable[[argparse.Namespace, str], int]] = {
     "gateway": gateway_cost.gateway_main,
     "profile": gateway_cost.profile_main,
     "compare": gateway_cost.compare_main,
+    "hotpath": gateway_cost.hotpath_main,
     "soak": soak.main,
     "ratio": ratio.main,
     "upgrade": upgrade.main,
 }
 
-HELP = "benchmarks: `pdgate bench scheduling|gateway|profile|compare|soak|ratio|upgrade --help`"
+HELP = (
+    "benchmarks: `pdgate bench scheduling|gateway|profile|compare|hotpath|soak|ratio|upgrade"
+    " --help`"
+)
 
 
 def configure(p: argparse.ArgumentParser) -> None:

@@ -3,7 +3,7 @@
 ``gateway`` (bench.py) prints one JSON line and, unless ``--quick`` or ``--no-doc``, writes
 the generated block of docs/performance.md. ``profile`` (profile.py) prints py-spy's view of
 the gateway's hot path. ``compare`` (compare.py) prints a markdown table of gateway builds
-side by side.
+side by side; ``hotpath`` (hotpath.py) one of pdgate's own CPU per request, without sockets.
 """
 
 from __future__ import annotations
@@ -23,18 +23,22 @@ from pdgate.loadtest.lib.log import to_stderr
 __all__ = [
     "COMPARE_HELP",
     "GATEWAY_HELP",
+    "HOTPATH_HELP",
     "PROFILE_HELP",
     "compare_main",
     "configure_compare",
     "configure_gateway",
+    "configure_hotpath",
     "configure_profile",
     "gateway_main",
+    "hotpath_main",
     "profile_main",
     "update_gateway_doc",
 ]
 
 GATEWAY_HELP = "the gateway's own cost vs vllm-router and no router"
 PROFILE_HELP = "py-spy profile of the gateway on the hot path"
+HOTPATH_HELP = "pdgate's own CPU per request, in process over MockUpstream (no sockets)"
 COMPARE_HELP = "gateway builds (e.g. two checkouts) in front of the same engines, same rates"
 
 
@@ -149,6 +153,29 @@ def compare_main(args: argparse.Namespace, command: str) -> int:
     )
     windows = run_main(run_compare(plan, to_stderr))
     print(report(plan, windows, command), end="", flush=True)
+    return 0
+
+
+def configure_hotpath(h: argparse.ArgumentParser) -> None:
+    h.add_argument("--requests", type=int, default=4000, help="per round")
+    h.add_argument("--concurrency", type=int, default=8)
+    h.add_argument("--rounds", type=int, default=5)
+    h.add_argument("--tokens", type=int, default=16)
+    h.add_argument("--profile", action="store_true", help="add cProfile's view of pdgate")
+
+
+def hotpath_main(args: argparse.Namespace, command: str) -> int:
+    from pdgate.loadtest.gateway_cost.hotpath import HotpathPlan, run_hotpath
+
+    plan = HotpathPlan(
+        requests=args.requests,
+        concurrency=args.concurrency,
+        rounds=args.rounds,
+        tokens=args.tokens,
+        profile=args.profile,
+    )
+    result = run_main(run_hotpath(plan))
+    print(result.report(plan, command), end="", flush=True)
     return 0
 
 

@@ -1,0 +1,40 @@
+"""``pdgate bench hotpath``: pdgate's ASGI app over MockUpstream, driven in process."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdgate.loadtest import bench
+from pdgate.loadtest.gateway_cost.hotpath import HotpathPlan, run_hotpath
+
+
+async def test_each_round_reports_the_cpu_of_its_requests() -> None:
+    plan = HotpathPlan(requests=40, concurrency=4, rounds=2, tokens=4, warmup=8)
+    result = await run_hotpath(plan)
+    assert len(result.us_per_request) == 2 and len(result.requests_per_s) == 2
+    assert all(us > 0 for us in result.us_per_request)
+    assert result.profile == ""
+    text = result.report(plan, "pdgate bench hotpath")
+    assert "| CPU us per request (min/median/max) |" in text and "cProfile" not in text
+
+
+async def test_the_profile_names_pdgate_functions_per_request() -> None:
+    plan = HotpathPlan(requests=20, concurrency=2, rounds=1, tokens=4, warmup=4, profile=True)
+    result = await run_hotpath(plan)
+    assert "gateway/relay.py" in result.profile and "gateway/completions.py" in result.profile
+    assert "include cProfile's overhead" in result.report(plan, "x")
+
+
+async def test_a_refused_request_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway's own settings come from the environment, as for ``pdgate gateway``:
+    a token limit below the requests' makes every one a 400, and the run says so."""
+    monkeypatch.setenv("PDGATE_GATEWAY_MAX_TOKENS_LIMIT", "2")
+    with pytest.raises(RuntimeError, match=r"a request failed: \[400\]"):
+        await run_hotpath(HotpathPlan(requests=4, concurrency=1, rounds=1, tokens=4, warmup=1))
+
+
+def test_the_cli_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code = bench.main(["hotpath", "--requests", "20", "--rounds", "1", "--tokens", "4"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("`pdgate bench hotpath --requests 20") and "|---|---|" in out
