@@ -117,7 +117,7 @@ def _settle_gc() -> None:
     cyclic collector's view (``gc.freeze``, as vLLM and SGLang do after warm-up), and the
     youngest generation is collected every 10,000 allocations instead of 700. Requests
     allocate many short-lived containers, freed by reference counting; at 700 the collector
-    ran twice as often as at b8cbedd and cost ~8% of the gateway's CPU per request
+    ran twice as often as at b8cbedd, about 77 us of the gateway's CPU a request against 37
     (docs/structure.md). Only the gateway's own process: tests and ``pdgate up`` that host
     gateways in-process keep the interpreter's defaults."""
     gc.collect()

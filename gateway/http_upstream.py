@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 
 from pdgate.config.wire import KV_ID_HEADER, REQUEST_ID_HEADER
-from pdgate.gateway.errors import UpstreamError, UpstreamProtocolError, UpstreamUnreachable
+from pdgate.gateway.errors import UpstreamProtocolError, UpstreamUnreachable
 from pdgate.gateway.upstream import BaseUpstream, Call, status_error
 
 __all__ = ["HttpUpstream"]
@@ -45,9 +45,8 @@ class _mapped:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if isinstance(exc, aiohttp.ClientError | TimeoutError | OSError) and not isinstance(
-            exc, UpstreamError
-        ):
+        # `UpstreamError` is none of these: raised inside, it passes through unchanged.
+        if isinstance(exc, aiohttp.ClientError | TimeoutError | OSError):
             raise UpstreamUnreachable(self._url, f"{type(exc).__name__}: {exc}") from exc
 
 

@@ -132,9 +132,6 @@ class _Broken:
 
 
 def _sse(items: Sequence[_Item]) -> bytes:
-    if len(items) == 1:  # the usual chunk: one token's event
-        event, raw = items[0]
-        return b"data: " + (raw if raw is not None else orjson.dumps(event)) + b"\n\n"
     return b"".join(
         [
             b"data: " + (raw if raw is not None else orjson.dumps(event)) + b"\n\n"

@@ -43,6 +43,7 @@ import orjson
 from pdgate.loadtest.gateway_cost._meter import Tally, WindowMeter, engine_stats, stats_delta
 from pdgate.loadtest.gateway_cost._timeline import Probe, read_timeline, segment_medians
 from pdgate.loadtest.gateway_cost.load import Front, open_idle_stream, run_window, send
+from pdgate.loadtest.gateway_cost.load import warm as warm_fronts
 from pdgate.loadtest.gateway_cost.shims import ShimSpec
 from pdgate.loadtest.lib.children import Child, start_all
 from pdgate.loadtest.lib.log import Log
@@ -120,7 +121,8 @@ def _raise_nofile(want: int) -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def _gateway_env(key_prefix: str, streams: int) -> dict[str, str]:
+def gateway_env(key_prefix: str, streams: int) -> dict[str, str]:
+    """What a benchmark's pdgate gateway is started with: bounds past `streams` open ones."""
     bound = str(max(4096, 2 * streams))
     return {
         "PDGATE_REGISTRY_KEY_PREFIX": key_prefix,
@@ -194,7 +196,7 @@ async def running_fronts(
             static = _static_flags(orjson.loads(ready_engine.group(0)), capacity)
         gateways: dict[str, Child] = {}
         for name, workers, batch in _pdgate_fronts(workers_list, plain):
-            env = _gateway_env(spec.key_prefix, streams)
+            env = gateway_env(spec.key_prefix, streams)
             env["PDGATE_GATEWAY_PREFILL_BATCH_ENDPOINT"] = "true" if batch else "false"
             env["PDGATE_GATEWAY_GATEWAY_ID"] = name
             if name != "pdgate":
@@ -238,10 +240,8 @@ async def running_fronts(
                 procs[name] = proc
             except RuntimeError as exc:
                 missing[name] = str(exc)
-        for name, front in fronts.items() if warm else ():  # warm connections and code paths
-            for i in range(20):
-                if not (await send(session, front, f"warm {i}", 4)).ok:
-                    raise RuntimeError(f"{name}: warm-up request failed")
+        if warm:
+            await warm_fronts(session, fronts)
         log(
             f"{spec.engine} engines, fronts up: {', '.join(fronts)}"
             + (f"; missing: {missing}" if missing else "")

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
-from pdgate.loadtest.gateway_cost.load import Front, send
+from pdgate.loadtest.gateway_cost.bench import gateway_env
+from pdgate.loadtest.gateway_cost.load import Front, send, warm
 from pdgate.loadtest.gateway_cost.shims import ShimSpec
 from pdgate.loadtest.lib.children import Child, start_all
 from pdgate.loadtest.lib.log import Log
@@ -98,10 +99,7 @@ def parse_builds(specs: Sequence[str], sets: Sequence[str]) -> tuple[GatewayBuil
 
 def _env(build: GatewayBuild) -> dict[str, str]:
     return {
-        "PDGATE_REGISTRY_KEY_PREFIX": _KEY_PREFIX,
-        "PDGATE_GATEWAY_MAX_PENDING": "4096",
-        "PDGATE_GATEWAY_QUEUE_SIZE": "4096",
-        "PDGATE_GATEWAY_UPSTREAM_CONNECTIONS": "4096",
+        **gateway_env(_KEY_PREFIX, 0),
         "PDGATE_GATEWAY_FLEET": "false",
         "PDGATE_GATEWAY_GATEWAY_ID": build.name,
         **build.env,
@@ -135,10 +133,7 @@ async def _running(
         for name, match in zip(gateways, ready[1:], strict=True):
             await wait_instances(session, match.group(1), spec.prefills + spec.decodes)
             fronts[name] = Front(name, url=match.group(1) + "/v1/completions")
-        for name, front in fronts.items():  # warm connections and code paths
-            for i in range(20):
-                if not (await send(session, front, f"warm {i}", 4)).ok:
-                    raise RuntimeError(f"{name}: warm-up request failed")
+        await warm(session, fronts)
         log(f"gateways up: {', '.join(fronts)}")
         yield fronts, gateways
 
@@ -152,7 +147,7 @@ async def _open_loop(
     opens, closes = t0 + plan.warmup_s, t0 + plan.warmup_s + plan.window_s
     tally = [0, 0, 0]  # ok, failed, lost
     open_tasks: set[asyncio.Task[None]] = set()
-    cpu_at_open: list[float] = []
+    cpu_at_open: float | None = None
 
     async def one(n: int) -> None:
         out = await send(session, front, f"compare {front.name} {n}", plan.max_tokens)
@@ -161,8 +156,8 @@ async def _open_loop(
 
     n = 0
     while (now := time.monotonic()) < closes:
-        if not cpu_at_open and now >= opens:
-            cpu_at_open.append(proc.cpu_s())
+        if cpu_at_open is None and now >= opens:
+            cpu_at_open = proc.cpu_s()
         if len(open_tasks) >= plan.max_in_flight:
             tally[2] += opens <= now
         else:
@@ -172,7 +167,8 @@ async def _open_loop(
         n += 1
         # The schedule, not the previous send, sets the next start: no drift, no catch-up.
         await asyncio.sleep(max(0.0, t0 + n / rate - time.monotonic()))
-    cpu = proc.cpu_s() - cpu_at_open[0]
+    assert cpu_at_open is not None, "the schedule passes the window's opening before its end"
+    cpu = proc.cpu_s() - cpu_at_open
     if open_tasks:  # what is still open ends after the window: not counted, not cut off
         await asyncio.wait(set(open_tasks), timeout=30)
     done = tally[0]

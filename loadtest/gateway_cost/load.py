@@ -25,7 +25,15 @@ import orjson
 from pdgate.config.wire import prefill_kv_request
 from pdgate.loadtest.lib.sse import StreamOutcome, post_stream
 
-__all__ = ["Front", "Outcome", "WindowResult", "open_idle_stream", "run_window", "send"]
+__all__ = [
+    "Front",
+    "Outcome",
+    "WindowResult",
+    "open_idle_stream",
+    "run_window",
+    "send",
+    "warm",
+]
 
 _JSON = {"content-type": "application/json"}
 
@@ -87,6 +95,14 @@ async def send(
     decode_body = orjson.dumps({**body, "kv_transfer_params": params})
     # TTFT counts from the start of the prefill leg, as it does through a router.
     return _outcome(await post_stream(session, decode, decode_body, start=start), start)
+
+
+async def warm(session: aiohttp.ClientSession, fronts: dict[str, Front]) -> None:
+    """Warm every front's connections and code paths; a failed request fails the run."""
+    for name, front in fronts.items():
+        for i in range(20):
+            if not (await send(session, front, f"warm {i}", 4)).ok:
+                raise RuntimeError(f"{name}: warm-up request failed")
 
 
 @dataclass(frozen=True, slots=True)
