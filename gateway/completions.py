@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -308,7 +308,7 @@ def _request_id(request: Request, api: Api = Api.COMPLETIONS) -> str:
     given = request.headers.get(REQUEST_ID_HEADER, "")
     if valid_request_id(given):
         return given
-    return f"{api.id_prefix}-{uuid.uuid4().hex}"
+    return f"{api.id_prefix}-{secrets.token_hex(16)}"
 
 
 def _outcome(exc: GatewayError) -> str:

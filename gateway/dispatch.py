@@ -21,8 +21,8 @@ Either counts against the retry budget, as prefill failovers do.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -373,7 +373,7 @@ class Dispatcher:
         inst = ranked[0]
         stream, inflight = self._tracker.open_stream(inst.id), self._tracker.begin(inst.id)
         counter = self._metrics.prefill_attempts
-        kv_id = uuid.uuid4().hex
+        kv_id = secrets.token_hex(16)
         upstream = self._upstream
 
         async def release(

@@ -28,8 +28,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -295,18 +295,17 @@ class PrefillForwarder:
         self._wake()
         returned = False
         wait = self._shared.tracing.start("pdgate.queue_wait", parent=waiter.span)
+        # The deadline fails the future itself: one timer, where asyncio.timeout and a
+        # shield cost a context manager, a timer and three callbacks per request.
+        expiry = asyncio.get_running_loop().call_later(
+            max(waiter.deadline - time.monotonic(), 0), self._expire, waiter.future
+        )
         try:
-            try:
-                async with asyncio.timeout(max(waiter.deadline - time.monotonic(), 0)):
-                    grant: PrefillGrant = await asyncio.shield(waiter.future)
-            except TimeoutError:
-                raise DeadlineExceeded(
-                    "no prefill instance accepted the request before its TTFT deadline",
-                    retry_after=self._options.retry_after_s,
-                ) from None
+            grant: PrefillGrant = await waiter.future
             returned = True
             return grant
         finally:
+            expiry.cancel()
             self.waiting -= 1
             self._withdraw(waiter, granted=returned)
             if wait.is_recording():
@@ -314,6 +313,15 @@ class PrefillForwarder:
                 wait.set_attribute("pdgate.granted", returned)
                 wait.set_attribute("pdgate.prefill_attempts", waiter.attempts)
             wait.end()
+
+    def _expire(self, future: asyncio.Future[PrefillGrant]) -> None:
+        if not future.done():
+            future.set_exception(
+                DeadlineExceeded(
+                    "no prefill instance accepted the request before its TTFT deadline",
+                    retry_after=self._options.retry_after_s,
+                )
+            )
 
     def _over_share(self, waiter: Waiter) -> OverShare:
         return OverShare(
@@ -618,7 +626,7 @@ class PrefillForwarder:
             self._tracker.open_stream(inst.id),
             self._tracker.begin(inst.id, also=slot.release),
             self._tracker.work(inst.id, self.token_ratio.tokens(uncached), expected_s),
-            uuid.uuid4().hex,
+            secrets.token_hex(16),
             span,
         )
 
@@ -729,13 +737,29 @@ class PrefillForwarder:
         *,
         slot_freed: bool,
         kv_params: dict[str, Any] | None = None,
-        leases: Sequence[Lease] | None = None,
     ) -> None:
         """Release the call's KV at the prefill (by the answer's params when there is one, by
-        our id otherwise), then give back `leases` (default: the call's): the prefill frees
-        the slot only when the release arrives, so counting it free earlier invites a 429."""
+        our id otherwise), then give back the call's leases: the prefill frees the slot only
+        when the release arrives, so counting it free earlier invites a 429."""
+        held = (call.work, call.stream, call.inflight)
         request_id = call.waiter.request_id
-        held = (call.work, call.stream, call.inflight) if leases is None else tuple(leases)
+        self._free_after_release(
+            inst, request_id, call.kv_id, kv_params, held, slot_freed=slot_freed
+        )
+
+    def _free_after_release(
+        self,
+        inst: InstanceLoad,
+        request_id: str,
+        kv_id: str,
+        kv_params: dict[str, Any] | None,
+        held: Sequence[Lease],
+        *,
+        slot_freed: bool,
+    ) -> None:
+        """As `_release_then_free`, from the call's parts (the grant's release must not hold
+        the call: see `_settle`)."""
+        held = tuple(held)
 
         async def run() -> None:
             try:
@@ -743,7 +767,7 @@ class PrefillForwarder:
                     await self._shared.upstream.release_kv(kv_params, request_id=request_id)
                 else:
                     await self._shared.upstream.release_kv_id(
-                        inst.url, call.kv_id, request_id=request_id
+                        inst.url, kv_id, request_id=request_id
                     )
             finally:
                 for lease in held:
@@ -783,14 +807,17 @@ class PrefillForwarder:
             hashes = self._hashes.get(id(waiter))
             if self._index is not None and hashes:
                 self._index.record(hashes, inst.id)
+            request_id, kv_id = waiter.request_id, call.kv_id
             waiter.future.set_result(
                 PrefillGrant(
                     inst,
                     answer,
                     call.stream,
                     call.inflight,
-                    lambda leases: self._release_then_free(
-                        call, inst, slot_freed=True, kv_params=params, leases=leases
+                    # Not the call or the waiter: the grant is the waiter's future's result,
+                    # and a reference back would make each request a cycle for the GC.
+                    lambda leases: self._free_after_release(
+                        inst, request_id, kv_id, params, leases, slot_freed=True
                     ),
                     waiter.attempts,
                     waiter.rejections,

@@ -62,13 +62,11 @@ class _Stream:
     def url(self) -> str:
         return str(self._resp.url)
 
-    async def chunks(self, size: int) -> AsyncIterator[bytes]:
-        content = self._resp.content
+    async def read(self, size: int) -> bytes:
+        # What has arrived, up to `size`: no iterator of aiohttp's in between (this runs for
+        # every token of every stream).
         with _mapped(self.url):
-            # What has arrived, up to `size` at a time: one read a chunk, no iterator of
-            # aiohttp's in between (this runs for every token of every stream).
-            while chunk := await content.read(size):
-                yield chunk
+            return await self._resp.content.read(size)
 
     def at_eof(self) -> bool:
         return self._resp.content.at_eof()

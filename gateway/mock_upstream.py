@@ -49,21 +49,22 @@ class _MockStream:
     url: str
     reply: Reply
     closed: bool = False
-    sent: int = 0  # chunks read so far (a second `chunks()` goes on from here)
+    sent: int = 0  # chunks read so far
 
-    async def chunks(self, size: int) -> AsyncIterator[bytes]:
+    async def read(self, size: int) -> bytes:
+        """One chunk of the reply per call (`size` is the caller's cap; the test's chunks
+        are what it means to send)."""
         reply = self.reply
-        while self.sent < len(reply.chunks):
-            if self.closed:
-                return
-            if reply.fail_after is not None and self.sent >= reply.fail_after:
-                raise UpstreamUnreachable(self.url, "connection lost mid-stream")
-            if reply.chunk_delay_s:
-                await asyncio.sleep(reply.chunk_delay_s)
-            self.sent += 1
-            yield reply.chunks[self.sent - 1]
-        if reply.fail_after is not None and reply.fail_after >= len(reply.chunks):
+        if self.closed:
+            return b""
+        if reply.fail_after is not None and self.sent >= min(reply.fail_after, len(reply.chunks)):
             raise UpstreamUnreachable(self.url, "connection lost mid-stream")
+        if self.sent >= len(reply.chunks):
+            return b""
+        if reply.chunk_delay_s:
+            await asyncio.sleep(reply.chunk_delay_s)
+        self.sent += 1
+        return reply.chunks[self.sent - 1]
 
     def at_eof(self) -> bool:
         # A stream that fails at its end still has its failure to deliver.

@@ -105,7 +105,7 @@ async def _drain(placement: Placement, chunk_bytes: int) -> None:
     extra = 0
     with contextlib.suppress(UpstreamError, TimeoutError):
         async with asyncio.timeout(_DRAIN_S):
-            async for chunk in placement.stream.chunks(chunk_bytes):
+            while chunk := await placement.stream.read(chunk_bytes):
                 extra += len(chunk)
                 if extra > _DRAIN_BYTES:
                     return
@@ -458,7 +458,8 @@ class Relay:
         events = 0
         limit = self._options.max_response_bytes
         try:
-            async for chunk in placement.stream.chunks(self._options.chunk_bytes):
+            stream, size = placement.stream, self._options.chunk_bytes
+            while chunk := await stream.read(size):
                 buffer += chunk
                 self._received += len(chunk)
                 if len(buffer) > limit or (not self._stream and self._received > limit):
@@ -519,7 +520,8 @@ class Relay:
         started = False
         tail = b""
         try:
-            async for raw in placement.stream.chunks(self._options.chunk_bytes):
+            stream, size = placement.stream, self._options.chunk_bytes
+            while raw := await stream.read(size):
                 if not started:
                     pending += raw
                     head = sse_events(bytearray(pending))

@@ -46,9 +46,11 @@ class DecodeStream(Protocol):
     @property
     def url(self) -> str: ...
 
-    def chunks(self, size: int) -> AsyncIterator[bytes]:
-        """The body as it arrives (a second call goes on where the first stopped); raises
-        `UpstreamError` if the instance fails mid-way."""
+    async def read(self, size: int) -> bytes:
+        """The next part of the body as it arrives, at most `size` bytes; ``b""`` at its
+        end. Raises `UpstreamError` if the instance fails mid-way. A method, not an async
+        iterator: a relay that stops at ``[DONE]`` would leave an unfinished generator for
+        the event loop to close, a task and a wake-up per request."""
         ...
 
     def at_eof(self) -> bool:

@@ -161,6 +161,7 @@ def configure_hotpath(h: argparse.ArgumentParser) -> None:
     h.add_argument("--concurrency", type=int, default=8)
     h.add_argument("--rounds", type=int, default=5)
     h.add_argument("--tokens", type=int, default=16)
+    h.add_argument("--whole", action="store_true", help="non-streaming requests")
     h.add_argument("--profile", action="store_true", help="add cProfile's view of pdgate")
 
 
@@ -172,6 +173,7 @@ def hotpath_main(args: argparse.Namespace, command: str) -> int:
         concurrency=args.concurrency,
         rounds=args.rounds,
         tokens=args.tokens,
+        stream=not args.whole,
         profile=args.profile,
     )
     result = run_main(run_hotpath(plan))

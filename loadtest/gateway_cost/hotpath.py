@@ -10,7 +10,12 @@ streaming completions whose decodes send ``tokens`` one-token events each, one e
 chunk as pdgate's shims do. It reports the process's CPU time per request (min/median/max
 over ``--rounds``): the endpoint, queue, forwarder, policies, dispatcher, relay, metrics and
 Starlette's request handling, and nothing of uvicorn, aiohttp or the engines. ``--profile``
-adds cProfile's view of pdgate's own functions.
+adds cProfile's view of pdgate's own functions, ``--whole`` makes the requests non-streaming.
+
+It also reports the objects the cyclic garbage collector freed per request: a request whose
+objects refer to each other (a grant that points back at its waiter, say) is freed only by a
+collection, which then costs time in proportion to everything young. pdgate's requests leave
+none (tests/loadtest/gateway_cost/test_hotpath.py), so any figure above 0 is a new cycle.
 
 Use it to compare commits or settings on one machine, one after the other; use
 `pdgate bench compare` to say what a request costs as deployed.
@@ -48,6 +53,7 @@ class HotpathPlan:
     concurrency: int = 8
     rounds: int = 5
     tokens: int = 16
+    stream: bool = True
     warmup: int = 400
     profile: bool = False
     top: int = 30
@@ -57,22 +63,25 @@ class HotpathPlan:
 class HotpathResult:
     us_per_request: list[float]  # one per round
     requests_per_s: list[float]  # wall clock, this process alone
+    garbage_per_request: list[float]  # objects only the cyclic GC freed
     profile: str = ""
 
     def report(self, plan: HotpathPlan, command: str) -> str:
-        us, rps = self.us_per_request, self.requests_per_s
+        us, rps, junk = self.us_per_request, self.requests_per_s, self.garbage_per_request
+        kind = "streaming" if plan.stream else "non-streaming"
         lines = [
             f"`{command}`",
             "",
-            f"{plan.rounds} rounds of {plan.requests} streaming requests, concurrency "
+            f"{plan.rounds} rounds of {plan.requests} {kind} requests, concurrency "
             f"{plan.concurrency}, {plan.tokens} tokens each (after {plan.warmup} warm-up "
             "requests); pdgate's ASGI app over MockUpstream, no sockets"
             + ("; the figures include cProfile's overhead." if self.profile else "."),
             "",
-            "| CPU us per request (min/median/max) | requests/s (median) |",
-            "|---|---|",
+            "| CPU us per request (min/median/max) | requests/s (median) | cyclic garbage "
+            "per request (max) |",
+            "|---|---|---|",
             f"| {min(us):.1f}/{statistics.median(us):.1f}/{max(us):.1f} | "
-            f"{statistics.median(rps):.0f} |",
+            f"{statistics.median(rps):.0f} | {max(junk):.2f} |",
         ]
         text = "\n".join(lines) + "\n"
         return text + ("\n" + self.profile if self.profile else "")
@@ -194,7 +203,8 @@ async def run_hotpath(plan: HotpathPlan) -> HotpathResult:
     upstream = MockUpstream(_handler(plan.tokens), record=False)
     app = build_gateway_app(GatewaySettings.load(), registry, RegistrySettings(), upstream=upstream)
     body = orjson.dumps({"model": _MODEL, "prompt": "hello world " * 8,
-                         "max_tokens": plan.tokens, "stream": True, "temperature": 0})  # fmt: skip
+                         "max_tokens": plan.tokens, "stream": plan.stream,
+                         "temperature": 0})  # fmt: skip
 
     async def requests(n: int) -> None:
         async def loop(count: int) -> None:
@@ -206,11 +216,13 @@ async def run_hotpath(plan: HotpathPlan) -> HotpathResult:
 
     us: list[float] = []
     rps: list[float] = []
+    junk: list[float] = []
     profiler = cProfile.Profile() if plan.profile else None
     async with _Lifespan(app) as state:
         await requests(plan.warmup)
         for _ in range(plan.rounds):
             gc.collect()
+            freed = _collected()
             cpu, wall = time.process_time(), time.perf_counter()
             if profiler is not None:
                 profiler.enable()
@@ -219,9 +231,15 @@ async def run_hotpath(plan: HotpathPlan) -> HotpathResult:
                 profiler.disable()
             us.append(1e6 * (time.process_time() - cpu) / plan.requests)
             rps.append(plan.requests / (time.perf_counter() - wall))
+            gc.collect()  # after the clock: what is left of the round's cycles
+            junk.append((_collected() - freed) / plan.requests)
     await registry.aclose()
     text = _profile_text(profiler, plan) if profiler is not None else ""
-    return HotpathResult(us, rps, text)
+    return HotpathResult(us, rps, junk, text)
+
+
+def _collected() -> int:
+    return sum(generation["collected"] for generation in gc.get_stats())
 
 
 def _profile_text(profiler: cProfile.Profile, plan: HotpathPlan) -> str:
