@@ -31,6 +31,17 @@ class StreamError(Exception):
 def sse_events(buffer: bytearray) -> list[bytes]:
     """Pop every complete event's data from `buffer` (``data: ...`` lines of events ended by
     a blank line); comments (``: ping``) and other fields are dropped."""
+    # The usual chunk: exactly one whole one-line data event (two newlines in all, at its
+    # end), as vLLM and pdgate's shims send a token. A few C calls instead of the split.
+    if (
+        buffer.endswith(b"\n\n")
+        and buffer.count(b"\n") == 2
+        and buffer.startswith(b"data:")
+        and b"\r" not in buffer
+    ):
+        event = bytes(buffer[5:-2]).lstrip(b" ")
+        buffer.clear()
+        return [event]
     out: list[bytes] = []
     # Either line ending: pdgate and vLLM send "\n\n", other servers "\r\n\r\n".
     crlf = b"\r" in buffer
