@@ -502,9 +502,8 @@ class Relay:
                         self._emitted(out, placement)
                     await self._out.done(out)
                     return None
-                if out:  # `_emit`, without a coroutine call per chunk
-                    self._emitted(out, placement)
-                    await self._out.events(out)
+                if out:
+                    await self._emit(out, placement)
             raise UpstreamError(placement.stream.url, "stream ended without [DONE]")
         except StreamError as exc:
             return _Broken("error", str(exc), events)

@@ -1,9 +1,10 @@
 """`pdgate bench hotpath`'s measurement for b8cbedd, the commit before issue 10's work.
 
-b8cbedd has neither the hotpath benchmark nor `MockUpstream`, so this script carries the
-same driver (the gateway's ASGI app in process, called as uvicorn calls it, `CONCURRENCY`
-loops of streaming completions whose decodes send one-token events, one a chunk) over a
-minimal stand-in for b8cbedd's `Upstream` class. It is run from a checkout of b8cbedd,
+b8cbedd has neither the hotpath benchmark nor `MockUpstream`, so this script runs the
+benchmark's driver (loadtest/gateway_cost/_asgi.py, loaded from this tree by path: the
+gateway's ASGI app in process, called as uvicorn calls it, `CONCURRENCY` loops of streaming
+completions whose decodes send one-token events, one a chunk) over a minimal stand-in for
+b8cbedd's `Upstream` class. It is run from a checkout of b8cbedd,
 with that checkout's environment (see docs/structure.md):
 
     git worktree add /tmp/base b8cbedd && make -C /tmp/base install
@@ -19,9 +20,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import importlib.util
 import statistics
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -36,17 +39,16 @@ MODEL = "sim-llama-3.1-8b"
 CONCURRENCY = 8
 
 
-def decode_chunks(tokens: int) -> list[bytes]:
-    """The events `pdgate bench hotpath` streams: one token each, ids included."""
-    out = []
-    for i in range(tokens):
-        choice = {"index": 0, "text": " tok", "logprobs": None,
-                  "finish_reason": "length" if i == tokens - 1 else None,
-                  "stop_reason": None, "token_ids": [100 + i]}  # fmt: skip
-        event = {"id": "cmpl-decode", "object": "text_completion", "created": 1, "model": MODEL,
-                 "choices": [choice], "usage": None}  # fmt: skip
-        out.append(b"data: " + orjson.dumps(event) + b"\n\n")
-    return [*out, b"data: [DONE]\n\n"]
+def _load_driver() -> Any:
+    """This tree's driver module: it imports nothing of pdgate's, so it loads in b8cbedd's
+    environment, where pdgate's package is not installed."""
+    path = Path(__file__).resolve().parents[2] / "loadtest" / "gateway_cost" / "_asgi.py"
+    spec = importlib.util.spec_from_file_location("_pdgate_asgi_driver", path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def prefill_answer(kv_id: str) -> dict[str, Any]:
@@ -123,61 +125,9 @@ class StandInUpstream:
         pass
 
 
-class Lifespan:
-    def __init__(self, app: Any) -> None:
-        self._app = app
-        self.state: dict[str, Any] = {}
-        self._in: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._out: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-
-    async def _message(self, kind: str) -> None:
-        await self._in.put({"type": f"lifespan.{kind}"})
-        reply = await self._out.get()
-        if reply["type"] != f"lifespan.{kind}.complete":
-            raise RuntimeError(f"lifespan {kind} failed: {reply}")
-
-    async def __aenter__(self) -> dict[str, Any]:
-        scope = {"type": "lifespan", "state": self.state, "asgi": {"version": "3.0"}}
-        self._task = asyncio.create_task(self._app(scope, self._in.get, self._out.put))
-        await self._message("startup")
-        return self.state
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self._message("shutdown")
-        await self._task
-
-
-async def one(app: Any, state: dict[str, Any], body: bytes) -> None:
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-        "query_string": b"", "root_path": "", "server": ("127.0.0.1", 8000),
-        "client": ("127.0.0.1", 40000), "state": state,
-        "headers": [(b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode())],
-    }  # fmt: skip
-    sent = False
-    status: list[int] = []
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
-    async def send(message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            status.append(message["status"])
-
-    await app(scope, receive, send)
-    if status != [200]:
-        raise RuntimeError(f"a request failed: {status}")
-
-
 async def main(tokens: int, rounds: int, requests: int, warmup: int) -> None:
-    StandInUpstream.chunks = decode_chunks(tokens)
+    driver = _load_driver()
+    StandInUpstream.chunks = [*driver.decode_events(tokens, MODEL), b"data: [DONE]\n\n"]
     gateway_app.Upstream = StandInUpstream
     registry = open_registry(RegistrySettings())
     for role in (Role.PREFILL, Role.DECODE):
@@ -190,21 +140,13 @@ async def main(tokens: int, rounds: int, requests: int, warmup: int) -> None:
     body = orjson.dumps({"model": MODEL, "prompt": "hello world " * 8, "max_tokens": tokens,
                          "stream": True, "temperature": 0})  # fmt: skip
 
-    async def run(n: int, state: dict[str, Any]) -> None:
-        async def loop(count: int) -> None:
-            for _ in range(count):
-                await one(app, state, body)
-
-        share, extra = divmod(n, CONCURRENCY)
-        await asyncio.gather(*(loop(share + (i < extra)) for i in range(CONCURRENCY)))
-
     us: list[float] = []
-    async with Lifespan(app) as state:
-        await run(warmup, state)
+    async with driver.Lifespan(app) as state:
+        await driver.requests(app, state, body, warmup, CONCURRENCY)
         for _ in range(rounds):
             gc.collect()
             cpu = time.process_time()
-            await run(requests, state)
+            await driver.requests(app, state, body, requests, CONCURRENCY)
             us.append(1e6 * (time.process_time() - cpu) / requests)
     print(f"| {min(us):.1f}/{statistics.median(us):.1f}/{max(us):.1f} |")
 

@@ -1,4 +1,4 @@
-"""``pdgate bench gateway``, ``profile`` and ``compare``: the gateway's own cost.
+"""``pdgate bench gateway``, ``profile``, ``compare`` and ``hotpath``: the gateway's own cost.
 
 ``gateway`` (bench.py) prints one JSON line and, unless ``--quick`` or ``--no-doc``, writes
 the generated block of docs/performance.md. ``profile`` (profile.py) prints py-spy's view of

@@ -23,7 +23,6 @@ Use it to compare commits or settings on one machine, one after the other; use
 
 from __future__ import annotations
 
-import asyncio
 import cProfile
 import gc
 import pstats
@@ -31,7 +30,6 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import orjson
 
@@ -39,6 +37,7 @@ from pdgate.config import GatewaySettings, RegistrySettings, Role
 from pdgate.config.wire import EXT_BATCH_PREFILL, EXT_CONTINUATION, EXT_QUEUELESS, SSE_DONE
 from pdgate.gateway.app import build_gateway_app
 from pdgate.gateway.mock_upstream import Call, MockUpstream, Reply
+from pdgate.loadtest.gateway_cost._asgi import Lifespan, decode_events, requests
 from pdgate.registry import open_registry
 from pdgate.registry.base import InstanceRecord
 
@@ -87,34 +86,8 @@ class HotpathResult:
         return text + ("\n" + self.profile if self.profile else "")
 
 
-def _decode_chunks(tokens: int) -> list[bytes]:
-    """A vLLM-shaped stream asked for ``return_token_ids`` (the gateway asks it when migration
-    is on), with an id of the decode's own: one token an event, then [DONE]."""
-    out = []
-    for i in range(tokens):
-        event = {
-            "id": "cmpl-decode",
-            "object": "text_completion",
-            "created": 1,
-            "model": _MODEL,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": " tok",
-                    "logprobs": None,
-                    "finish_reason": "length" if i == tokens - 1 else None,
-                    "stop_reason": None,
-                    "token_ids": [100 + i],
-                }
-            ],
-            "usage": None,
-        }
-        out.append(b"data: " + orjson.dumps(event) + b"\n\n")
-    return [*out, SSE_DONE]
-
-
 def _handler(tokens: int) -> Callable[[Call], Awaitable[Reply]]:
-    chunks = _decode_chunks(tokens)
+    chunks = [*decode_events(tokens, _MODEL), SSE_DONE]
 
     async def handler(call: Call) -> Reply:
         if call.leg == "prefill":
@@ -130,63 +103,6 @@ def _handler(tokens: int) -> Callable[[Call], Awaitable[Reply]]:
         return Reply(chunks=chunks)
 
     return handler
-
-
-class _Lifespan:
-    """The app's ASGI lifespan, driven as uvicorn drives it."""
-
-    def __init__(self, app: Any) -> None:
-        self._app = app
-        self.state: dict[str, Any] = {}
-        self._in: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._out: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._task: asyncio.Task[None] | None = None
-
-    async def _message(self, kind: str) -> None:
-        await self._in.put({"type": f"lifespan.{kind}"})
-        reply = await self._out.get()
-        if reply["type"] != f"lifespan.{kind}.complete":
-            raise RuntimeError(f"lifespan {kind} failed: {reply}")
-
-    async def __aenter__(self) -> dict[str, Any]:
-        scope = {"type": "lifespan", "state": self.state, "asgi": {"version": "3.0"}}
-        self._task = asyncio.create_task(self._app(scope, self._in.get, self._out.put))
-        await self._message("startup")
-        return self.state
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self._message("shutdown")
-        if self._task is not None:
-            await self._task
-
-
-async def _one(app: Any, state: dict[str, Any], body: bytes) -> None:
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-        "query_string": b"", "root_path": "", "server": ("127.0.0.1", 8000),
-        "client": ("127.0.0.1", 40000), "state": state,
-        "headers": [(b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode())],
-    }  # fmt: skip
-    sent = False
-    status: list[int] = []
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()  # the client stays: cancelled when the response ends
-        raise AssertionError("unreachable")
-
-    async def send(message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            status.append(message["status"])
-
-    await app(scope, receive, send)
-    if status != [200]:
-        raise RuntimeError(f"a request failed: {status}")
 
 
 async def run_hotpath(plan: HotpathPlan) -> HotpathResult:
@@ -206,27 +122,19 @@ async def run_hotpath(plan: HotpathPlan) -> HotpathResult:
                          "max_tokens": plan.tokens, "stream": plan.stream,
                          "temperature": 0})  # fmt: skip
 
-    async def requests(n: int) -> None:
-        async def loop(count: int) -> None:
-            for _ in range(count):
-                await _one(app, state, body)
-
-        share, extra = divmod(n, plan.concurrency)
-        await asyncio.gather(*(loop(share + (i < extra)) for i in range(plan.concurrency)))
-
     us: list[float] = []
     rps: list[float] = []
     junk: list[float] = []
     profiler = cProfile.Profile() if plan.profile else None
-    async with _Lifespan(app) as state:
-        await requests(plan.warmup)
+    async with Lifespan(app) as state:
+        await requests(app, state, body, plan.warmup, plan.concurrency)
         for _ in range(plan.rounds):
             gc.collect()
             freed = _collected()
             cpu, wall = time.process_time(), time.perf_counter()
             if profiler is not None:
                 profiler.enable()
-            await requests(plan.requests)
+            await requests(app, state, body, plan.requests, plan.concurrency)
             if profiler is not None:
                 profiler.disable()
             us.append(1e6 * (time.process_time() - cpu) / plan.requests)
