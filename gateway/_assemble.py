@@ -28,20 +28,22 @@ class StreamError(Exception):
         self.body = body
 
 
-def sse_events(buffer: bytearray) -> list[bytes]:
-    """Pop every complete event's data from `buffer` (``data: ...`` lines of events ended by
-    a blank line); comments (``: ping``) and other fields are dropped."""
-    # The usual chunk: exactly one whole one-line data event (two newlines in all, at its
-    # end), as vLLM and pdgate's shims send a token. A few C calls instead of the split.
+def sse_events(buffer: bytearray, chunk: bytes = b"") -> list[bytes]:
+    """Add `chunk` to `buffer` and pop every complete event's data from it (``data: ...``
+    lines of events ended by a blank line); comments (``: ping``) and other fields are
+    dropped."""
+    # The usual chunk, as vLLM and pdgate's shims send a token: one whole one-line data event
+    # (its only newlines the two at its end) with nothing held back before it. A few C
+    # calls, and the buffer is not touched.
     if (
-        buffer.endswith(b"\n\n")
-        and buffer.count(b"\n") == 2
-        and buffer.startswith(b"data:")
-        and b"\r" not in buffer
+        not buffer
+        and chunk.endswith(b"\n\n")
+        and chunk.find(b"\n") == len(chunk) - 2
+        and chunk.startswith(b"data:")
+        and b"\r" not in chunk
     ):
-        event = bytes(buffer[5:-2]).lstrip(b" ")
-        buffer.clear()
-        return [event]
+        return [chunk[5:-2].lstrip(b" ")]
+    buffer += chunk
     out: list[bytes] = []
     # Either line ending: pdgate and vLLM send "\n\n", other servers "\r\n\r\n".
     crlf = b"\r" in buffer

@@ -201,21 +201,23 @@ class Progress:
             changed = True
         if "prompt_token_ids" in event:  # a chat's first event
             changed |= self._prompt_ids(event)
+        strip = not self.client_ids
         for choice in event.get("choices") or ():
             if not isinstance(choice, dict):
                 continue
             if "prompt_token_ids" in choice:  # a completion's first event
                 changed |= self._prompt_ids(choice)
-            ids = choice.get("token_ids")
-            if ids is not None and not self.client_ids:
-                del choice["token_ids"]
+            if strip and "token_ids" in choice:
+                ids = choice.pop("token_ids")
                 changed = True
+            else:
+                ids = choice.get("token_ids")
             if self.chat:
                 delta = choice.get("delta")
                 text = delta.get("content") if isinstance(delta, dict) else None
             else:
                 text = choice.get("text")
-            self._record(text if isinstance(text, str) else "", ids, choice.get("finish_reason"))
+            self._record(text if type(text) is str else "", ids, choice.get("finish_reason"))
         if event.get("usage") is not None:
             self.usage_sent = True
         self.events += 1

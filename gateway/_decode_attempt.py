@@ -24,6 +24,7 @@ from pdgate.gateway.errors import (
 )
 from pdgate.gateway.health import Ejector
 from pdgate.gateway.instances import InstanceTracker, Lease
+from pdgate.gateway.metrics import Labelled
 from pdgate.gateway.upstream import DecodeStream, Upstream
 from pdgate.policies.base import InstanceLoad
 
@@ -39,7 +40,7 @@ class DecodeAttempts:
         self,
         tracker: InstanceTracker,
         upstream: Upstream,
-        counter: Counter,
+        counter: Labelled[Counter],
         ejector: Ejector,
         tracing: Tracing,
     ) -> None:

@@ -56,6 +56,9 @@ class StreamIds:
     def feed(self, chunk: bytes) -> bytes:
         if self._passing:
             return chunk
+        if self._old is not None and not self._buffer and chunk.endswith(_SEPARATORS):
+            # The usual chunk of a stock decode's stream: whole events, nothing held back.
+            return chunk.replace(self._old, self._new)
         self._buffer += chunk
         cut = _end_of_events(self._buffer)
         if not cut:

@@ -90,11 +90,12 @@ class CompletionsEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         arrived = time.monotonic()
         request = Request(scope, receive)
+        headers = _header_map(scope)
         api = Api.CHAT if scope["path"] == Api.CHAT.path else Api.COMPLETIONS
-        request_id = _request_id(request, api)
+        request_id = _request_id(headers, api)
         try:
             # Before reading a byte of the body: a caller without a key costs nothing.
-            key = self._keys.client(request.headers.get("authorization"))
+            key = self._keys.client(headers.get("authorization"))
             self._keys.admit(key, self._settings.retry_after_max_s)
             body = await self._read(request)
         except GatewayError as exc:
@@ -114,7 +115,9 @@ class CompletionsEndpoint:
             return
         self.pending += 1
         span = self._tracing.start(
-            "pdgate.request", parent=Tracing.extract(request.headers), kind=SpanKind.SERVER
+            "pdgate.request",
+            parent=Tracing.extract(headers) if self._tracing.enabled else None,
+            kind=SpanKind.SERVER,
         )
         watcher: asyncio.Task[None] | None = None
         placement: Placement | None = None
@@ -124,9 +127,9 @@ class CompletionsEndpoint:
         relaying = False  # the relay sent the response's start: past it, no status to send
         try:
             req, forward = self._parse(body, api)
-            info = self._request_info(req, forward, key, request.headers)
+            info = self._request_info(req, forward, key, headers)
             group = info.group or ANY_GROUP
-            deadline = arrived + self._ttft_timeout(request, info.group)
+            deadline = arrived + self._ttft_timeout(headers, info.group)
             watcher = asyncio.ensure_future(wait_disconnect(receive))
             if span.is_recording():
                 span.set_attribute("pdgate.request_id", request_id)
@@ -284,9 +287,9 @@ class CompletionsEndpoint:
             weight=who.weight,
         )
 
-    def _ttft_timeout(self, request: Request, group: str | None) -> float:
+    def _ttft_timeout(self, headers: Mapping[str, str], group: str | None) -> float:
         timeout = self._groups.ttft_timeout_s(group)
-        raw = request.headers.get(TTFT_HEADER)
+        raw = headers.get(TTFT_HEADER)
         if raw is not None:
             try:
                 asked = int(raw) / 1000
@@ -301,11 +304,23 @@ class CompletionsEndpoint:
         return timeout
 
 
-def _request_id(request: Request, api: Api = Api.COMPLETIONS) -> str:
+def _header_map(scope: Scope) -> dict[str, str]:
+    """The request's headers by name, built once: Starlette's `Headers` scans the list on
+    every lookup, and a request looks up eight. ASGI servers give the names in lower case;
+    a repeated header's first value counts, as with `Headers.get`."""
+    out: dict[str, str] = {}
+    for name, value in scope["headers"]:
+        key = name.decode("latin-1")
+        if key not in out:
+            out[key] = value.decode("latin-1")
+    return out
+
+
+def _request_id(headers: Mapping[str, str], api: Api = Api.COMPLETIONS) -> str:
     """The client's ``x-request-id`` if it is usable, else a new one (``cmpl-``, or
     ``chatcmpl-`` for chat, as OpenAI's ids). It is sent upstream on both legs, and pdgate's
     shims use it as the answer's ``id``: one id everywhere."""
-    given = request.headers.get(REQUEST_ID_HEADER, "")
+    given = headers.get(REQUEST_ID_HEADER, "")
     if valid_request_id(given):
         return given
     return f"{api.id_prefix}-{secrets.token_hex(16)}"

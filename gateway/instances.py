@@ -106,6 +106,7 @@ class InstanceTracker:
     _counters: dict[str, _Counters] = field(default_factory=dict)
     _records: Mapping[str, InstanceRecord] = field(default_factory=dict)
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
+    _sleepers: int = 0  # in `wait_freed` now: a pulse with none wakes nobody
     _work_ids: Iterator[int] = field(default_factory=itertools.count)
 
     def update_membership(
@@ -296,15 +297,21 @@ class InstanceTracker:
     def pulse(self) -> None:
         """A slot likely freed somewhere: wake everyone waiting now; later waiters wait for the
         next release."""
-        freed, self._freed = self._freed, asyncio.Event()
-        freed.set()
+        # Every lease's release pulses (four a request): without sleepers it builds nothing.
+        if self._sleepers:
+            freed, self._freed = self._freed, asyncio.Event()
+            freed.set()
 
     async def wait_freed(self, max_wait_s: float) -> None:
         """Sleep until some in-flight request ends (a slot likely freed), at most `max_wait_s`."""
         if max_wait_s <= 0:
             return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._freed.wait(), max_wait_s)
+        self._sleepers += 1
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._freed.wait(), max_wait_s)
+        finally:
+            self._sleepers -= 1
 
     def totals(self) -> tuple[int, int]:
         """(open streams, in flight) of this gateway over all instances; 0 when nothing leaked."""

@@ -64,6 +64,7 @@ log = logging.getLogger("pdgate.relay")
 # What may follow a decode's [DONE] before its connection is closed instead of reused.
 _DRAIN_S = 0.5
 _DRAIN_BYTES = 4096
+_TAIL = len(SSE_DONE) + 2
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -132,6 +133,9 @@ class _Broken:
 
 
 def _sse(items: Sequence[_Item]) -> bytes:
+    if len(items) == 1:  # the usual chunk: one token's event
+        event, raw = items[0]
+        return b"data: " + (raw if raw is not None else orjson.dumps(event)) + b"\n\n"
     return b"".join(
         [
             b"data: " + (raw if raw is not None else orjson.dumps(event)) + b"\n\n"
@@ -144,7 +148,7 @@ class _StreamOut:
     """The client's SSE response; its status and headers go out with the first event."""
 
     def __init__(self, send: Send, request_id: str) -> None:
-        self._send = send
+        self.send = send
         self._request_id = request_id
         self.started = False
         self.prefill_id: str | None = None
@@ -154,12 +158,12 @@ class _StreamOut:
         if not self.started:
             self.started = True
             headers = _SSE_HEADERS + _headers(self._request_id, self.prefill_id, self.decode_id)
-            await self._send({"type": "http.response.start", "status": 200, "headers": headers})
-        await self._send({"type": "http.response.body", "body": body, "more_body": not last})
+            await self.send({"type": "http.response.start", "status": 200, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body, "more_body": not last})
 
     async def events(self, items: Sequence[_Item]) -> None:
         if self.started:  # every chunk but the first: straight to the client
-            await self._send({"type": "http.response.body", "body": _sse(items), "more_body": True})
+            await self.send({"type": "http.response.body", "body": _sse(items), "more_body": True})
         else:
             await self.raw(_sse(items))
 
@@ -171,14 +175,14 @@ class _StreamOut:
         await self.raw(error.sse() + SSE_DONE, last=True)
 
     async def end(self) -> None:
-        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class _WholeOut:
     """A non-streaming client's answer, assembled from every leg's events."""
 
     def __init__(self, send: Send, request_id: str, client_ids: bool) -> None:
-        self._send = send
+        self.send = send
         self._request_id = request_id
         self._client_ids = client_ids
         self.assembler = Assembler()
@@ -204,8 +208,8 @@ class _WholeOut:
                    (b"content-length", str(len(body)).encode()),
                    *_headers(self._request_id, self.prefill_id, self.decode_id)]  # fmt: skip
         self.started = True
-        await self._send({"type": "http.response.start", "status": 200, "headers": headers})
-        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+        await self.send({"type": "http.response.start", "status": 200, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def error(self, error: GatewayError) -> None:
         raise error  # never started: the endpoint answers with the error's status
@@ -460,14 +464,14 @@ class Relay:
         try:
             stream, size = placement.stream, self._options.chunk_bytes
             while chunk := await stream.read(size):
-                buffer += chunk
                 self._received += len(chunk)
-                if len(buffer) > limit or (not self._stream and self._received > limit):
+                whole_too_big = not self._stream and self._received > limit
+                if whole_too_big or len(buffer) + len(chunk) > limit:
                     error = BadGateway(f"the decode's answer is larger than {limit} bytes")
                     return _Broken("error", str(error), events, final=error)
                 out: list[_Item] = []
                 done = False
-                for data in sse_events(buffer):
+                for data in sse_events(buffer, chunk):
                     if data[:1] == b"[" and data.strip() == b"[DONE]":
                         done = True
                         break
@@ -503,7 +507,8 @@ class Relay:
                     await self._out.done(out)
                     return None
                 if out:
-                    await self._emit(out, placement)
+                    self._emitted(out, placement)
+                    await self._out.events(out)
             raise UpstreamError(placement.stream.url, "stream ended without [DONE]")
         except StreamError as exc:
             return _Broken("error", str(exc), events)
@@ -519,6 +524,7 @@ class Relay:
         pending = bytearray()  # what arrived before the first event was whole
         started = False
         tail = b""
+        itl, last, send = self._metrics.itl, self._last_emit, out.send
         try:
             stream, size = placement.stream, self._options.chunk_bytes
             while raw := await stream.read(size):
@@ -538,23 +544,28 @@ class Relay:
                     continue
                 # A keep-alive comment is not an event: only data says the KV has arrived.
                 if b"data:" in chunk:
-                    placement.first_byte()
+                    if not placement.tokens:
+                        placement.first_byte()  # the decode holds the KV: the prefill's slot frees
                     now = time.monotonic()
-                    if self._last_emit:
-                        self._metrics.itl.observe(now - self._last_emit)
-                        placement.gaps_s += now - self._last_emit
+                    if last:
+                        itl.observe(now - last)
+                        placement.gaps_s += now - last
                     else:
                         self._metrics.ttft.labels(self._request.group).observe(
                             now - self._request.arrived
                         )
                         placement.first_token_at = now
                     placement.tokens += chunk.count(b"data:")
-                    self._last_emit = now
-                await out.raw(chunk)
-                tail = (tail + chunk)[-len(SSE_DONE) - 2 :]
+                    last = self._last_emit = now
+                if out.started:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                else:
+                    await out.raw(chunk)
+                # Enough of the stream's end to find its [DONE] in, without copying the chunk.
+                tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else (tail + chunk)[-_TAIL:]
             if rest := ids.flush():
                 await out.raw(rest)
-                tail = (tail + rest)[-len(SSE_DONE) - 2 :]
+                tail = (tail + rest)[-_TAIL:]
             if SSE_DONE not in tail:
                 raise UpstreamError(placement.stream.url, "stream ended without [DONE]")
         except StreamError as exc:

@@ -30,23 +30,47 @@ class _Held:
 
 
 async def test_run_unless_closes_a_result_that_lands_as_the_caller_leaves() -> None:
-    """The race of the correctness issue: the work finishes in the same loop iteration as the
-    caller is cancelled. Nobody will take the result, so it must be closed, not dropped."""
+    """The race of the correctness issue: the work finished, and the caller is cancelled before
+    it resumed to take the result. Nobody will take it, so it must be closed, not dropped."""
     held = _Held()
-    gate = asyncio.Event()
+    finished = False
 
     async def work() -> _Held:
-        await gate.wait()
+        nonlocal finished
+        finished = True
         return held
 
     gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     caller = asyncio.ensure_future(run_unless(work(), gone, lost=RuntimeError("gone")))
-    await asyncio.sleep(0)
-    gate.set()  # the work's result is ready at the next iteration...
-    caller.cancel()  # ...and the caller is cancelled in this one
+    await asyncio.sleep(0)  # the caller starts the work and waits for it
+    await asyncio.sleep(0)  # the work returns; the caller's wake-up is queued behind us
+    assert finished and not caller.done()
+    caller.cancel()
     with pytest.raises(asyncio.CancelledError):
         await caller
     assert held.closed
+
+
+async def test_run_unless_lets_the_work_unwind_before_the_caller_is_cancelled() -> None:
+    unwound = asyncio.Event()
+    started = asyncio.Event()
+
+    async def work() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(10)
+        finally:
+            await asyncio.sleep(0)  # unwinding takes a while
+            unwound.set()
+
+    gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    caller = asyncio.ensure_future(run_unless(work(), gone, lost=RuntimeError("gone")))
+    await started.wait()
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert unwound.is_set()
+    assert not gone.done()
 
 
 async def test_run_unless_raises_lost_and_unwinds_the_work_when_gone_first() -> None:
@@ -63,3 +87,23 @@ async def test_run_unless_raises_lost_and_unwinds_the_work_when_gone_first() -> 
     with pytest.raises(LookupError):
         await run_unless(work(), gone, lost=LookupError())
     assert unwound.is_set()
+
+
+async def test_run_unless_raises_lost_when_gone_fires_while_the_work_runs() -> None:
+    held = _Held()
+    gate = asyncio.Event()
+
+    async def work() -> _Held:
+        try:
+            await gate.wait()
+        except asyncio.CancelledError:
+            return held  # it swallows the cancellation: its result still has no taker
+        raise AssertionError("the work was not cancelled")
+
+    gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    caller = asyncio.ensure_future(run_unless(work(), gone, lost=LookupError()))
+    await asyncio.sleep(0)
+    gone.set_result(None)
+    with pytest.raises(LookupError):
+        await caller
+    assert held.closed

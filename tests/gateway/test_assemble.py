@@ -43,6 +43,24 @@ def test_sse_events_are_the_same_however_the_stream_is_cut(cut: int) -> None:
         assert got == expected and not buf
 
 
+_EVENTS = [b'data: {"a":1}\n\n', b"data:{}\n\n", b'data: {"x":"a\rb"}\n\n', b"data: {\ndata: }\n\n",
+           b": ping\n\n", b"data: [DONE]\n\n"]  # fmt: skip
+
+
+@pytest.mark.parametrize("cut", range(0, 12))
+def test_sse_events_fed_chunk_by_chunk_match_one_buffer(cut: int) -> None:
+    """Chunks handed in one by one (a one-event chunk takes the fast path unless bytes are
+    held back) give what the whole stream gives at once, with the buffer left alike."""
+    stream = b"".join(_EVENTS)
+    chunks = [stream[:cut], *_EVENTS] if cut else _EVENTS
+    buf = bytearray()
+    got = [event for chunk in chunks for event in sse_events(buf, chunk)]
+    whole = bytearray(stream[:cut] + stream)
+    assert got == sse_events(whole)
+    assert bytes(buf) == bytes(whole)
+    assert got[-1] == b"[DONE]"
+
+
 def test_completion_text_logprobs_and_usage() -> None:
     head = {"id": "cmpl-9", "object": "text_completion", "created": 5, "model": "m"}
     lp1 = {"tokens": ["a"], "token_logprobs": [-0.1], "top_logprobs": [{"a": -0.1}],

@@ -111,3 +111,25 @@ def test_a_real_prometheus_scrapes_the_gateway(tmp_path: Path) -> None:
         finally:
             proc.terminate()
             proc.wait(10)
+
+
+def test_a_labelled_loop_histogram_exposes_what_prometheus_client_would() -> None:
+    buckets = (0.1, 1)
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    loop = LoopHistogram("ttft_seconds", "TTFT", buckets, ["group"])
+    ours.register(loop)
+    reference = Histogram("ttft_seconds", "TTFT", ["group"], buckets=buckets, registry=theirs)
+    for group, value in (("a", 0.05), ("b", 2.0), ("a", 1.0), ("*", 0.1)):
+        loop.labels(group).observe(value)
+        reference.labels(group).observe(value)
+    assert loop.labels("a") is loop.labels("a")
+
+    def samples(registry: CollectorRegistry) -> list[str]:
+        text = generate_latest(registry).decode()
+        return [line for line in text.splitlines() if "_created" not in line]
+
+    assert samples(ours) == samples(theirs)
+    with pytest.raises(ValueError, match="labels"):
+        loop.observe(1.0)
+    with pytest.raises(ValueError, match="takes labels"):
+        loop.labels("a", "b")

@@ -127,3 +127,13 @@ def test_a_stream_that_already_carries_the_id_passes_untouched() -> None:
     assert ids.feed(first + b"data: {partial") == first + b"data: {partial"
     later = _event("other", "b")
     assert ids.feed(later) is later  # no copy, no search once the id is known to match
+
+
+def test_whole_event_chunks_after_the_first_are_rewritten_and_split_ones_still_joined() -> None:
+    ids = StreamIds("req-1")
+    assert ids.feed(_event("up", "a")) == _event("req-1", "a")
+    assert ids.feed(_event("up", "b")) == _event("req-1", "b")  # whole: rewritten at once
+    split = _event("up", "c")
+    assert ids.feed(split[:9]) == b""  # part of an id: held back
+    assert ids.feed(split[9:] + _event("up", "d")) == _event("req-1", "c") + _event("req-1", "d")
+    assert ids.flush() == b""
