@@ -53,19 +53,17 @@ class _mapped:
 class _Stream:
     """`DecodeStream` over an aiohttp response."""
 
-    __slots__ = ("_resp",)
+    __slots__ = ("_guard", "_resp", "url")
 
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, url: str) -> None:
         self._resp = resp
-
-    @property
-    def url(self) -> str:
-        return str(self._resp.url)
+        self.url = url
+        self._guard = _mapped(url)  # it holds nothing per use: one for every read
 
     async def read(self, size: int) -> bytes:
         # What has arrived, up to `size`: no iterator of aiohttp's in between (this runs for
         # every token of every stream).
-        with _mapped(self.url):
+        with self._guard:
             return await self._resp.content.read(size)
 
     def at_eof(self) -> bool:
@@ -186,7 +184,7 @@ class HttpUpstream(BaseUpstream):
                     url, data=orjson.dumps(call.body), headers=self._sent(call), timeout=timeout
                 )
         if resp.status == 200:
-            return _Stream(resp)
+            return _Stream(resp, url)
         try:
             with _mapped(url):
                 raw = await self._read_limited(resp, url)

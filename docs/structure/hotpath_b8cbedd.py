@@ -9,6 +9,7 @@ with that checkout's environment (see docs/structure.md):
 
     git worktree add /tmp/base b8cbedd && make -C /tmp/base install
     env -C /tmp/base .venv/bin/python "$PWD/docs/structure/hotpath_b8cbedd.py" --tokens 16
+    (add --uvloop to run on uvloop, as `pdgate bench hotpath --uvloop` does)
 
 It prints the CPU µs per request (min/median/max over the rounds), as
 `pdgate bench hotpath` does. The stand-in does less than `MockUpstream` (no call records,
@@ -157,5 +158,10 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=4000)
     parser.add_argument("--warmup", type=int, default=400)
+    parser.add_argument("--uvloop", action="store_true", help="run on uvloop, as deployed")
     args = parser.parse_args()
+    if args.uvloop:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     asyncio.run(main(args.tokens, args.rounds, args.requests, args.warmup))

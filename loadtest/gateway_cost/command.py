@@ -163,6 +163,11 @@ def configure_hotpath(h: argparse.ArgumentParser) -> None:
     h.add_argument("--tokens", type=int, default=16)
     h.add_argument("--whole", action="store_true", help="non-streaming requests")
     h.add_argument("--profile", action="store_true", help="add cProfile's view of pdgate")
+    h.add_argument(
+        "--uvloop",
+        action="store_true",
+        help="run on uvloop, as a deployed gateway does (default: asyncio's own loop)",
+    )
 
 
 def hotpath_main(args: argparse.Namespace, command: str) -> int:
@@ -176,7 +181,19 @@ def hotpath_main(args: argparse.Namespace, command: str) -> int:
         stream=not args.whole,
         profile=args.profile,
     )
-    result = run_main(run_hotpath(plan))
+    if args.uvloop:
+        import asyncio
+
+        import uvloop
+
+        before = asyncio.get_event_loop_policy()
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        try:
+            result = run_main(run_hotpath(plan))
+        finally:
+            asyncio.set_event_loop_policy(before)
+    else:
+        result = run_main(run_hotpath(plan))
     print(result.report(plan, command), end="", flush=True)
     return 0
 

@@ -23,6 +23,7 @@ Use it to compare commits or settings on one machine, one after the other; use
 
 from __future__ import annotations
 
+import asyncio
 import cProfile
 import gc
 import pstats
@@ -64,6 +65,7 @@ class HotpathResult:
     requests_per_s: list[float]  # wall clock, this process alone
     garbage_per_request: list[float]  # objects only the cyclic GC freed
     profile: str = ""
+    loop: str = "asyncio"  # whose event loop ran it (the caller's choice)
 
     def report(self, plan: HotpathPlan, command: str) -> str:
         us, rps, junk = self.us_per_request, self.requests_per_s, self.garbage_per_request
@@ -73,8 +75,8 @@ class HotpathResult:
             "",
             f"{plan.rounds} rounds of {plan.requests} {kind} requests, concurrency "
             f"{plan.concurrency}, {plan.tokens} tokens each (after {plan.warmup} warm-up "
-            "requests); pdgate's ASGI app over MockUpstream, no sockets"
-            + ("; the figures include cProfile's overhead." if self.profile else "."),
+            f"requests); pdgate's ASGI app over MockUpstream, no sockets, on {self.loop}'s "
+            "event loop" + ("; the figures include cProfile's overhead." if self.profile else "."),
             "",
             "| CPU us per request (min/median/max) | requests/s (median) | cyclic garbage "
             "per request (max) |",
@@ -143,7 +145,8 @@ async def run_hotpath(plan: HotpathPlan) -> HotpathResult:
             junk.append((_collected() - freed) / plan.requests)
     await registry.aclose()
     text = _profile_text(profiler, plan) if profiler is not None else ""
-    return HotpathResult(us, rps, junk, text)
+    loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
+    return HotpathResult(us, rps, junk, text, loop="uvloop" if loop == "uvloop" else "asyncio")
 
 
 def _collected() -> int:

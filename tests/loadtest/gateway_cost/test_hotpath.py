@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from pdgate.loadtest import bench
@@ -38,6 +40,15 @@ def test_the_cli_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     out = capsys.readouterr().out
     assert out.startswith("`pdgate bench hotpath --requests 20") and "|---|---|" in out
+    assert "on asyncio's event loop" in out
+
+
+def test_the_cli_runs_on_uvloop_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    """As the deployed gateway runs; the process's loop policy is left as it was."""
+    before = asyncio.get_event_loop_policy()
+    code = bench.main(["hotpath", "--requests", "20", "--rounds", "1", "--tokens", "4", "--uvloop"])
+    assert code == 0 and "on uvloop's event loop" in capsys.readouterr().out
+    assert asyncio.get_event_loop_policy() is before
 
 
 @pytest.mark.parametrize(
