@@ -23,6 +23,8 @@ from __future__ import annotations
 import time
 from typing import Any, TypeGuard
 
+import orjson
+
 from pdgate.config.openai_api import Api
 from pdgate.config.wire import EXT_CONTINUATION
 
@@ -47,6 +49,18 @@ _CHAT_ONLY = frozenset(
 )
 # Set anew for every continuation.
 _REPLACED = frozenset({"prompt", "max_tokens", "kv_transfer_params", "return_token_ids"})
+# The usual event of a stream (`Progress.passthrough_bytes`): what its choice may hold just
+# before its token ids (vLLM's completions, vLLM's chat and pdgate's shims, and with the
+# stop reason but no prompt ids), and all that may follow them.
+_NULL_PROMPT_IDS = b',"prompt_token_ids":null'
+_NULLS = b',"logprobs":null,"finish_reason":null'
+_BEFORE_IDS = (
+    _NULLS + b',"stop_reason":null' + _NULL_PROMPT_IDS,
+    _NULLS,
+    _NULLS + b',"stop_reason":null',
+    _NULLS + _NULL_PROMPT_IDS,
+)
+_AFTER_IDS = frozenset({b"]}]}", b']}],"usage":null}'})
 # What shapes output in a way a plain completion cannot pick up from the middle: a tool-call
 # parser (chat) or a grammar that would restart at the continuation's first token.
 _NOT_CONTINUABLE = (
@@ -116,6 +130,10 @@ class Progress:
 
     __slots__ = (
         "_base",
+        "_id_prefix",
+        "_ids",
+        "_old_prefix",
+        "_raw_ids",
         "_tail_chars",
         "api",
         "chat",
@@ -123,7 +141,6 @@ class Progress:
         "events",
         "finish",
         "head",
-        "ids",
         "ids_complete",
         "include_usage",
         "max_tokens",
@@ -156,8 +173,12 @@ class Progress:
         self.include_usage = include_usage
         self.top_logprobs = top_logprobs  # a chat's top_logprobs
         self.prompt_ids: list[int] | None = None
-        self.ids: list[int] = []  # of every token the client was sent
+        self._ids: list[int] = []  # of every token the client was sent (see `ids`)
+        self._raw_ids: list[bytes] = []  # ids of events taken as bytes, not parsed yet
         self.ids_complete = True  # every chunk with text came with its tokens' ids
+        # How the stream's events begin: with the request's id, or the decode's own.
+        self._id_prefix = b'{"id":' + orjson.dumps(request_id)
+        self._old_prefix: bytes | None = None
         self.text_chars = 0
         self._tail_chars = max((len(s) for s in stops), default=1) - 1
         self.tail = ""  # the sent text's last characters, for stop strings across a boundary
@@ -168,12 +189,34 @@ class Progress:
         self._base = 0  # ids the current continuation leg was given
 
     @property
+    def ids(self) -> list[int]:
+        """The ids of every token the client was sent."""
+        if self._raw_ids:
+            self._parse_raw_ids()
+        return self._ids
+
+    @property
     def remaining(self) -> int:
         return self.max_tokens - len(self.ids)
 
+    def _parse_raw_ids(self) -> None:
+        raw, self._raw_ids = self._raw_ids, []
+        try:
+            ids = orjson.loads(b"[" + b",".join(raw) + b"]")
+        except orjson.JSONDecodeError:
+            ids = None
+        if _int_list(ids):
+            self._ids.extend(ids)
+        else:
+            self.ids_complete = False  # not a stream to continue from its ids
+
     def _record(self, text: str, ids: Any, finish: Any) -> None:
         if isinstance(ids, list):
-            self.ids.extend(ids)
+            if self._raw_ids:  # behind ids not parsed yet: in order, and still unparsed
+                if ids:
+                    self._raw_ids.append(orjson.dumps(ids)[1:-1])
+            else:
+                self._ids.extend(ids)
         elif text:
             self.ids_complete = False
         if text:
@@ -196,9 +239,11 @@ class Progress:
                 "created": event.get("created"),
                 "model": event.get("model"),
             }
-        if event.get("id") != self.request_id:
+        if (decode_id := event.get("id")) != self.request_id:
             event["id"] = self.request_id  # one id: a stock decode answers with its own
             changed = True
+            if isinstance(decode_id, str):
+                self._old_prefix = b'{"id":' + orjson.dumps(decode_id)
         if "prompt_token_ids" in event:  # a chat's first event
             changed |= self._prompt_ids(event)
         strip = not self.client_ids
@@ -222,6 +267,49 @@ class Progress:
             self.usage_sent = True
         self.events += 1
         return changed
+
+    def passthrough_bytes(self, data: bytes) -> bytes | None:
+        """`passthrough` of the usual event without parsing it: what goes to the client, or
+        None when only a parse can tell (the caller then parses it and calls `passthrough`).
+
+        The usual event is one token's chunk of one choice as vLLM and pdgate's shims write
+        it: compact JSON, the stream's id first, one choice, its text (or delta) then null
+        logprobs and finish reason, its ``"token_ids":[...]`` last and nothing after them
+        but a null usage. Its ids are recorded as bytes (parsed into `ids` only when they are
+        needed) and cut out, with a null ``prompt_token_ids``, unless the client asked for
+        them; the decode's id is replaced by the request's. Anything else takes the parse:
+        the stream's first event, stop strings (the text's tail), and any event that does not
+        match that shape byte for byte (a finish reason, logprobs, usage, several choices,
+        other fields or spacing). Substring searches cost more than orjson's parse of the
+        whole event, so the shape is checked at its two ends only."""
+        if self.head is None or self.stops:
+            return None
+        old = None
+        if not data.startswith(self._id_prefix):
+            old = self._old_prefix
+            if old is None or not data.startswith(old):
+                return None
+        at = data.rfind(b',"token_ids":[')
+        if (
+            at < 0
+            or not data.endswith(_BEFORE_IDS, 0, at)
+            or data.rfind(b'"choices":[{"index":0,', 0, at) < 0  # the one choice
+        ):
+            return None
+        end = data.find(b"]", at)
+        if data[end:] not in _AFTER_IDS:
+            return None
+        if end > at + 14:  # an event may carry no token
+            self._raw_ids.append(data[at + 14 : end])
+        self.events += 1
+        out = data
+        if not self.client_ids:
+            if data.endswith(_NULL_PROMPT_IDS, 0, at):
+                at -= len(_NULL_PROMPT_IDS)
+            out = data[:at] + data[end + 1 :]
+        if old is not None:
+            out = self._id_prefix + out[len(old) :]
+        return out
 
     def _prompt_ids(self, holder: dict[str, Any]) -> bool:
         if self.prompt_ids is None and _int_list(holder["prompt_token_ids"]):

@@ -70,8 +70,9 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),  # tell nginx-style proxies in front not to buffer
 ]
-# An event of the client's stream: parsed, and its bytes when it goes out unchanged.
-_Item = tuple[dict[str, Any], bytes | None]
+# An event of the client's stream: parsed, and its bytes when it goes out unchanged (a
+# stream's usual event is not parsed at all: its bytes alone, `Progress.passthrough_bytes`).
+_Item = tuple[dict[str, Any] | None, bytes | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +193,7 @@ class _WholeOut:
 
     async def events(self, items: Sequence[_Item]) -> None:
         for event, _ in items:
+            assert event is not None  # only a stream's events go out unparsed
             self.assembler.add(event)
 
     async def done(self, items: Sequence[_Item] = ()) -> None:
@@ -458,6 +460,7 @@ class Relay:
         leg's events reshaped as the client's stream."""
         progress = self._progress
         stop = JoinedStop(progress.stops, progress.tail) if continuing else None
+        unparsed = self._stream and not continuing  # a stream's usual events as bytes
         buffer = bytearray()
         events = 0
         limit = self._options.max_response_bytes
@@ -475,6 +478,12 @@ class Relay:
                     if data[:1] == b"[" and data.strip() == b"[DONE]":
                         done = True
                         break
+                    if unparsed and (raw := progress.passthrough_bytes(data)) is not None:
+                        if not events:
+                            placement.first_byte()
+                        events += 1
+                        out.append((None, raw))
+                        continue
                     event = parse_event(data)
                     if "error" in event:
                         return _in_band(event, events)

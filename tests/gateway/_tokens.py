@@ -182,15 +182,17 @@ class TokenCluster:
             if hit >= 0:
                 piece, finish = joined[:hit][len(text) :], "stop"
             text += piece
-            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+            # vLLM's fields in vLLM's order (0.32: every field it sets is written).
+            choice: dict[str, Any] = {"index": 0}
             if chat:
                 choice["delta"] = {"content": piece}
             else:
                 choice["text"] = piece
+            choice.update(logprobs=None, finish_reason=finish)
+            if not chat:
+                choice.update(stop_reason=None, prompt_token_ids=ids if wants and i == 0 else None)
             if wants:
                 choice["token_ids"] = [t]
-                if i == 0 and not chat:
-                    choice["prompt_token_ids"] = ids
             out.append(sse_event({**head, "choices": [choice]}))
             if finish == "stop":
                 generated = generated[: i + 1]
