@@ -159,3 +159,58 @@ def test_parsed_ids_behind_unparsed_ones_keep_their_place_without_a_parse() -> N
     _parsed(progress, _vllm(4, finish_reason="length").replace(b"[4]", b"[]"))
     assert progress._raw_ids  # nothing parsed on the way: the usual stream never needs them
     assert progress.ids == [1, 2, 3]
+
+
+@pytest.mark.vllm
+def test_stock_vllm_chunks_are_the_usual_shape() -> None:
+    """vLLM's own response classes, filled and written as its streaming code does (0.32:
+    ``model_dump_json(exclude_unset=True)``): its token chunks take the bytes path, and say
+    what the parse says. Runs in the vllm suite (it fails under ``CI=true`` without vLLM)."""
+    from tests.vllm.conftest import _require_vllm
+
+    _require_vllm()
+    from vllm.entrypoints.generate.base.protocol import DeltaMessage
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionResponseStreamChoice,
+        ChatCompletionStreamResponse,
+    )
+    from vllm.entrypoints.openai.completion.protocol import (
+        CompletionResponseStreamChoice,
+        CompletionStreamResponse,
+    )
+
+    def completion(i: int, prompt_ids: list[int] | None = None) -> bytes:
+        choice = CompletionResponseStreamChoice(
+            index=0, text=f" t{i}", logprobs=None, finish_reason=None, stop_reason=None,
+            prompt_token_ids=prompt_ids, token_ids=[i],
+        )  # fmt: skip
+        chunk = CompletionStreamResponse(
+            id="cmpl-vllm", object="text_completion", created=7, model="m", choices=[choice]
+        )
+        return chunk.model_dump_json(exclude_unset=True).encode()
+
+    def chat(i: int) -> bytes:
+        choice = ChatCompletionResponseStreamChoice(
+            index=0, delta=DeltaMessage(content=f" t{i}"), logprobs=None, finish_reason=None,
+            token_ids=[i],
+        )  # fmt: skip
+        chunk = ChatCompletionStreamResponse(
+            id="chatcmpl-vllm", object="chat.completion.chunk", created=7, choices=[choice],
+            model="m",
+        )  # fmt: skip
+        return chunk.model_dump_json(exclude_unset=True).encode()
+
+    for api, write in ((Api.COMPLETIONS, completion), (Api.CHAT, chat)):
+        fast = Progress(api, request_id=RID, max_tokens=9)
+        slow = Progress(api, request_id=RID, max_tokens=9)
+        for progress in (fast, slow):
+            first = orjson.loads(completion(1, [5, 6]) if api is Api.COMPLETIONS else chat(1))
+            if api is Api.CHAT:
+                first["prompt_token_ids"] = [5, 6]  # vLLM's chat: on the first event
+            progress.passthrough(first)
+        for i in (2, 3):
+            data = write(i)
+            raw = fast.passthrough_bytes(data)
+            assert raw is not None, data
+            assert orjson.loads(raw) == _parsed(slow, data)
+        assert fast.ids == slow.ids == [1, 2, 3]
