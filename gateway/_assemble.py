@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["Assembler", "StreamError", "parse_event", "sse_events"]
+__all__ = ["Assembler", "StreamError", "one_event", "parse_event", "sse_events"]
 
 _CHUNK_OBJECTS = {"text_completion": "text_completion", "chat.completion.chunk": "chat.completion"}
 # Choice fields merged across chunks (the rest keep their first non-null value).
@@ -28,21 +28,27 @@ class StreamError(Exception):
         self.body = body
 
 
-def sse_events(buffer: bytearray, chunk: bytes = b"") -> list[bytes]:
-    """Add `chunk` to `buffer` and pop every complete event's data from it (``data: ...``
-    lines of events ended by a blank line); comments (``: ping``) and other fields are
-    dropped."""
-    # The usual chunk, as vLLM and pdgate's shims send a token: one whole one-line data event
-    # (its only newlines the two at its end) with nothing held back before it. A few C
-    # calls, and the buffer is not touched.
+def one_event(chunk: bytes) -> bytes | None:
+    """The data of `chunk` if it is exactly one whole one-line data event (its only newlines
+    the two at its end), as vLLM and pdgate's shims send a token; None otherwise. A few C
+    calls."""
     if (
-        not buffer
-        and chunk.endswith(b"\n\n")
+        chunk.endswith(b"\n\n")
         and chunk.find(b"\n") == len(chunk) - 2
         and chunk.startswith(b"data:")
         and b"\r" not in chunk
     ):
-        return [chunk[5:-2].lstrip(b" ")]
+        return chunk[5:-2].lstrip(b" ")
+    return None
+
+
+def sse_events(buffer: bytearray, chunk: bytes = b"") -> list[bytes]:
+    """Add `chunk` to `buffer` and pop every complete event's data from it (``data: ...``
+    lines of events ended by a blank line); comments (``: ping``) and other fields are
+    dropped."""
+    # The usual chunk, with nothing held back before it: the buffer is not touched.
+    if not buffer and (one := one_event(chunk)) is not None:
+        return [one]
     buffer += chunk
     out: list[bytes] = []
     # Either line ending: pdgate and vLLM send "\n\n", other servers "\r\n\r\n".

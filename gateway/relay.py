@@ -19,8 +19,10 @@ status before anything was sent and an in-band error after.
 Streaming clients get the decode's SSE as it arrives, never buffered whole. With migration
 off (and no first token early) the relay passes bytes through without parsing events (the
 only inspection: the first event, and the stream's tail so that a client always sees
-``[DONE]``). Otherwise each event is parsed to learn its token ids, which are stripped from
-what the client gets unless it asked for them; an unchanged event keeps its bytes.
+``[DONE]``). Otherwise each event is read for its token ids, which are stripped from what
+the client gets unless it asked for them: a stream's usual token event by its bytes (its
+shape checked, gateway/_continue.py), any other event parsed; an unchanged event keeps its
+bytes.
 Non-streaming clients get the stream assembled into one JSON answer (bounded in size); a
 failure before the end is then still a real HTTP status.
 """
@@ -42,7 +44,7 @@ from starlette.types import Send
 from pdgate.config.openai_api import Api, ApiRequest, ChatCompletionRequest
 from pdgate.config.tracing import Span, Tracing
 from pdgate.config.wire import EXT_CONTINUATION, SSE_DONE
-from pdgate.gateway._assemble import Assembler, StreamError, parse_event, sse_events
+from pdgate.gateway._assemble import Assembler, StreamError, one_event, parse_event, sse_events
 from pdgate.gateway._continue import JoinedStop, Progress
 from pdgate.gateway._stream_id import StreamIds
 from pdgate.gateway.dispatch import DecodeLeg, Dispatcher, Placement
@@ -456,11 +458,13 @@ class Relay:
         return await self._bytes(placement)
 
     async def _parsed(self, placement: Placement, continuing: bool) -> _Broken | None:
-        """Every event parsed: ids recorded (and stripped unless asked for), a continuation
-        leg's events reshaped as the client's stream."""
+        """Every event read for its token ids: a stream's usual event as bytes
+        (`Progress.passthrough_bytes`), the others parsed; ids recorded (and stripped unless
+        asked for), a continuation leg's events reshaped as the client's stream."""
         progress = self._progress
         stop = JoinedStop(progress.stops, progress.tail) if continuing else None
         unparsed = self._stream and not continuing  # a stream's usual events as bytes
+        itl, send = self._metrics.itl, self._out.send
         buffer = bytearray()
         events = 0
         limit = self._options.max_response_bytes
@@ -472,6 +476,25 @@ class Relay:
                 if whole_too_big or len(buffer) + len(chunk) > limit:
                     error = BadGateway(f"the decode's answer is larger than {limit} bytes")
                     return _Broken("error", str(error), events, final=error)
+                if (
+                    unparsed
+                    and events
+                    and not buffer
+                    and (data := one_event(chunk)) is not None
+                    and (raw := progress.passthrough_bytes(data)) is not None
+                ):
+                    # The usual chunk of a started stream, one token's event: out at once
+                    # (what `_emitted` and `_StreamOut.events` do for it, without the lists).
+                    events += 1
+                    now = time.monotonic()
+                    gap = now - self._last_emit
+                    itl.observe(gap)
+                    placement.gaps_s += gap
+                    placement.tokens += 1
+                    self._last_emit = now
+                    await send({"type": "http.response.body", "body": b"data: " + raw + b"\n\n",
+                                "more_body": True})  # fmt: skip
+                    continue
                 out: list[_Item] = []
                 done = False
                 for data in sse_events(buffer, chunk):
@@ -532,6 +555,7 @@ class Relay:
         ids = StreamIds(self._request.request_id)
         pending = bytearray()  # what arrived before the first event was whole
         started = False
+        handed_over = False
         tail = b""
         itl, last, send = self._metrics.itl, self._last_emit, out.send
         try:
@@ -553,19 +577,22 @@ class Relay:
                     continue
                 # A keep-alive comment is not an event: only data says the KV has arrived.
                 if b"data:" in chunk:
-                    if not placement.tokens:
+                    if not handed_over:
+                        handed_over = True
                         placement.first_byte()  # the decode holds the KV: the prefill's slot frees
-                    now = time.monotonic()
-                    if last:
-                        itl.observe(now - last)
-                        placement.gaps_s += now - last
-                    else:
-                        self._metrics.ttft.labels(self._request.group).observe(
-                            now - self._request.arrived
-                        )
-                        placement.first_token_at = now
-                    placement.tokens += chunk.count(b"data:")
-                    last = self._last_emit = now
+                    # Tokens: the data events but the stream's closing [DONE].
+                    if tokens := chunk.count(b"data:") - chunk.endswith(SSE_DONE):
+                        now = time.monotonic()
+                        if last:
+                            itl.observe(now - last)
+                            placement.gaps_s += now - last
+                        else:
+                            self._metrics.ttft.labels(self._request.group).observe(
+                                now - self._request.arrived
+                            )
+                            placement.first_token_at = now
+                        placement.tokens += tokens
+                        last = self._last_emit = now
                 if out.started:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 else:

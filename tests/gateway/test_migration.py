@@ -71,6 +71,25 @@ async def test_a_decode_that_fails_before_its_first_event_is_invisible(kind: str
     assert value == 1
 
 
+@pytest.mark.parametrize(
+    ("migrations", "body"),
+    [(2, stream_body()), (0, stream_body()), (2, stream_body(return_token_ids=True))],
+    ids=["events", "bytes", "client-ids"],
+)
+async def test_every_token_relayed_is_counted_and_timed_once(
+    migrations: int, body: dict[str, Any]
+) -> None:
+    """Each relay path (events as bytes or parsed, bytes passed through) counts the tokens
+    a decode served and times the gaps between them: the ratio advice and the ITL
+    histogram read them."""
+    outcome, relay, sink, _, metrics = await _run([None], body, max_migrations=migrations)
+    assert outcome == "ok" and text_of(sink.events()) == expected_text(PROMPT, N)
+    assert relay.first.tokens == N and relay.first.first_token_at is not None
+    assert relay.first.gaps_s >= 0
+    assert metrics.registry.get_sample_value("pdgate_inter_token_seconds_count") == N - 1
+    assert metrics.registry.get_sample_value("pdgate_ttft_seconds_count", {"group": "*"}) == 1
+
+
 async def test_a_decode_never_reached_passes_the_same_kv_to_the_next() -> None:
     _, _, sink, upstream, _ = await _run([Fault("unreachable")])
     assert text_of(sink.events()) == expected_text(PROMPT, N)
