@@ -42,14 +42,10 @@ def one_event(chunk: bytes) -> bytes | None:
     return None
 
 
-def sse_events(buffer: bytearray, chunk: bytes = b"") -> list[bytes]:
-    """Add `chunk` to `buffer` and pop every complete event's data from it (``data: ...``
-    lines of events ended by a blank line); comments (``: ping``) and other fields are
-    dropped."""
-    # The usual chunk, with nothing held back before it: the buffer is not touched.
-    if not buffer and (one := one_event(chunk)) is not None:
-        return [one]
-    buffer += chunk
+def sse_events(buffer: bytearray) -> list[bytes]:
+    """Pop every complete event's data from `buffer` (``data: ...`` lines of events ended by
+    a blank line); comments (``: ping``) and other fields are dropped. (A chunk that is one
+    whole event needs no buffer: `one_event`.)"""
     out: list[bytes] = []
     # Either line ending: pdgate and vLLM send "\n\n", other servers "\r\n\r\n".
     crlf = b"\r" in buffer

@@ -429,11 +429,11 @@ class Relay:
         return DecodeLeg(self._progress.body(self._forward), Api.COMPLETIONS, EXT_CONTINUATION)
 
     async def _emit(self, items: Sequence[_Item], placement: Placement | None = None) -> None:
-        self._emitted(items, placement)
+        self._emitted(len(items), placement)
         await self._out.events(items)
 
-    def _emitted(self, items: Sequence[_Item], placement: Placement | None) -> None:
-        """Timing and counts of events going out now."""
+    def _emitted(self, events: int, placement: Placement | None) -> None:
+        """Timing and counts of `events` token events going out now (every relay path)."""
         now = time.monotonic()
         if self._last_emit:
             gap = now - self._last_emit
@@ -444,7 +444,7 @@ class Relay:
             self._metrics.ttft.labels(self._request.group).observe(now - self._request.arrived)
         self._last_emit = now
         if placement is not None:
-            placement.tokens += len(items)
+            placement.tokens += events
             if placement.first_token_at is None:
                 placement.first_token_at = now
 
@@ -464,7 +464,7 @@ class Relay:
         progress = self._progress
         stop = JoinedStop(progress.stops, progress.tail) if continuing else None
         unparsed = self._stream and not continuing  # a stream's usual events as bytes
-        itl, send = self._metrics.itl, self._out.send
+        send = self._out.send
         buffer = bytearray()
         events = 0
         limit = self._options.max_response_bytes
@@ -476,32 +476,31 @@ class Relay:
                 if whole_too_big or len(buffer) + len(chunk) > limit:
                     error = BadGateway(f"the decode's answer is larger than {limit} bytes")
                     return _Broken("error", str(error), events, final=error)
-                if (
-                    unparsed
-                    and events
-                    and not buffer
-                    and (data := one_event(chunk)) is not None
-                    and (raw := progress.passthrough_bytes(data)) is not None
-                ):
-                    # The usual chunk of a started stream, one token's event: out at once
-                    # (what `_emitted` and `_StreamOut.events` do for it, without the lists).
-                    events += 1
-                    now = time.monotonic()
-                    gap = now - self._last_emit
-                    itl.observe(gap)
-                    placement.gaps_s += gap
-                    placement.tokens += 1
-                    self._last_emit = now
-                    await send({"type": "http.response.body", "body": b"data: " + raw + b"\n\n",
-                                "more_body": True})  # fmt: skip
-                    continue
+                one = one_event(chunk) if not buffer else None
+                if unparsed and one is not None:
+                    raw = progress.passthrough_bytes(one)
+                    if raw is not None:
+                        # The usual chunk, one token's event, of a stream whose first event was
+                        # parsed (the response has started): out at once, without the lists.
+                        events += 1
+                        self._emitted(1, placement)
+                        body = b"data: " + raw + b"\n\n"
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
+                        continue
+                if one is None:
+                    buffer += chunk
                 out: list[_Item] = []
                 done = False
-                for data in sse_events(buffer, chunk):
+                for data in [one] if one is not None else sse_events(buffer):
                     if data[:1] == b"[" and data.strip() == b"[DONE]":
                         done = True
                         break
-                    if unparsed and (raw := progress.passthrough_bytes(data)) is not None:
+                    # (A one-event chunk was offered to the bytes path above already.)
+                    if (
+                        unparsed
+                        and one is None
+                        and (raw := progress.passthrough_bytes(data)) is not None
+                    ):
                         if not events:
                             placement.first_byte()
                         events += 1
@@ -535,11 +534,11 @@ class Relay:
                             out = []
                         await _drain(placement, self._options.chunk_bytes)
                     if out:
-                        self._emitted(out, placement)
+                        self._emitted(len(out), placement)
                     await self._out.done(out)
                     return None
                 if out:
-                    self._emitted(out, placement)
+                    self._emitted(len(out), placement)
                     await self._out.events(out)
             raise UpstreamError(placement.stream.url, "stream ended without [DONE]")
         except StreamError as exc:
@@ -557,7 +556,7 @@ class Relay:
         started = False
         handed_over = False
         tail = b""
-        itl, last, send = self._metrics.itl, self._last_emit, out.send
+        send = out.send
         try:
             stream, size = placement.stream, self._options.chunk_bytes
             while raw := await stream.read(size):
@@ -582,17 +581,7 @@ class Relay:
                         placement.first_byte()  # the decode holds the KV: the prefill's slot frees
                     # Tokens: the data events but the stream's closing [DONE].
                     if tokens := chunk.count(b"data:") - chunk.endswith(SSE_DONE):
-                        now = time.monotonic()
-                        if last:
-                            itl.observe(now - last)
-                            placement.gaps_s += now - last
-                        else:
-                            self._metrics.ttft.labels(self._request.group).observe(
-                                now - self._request.arrived
-                            )
-                            placement.first_token_at = now
-                        placement.tokens += tokens
-                        last = self._last_emit = now
+                        self._emitted(tokens, placement)
                 if out.started:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 else:

@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
-from pdgate.gateway._assemble import Assembler, StreamError, sse_events
+from pdgate.gateway._assemble import Assembler, StreamError, one_event, sse_events
 
 
 def feed(events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -49,12 +49,20 @@ _EVENTS = [b'data: {"a":1}\n\n', b"data:{}\n\n", b'data: {"x":"a\rb"}\n\n', b"da
 
 @pytest.mark.parametrize("cut", range(0, 12))
 def test_sse_events_fed_chunk_by_chunk_match_one_buffer(cut: int) -> None:
-    """Chunks handed in one by one (a one-event chunk takes the fast path unless bytes are
-    held back) give what the whole stream gives at once, with the buffer left alike."""
+    """Chunks handed in one by one as the relay does (a one-event chunk by `one_event` unless
+    bytes are held back, the rest through the buffer) give what the whole stream gives at
+    once, with the buffer left alike."""
     stream = b"".join(_EVENTS)
     chunks = [stream[:cut], *_EVENTS] if cut else _EVENTS
     buf = bytearray()
-    got = [event for chunk in chunks for event in sse_events(buf, chunk)]
+    got: list[bytes] = []
+    for chunk in chunks:
+        one = one_event(chunk) if not buf else None
+        if one is not None:
+            got.append(one)
+        else:
+            buf += chunk
+            got += sse_events(buf)
     whole = bytearray(stream[:cut] + stream)
     assert got == sse_events(whole)
     assert bytes(buf) == bytes(whole)
