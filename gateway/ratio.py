@@ -30,7 +30,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pdgate.config.wire import Role
@@ -39,26 +39,50 @@ from pdgate.registry.base import InstanceRecord, InstanceState
 __all__ = ["Advice", "RatioAdvisor"]
 
 _MAX_GROUPS = 256
-_MAX_SAMPLES = 2048
+# Time buckets per window: its resolution is window_s / _BUCKETS (1 s at the default 120 s).
+_BUCKETS = 120
 
 
-@dataclass
 class _Window:
-    """Timestamped samples of the last `window_s` seconds (at most `_MAX_SAMPLES`)."""
+    """Counts and sums of samples over the last `window_s` seconds, in `_BUCKETS` time buckets:
+    the same memory and the same work per sample at any request rate. (A window of samples
+    capped in number would hold only the last few seconds at a high rate, and count demand
+    short by as much.)"""
 
-    window_s: float
-    items: deque[tuple[float, tuple[float, ...]]] = field(
-        default_factory=lambda: deque(maxlen=_MAX_SAMPLES)
-    )
+    __slots__ = ("_bucket_s", "_ring", "_width")
+
+    def __init__(self, window_s: float, width: int) -> None:
+        self._bucket_s = window_s / _BUCKETS
+        self._width = width  # values per sample
+        # Each bucket: [index, count, sum of value 0, sum of value 1, ...].
+        self._ring: deque[list[float]] = deque(maxlen=_BUCKETS)
+
+    def __len__(self) -> int:
+        return len(self._ring)
 
     def add(self, *values: float) -> None:
-        self.items.append((time.monotonic(), values))
+        index = time.monotonic() // self._bucket_s
+        ring = self._ring
+        if ring and ring[-1][0] == index:
+            bucket = ring[-1]
+        else:
+            bucket = [index, 0.0, *([0.0] * self._width)]
+            ring.append(bucket)
+        bucket[1] += 1
+        for i, value in enumerate(values, 2):
+            bucket[i] += value
 
-    def live(self) -> list[tuple[float, ...]]:
-        cut = time.monotonic() - self.window_s
-        while self.items and self.items[0][0] < cut:
-            self.items.popleft()
-        return [v for _, v in self.items]
+    def totals(self) -> tuple[int, list[float]]:
+        """Samples in the window (the current bucket and the `_BUCKETS - 1` before it) and the
+        sums of their values."""
+        first = time.monotonic() // self._bucket_s - (_BUCKETS - 1)
+        count, sums = 0, [0.0] * self._width
+        for bucket in self._ring:
+            if bucket[0] >= first:
+                count += int(bucket[1])
+                for i in range(self._width):
+                    sums[i] += bucket[2 + i]
+        return count, sums
 
 
 @dataclass
@@ -116,7 +140,7 @@ class RatioAdvisor:
             if len(self._groups) >= _MAX_GROUPS:
                 return None  # bounded: groups come from the registry, this is a backstop
             w = self._window_s
-            g = self._groups[name] = _Group(_Window(w), _Window(w), _Window(w))
+            g = self._groups[name] = _Group(_Window(w, 0), _Window(w, 1), _Window(w, 3))
         return g
 
     def arrival(self, group: str) -> None:
@@ -149,16 +173,14 @@ class RatioAdvisor:
         n_p, n_d = len(pre), len(dec)
         b_p = sum(r.capacity for r in pre) / n_p if n_p else 0.0
         b_d = sum(r.capacity for r in dec) / n_d if n_d else 0.0
-        arrivals = g.arrivals.live() if g else []
-        prefills = g.prefills.live() if g else []
-        decodes = g.decodes.live() if g else []
-        demand = len(arrivals) / self._window_s
-        t_p = _mean(v[0] for v in prefills) if len(prefills) >= self._min_samples else None
+        arrivals, _ = g.arrivals.totals() if g else (0, [])
+        prefills, (p_sum,) = g.prefills.totals() if g else (0, [0.0])
+        decodes, d_sums = g.decodes.totals() if g else (0, [0.0] * 3)
+        demand = arrivals / self._window_s
+        t_p = p_sum / prefills if prefills >= self._min_samples else None
         xi = tokens = tpot = t_d = None
-        if len(decodes) >= self._min_samples:
-            xi = _mean(v[0] for v in decodes)
-            tokens = _mean(v[1] for v in decodes)
-            tpot = _mean(v[2] for v in decodes)
+        if decodes >= self._min_samples:
+            xi, tokens, tpot = (total / decodes for total in d_sums)
             t_d = xi + tokens * tpot
         per_p = b_p / t_p if t_p and b_p else None  # requests/s one prefill serves
         per_d = b_d / t_d if t_d and b_d else None
@@ -191,10 +213,5 @@ class RatioAdvisor:
             desired_prefills=want_p,
             desired_decodes=want_d,
             bottleneck=bottleneck,
-            samples=min(len(prefills), len(decodes)),
+            samples=min(prefills, decodes),
         )
-
-
-def _mean(values: Any) -> float:
-    items = list(values)
-    return sum(items) / len(items) if items else 0.0

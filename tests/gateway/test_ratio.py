@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import httpx
 import pytest
@@ -40,6 +41,37 @@ def test_eq1_on_known_inputs() -> None:
     assert a.desired_prefills == pytest.approx(10 / (4 / 0.5) / 0.8)
     assert a.desired_decodes == pytest.approx(10 / (8 / 2.01) / 0.8)
     assert math.ceil(a.desired_decodes or 0) == 4
+
+
+def test_demand_is_counted_at_any_rate_in_bounded_memory() -> None:
+    # 50 requests/s over the default 120 s window: 6,000 arrivals. A window that kept one
+    # sample per request up to a cap saw at most the cap (2,048: 17 requests/s) and told an
+    # autoscaler a third of the traffic.
+    advisor = RatioAdvisor(min_samples=5)
+    for _ in range(6000):
+        advisor.arrival("default")
+    for _ in range(5000):
+        advisor.prefill("default", 0.25)
+        advisor.decode("default", xi_s=0.01, tokens=10, tpot_s=0.02)
+    (a,) = list(advisor.advise(_records(1, 4, 1, 8)))
+    assert a.demand_rps == pytest.approx(50)
+    assert a.samples == 5000
+    assert a.t_prefill_s == pytest.approx(0.25) and a.t_decode_s == pytest.approx(0.21)
+    group = advisor._groups["default"]
+    assert max(map(len, (group.arrivals, group.prefills, group.decodes))) <= 120  # buckets
+
+
+def test_samples_older_than_the_window_leave_it() -> None:
+    advisor = RatioAdvisor(window_s=0.24, min_samples=1)
+    for _ in range(30):
+        advisor.arrival("default")
+        advisor.prefill("default", 1.0)
+    time.sleep(0.3)
+    advisor.arrival("default")
+    advisor.prefill("default", 3.0)
+    (a,) = list(advisor.advise(_records(1, 4, 1, 8)))
+    assert a.demand_rps == pytest.approx(1 / 0.24)
+    assert a.t_prefill_s == pytest.approx(3.0)
 
 
 def test_too_few_samples_say_so() -> None:
