@@ -103,7 +103,8 @@ class Picker(Protocol):
     def order(
         self, request: RequestInfo, candidates: Candidates, scores: Sequence[float]
     ) -> list[InstanceLoad]:
-        """The candidates in the order they should be tried."""
+        """The candidates in the order they should be tried. There are always two or more:
+        a policy tries a lone candidate without scoring or picking."""
         ...
 
 
@@ -161,6 +162,8 @@ class Policy:
         self.scorers = tuple(scorers)
         self.picker = picker
         self.hold = hold
+        # A weight of 0 turns a scorer off (configuration can say so); rank() skips it.
+        self._weighted = tuple((s, w) for s, w in self.scorers if w != 0)
 
     @property
     def needs(self) -> frozenset[str]:
@@ -177,12 +180,12 @@ class Policy:
             if not kept:
                 return []
             kept = f.filter(request, kept)
-        if not kept:
-            return []
+        if len(kept) <= 1:
+            # Nothing to order: scorers and picker see two candidates or more. (This runs
+            # once or twice a request; scoring a lone candidate cost a microsecond or two.)
+            return list(kept)
         totals = [0.0] * len(kept)
-        for scorer, weight in self.scorers:
-            if weight == 0:
-                continue
+        for scorer, weight in self._weighted:
             for i, s in enumerate(scorer.score(request, kept)):
                 totals[i] += weight * s
         return self.picker.order(request, kept, totals)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Sequence
 
 import pytest
 
@@ -111,6 +112,43 @@ def test_composition_by_hand() -> None:
     )
     assert ids(policy.rank(REQ, [inst("x", 2), inst("y", 1)])) == ["y", "x"]
     assert policy.describe()["scorers"] == {"open_streams": 1.0}
+
+
+class _Recording:
+    """A scorer and a picker that note how many candidates they were given."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def score(self, request: RequestInfo, candidates: Sequence[InstanceLoad]) -> list[float]:
+        self.seen.append(len(candidates))
+        return [0.0] * len(candidates)
+
+    def order(
+        self, request: RequestInfo, candidates: Sequence[InstanceLoad], scores: Sequence[float]
+    ) -> list[InstanceLoad]:
+        self.seen.append(len(candidates))
+        return list(candidates)
+
+
+def test_scorers_and_picker_see_two_candidates_or_more() -> None:
+    # The picker's contract (policies/base.py): a lone candidate is tried without scoring.
+    scorer, picker = _Recording(), _Recording()
+    policy = Policy("custom", [NotBusy()], [(scorer, 1.0)], picker)
+    assert ids(policy.rank(REQ, [inst("x"), inst("y", busy=True)])) == ["x"]
+    assert ids(policy.rank(REQ, [inst("y", busy=True)])) == []
+    assert scorer.seen == picker.seen == []
+    assert ids(policy.rank(REQ, [inst("x"), inst("y")])) == ["x", "y"]
+    assert scorer.seen == picker.seen == [2]
+
+
+def test_a_zero_weight_turns_a_scorer_off() -> None:
+    scorer = _Recording()
+    policy = Policy("custom", [], [(scorer, 0.0), (OpenStreams(), 1.0)], MaxScore())
+    assert ids(policy.rank(REQ, [inst("x", 2), inst("y", 1)])) == ["y", "x"]
+    assert scorer.seen == []
 
 
 def test_the_affinity_index_is_needed_only_by_affinity_scoring() -> None:
