@@ -105,6 +105,8 @@ class InstanceTracker:
     reject_hold_s: float = 0.2
     _counters: dict[str, _Counters] = field(default_factory=dict)
     _records: Mapping[str, InstanceRecord] = field(default_factory=dict)
+    # The ready instances' models, sorted: read on every request, changed only here.
+    _models: tuple[str, ...] = ()
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
     _sleepers: int = 0  # in `wait_freed` now: a pulse with none wakes nobody
     _work_ids: Iterator[int] = field(default_factory=itertools.count)
@@ -114,6 +116,9 @@ class InstanceTracker:
     ) -> None:
         """Membership listener: the registry view changed."""
         self._records = dict(records)
+        self._models = tuple(
+            sorted({r.model for r in self._records.values() if r.state == InstanceState.READY})
+        )
         for gone in [i for i in self._counters if i not in self._records]:
             del self._counters[gone]
         self.pulse()  # a new instance is new capacity
@@ -173,8 +178,10 @@ class InstanceTracker:
     def groups(self, model: str) -> set[str]:
         return {r.group for r in self._records.values() if r.model == model}
 
-    def models(self) -> list[str]:
-        return sorted({r.model for r in self._records.values() if r.state == InstanceState.READY})
+    def models(self) -> tuple[str, ...]:
+        """The models ready instances serve, sorted (kept per membership change: it was a set
+        and a sort over the whole registry view on every request)."""
+        return self._models
 
     def open_stream(self, instance_id: str) -> Lease:
         return Lease(instance_id, self._for(instance_id), "open_streams", self.pulse)

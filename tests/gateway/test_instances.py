@@ -65,3 +65,15 @@ async def test_state_of_departed_instances_is_dropped() -> None:
     t.update_membership({"0": rec("0")}, {str(i) for i in range(1, 100)})
     assert len(list(t.describe())) == 1
     assert len(t._counters) == 1
+
+
+def test_models_follow_membership_and_readiness() -> None:
+    t = InstanceTracker()
+    assert t.models() == ()
+    b = InstanceRecord(id="b", role=Role.DECODE, url="http://b", model="beta", capacity=2)
+    t.update_membership({"p": rec("p"), "b": b})
+    assert t.models() == ("beta", "m")
+    t.update_membership({"p": rec("p", state=InstanceState.DRAINING), "b": b})
+    assert t.models() == ("beta",)
+    t.update_membership({}, {"p", "b"})
+    assert t.models() == ()
