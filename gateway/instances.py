@@ -105,8 +105,13 @@ class InstanceTracker:
     reject_hold_s: float = 0.2
     _counters: dict[str, _Counters] = field(default_factory=dict)
     _records: Mapping[str, InstanceRecord] = field(default_factory=dict)
-    # The ready instances' models, sorted: read on every request, changed only here.
+    # Derived from the records at each membership change, read on every request: the ready
+    # instances' models (sorted), and the ready instances of each role and model with their
+    # counters, so a ranking walks its candidates only, not the whole registry view.
     _models: tuple[str, ...] = ()
+    _ready: dict[tuple[Role, str], list[tuple[InstanceRecord, _Counters]]] = field(
+        default_factory=dict
+    )
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
     _sleepers: int = 0  # in `wait_freed` now: a pulse with none wakes nobody
     _work_ids: Iterator[int] = field(default_factory=itertools.count)
@@ -116,11 +121,15 @@ class InstanceTracker:
     ) -> None:
         """Membership listener: the registry view changed."""
         self._records = dict(records)
-        self._models = tuple(
-            sorted({r.model for r in self._records.values() if r.state == InstanceState.READY})
-        )
         for gone in [i for i in self._counters if i not in self._records]:
             del self._counters[gone]
+        ready: dict[tuple[Role, str], list[tuple[InstanceRecord, _Counters]]] = {}
+        for rec in self._records.values():
+            if rec.state == InstanceState.READY:
+                counters = self._counters.setdefault(rec.id, _Counters())
+                ready.setdefault((rec.role, rec.model), []).append((rec, counters))
+        self._ready = ready
+        self._models = tuple(sorted({model for _, model in ready}))
         self.pulse()  # a new instance is new capacity
 
     def _for(self, instance_id: str) -> _Counters:
@@ -136,33 +145,34 @@ class InstanceTracker:
         return self._records
 
     def loads(self, role: Role, model: str | None, group: str | None = None) -> list[InstanceLoad]:
-        """Policy snapshot of ready instances of `role` serving `model` in `group` (None: any),
-        with the whole fleet's counts."""
+        """Policy snapshot of ready instances of `role` serving `model` (None: any) in `group`
+        (None: any), with the whole fleet's counts."""
+        if model is None:
+            ready = [x for (r, _), xs in self._ready.items() if r == role for x in xs]
+        else:
+            ready = self._ready.get((role, model), [])
         now = time.monotonic()
         out: list[InstanceLoad] = []
-        for rec in self._records.values():
-            if rec.role != role or rec.state != InstanceState.READY:
+        for rec, c in ready:
+            if group is not None and rec.group != group:
                 continue
-            if (model is not None and rec.model != model) or (
-                group is not None and rec.group != group
-            ):
-                continue
-            c = self._for(rec.id)
             inflight = c.inflight + c.others_slots
+            # Positional, in InstanceLoad's field order: a fleet's every candidate, twice a
+            # request, and keywords cost twice the time (0.63 against 0.27 µs a load).
             out.append(
                 InstanceLoad(
-                    id=rec.id,
-                    url=rec.url,
-                    group=rec.group,
-                    # Half-open: room for the one probe (batch forwarding sends no more).
-                    capacity=min(rec.capacity, inflight + 1) if c.half_open else rec.capacity,
-                    open_streams=c.open_streams + c.others_streams,
-                    inflight=inflight,
-                    busy=c.busy_until > now,
-                    role=rec.role,
-                    inflight_tokens=c.inflight_tokens + c.others_tokens,
-                    ejected=c.ejected_until > now or c.probe is not None,
-                    own_inflight=c.inflight,
+                    rec.id,
+                    rec.url,
+                    rec.group,
+                    # capacity; half-open: room for the one probe (batch forwarding sends no more)
+                    min(rec.capacity, inflight + 1) if c.half_open else rec.capacity,
+                    c.open_streams + c.others_streams,  # open_streams
+                    inflight,
+                    c.busy_until > now,  # busy
+                    role,
+                    c.inflight_tokens + c.others_tokens,  # inflight_tokens
+                    c.ejected_until > now or c.probe is not None,  # ejected
+                    c.inflight,  # own_inflight
                 )
             )
         return out

@@ -39,7 +39,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
@@ -66,8 +66,10 @@ _ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 _FREED_POLL_S = 0.005  # how soon a worker notices a slot another worker freed (no Redis)
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+class Candidate(NamedTuple):
+    """An instance a lease may be taken on, and its slots. A named tuple: the gateway makes
+    one per ranked prefill on every dispatch, and the slot table takes them as they are."""
+
     instance_id: str
     capacity: int
 
@@ -176,9 +178,7 @@ class LocalFleet:
     ) -> Grant:
         used: dict[str, int] = {}
         if self._table is not None:
-            index, granted = self._table.acquire(
-                [(c.instance_id, c.capacity) for c in candidates], want
-            )
+            index, granted = self._table.acquire(candidates, want)
             if index < 0:
                 return Grant(None)
             return Grant(

@@ -162,6 +162,12 @@ def configure_hotpath(h: argparse.ArgumentParser) -> None:
     h.add_argument("--rounds", type=int, default=5)
     h.add_argument("--tokens", type=int, default=16)
     h.add_argument("--whole", action="store_true", help="non-streaming requests")
+    h.add_argument(
+        "--instances",
+        type=int,
+        default=2,
+        help="prefills, and as many decodes, registered (a request's cost as the fleet grows)",
+    )
     h.add_argument("--profile", action="store_true", help="add cProfile's view of pdgate")
     h.add_argument(
         "--uvloop",
@@ -179,6 +185,7 @@ def hotpath_main(args: argparse.Namespace, command: str) -> int:
         rounds=args.rounds,
         tokens=args.tokens,
         stream=not args.whole,
+        instances=args.instances,
         profile=args.profile,
     )
     if args.uvloop:

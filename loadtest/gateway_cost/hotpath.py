@@ -4,13 +4,15 @@
 its ratios move by about ±0.15 between runs: too coarse to tell whether a change to the hot
 path saved 3%. This benchmark takes everything but pdgate's code away: the gateway's ASGI
 app (built as ``pdgate gateway`` builds it, settings from the environment as usual) runs in
-this process over `MockUpstream` (two queue-less prefills, two decodes, in an in-memory
-registry) and is called directly, as uvicorn would call it, by `concurrency` loops of
-streaming completions whose decodes send ``tokens`` one-token events each, one event per
-chunk as pdgate's shims do. It reports the process's CPU time per request (min/median/max
-over ``--rounds``): the endpoint, queue, forwarder, policies, dispatcher, relay, metrics and
-Starlette's request handling, and nothing of uvicorn, aiohttp or the engines. ``--profile``
-adds cProfile's view of pdgate's own functions, ``--whole`` makes the requests non-streaming.
+this process over `MockUpstream` (queue-less prefills and decodes, two of each by default,
+in an in-memory registry) and is called directly, as uvicorn would call it, by
+`concurrency` loops of streaming completions whose decodes send ``tokens`` one-token events
+each, one event per chunk as pdgate's shims do. It reports the process's CPU time per
+request (min/median/max over ``--rounds``): the endpoint, queue, forwarder, policies,
+dispatcher, relay, metrics and Starlette's request handling, and nothing of uvicorn, aiohttp
+or the engines. ``--profile`` adds cProfile's view of pdgate's own functions, ``--whole``
+makes the requests non-streaming, ``--instances`` registers more prefills and decodes (the
+work per request that grows with the fleet: snapshots, filters, scorers, the sort).
 
 It also reports the objects the cyclic garbage collector freed per request: a request whose
 objects refer to each other (a grant that points back at its waiter, say) is freed only by a
@@ -54,6 +56,7 @@ class HotpathPlan:
     rounds: int = 5
     tokens: int = 16
     stream: bool = True
+    instances: int = 2  # prefills, and as many decodes
     warmup: int = 400
     profile: bool = False
     top: int = 30
@@ -75,7 +78,8 @@ class HotpathResult:
             "",
             f"{plan.rounds} rounds of {plan.requests} {kind} requests, concurrency "
             f"{plan.concurrency}, {plan.tokens} tokens each (after {plan.warmup} warm-up "
-            f"requests); pdgate's ASGI app over MockUpstream, no sockets, on {self.loop}'s "
+            f"requests); pdgate's ASGI app over MockUpstream ({plan.instances} prefills and "
+            f"{plan.instances} decodes), no sockets, on {self.loop}'s "
             "event loop" + ("; the figures include cProfile's overhead." if self.profile else "."),
             "",
             "| CPU us per request (min/median/max) | requests/s (median) | cyclic garbage "
@@ -113,7 +117,7 @@ async def run_hotpath(plan: HotpathPlan) -> HotpathResult:
         (Role.PREFILL, (EXT_BATCH_PREFILL, EXT_QUEUELESS)),
         (Role.DECODE, (EXT_CONTINUATION,)),
     ):
-        for i in range(2):
+        for i in range(plan.instances):
             name = f"{role.value}{i}"
             record = InstanceRecord(id=name, role=role, url=f"http://{name}", model=_MODEL,
                                     capacity=1024, extensions=extensions)  # fmt: skip

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import time
+
 from pdgate.config import Role
 from pdgate.gateway.instances import InstanceTracker
 from pdgate.registry.base import InstanceRecord, InstanceState
@@ -77,3 +79,26 @@ def test_models_follow_membership_and_readiness() -> None:
     assert t.models() == ("beta",)
     t.update_membership({}, {"p", "b"})
     assert t.models() == ()
+
+
+async def test_a_snapshot_carries_every_count_in_its_own_field() -> None:
+    # loads() builds InstanceLoad positionally (its hot path): each field from its own count.
+    t = InstanceTracker(reject_hold_s=60)
+    record = InstanceRecord(id="p", role=Role.PREFILL, url="http://p", model="m",
+                            capacity=8, group="g")  # fmt: skip
+    t.update_membership({"p": record})
+    held = [t.begin("p"), t.begin("p"), t.open_stream("p"), t.work("p", 120)]
+    t.set_others({"p": 5}, {"p": 300}, {"p": 3})
+    t.rejected("p")
+    (load,) = t.loads(Role.PREFILL, "m", "g")
+    assert load._asdict() == {
+        "id": "p", "url": "http://p", "group": "g", "capacity": 8, "open_streams": 6,
+        "inflight": 5, "busy": True, "role": Role.PREFILL, "inflight_tokens": 420,
+        "ejected": False, "own_inflight": 2,
+    }  # fmt: skip
+    t.eject("p", until=time.monotonic() + 60)
+    (load,) = t.loads(Role.PREFILL, None)
+    assert load.ejected and load.capacity == 6  # half-open: room for the probe only
+    assert t.loads(Role.PREFILL, "m", "other") == [] and t.loads(Role.DECODE, "m") == []
+    for lease in held:
+        lease.release()

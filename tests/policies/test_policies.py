@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import random
 from collections import Counter
 from collections.abc import Sequence
 
@@ -151,6 +151,16 @@ def test_a_zero_weight_turns_a_scorer_off() -> None:
     assert scorer.seen == []
 
 
+def test_max_score_orders_by_score_then_id_at_any_size() -> None:
+    rng = random.Random(7)
+    for n in (2, 3, 9, 64):
+        cands = [inst(f"i{rng.randrange(10**6):06d}-{k}") for k in range(n)]
+        scores = [rng.choice([0.0, 0.25, 0.5, 1.0]) for _ in range(n)]
+        pairs = sorted(zip(scores, cands, strict=True), key=lambda x: (-x[0], x[1].id))
+        expected = [c.id for _, c in pairs]
+        assert ids(MaxScore().order(REQ, cands, scores)) == expected
+
+
 def test_the_affinity_index_is_needed_only_by_affinity_scoring() -> None:
     assert needs(load_policy("least_sse")) == frozenset()
     assert needs(load_policy("affinity_sse")) == {"prefix"}
@@ -184,7 +194,7 @@ def test_idle_keeps_a_prefill_only_other_gateways_use_and_drops_one_we_use() -> 
     the fleet's view of them lags a sync behind, and a prefill busy only in that lag would
     lose its prefix affinity."""
     idle = FILTERS["idle"]()
-    ours = dataclasses.replace(inst("ours", inflight=1), own_inflight=1)
+    ours = inst("ours", inflight=1)._replace(own_inflight=1)
     theirs = inst("theirs", inflight=2)  # both of them another gateway's
     free = inst("free")
     kept = idle.filter(RequestInfo("m", None, "p", 1, 4), [ours, theirs, free])

@@ -20,6 +20,13 @@ async def test_each_round_reports_the_cpu_of_its_requests() -> None:
     assert "| CPU us per request (min/median/max) |" in text and "cProfile" not in text
 
 
+async def test_a_larger_fleet_is_registered_and_named() -> None:
+    plan = HotpathPlan(requests=30, concurrency=6, rounds=1, tokens=2, warmup=6, instances=6)
+    result = await run_hotpath(plan)
+    assert len(result.us_per_request) == 1
+    assert "(6 prefills and 6 decodes)" in result.report(plan, "x")
+
+
 async def test_the_profile_names_pdgate_functions_per_request() -> None:
     plan = HotpathPlan(requests=20, concurrency=2, rounds=1, tokens=4, warmup=4, profile=True)
     result = await run_hotpath(plan)
