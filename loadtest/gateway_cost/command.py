@@ -129,6 +129,11 @@ def configure_compare(c: argparse.ArgumentParser) -> None:
     c.add_argument("--rounds", type=int, default=3)
     c.add_argument("--window-s", type=float, default=10.0)
     c.add_argument("--max-tokens", type=int, default=16)
+    c.add_argument(
+        "--pin",
+        action="store_true",
+        help="the gateways on a CPU of their own, the engines, Redis and the load on the others",
+    )
 
 
 def compare_main(args: argparse.Namespace, command: str) -> int:
@@ -150,6 +155,7 @@ def compare_main(args: argparse.Namespace, command: str) -> int:
         rounds=args.rounds,
         window_s=args.window_s,
         max_tokens=args.max_tokens,
+        pin=args.pin,
     )
     windows = run_main(run_compare(plan, to_stderr))
     print(report(plan, windows, command), end="", flush=True)

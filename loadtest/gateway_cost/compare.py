@@ -19,17 +19,25 @@ checkout's module path works too) and gets ``--log-level WARNING gateway --host 
 environment variable (``--set this:PDGATE_GATEWAY_MAX_MIGRATIONS=0``). Every gateway is its
 own fleet (``PDGATE_GATEWAY_FLEET=false`` unless set): they take turns, and gateways that
 share a fleet lease every slot through Redis.
+
+``--pin`` gives the gateways a CPU of their own (the last this process may use, through
+``taskset``) and everything else (this process's load, the engines, Redis) the others. On a
+small machine the gateway otherwise shares its cores with the engines and the load, and its
+CPU per request moves with theirs: unpinned ratios moved by ±0.15 between runs on two cores
+(docs/structure.md). Linux only; needs two CPUs or more.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shlex
+import shutil
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -66,6 +74,7 @@ class ComparePlan:
     window_s: float = 10.0
     max_tokens: int = 16
     max_in_flight: int = 512  # past this the front is saturated: requests are counted lost
+    pin: bool = False  # the gateways on a CPU of their own, everything else on the others
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +117,11 @@ def _env(build: GatewayBuild) -> dict[str, str]:
 
 @contextlib.asynccontextmanager
 async def _running(
-    session: aiohttp.ClientSession, plan: ComparePlan, redis_url: str, log: Log
+    session: aiohttp.ClientSession,
+    plan: ComparePlan,
+    redis_url: str,
+    log: Log,
+    pinned: _Pinning | None,
 ) -> AsyncIterator[tuple[dict[str, Front], dict[str, Child]]]:
     spec = ShimSpec(registry_url=redis_url, prefill_capacity=1024, decode_capacity=1024,
                     key_prefix=_KEY_PREFIX)  # fmt: skip
@@ -124,6 +137,8 @@ async def _running(
         for build in plan.builds:
             argv = [*build.argv, "--log-level", "WARNING", "gateway", "--host", "127.0.0.1",
                     "--port", "0", "--registry-url", redis_url]  # fmt: skip
+            if pinned is not None:
+                argv = [pinned.taskset, "-c", str(pinned.gateway_cpu), *argv]
             gateways[build.name] = Child(build.name, argv, _env(build))
             stack.push_async_callback(gateways[build.name].stop)
         ready = await start_all(
@@ -135,6 +150,10 @@ async def _running(
             fronts[name] = Front(name, url=match.group(1) + "/v1/completions")
         await warm(session, fronts)
         log(f"gateways up: {', '.join(fronts)}")
+        if pinned is not None:
+            where = ", ".join(f"{name} (pid {gateways[name].pid})" for name in fronts)
+            others = ",".join(map(str, sorted(pinned.others)))
+            log(f"pinned: {where} on CPU {pinned.gateway_cpu}; the rest on CPUs {others}")
         yield fronts, gateways
 
 
@@ -176,23 +195,55 @@ async def _open_loop(
                   1000 * cpu / done if done else float("nan"))  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class _Pinning:
+    taskset: str
+    gateway_cpu: int
+    others: frozenset[int]
+
+
+@contextlib.contextmanager
+def _pinned(pin: bool) -> Iterator[_Pinning | None]:
+    """With `pin`: this process (and so what it starts after, but the gateways) on all of
+    its CPUs but the last, kept for the gateways; its own affinity is given back after."""
+    if not pin:
+        yield None
+        return
+    taskset = shutil.which("taskset")
+    if taskset is None or not hasattr(os, "sched_setaffinity"):
+        raise RuntimeError("--pin needs Linux's taskset (util-linux)")
+    before = os.sched_getaffinity(0)
+    if len(before) < 2:
+        raise RuntimeError(f"--pin needs two CPUs or more; this process may use {len(before)}")
+    gateway_cpu = max(before)
+    others = frozenset(before - {gateway_cpu})
+    os.sched_setaffinity(0, others)
+    try:
+        yield _Pinning(taskset, gateway_cpu, others)
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 async def run_compare(plan: ComparePlan, log: Log) -> list[Window]:
     windows: list[Window] = []
-    async with (
-        private_redis() as redis_url,
-        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session,
-        _running(session, plan, redis_url, log) as (fronts, procs),
-    ):
-        for round_ in range(plan.rounds):
-            for rate in plan.rates:
-                # Who goes first turns with the round: drift hits every build alike.
-                names = list(fronts)
-                names = names[round_ % len(names) :] + names[: round_ % len(names)]
-                for name in names:
-                    window = await _open_loop(session, fronts[name], procs[name], rate, plan)
-                    log(f"round {round_ + 1} rate {rate:g}/s {name}: {window.achieved:.0f}/s, "
-                        f"{window.cpu_ms:.3f} ms CPU/request")  # fmt: skip
-                    windows.append(window)
+    with _pinned(plan.pin) as pinned:
+        async with (
+            private_redis() as redis_url,
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session,
+            _running(session, plan, redis_url, log, pinned) as (fronts, procs),
+        ):
+            for round_ in range(plan.rounds):
+                for rate in plan.rates:
+                    # Who goes first turns with the round: drift hits every build alike.
+                    names = list(fronts)
+                    names = names[round_ % len(names) :] + names[: round_ % len(names)]
+                    for name in names:
+                        window = await _open_loop(session, fronts[name], procs[name], rate, plan)
+                        log(
+                            f"round {round_ + 1} rate {rate:g}/s {name}: "
+                            f"{window.achieved:.0f}/s, {window.cpu_ms:.3f} ms CPU/request"
+                        )
+                        windows.append(window)
     return windows
 
 
@@ -206,7 +257,8 @@ def report(plan: ComparePlan, windows: Sequence[Window], command: str) -> str:
         f"`{command}`",
         "",
         f"{plan.rounds} rounds of {plan.window_s:g} s windows (after {plan.warmup_s:g} s of "
-        f"warm-up), {plan.max_tokens} tokens per request, gateways taking turns; "
+        f"warm-up), {plan.max_tokens} tokens per request, gateways taking turns"
+        f"{', each on a CPU of its own (--pin)' if plan.pin else ''}; "
         "min/median/max over the rounds.",
         "",
         "| offered req/s | gateway | achieved req/s | failed + not sent | gateway CPU ms per "

@@ -3,6 +3,8 @@ rate, turns that rotate, and real (tiny) runs of this checkout's gateway against
 
 from __future__ import annotations
 
+import os
+import re
 import shlex
 import shutil
 import sys
@@ -102,3 +104,30 @@ async def test_a_setting_reaches_its_own_gateway_only() -> None:
     )  # fmt: skip
     with pytest.raises(RuntimeError, match=r"^b: warm-up request failed"):
         await run_compare(plan, lambda _: None)
+
+
+async def test_pin_puts_the_gateways_on_a_cpu_of_their_own_and_gives_ours_back() -> None:
+    _redis_or_fail()
+    before = os.sched_getaffinity(0)
+    assert len(before) >= 2, "the pinned comparison needs two CPUs"
+    seen: dict[int, set[int]] = {}
+
+    def log(line: str) -> None:
+        # Read while the gateways run: each one's affinity, and this process's.
+        if line.startswith("pinned: "):
+            for pid in re.findall(r"\(pid (\d+)\)", line):
+                seen[int(pid)] = os.sched_getaffinity(int(pid))
+            seen[0] = os.sched_getaffinity(0)
+
+    plan = ComparePlan(
+        parse_builds([f"a={THIS}", f"b={THIS}"], []),
+        rates=(20.0,), rounds=1, warmup_s=0.1, window_s=0.5, pin=True,
+    )  # fmt: skip
+    windows = await run_compare(plan, log)
+    assert [w.failed for w in windows] == [0, 0]
+    gateway_cpu = max(before)
+    assert len(seen) == 3
+    assert seen.pop(0) == before - {gateway_cpu}
+    assert list(seen.values()) == [{gateway_cpu}, {gateway_cpu}]
+    assert os.sched_getaffinity(0) == before
+    assert "each on a CPU of its own (--pin)" in report(plan, windows, "x")
