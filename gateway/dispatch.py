@@ -362,10 +362,8 @@ class Dispatcher:
         """The paper's original gateway: the top-ranked prefill or nothing. Its ranking sees
         every ready prefill (the baseline does not know which one has room)."""
         info, request_id = req.info, req.request_id
-        ranked = self._prefill_policy.rank(
-            info,
-            [c for c in self._tracker.loads(Role.PREFILL, info.model, info.group) if not c.ejected],
-        ) or self._tracker.loads(Role.PREFILL, info.model, info.group)
+        loads = self._tracker.loads(Role.PREFILL, info.model, info.group)
+        ranked = self._prefill_policy.rank(info, [c for c in loads if not c.ejected]) or loads
         if not ranked:
             raise DeadlineExceeded(
                 "no prefill instance is available", retry_after=self._settings.retry_after_s

@@ -47,8 +47,8 @@ class InstanceLoad(NamedTuple):
 
     A named tuple rather than a frozen dataclass: the gateway builds one per candidate
     instance on every ranking (two a request, each over the whole role's fleet), and a
-    tuple is built in half the time (0.7 against 1.6 µs), as immutable (``_replace`` makes
-    a changed copy)."""
+    tuple is built in a sixth of the time (0.27 µs positionally, 0.63 with keywords, against
+    1.6), as immutable (``_replace`` makes a changed copy, not `dataclasses.replace`)."""
 
     id: str
     url: str
