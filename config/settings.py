@@ -472,11 +472,12 @@ class GatewaySettings(_Settings):
     )
     prefill_admit: Literal["idle", "room"] = Field(
         default="idle",
-        description="When a prefill may be sent requests. idle: only while none of this "
-        "gateway's requests computes there (P/D-Serve: a prefill accepts only when idle), "
-        "batch forwarding sending it several at once; the others wait in the gateway's "
-        "deadline-ordered queue. room: whenever it has a free slot, so requests also wait "
-        "inside a busy prefill for its next batch, out of that order (with 4 slots a prefill "
+        description="When a prefill may be sent requests. idle: only while it computes "
+        "nothing, for any gateway of the fleet (P/D-Serve: a prefill accepts only when idle; "
+        "its slots may still hold KV for decodes to pull), batch forwarding sending it "
+        "several at once; the others wait in the gateway's deadline-ordered queue. room: "
+        "whenever it has a free slot, so requests also wait inside a busy prefill "
+        "for its next batch, out of that order (with 4 slots a prefill "
         "this collapsed past 2A: docs/scheduling.md, batch forwarding). The same with 1 slot.",
     )
     batch_forwarding: bool = Field(

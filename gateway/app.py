@@ -194,6 +194,7 @@ def build_gateway_app(
             lambda: endpoint.pending,
             tracker.describe,
             lambda: dispatcher.advisor.advise(tracker.records()),
+            lambda: (dispatcher.fleet.calls, dispatcher.fleet.call_seconds),
         )
         index: PrefixIndex | None = None
         if "prefix" in needs(prefill_policy):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,9 @@ from pdgate.registry.fleet import LocalFleet
 
 # Queues exist only for (model, group) pairs the registry knows, so this bound is a backstop.
 _MAX_QUEUES = 1024
+# Packed sample entries kept per queue this gateway has not served yet (each entry: one
+# gateway's samples of one sync).
+_EARLY_SAMPLES = 64
 
 
 _NOT_FOR_PREFILL = ("stream_options", "return_token_ids")
@@ -178,12 +182,14 @@ class Dispatcher:
         self._metrics = metrics
         self._index = index
         self._forwarders: dict[tuple[str, str | None], PrefillForwarder] = {}
+        # Queue -> the fleet's recent samples for a queue with no forwarder here yet.
+        self._early_samples: dict[str, deque[str]] = {}
         self._groups = GroupResolver(settings, tracker)
         # KV releases and batch calls outlive the requests that started them; shutdown waits
         # for them before the upstream session closes.
         self.background = Background("pdgate-dispatch")
         self.fleet = fleet or Fleet(LocalFleet(settings.gateway_id), tracker)
-        self.fleet.set_heads(self.heads)
+        self.fleet.set_heads(self.heads, self)
         ejection = Ejection(
             settings.eject_after_failures, settings.eject_base_s, settings.eject_max_s
         )
@@ -202,6 +208,7 @@ class Dispatcher:
         self._options = ForwardingOptions(
             batch_forwarding=settings.batch_forwarding,
             batch_endpoint=settings.prefill_batch_endpoint,
+            admit_idle=settings.prefill_admit == "idle",
             retry_after_s=settings.retry_after_s,
             client_error=client_error,
             early_drop=settings.early_drop,
@@ -232,6 +239,28 @@ class Dispatcher:
     def heads(self) -> dict[str, float | None]:
         """Per queue, ms to its most urgent request's deadline (the fleet's deadline order)."""
         return {f.key: f.head_in_ms() for f in self._forwarders.values()}
+
+    def outgoing(self) -> dict[str, str]:
+        """Per queue, this gateway's new prefill-time samples (`FleetEstimates`)."""
+        out: dict[str, str] = {}
+        for f in self._forwarders.values():
+            packed = f.samples_out()
+            if packed:
+                out[f.key] = packed
+        return out
+
+    def incoming(self, queue: str, packed: Sequence[str]) -> None:
+        """The other gateways' samples for `queue` (`FleetEstimates`); kept for a queue this
+        gateway has not served yet, so its first request is judged on the fleet's figures."""
+        for f in self._forwarders.values():
+            if f.key == queue:
+                f.samples_in(packed)
+                return
+        kept = self._early_samples.pop(queue, None) or deque(maxlen=_EARLY_SAMPLES)
+        kept.extend(packed)
+        self._early_samples[queue] = kept  # the most recently heard queues last
+        while len(self._early_samples) > _MAX_QUEUES:
+            del self._early_samples[next(iter(self._early_samples))]
 
     def describe_queues(self) -> list[dict[str, object]]:
         """Rows for ``GET /admin/queues``."""
@@ -356,6 +385,8 @@ class Dispatcher:
                 self._prefill_policy,
                 self._shared,
             )
+            # What the fleet measured for this queue before we had one (a warm start).
+            fwd.samples_in(self._early_samples.pop(fwd.key, ()))
         return fwd
 
     async def _prefill_direct(self, req: _Request, body: dict[str, Any], path: str) -> PrefillGrant:
@@ -389,11 +420,20 @@ class Dispatcher:
                 for lease in leases:
                     lease.release(slot_freed=slot_freed)
 
+        computing = self._tracker.computing(inst.id)  # for the `idle` filter's view
         try:
             remaining = max(req.deadline - time.monotonic(), 0.001)
-            reply = await upstream.prefill(
-                inst.url, body, request_id=request_id, timeout_s=remaining, kv_id=kv_id, path=path
-            )
+            try:
+                reply = await upstream.prefill(
+                    inst.url,
+                    body,
+                    request_id=request_id,
+                    timeout_s=remaining,
+                    kv_id=kv_id,
+                    path=path,
+                )
+            finally:
+                computing.release(slot_freed=False)
         except UpstreamRejected as exc:
             release_after(exc, stream, inflight)
             self._tracker.rejected(inst.id)

@@ -22,23 +22,27 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from pdgate.config.aio import ExponentialBackoff, cancel_and_wait
 from pdgate.config.wire import EXT_QUEUELESS
 from pdgate.gateway.instances import InstanceTracker
 from pdgate.policies.base import InstanceLoad
 from pdgate.registry.base import RegistryUnavailable
-from pdgate.registry.fleet import Candidate, FleetStore, LocalFleet
+from pdgate.registry.fleet import Candidate, FleetStore, Freed, LocalFleet
 
-__all__ = ["Fleet", "SlotLease", "Slots"]
+__all__ = ["Fleet", "FleetEstimates", "SlotLease", "Slots"]
 
 log = logging.getLogger("pdgate.fleet")
 
+_OPS = ("acquire", "computed", "release", "sync", "renew")
+
 
 class SlotLease:
-    """One prefill slot held fleet-wide; `release()` is idempotent."""
+    """One prefill slot held fleet-wide, counted as computing until `computed()` (the
+    prefill answered) and held until `release()`; both idempotent."""
 
-    __slots__ = ("_fleet", "_released", "instance_id", "lease_id", "local")
+    __slots__ = ("_computing", "_fleet", "_released", "instance_id", "lease_id", "local")
 
     def __init__(self, fleet: Fleet, instance_id: str, lease_id: str, *, local: bool) -> None:
         self._fleet = fleet
@@ -46,11 +50,33 @@ class SlotLease:
         self.lease_id = lease_id
         self.local = local  # granted while degraded: Redis never heard of it
         self._released = False
+        self._computing = True
+
+    def computed(self) -> None:
+        if self._computing and not self._released:
+            self._computing = False
+            self._fleet._computed(self)
 
     def release(self) -> None:
         if not self._released:
             self._released = True
+            self._computing = False  # the release takes it out of the computing set too
             self._fleet._give_back(self)
+
+
+class FleetEstimates(Protocol):
+    """Where the prefill-time samples the fleet shares come from and go to (the dispatcher's
+    forwarders, by queue): each gateway sends its new samples with its sync and merges the
+    other gateways', so every gateway's early drop and batch sizing learn from every call
+    the fleet makes, not from a 1/N share of them."""
+
+    def outgoing(self) -> dict[str, str]:
+        """Queue -> this gateway's samples since the last call, packed (none: left out)."""
+        ...
+
+    def incoming(self, queue: str, packed: Sequence[str]) -> None:
+        """The other gateways' samples for `queue`, as they packed them."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +87,10 @@ class Slots:
     instance: InstanceLoad | None
     leases: tuple[SlotLease, ...] = ()
     yielded: bool = False
+    # When (monotonic) the most urgent request queued at another gateway is due (None: no
+    # other gateway waits): a batch takes only requests due before it, so the fleet's
+    # deadline order holds within batches too.
+    others_due: float | None = None
 
 
 class Fleet:
@@ -73,6 +103,7 @@ class Fleet:
         ttl_s: float = 2.0,
         window_s: float = 0.02,
         heads: Callable[[], dict[str, float | None]] = dict,
+        estimates: FleetEstimates | None = None,
     ) -> None:
         self.store = store
         self._tracker = tracker
@@ -80,8 +111,10 @@ class Fleet:
         self._ttl_s = ttl_s
         self.window_s = window_s
         self._heads = heads
+        self._estimates = estimates
         self._live: dict[str, dict[str, SlotLease]] = {}  # instance -> lease id -> lease
         self._to_release: list[SlotLease] = []
+        self._to_mark: list[SlotLease] = []  # answered: no longer computing
         self._flush_scheduled = False
         # Freed-slot messages still to come back to us for our own releases (Redis publishes
         # one per instance per release call, to every gateway, us included): instance ->
@@ -95,6 +128,14 @@ class Fleet:
         self._tasks: list[asyncio.Task[None]] = []
         self._flushes: set[asyncio.Task[None]] = set()
         self.gateways = 1  # live gateways in the fleet, as last synced
+        # Calls to the shared store by operation, and their seconds (pdgate_fleet_calls_*):
+        # what the fleet costs in Redis round trips, per request and over time.
+        self.calls: dict[str, int] = dict.fromkeys(_OPS, 0)
+        self.call_seconds: dict[str, float] = dict.fromkeys(_OPS, 0.0)
+
+    def _count(self, op: str, started: float) -> None:
+        self.calls[op] += 1
+        self.call_seconds[op] += time.perf_counter() - started
 
     @property
     def shared(self) -> bool:
@@ -108,8 +149,13 @@ class Fleet:
     def gateway_id(self) -> str:
         return self.store.gateway_id
 
-    def set_heads(self, heads: Callable[[], dict[str, float | None]]) -> None:
+    def set_heads(
+        self,
+        heads: Callable[[], dict[str, float | None]],
+        estimates: FleetEstimates | None = None,
+    ) -> None:
         self._heads = heads
+        self._estimates = estimates
 
     async def start(self) -> None:
         if self.store.shared:
@@ -140,8 +186,10 @@ class Fleet:
         *,
         head_in_ms: float | None,
         next_head_in_ms: float | None,
+        idle: bool = False,
     ) -> Slots:
-        """Up to `want` slots on the first of `ranked` with room, fleet-wide."""
+        """Up to `want` slots on the first of `ranked` with room, fleet-wide (`idle`: and
+        computing nothing for any gateway, checked in the same atomic step)."""
         if not ranked or want <= 0:
             return Slots(None)
         candidates = [Candidate(c.id, c.capacity) for c in ranked]
@@ -152,23 +200,36 @@ class Fleet:
                     queue, candidates, want, head_in_ms=None, next_head_in_ms=None
                 )
             else:
+                started = time.perf_counter()
                 grant = await self.store.acquire(
                     queue,
                     candidates,
                     want,
                     head_in_ms=head_in_ms,
                     next_head_in_ms=next_head_in_ms,
+                    idle=idle,
                 )
+                self._count("acquire", started)
         except RegistryUnavailable as exc:
             self._degrade(exc)
             return await self.acquire(
-                queue, ranked, want, head_in_ms=head_in_ms, next_head_in_ms=next_head_in_ms
+                queue,
+                ranked,
+                want,
+                head_in_ms=head_in_ms,
+                next_head_in_ms=next_head_in_ms,
+                idle=idle,
             )
         if not local:
             # The new leases are ours but not yet in the tracker's own count: not "others".
             granted = len(grant.lease_ids)
+            mine = self._unflushed_marks()
             self._tracker.note_slots(
-                {i: n - (granted if i == grant.instance_id else 0) for i, n in grant.used.items()}
+                {i: n - (granted if i == grant.instance_id else 0) for i, n in grant.used.items()},
+                {
+                    i: n - (granted if i == grant.instance_id else 0) - mine.get(i, 0)
+                    for i, n in grant.computing.items()
+                },
             )
         if grant.instance_id is None:
             return Slots(None, yielded=grant.yielded)
@@ -179,7 +240,9 @@ class Fleet:
         held = self._live.setdefault(grant.instance_id, {})
         for lease in leases:
             held[lease.lease_id] = lease
-        return Slots(instance, leases)
+        others = grant.others_head_ms
+        due = None if others is None else time.monotonic() + others / 1000
+        return Slots(instance, leases, others_due=due)
 
     def _alone_with_queueless(self, ranked: Sequence[InstanceLoad]) -> bool:
         """Whether this gateway may count the slots of `ranked` itself, without a Redis round
@@ -196,6 +259,25 @@ class Fleet:
                 return False
         return True
 
+    def _unflushed_marks(self) -> dict[str, int]:
+        """Per instance, our answered leases Redis still counts as computing."""
+        marks: dict[str, int] = {}
+        for lease in self._to_mark:
+            marks[lease.instance_id] = marks.get(lease.instance_id, 0) + 1
+        return marks
+
+    def _computed(self, lease: SlotLease) -> None:
+        if lease.local or not self.store.shared:
+            return  # counted by this gateway's tracker alone
+        self._to_mark.append(lease)
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            # Coalesced: every mark and release of this loop iteration goes in one call each.
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._start_flush)
+
     def _give_back(self, lease: SlotLease) -> None:
         held = self._live.get(lease.instance_id)
         if held is not None:
@@ -207,10 +289,7 @@ class Fleet:
             self._local_release(lease)
             return
         self._to_release.append(lease)
-        if not self._flush_scheduled:
-            # Coalesced: every release of this loop iteration goes to Redis in one call.
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._start_flush)
+        self._schedule_flush()
 
     def _local_release(self, lease: SlotLease) -> None:
         self._local.release_now([(lease.instance_id, lease.lease_id)])
@@ -222,13 +301,26 @@ class Fleet:
         task.add_done_callback(self._flushes.discard)
 
     async def _flush(self) -> None:
+        marks, self._to_mark = self._to_mark, []
+        # A lease given back in the same iteration leaves the computing set with its release.
+        marks = [x for x in marks if not x._released]
+        if marks:
+            try:
+                started = time.perf_counter()
+                await self.store.computed([(x.instance_id, x.lease_id) for x in marks])
+                self._count("computed", started)
+            except RegistryUnavailable as exc:
+                # Their computing marks expire with the leases' TTL, or go with the release.
+                self._degrade(exc)
         batch, self._to_release = self._to_release, []
         if not batch:
             return
         for instance_id in {x.instance_id for x in batch}:
             self._own_freed[instance_id] = self._own_freed.get(instance_id, 0) + 1
         try:
+            started = time.perf_counter()
             await self.store.release([(x.instance_id, x.lease_id) for x in batch])
+            self._count("release", started)
         except RegistryUnavailable as exc:
             # They expire on their own within the lease TTL.
             self._degrade(exc)
@@ -261,8 +353,15 @@ class Fleet:
     async def sync_once(self) -> None:
         streams, tokens = self._tracker.own_counts()
         instances = list(self._tracker.records())
-        view = await self.store.sync(streams, tokens, self._heads(), instances)
+        heads = self._heads()
+        samples = self._estimates.outgoing() if self._estimates is not None else None
+        started = time.perf_counter()
+        view = await self.store.sync(streams, tokens, heads, instances, samples)
+        self._count("sync", started)
         self._recover()
+        if self._estimates is not None:
+            for queue, theirs in view.samples.items():
+                self._estimates.incoming(queue, theirs)
         self._own_freed.clear()  # the counts below are fresh
         self.gateways = view.gateways
         # Subtract exactly what is ours: the rest is the other gateways' share. Our leases
@@ -273,10 +372,16 @@ class Fleet:
         # Leases counted here only (degraded, or alone with queue-less prefills) are not in
         # Redis's sums.
         leased = {i: sum(not x.local for x in held.values()) for i, held in self._live.items()}
+        computing = self._unflushed_marks()
+        for i, held in self._live.items():
+            computing[i] = computing.get(i, 0) + sum(
+                x._computing and not x.local for x in held.values()
+            )
         self._tracker.set_others(
             {i: n - streams.get(i, 0) for i, n in view.streams.items()},
             {i: n - tokens.get(i, 0) for i, n in view.tokens.items()},
             {i: n - leased.get(i, 0) - flushing.get(i, 0) for i, n in view.slots.items()},
+            {i: n - computing.get(i, 0) for i, n in view.computing.items()},
         )
 
     async def _renew_loop(self) -> None:
@@ -287,15 +392,24 @@ class Fleet:
                 for i, held in self._live.items()
             }
             with contextlib.suppress(RegistryUnavailable):
+                started = time.perf_counter()
                 await self.store.renew(live)
+                self._count("renew", started)
 
-    def _freed(self, instance_id: str) -> None:
-        """A slot of `instance_id` was freed somewhere in the fleet ("": somewhere). Another
+    def _freed(self, event: Freed) -> None:
+        """A slot of `instance_id` was freed somewhere in the fleet ("": somewhere), or it
+        stopped computing (`event.slot` false: it may take a new batch now). Another
         gateway's release also lowers that gateway's share in our view at once: until the next
         sync (`fleet_sync_interval_s`) the instance would still look full to our policy, and
         the slot would idle while our queue waits (measured: 4 gateways lost 10% of goodput
         and 15 points of success at 4A that way). Optimism costs nothing here: the lease in
         Redis is exact, and an acquire that finds no room corrects the view."""
+        instance_id = event.instance_id
+        if not event.slot:
+            if instance_id:
+                self._tracker.others_idle(instance_id)
+            self._tracker.pulse()
+            return
         own = self._own_freed.get(instance_id, 0)
         if own:
             if own == 1:
@@ -311,9 +425,9 @@ class Fleet:
         attempt = 0
         while True:
             try:
-                async for instance_id in self.store.freed():
+                async for event in self.store.freed():
                     attempt = 0
-                    self._freed(instance_id)
+                    self._freed(event)
             except RegistryUnavailable as exc:
                 self._degrade(exc)
             attempt += 1

@@ -67,6 +67,9 @@ log = logging.getLogger("pdgate.forwarder")
 _MAX_REMEMBERED = 4096
 # The prefill-time quantile behind a request's latest start (the queue's start guard).
 _GUARD_QUANTILE = 0.9
+# Deadlines this close count as equal in the fleet's order (as the fleet's own priority
+# window does): a batch does not stop for a request at another gateway due as soon.
+_ORDER_TOLERANCE_S = 0.01
 
 
 class PrefillGrant:
@@ -142,10 +145,20 @@ class _Call:
     waiter: Waiter
     stream: Lease
     inflight: Lease  # the prefill slot (with its fleet lease), until the KV has left
+    computing: Lease  # the prefill computes it (fleet-wide), until it answers
     work: Lease  # the prompt tokens being computed, until the prefill answers
     kv_id: str  # our name for the KV handle, to release it without the answer
     span: Span
     started: float = 0.0  # monotonic, when the call was sent
+    # The prompt characters sent to the prefill in the same run, this one's included: the
+    # prefill computes the run as one batch, so each answer comes after the whole batch, and
+    # the time the prompt itself cost is about its share of it (prefill is compute bound).
+    run_chars: int = 0
+
+    @property
+    def share(self) -> float:
+        chars = self.waiter.info.prompt_chars
+        return chars / self.run_chars if self.run_chars > chars else 1.0
 
     def trace_headers(self, tracing: Tracing) -> dict[str, str]:
         headers: dict[str, str] = {}
@@ -154,6 +167,7 @@ class _Call:
 
     def release(self, *, slot_freed: bool) -> None:
         self.work.release()
+        self.computing.release(slot_freed=slot_freed)
         self.stream.release(slot_freed=slot_freed)
         self.inflight.release(slot_freed=slot_freed)
 
@@ -162,6 +176,9 @@ class _Call:
 class ForwardingOptions:
     batch_forwarding: bool = True
     batch_endpoint: bool = False  # one batch call per run (pdgate shims only)
+    # Send only to a prefill computing nothing, fleet-wide (``prefill_admit = idle``): the
+    # slot lease checks it in the same atomic step that takes the slots.
+    admit_idle: bool = False
     retry_after_s: int = 1
     # Answer 503 at once for a queued request even an optimistic prefill cannot serve in time.
     early_drop: bool = True
@@ -357,6 +374,27 @@ class PrefillForwarder:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
+    def samples_out(self) -> str:
+        """This queue's new prefill-time samples for the fleet, packed ("": none)."""
+        parts = [f"p {c} {t:.6g}" for c, t in self.prefill_times.take_new()]
+        parts += [f"c {c} {t:.6g}" for c, t in self.compute_times.take_new()]
+        return ";".join(parts)
+
+    def samples_in(self, packed: Sequence[str]) -> None:
+        """The other gateways' samples for this queue (`samples_out` there). Malformed
+        entries are skipped: another gateway's version may pack more."""
+        for entry in packed:
+            for item in entry.split(";"):
+                kind, _, rest = item.partition(" ")
+                chars, _, secs = rest.partition(" ")
+                target = {"p": self.prefill_times, "c": self.compute_times}.get(kind)
+                try:
+                    n, t = int(chars), float(secs)
+                except ValueError:
+                    continue
+                if target is not None and n >= 0 and t >= 0:
+                    target.add_shared(n, t)
+
     def head_in_ms(self) -> float | None:
         """Milliseconds to the deadline of this queue's most urgent request (None: empty)."""
         head = self.queue.peek()
@@ -389,6 +427,7 @@ class PrefillForwarder:
                 want,
                 head_in_ms=monotonic_ms_left(first.deadline),
                 next_head_in_ms=self._next_head_ms(want),
+                idle=self._options.admit_idle,
             )
             if slots.instance is None:
                 # Everyone is full or just rejected: wait for a request to free a slot
@@ -413,6 +452,12 @@ class PrefillForwarder:
                 nxt = self._next_for(target, loads)
                 if nxt is None:
                     break
+                if (
+                    sent
+                    and slots.others_due is not None
+                    and (nxt.deadline > slots.others_due + _ORDER_TOLERANCE_S)
+                ):
+                    break  # a more urgent request waits at another gateway: it goes first
                 uncached = self._uncached_chars(self._with_affinity(nxt), target.id)
                 took = self.compute_times.estimate_s(max(1, uncached))
                 if not batch.add(nxt.deadline, took, first=not sent):
@@ -422,6 +467,9 @@ class PrefillForwarder:
                 unused.release()
             if not sent:
                 continue
+            run_chars = sum(c.waiter.info.prompt_chars for c in sent)
+            for call in sent:
+                call.run_chars = run_chars
             # Each API has its own batch endpoint: one batch call per API in the run.
             by_path: dict[str, list[_Call]] = {}
             for call in sent:
@@ -625,6 +673,7 @@ class PrefillForwarder:
             waiter,
             self._tracker.open_stream(inst.id),
             self._tracker.begin(inst.id, also=slot.release),
+            self._tracker.computing(inst.id, also=slot.computed),
             self._tracker.work(inst.id, self.token_ratio.tokens(uncached), expected_s),
             secrets.token_hex(16),
             span,
@@ -639,7 +688,7 @@ class PrefillForwarder:
                 inst.url,
                 waiter.body,
                 request_id=waiter.request_id,
-                timeout_s=min(remaining, self._try_timeout_s(waiter.info.prompt_chars)),
+                timeout_s=min(remaining, self._try_timeout_s(call)),
                 kv_id=call.kv_id,
                 headers=call.trace_headers(self._shared.tracing),
                 path=waiter.path,
@@ -670,7 +719,7 @@ class PrefillForwarder:
         for c in calls:
             c.started = started
         last_deadline = max(c.waiter.deadline for c in calls)
-        try_timeout = self._try_timeout_s(max(c.waiter.info.prompt_chars for c in calls))
+        try_timeout = max(self._try_timeout_s(c) for c in calls)
         path = calls[0].waiter.path  # one API per batch call
         try:
             async for index, status, body in self._shared.upstream.prefill_batch(
@@ -709,13 +758,14 @@ class PrefillForwarder:
             for call in pending.values():  # the prefill never answered for these
                 self._settle(call, inst, 502, UpstreamError(inst.url, "missing from batch answer"))
 
-    def _try_timeout_s(self, prompt_chars: int) -> float:
+    def _try_timeout_s(self, call: _Call) -> float:
         """How long one prefill call may take: the setting, or four times the slowest recent
-        prefills of this length (at least 2 s). Past it the call counts as failed and the
-        request moves on, instead of waiting on a prefill that hangs until its deadline."""
+        prefills of its run's length (at least 2 s): its answer comes when the prefill has
+        computed the whole run. Past it the call counts as failed and the request moves on,
+        instead of waiting on a prefill that hangs until its deadline."""
         if self._options.try_timeout_s is not None:
             return self._options.try_timeout_s
-        slow = self.prefill_times.upper_bound_s(prompt_chars)
+        slow = self.prefill_times.upper_bound_s(max(call.run_chars, call.waiter.info.prompt_chars))
         return float("inf") if slow is None else max(2.0, 4 * slow)
 
     def _speaks_batch(self, inst: InstanceLoad) -> bool:
@@ -741,7 +791,7 @@ class PrefillForwarder:
         """Release the call's KV at the prefill (by the answer's params when there is one, by
         our id otherwise), then give back the call's leases: the prefill frees the slot only
         when the release arrives, so counting it free earlier invites a 429."""
-        held = (call.work, call.stream, call.inflight)
+        held = (call.work, call.computing, call.stream, call.inflight)
         request_id = call.waiter.request_id
         self._free_after_release(
             inst, request_id, call.kv_id, kv_params, held, slot_freed=slot_freed
@@ -779,6 +829,7 @@ class PrefillForwarder:
         """One prefill call's outcome, whichever way it was made."""
         waiter, counter = call.waiter, self._shared.metrics.prefill_attempts
         call.work.release()  # the prefill is no longer computing it, whatever the outcome
+        call.computing.release(slot_freed=status == 200)
         _end(
             call.span,
             {200: "accepted", 429: "rejected"}.get(
@@ -799,11 +850,14 @@ class PrefillForwarder:
             self._shared.ejector.success(inst.id)
             took = time.monotonic() - call.started
             chars = waiter.info.prompt_chars
-            self.prefill_times.record(chars, took)
+            # What this prompt cost, not the batch it rode in: the estimates are of a prompt
+            # sent alone (a batch is then the sum of its members', `_Batch`).
+            own = took * call.share
+            self.prefill_times.record(chars, own)
             usage = answer.get("usage")
             self.token_ratio.observe(chars, usage)
-            self.compute_times.record(max(1, uncached_chars(chars, usage)), took)
-            self._shared.advisor.prefill(inst.group, took)
+            self.compute_times.record(max(1, uncached_chars(chars, usage)), own)
+            self._shared.advisor.prefill(inst.group, own)
             hashes = self._hashes.get(id(waiter))
             if self._index is not None and hashes:
                 self._index.record(hashes, inst.id)

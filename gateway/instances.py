@@ -25,6 +25,7 @@ from pdgate.registry.base import InstanceRecord, InstanceState
 class _Counters:
     open_streams: int = 0
     inflight: int = 0
+    computing: int = 0  # of `inflight`, calls the prefill has not answered yet
     inflight_tokens: int = 0
     busy_until: float = 0.0  # monotonic; a 429 makes the instance "busy" until then
     ejected_until: float = 0.0  # monotonic; outlier ejection (gateway/health.py)
@@ -39,6 +40,7 @@ class _Counters:
     others_streams: int = 0
     others_tokens: int = 0
     others_slots: int = 0
+    others_computing: int = 0
     # This gateway's prefill calls in flight there: call id -> when it is expected to end
     # (monotonic). Bounded by the calls in flight, each removed when its work lease ends.
     work_ends: dict[int, float] = field(default_factory=dict)
@@ -173,6 +175,7 @@ class InstanceTracker:
                     c.inflight_tokens + c.others_tokens,  # inflight_tokens
                     c.ejected_until > now or c.probe is not None,  # ejected
                     c.inflight,  # own_inflight
+                    c.computing + c.others_computing,  # computing
                 )
             )
         return out
@@ -213,6 +216,11 @@ class InstanceTracker:
 
             return Lease(instance_id, c, "inflight", self.pulse, also=probe_ended)
         return Lease(instance_id, c, "inflight", self.pulse, also=also)
+
+    def computing(self, instance_id: str, *, also: Callable[[], None] | None = None) -> Lease:
+        """A call the prefill is computing, from the call until its answer (`also`: released
+        with it). Its end wakes the forwarders: an idle prefill takes a new batch."""
+        return Lease(instance_id, self._for(instance_id), "computing", self.pulse, also=also)
 
     def work(self, instance_id: str, tokens: int, expected_s: float | None = None) -> Lease:
         """Prompt tokens the instance is computing for us (token-work load), from the call
@@ -281,20 +289,25 @@ class InstanceTracker:
         streams: Mapping[str, int],
         tokens: Mapping[str, int],
         slots: Mapping[str, int],
+        computing: Mapping[str, int] | None = None,
     ) -> None:
         """The rest of the fleet's counts per instance (totals minus this gateway's)."""
-        for instance_id, c in self._counters.items():
+        computing = computing or {}
+        for instance_id in self._records:
+            c = self._counters.get(instance_id)
+            if c is None:
+                if not (
+                    streams.get(instance_id)
+                    or tokens.get(instance_id)
+                    or slots.get(instance_id)
+                    or computing.get(instance_id)
+                ):
+                    continue
+                c = self._for(instance_id)
             c.others_streams = max(0, streams.get(instance_id, 0))
             c.others_tokens = max(0, tokens.get(instance_id, 0))
             c.others_slots = max(0, slots.get(instance_id, 0))
-        for instance_id in self._records:
-            if instance_id not in self._counters and (
-                streams.get(instance_id) or tokens.get(instance_id) or slots.get(instance_id)
-            ):
-                c = self._for(instance_id)
-                c.others_streams = max(0, streams.get(instance_id, 0))
-                c.others_tokens = max(0, tokens.get(instance_id, 0))
-                c.others_slots = max(0, slots.get(instance_id, 0))
+            c.others_computing = max(0, computing.get(instance_id, 0))
 
     def others_freed(self, instance_id: str) -> None:
         """Another gateway gave back a slot of `instance_id`: one fewer in its share."""
@@ -302,12 +315,25 @@ class InstanceTracker:
         if c is not None and c.others_slots > 0:
             c.others_slots -= 1
 
-    def note_slots(self, fleet_used: Mapping[str, int]) -> None:
-        """Fleet-wide used slots just seen (an acquire's answer), this gateway's included."""
+    def others_idle(self, instance_id: str) -> None:
+        """The fleet says `instance_id` computes nothing any more."""
+        c = self._counters.get(instance_id)
+        if c is not None:
+            c.others_computing = 0
+
+    def note_slots(
+        self, fleet_used: Mapping[str, int], fleet_computing: Mapping[str, int] | None = None
+    ) -> None:
+        """Fleet-wide used slots and computing calls just seen (an acquire's answer), this
+        gateway's included (its computing ones not yet told to the fleet: subtracted)."""
         for instance_id, used in fleet_used.items():
             c = self._counters.get(instance_id)
             if c is not None:
                 c.others_slots = max(0, used - c.inflight)
+        for instance_id, n in (fleet_computing or {}).items():
+            c = self._counters.get(instance_id)
+            if c is not None:
+                c.others_computing = max(0, n - c.computing)
 
     # -- waking forwarders -----------------------------------------------------------------
 
@@ -352,9 +378,11 @@ class InstanceTracker:
                 "capacity": rec.capacity,
                 "open_streams": c.open_streams,
                 "inflight": c.inflight,
+                "computing": c.computing,
                 "inflight_tokens": c.inflight_tokens,
                 "fleet_open_streams": c.open_streams + c.others_streams,
                 "fleet_inflight": c.inflight + c.others_slots,
+                "fleet_computing": c.computing + c.others_computing,
                 "busy": c.busy_until > now,
                 "ejected": c.ejected_until > now,
                 "accepted": c.accepted,

@@ -61,6 +61,7 @@ class GatewayMetrics:
         pending: Callable[[], int],
         instances: Callable[[], Iterable[Mapping[str, Any]]] = tuple,
         ratio: Callable[[], Iterable[Any]] = tuple,
+        fleet: Callable[[], tuple[Mapping[str, int], Mapping[str, float]]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -152,6 +153,8 @@ class GatewayMetrics:
         ).set_function(lambda: float(pending()))
         r.register(_InstanceCollector(instances))
         r.register(_RatioCollector(ratio))
+        if fleet is not None:
+            r.register(_FleetCollector(fleet))
 
 
 class LoopHistogram(Collector):
@@ -252,6 +255,7 @@ class _InstanceCollector(Collector):
             for name, text in (
                 ("open_streams", "Open client streams through the instance, whole fleet"),
                 ("inflight", "Requests at the instance, whole fleet (prefill: until KV taken)"),
+                ("computing", "Prefill calls the instance has not answered yet, whole fleet"),
                 ("capacity", "Slots the instance declares"),
                 ("ejected", "1 while the instance is ejected as an outlier"),
                 ("busy", "1 while the instance is skipped after a 429"),
@@ -269,6 +273,7 @@ class _InstanceCollector(Collector):
             values = [str(row["id"]), str(row["role"]), str(row["group"])]
             gauges["open_streams"].add_metric(values, float(row["fleet_open_streams"]))
             gauges["inflight"].add_metric(values, float(row["fleet_inflight"]))
+            gauges["computing"].add_metric(values, float(row["fleet_computing"]))
             gauges["capacity"].add_metric(values, float(row["capacity"]))
             gauges["ejected"].add_metric(values, float(bool(row["ejected"])))
             gauges["busy"].add_metric(values, float(bool(row["busy"])))
@@ -276,6 +281,32 @@ class _InstanceCollector(Collector):
                 family.add_metric(values, float(row[name]))
         yield from gauges.values()
         yield from counters.values()
+
+
+class _FleetCollector(Collector):
+    """This gateway's calls to the fleet's shared store (Redis), by operation."""
+
+    def __init__(self, calls: Callable[[], tuple[Mapping[str, int], Mapping[str, float]]]) -> None:
+        self._calls = calls
+
+    def describe(self) -> Iterable[Any]:
+        return []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        counts, seconds = self._calls()
+        calls = CounterMetricFamily(
+            "pdgate_fleet_calls", "Calls to the fleet's shared store by operation", labels=["op"]
+        )
+        took = CounterMetricFamily(
+            "pdgate_fleet_call_seconds",
+            "Seconds this gateway waited for the fleet's shared store, by operation",
+            labels=["op"],
+        )
+        for op, n in counts.items():
+            calls.add_metric([op], float(n))
+            took.add_metric([op], float(seconds.get(op, 0.0)))
+        yield calls
+        yield took
 
 
 class _RatioCollector(Collector):

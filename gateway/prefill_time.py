@@ -74,6 +74,10 @@ class PrefillTimes:
         # Seconds from a prefill's answer to its decode's first event (KV transfer, the
         # decode's admission and first step): the rest of a request's time to first token.
         self._handover = _Window(class_window)
+        # This gateway's own samples not yet shared with the fleet (`take_new`): (prompt
+        # characters, seconds), a hand-over as 0 characters. Bounded: unshared samples are
+        # only ever the newest.
+        self._new: deque[tuple[int, float]] = deque(maxlen=window)
 
     def __len__(self) -> int:
         return len(self._all)
@@ -82,10 +86,26 @@ class PrefillTimes:
     def _class(prompt_chars: int) -> int:
         return min(prompt_chars.bit_length(), _MAX_CLASSES)
 
-    def record(self, prompt_chars: int, seconds: float) -> None:
+    def take_new(self) -> list[tuple[int, float]]:
+        """This gateway's samples since the last call, to share with the fleet: (prompt
+        characters, seconds), a hand-over with 0 characters."""
+        new = list(self._new)
+        self._new.clear()
+        return new
+
+    def add_shared(self, prompt_chars: int, seconds: float) -> None:
+        """Another gateway's sample, as `take_new` gave it there."""
+        if prompt_chars == 0:
+            self.record_handover(seconds, share=False)
+        else:
+            self.record(prompt_chars, seconds, share=False)
+
+    def record(self, prompt_chars: int, seconds: float, *, share: bool = True) -> None:
         """An accepted prefill call of a `prompt_chars` prompt took `seconds`, answer included."""
         if prompt_chars <= 0 or seconds < 0:
             return
+        if share:
+            self._new.append((prompt_chars, seconds))
         rate = seconds / prompt_chars
         self._all.add(rate)
         cls = self._class(prompt_chars)
@@ -119,10 +139,12 @@ class PrefillTimes:
         estimate = self.lower_bound_s(prompt_chars)
         return estimate is not None and remaining_s < estimate + self.handover_s()
 
-    def record_handover(self, seconds: float) -> None:
+    def record_handover(self, seconds: float, *, share: bool = True) -> None:
         """A decode's first event came `seconds` after its prefill answered."""
         if seconds >= 0:
             self._handover.add(seconds)
+            if share:
+                self._new.append((0, seconds))
 
     def handover_s(self) -> float:
         """The median hand-over of recent requests; 0 while too few samples."""

@@ -63,6 +63,10 @@ class InstanceLoad(NamedTuple):
     # Of `inflight`, this gateway's own requests (the rest: other gateways', as of the last
     # fleet sync or freed-slot message).
     own_inflight: int = 0
+    # Of `inflight`, the requests whose prompt the instance is computing now (prefill: from
+    # the call to its answer; after it the slot only holds KV), this gateway's and, as the
+    # fleet last said, the others'.
+    computing: int = 0
 
 
 @dataclass(frozen=True, slots=True)

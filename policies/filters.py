@@ -19,18 +19,19 @@ class HasRoom:
 
 
 class Idle:
-    """Nothing of ours in flight: P/D-Serve's prefill that accepts only when idle, for
-    prefills with several slots. A prefill computing a batch takes a new prompt into its
+    """Computing nothing, for any gateway: P/D-Serve's prefill that accepts only when idle,
+    for prefills with several slots. A prefill computing a batch takes a new prompt into its
     next batch, so the request waits there, out of the gateway's deadline order; with this
     filter it waits in the gateway's queue instead, and batch forwarding still sends an idle
-    prefill several requests at once. Other gateways' requests count against its slots
-    (`has_room`) but not here: the fleet's view of them lags by up to a sync, and a prefill
-    that looked busy only in that lag would lose its cache affinity."""
+    prefill several requests at once. A prefill whose slots only hold KV for decodes to pull
+    is idle (it can compute a new batch in its free slots). The fleet's view is optimistic
+    (a prefill that stops computing is announced at once); the slot lease re-checks it
+    atomically (gateway/fleet.py)."""
 
     name = "idle"
 
     def filter(self, request: RequestInfo, candidates: Candidates) -> list[InstanceLoad]:
-        return [c for c in candidates if c.own_inflight == 0]
+        return [c for c in candidates if c.computing == 0]
 
 
 class NotBusy:

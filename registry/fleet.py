@@ -54,6 +54,7 @@ __all__ = [
     "Candidate",
     "FleetStore",
     "FleetView",
+    "Freed",
     "Grant",
     "LocalFleet",
     "RedisFleet",
@@ -74,6 +75,14 @@ class Candidate(NamedTuple):
     capacity: int
 
 
+class Freed(NamedTuple):
+    """A fleet event: a slot of `instance_id` freed (`slot`), or it stopped computing
+    (``slot=False``: idle, its slots may still hold KV). An empty id: somewhere."""
+
+    instance_id: str
+    slot: bool = True
+
+
 @dataclass(frozen=True, slots=True)
 class Grant:
     """The outcome of one acquire: leases on the first candidate with room, or none."""
@@ -84,6 +93,10 @@ class Grant:
     yielded: bool = False
     # Fleet-wide used slots of the candidates examined (after this grant).
     used: Mapping[str, int] = field(default_factory=dict)
+    # Fleet-wide requests each candidate examined is computing (after this grant).
+    computing: Mapping[str, int] = field(default_factory=dict)
+    # Ms to the deadline of the most urgent request queued at another gateway (None: none).
+    others_head_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +107,10 @@ class FleetView:
     streams: Mapping[str, int]  # instance -> open streams, whole fleet
     tokens: Mapping[str, int]  # instance -> prompt tokens in flight, whole fleet
     slots: Mapping[str, int]  # instance -> leased prefill slots, whole fleet
+    # instance -> requests the prefill is computing (sent, not yet answered), whole fleet
+    computing: Mapping[str, int] = field(default_factory=dict)
+    # queue -> the other gateways' prefill-time samples published since the last sync
+    samples: Mapping[str, Sequence[str]] = field(default_factory=dict)
 
 
 class FleetStore(Protocol):
@@ -108,12 +125,21 @@ class FleetStore(Protocol):
         *,
         head_in_ms: float | None,
         next_head_in_ms: float | None,
+        idle: bool = False,
     ) -> Grant:
         """Up to `want` slot leases on the first candidate (in order) with room.
 
         `head_in_ms`: milliseconds left to the deadline of the request being placed (None:
         no deadline order); `next_head_in_ms`: the same for this queue's next request once
-        these are placed (None: the queue will be empty). Raises `RegistryUnavailable`."""
+        these are placed (None: the queue will be empty); `idle`: only a candidate that
+        computes nothing for anyone in the fleet may grant (a new lease counts as computing
+        until `computed`). Raises `RegistryUnavailable`."""
+        ...
+
+    async def computed(self, leases: Sequence[tuple[str, str]]) -> None:
+        """The prefill answered the requests of these ``(instance_id, lease_id)`` leases: it
+        no longer computes them (their slots stay leased until `release`). A prefill that
+        computes nothing more is announced to the fleet. Raises `RegistryUnavailable`."""
         ...
 
     async def release(self, leases: Sequence[tuple[str, str]]) -> None:
@@ -131,15 +157,19 @@ class FleetStore(Protocol):
         tokens: Mapping[str, int],
         heads: Mapping[str, float | None],
         instances: Sequence[str],
+        samples: Mapping[str, str] | None = None,
     ) -> FleetView:
-        """Publish this gateway's counts (absolute, per instance) and queue heads (queue ->
-        ms to the most urgent deadline, None = empty), renew its liveness, and read the
-        fleet's sums for `instances`. Raises `RegistryUnavailable`."""
+        """Publish this gateway's counts (absolute, per instance), queue heads (queue -> ms
+        to the most urgent deadline, None = empty) and new prefill-time samples (queue ->
+        one packed string), renew its liveness, and read the fleet's sums for `instances`
+        and the other gateways' samples for the queues of `heads`. Raises
+        `RegistryUnavailable`."""
         ...
 
-    def freed(self) -> AsyncIterator[str]:
-        """Instance ids whose slots another gateway just freed (best effort; ends or raises
-        `RegistryUnavailable` on failure, the caller re-subscribes)."""
+    def freed(self) -> AsyncIterator[Freed]:
+        """Prefills whose slot another gateway just freed, or that just stopped computing
+        (best effort; ends or raises `RegistryUnavailable` on failure, the caller
+        re-subscribes)."""
         ...
 
     async def aclose(self) -> None: ...
@@ -175,7 +205,10 @@ class LocalFleet:
         *,
         head_in_ms: float | None,
         next_head_in_ms: float | None,
+        idle: bool = False,
     ) -> Grant:
+        # `idle` is the caller's own rule here: alone, this process's view of what its
+        # prefills compute is exact (with a slot table, each worker knows only its own).
         used: dict[str, int] = {}
         if self._table is not None:
             index, granted = self._table.acquire(candidates, want)
@@ -198,6 +231,9 @@ class LocalFleet:
         ids = tuple(f"{self.gateway_id}:{next(self._seq)}" for _ in range(n))
         self._leases.setdefault(candidate.instance_id, set()).update(ids)
         return ids
+
+    async def computed(self, leases: Sequence[tuple[str, str]]) -> None:
+        return None
 
     async def release(self, leases: Sequence[tuple[str, str]]) -> None:
         self.release_now(leases)
@@ -224,6 +260,7 @@ class LocalFleet:
         tokens: Mapping[str, int],
         heads: Mapping[str, float | None],
         instances: Sequence[str],
+        samples: Mapping[str, str] | None = None,
     ) -> FleetView:
         return FleetView(
             1,
@@ -232,7 +269,7 @@ class LocalFleet:
             {i: len(self._leases.get(i, ())) for i in instances},
         )
 
-    async def freed(self) -> AsyncIterator[str]:
+    async def freed(self) -> AsyncIterator[Freed]:
         if self._table is None:
             await asyncio.Event().wait()  # nobody else frees slots
         # Another worker's release bumps the table's generation: a read of shared memory
@@ -243,7 +280,7 @@ class LocalFleet:
             now = self._table.generation()
             if now != last:
                 last = now
-                yield ""
+                yield Freed("")
 
     async def aclose(self) -> None:
         if self._table is not None:
@@ -254,16 +291,21 @@ class LocalFleet:
 
 # -- on Redis ------------------------------------------------------------------------------
 
-# KEYS: gw, freed_at, then per candidate: slots key.  ARGV: me, ttl_ms, window_ms,
-# tolerance_ms, want, head_in_ms (-1: none), next_head_in_ms (-1: empty), heads key,
-# lease base, n, then per candidate: instance id, capacity.
-# Returns {index of the granting candidate (0: none), yielded (0/1), used..., lease ids...}.
+# A prefill's slots are a sorted set of lease ids (score: expiry). Of those, the ones whose
+# prompt it is still computing are also in its "computing" set, from the grant until the
+# gateway saw the answer (`computed`) or gave the lease back.
+#
+# KEYS: gw, freed_at, then per candidate: slots key, computing key.  ARGV: me, ttl_ms,
+# window_ms, tolerance_ms, want, head_in_ms (-1: none), next_head_in_ms (-1: empty), heads
+# key, lease base, n, idle (0/1), then per candidate: instance id, capacity.
+# Returns {index of the granting candidate (0: none), yielded (0/1), ms to the most urgent
+# queued request at another live gateway (-1: none), used..., computing..., lease ids...}.
 _ACQUIRE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local me, ttl, window, tol = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local want, head, nxt = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-local heads_key, base, n = ARGV[8], ARGV[9], tonumber(ARGV[10])
+local heads_key, base, n, idle = ARGV[8], ARGV[9], tonumber(ARGV[10]), ARGV[11] == '1'
 redis.call('ZADD', KEYS[1], now + ttl, me)
 local function others_first(instance)
   if head < 0 then return false end
@@ -282,13 +324,24 @@ local function others_first(instance)
   end
   return false
 end
-local used, granted, yielded, ids = {}, 0, 0, {}
+local others = -1
+local head_rows = redis.call('ZRANGE', heads_key, 0, 7, 'WITHSCORES')
+for i = 1, #head_rows, 2 do
+  local gw, due = head_rows[i], tonumber(head_rows[i + 1])
+  if others < 0 and gw ~= me and due >= now then
+    if tonumber(redis.call('ZSCORE', KEYS[1], gw) or '0') >= now then others = due - now end
+  end
+end
+local used, computing, granted, yielded, ids = {}, {}, 0, 0, {}
 for i = 1, n do
-  local key, instance, cap = KEYS[2 + i], ARGV[9 + 2 * i], tonumber(ARGV[10 + 2 * i])
+  local key, busy_key = KEYS[1 + 2 * i], KEYS[2 + 2 * i]
+  local instance, cap = ARGV[10 + 2 * i], tonumber(ARGV[11 + 2 * i])
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  redis.call('ZREMRANGEBYSCORE', busy_key, '-inf', now)
   local busy = redis.call('ZCARD', key)
   used[i] = busy
-  if granted == 0 and busy < cap then
+  computing[i] = redis.call('ZCARD', busy_key)
+  if granted == 0 and busy < cap and not (idle and computing[i] > 0) then
     if others_first(instance) then
       yielded = 1
     else
@@ -296,9 +349,11 @@ for i = 1, n do
       for j = 1, k do
         local id = base .. ':' .. j
         redis.call('ZADD', key, now + ttl, id)
+        redis.call('ZADD', busy_key, now + ttl, id)
         ids[#ids + 1] = id
       end
       used[i] = busy + k
+      computing[i] = computing[i] + k
       granted = i
     end
   end
@@ -309,20 +364,44 @@ elseif granted > 0 then
   redis.call('ZREM', heads_key, me)
 end
 redis.call('PEXPIRE', heads_key, ttl * 4)
-local out = {granted, yielded}
+local out = {granted, yielded, others}
 for i = 1, n do out[#out + 1] = used[i] end
+for i = 1, n do out[#out + 1] = computing[i] end
 for i = 1, #ids do out[#out + 1] = ids[i] end
 return out
 """
 
-# KEYS: freed_at, then per lease: its slots key.  ARGV: channel, then per lease: instance, id.
+# KEYS: freed_at, then per lease: its computing key.  ARGV: channel, then per lease:
+# instance, id. A prefill left computing nothing opens the fleet's priority window and is
+# announced, as a freed slot is.
+_COMPUTED = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local told = {}
+for i = 2, #KEYS do
+  local instance, id = ARGV[2 * i - 2], ARGV[2 * i - 1]
+  if redis.call('ZREM', KEYS[i], id) == 1 and not told[instance] then
+    redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
+    if redis.call('ZCARD', KEYS[i]) == 0 then
+      told[instance] = true
+      redis.call('HSET', KEYS[1], instance, now)
+      redis.call('PUBLISH', ARGV[1], instance)
+    end
+  end
+end
+return 0
+"""
+
+# KEYS: freed_at, then per lease: its slots key, its computing key.  ARGV: channel, then per
+# lease: instance, id.
 _RELEASE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local freed = {}
-for i = 2, #KEYS do
-  local instance, id = ARGV[2 * i - 2], ARGV[2 * i - 1]
-  if redis.call('ZREM', KEYS[i], id) == 1 and not freed[instance] then
+for i = 1, (#KEYS - 1) / 2 do
+  local instance, id = ARGV[2 * i], ARGV[2 * i + 1]
+  redis.call('ZREM', KEYS[2 * i + 1], id)
+  if redis.call('ZREM', KEYS[2 * i], id) == 1 and not freed[instance] then
     freed[instance] = true
     redis.call('HSET', KEYS[1], instance, now)
     redis.call('PUBLISH', ARGV[1], instance)
@@ -331,15 +410,18 @@ end
 return 0
 """
 
-# KEYS: per instance: its slots key.  ARGV: ttl_ms, then per instance: count, ids...
+# KEYS: per instance: its slots key, its computing key.  ARGV: ttl_ms, then per instance:
+# count, ids... (XX: a lease already given back, or answered, is not brought back).
 _RENEW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl, a = tonumber(ARGV[1]), 2
-for i = 1, #KEYS do
+for i = 1, #KEYS / 2 do
   local count = tonumber(ARGV[a]); a = a + 1
   for j = 1, count do
-    redis.call('ZADD', KEYS[i], 'XX', 'GT', now + ttl, ARGV[a]); a = a + 1
+    redis.call('ZADD', KEYS[2 * i - 1], 'XX', 'GT', now + ttl, ARGV[a])
+    redis.call('ZADD', KEYS[2 * i], 'XX', 'GT', now + ttl, ARGV[a])
+    a = a + 1
   end
 end
 return 0
@@ -347,12 +429,17 @@ return 0
 
 # The per-gateway hashes never expire on their own: a live gateway's sync removes a dead one's
 # counts from the sums and then its hash, so the two cannot disagree.
-# KEYS: gw, sums (hash instance -> "streams tokens"), mine (hash, same), then per queue: heads
-# key, then per instance read: its slots key.
+# Prefill-time samples go into one stream, an entry per gateway, queue and sync, capped (a
+# few seconds of the fleet's samples): each gateway reads the others' entries, every queue's,
+# after its cursor.
+# KEYS: gw, sums (hash instance -> "streams tokens"), mine (hash, same), samples stream, then
+# per queue: heads key, then per instance read: its slots key, its computing key.
 # ARGV: me, ttl_ms, prefix of the per-gateway hashes, n_queues, n_read, n_counts, then per
 # queue: ms to its head (-1: empty); per read instance: its id; per count: instance, streams,
-# tokens.
-# Returns {live gateways, then per read instance: streams, tokens, slots}.
+# tokens; then the samples cursor ("-": from the start), then per queue: its name, its new
+# samples ("": none).
+# Returns {live gateways, then per read instance: streams, tokens, slots, computing, then the
+# new cursor, n, and n (queue, samples) pairs of the other gateways}.
 _SYNC = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -407,21 +494,47 @@ end
 for q = 1, nq do
   local due = tonumber(ARGV[6 + q])
   if due >= 0 then
-    redis.call('ZADD', KEYS[3 + q], now + due, me)
+    redis.call('ZADD', KEYS[4 + q], now + due, me)
   else
-    redis.call('ZREM', KEYS[3 + q], me)
+    redis.call('ZREM', KEYS[4 + q], me)
   end
-  redis.call('PEXPIRE', KEYS[3 + q], ttl * 4)
+  redis.call('PEXPIRE', KEYS[4 + q], ttl * 4)
 end
 local out = {redis.call('ZCARD', gw)}
 for r = 1, nr do
   local instance = ARGV[6 + nq + r]
-  local key = KEYS[3 + nq + r]
+  local key, busy_key = KEYS[3 + nq + 2 * r], KEYS[4 + nq + 2 * r]
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  redis.call('ZREMRANGEBYSCORE', busy_key, '-inf', now)
   out[#out + 1] = tonumber(redis.call('HGET', sums, instance .. '|s') or '0')
   out[#out + 1] = tonumber(redis.call('HGET', sums, instance .. '|t') or '0')
   out[#out + 1] = redis.call('ZCARD', key)
+  out[#out + 1] = redis.call('ZCARD', busy_key)
 end
+local stream, cursor = KEYS[4], ARGV[a]
+local last = cursor
+for q = 1, nq do
+  local name, new = ARGV[a + 2 * q - 1], ARGV[a + 2 * q]
+  if new ~= '' then
+    last = redis.call('XADD', stream, 'MAXLEN', '~', 1024, '*', 'g', me, 'q', name, 's', new)
+  end
+end
+redis.call('PEXPIRE', stream, ttl * 30)
+local from = '-'
+if cursor ~= '-' then from = '(' .. cursor end
+local entries = redis.call('XRANGE', stream, from, '+', 'COUNT', 1024)
+local theirs = {}
+for _, e in ipairs(entries) do
+  last = e[1]
+  local f = e[2]
+  if f[2] ~= me then
+    theirs[#theirs + 1] = f[4]
+    theirs[#theirs + 1] = f[6]
+  end
+end
+out[#out + 1] = last
+out[#out + 1] = #theirs / 2
+for _, x in ipairs(theirs) do out[#out + 1] = x end
 return out
 """
 
@@ -456,6 +569,9 @@ class RedisFleet:
         self._sums = base + "sums"
         self._mine = base + "load:" + self.gateway_id
         self._channel = base + "freed"
+        self._idle_channel = base + "idle"
+        self._samples = base + "samples"
+        self._cursor = "-"  # the last samples entry read
         self._seq = itertools.count()
         common: dict[str, Any] = {
             "socket_timeout": connect_timeout_s,
@@ -467,6 +583,7 @@ class RedisFleet:
         )
         self._sub_client = Redis.from_url(url, retry=Retry(NoBackoff(), 0), **common)
         self._acquire = self._client.register_script(_ACQUIRE)
+        self._computed = self._client.register_script(_COMPUTED)
         self._release = self._client.register_script(_RELEASE)
         self._renew = self._client.register_script(_RENEW)
         self._sync = self._client.register_script(_SYNC)
@@ -477,6 +594,9 @@ class RedisFleet:
 
     def _slots(self, instance_id: str) -> str:
         return f"{self._base}slots:{instance_id}"
+
+    def _computing(self, instance_id: str) -> str:
+        return f"{self._base}computing:{instance_id}"
 
     def _heads(self, queue: str) -> str:
         return f"{self._base}heads:{queue}"
@@ -492,6 +612,7 @@ class RedisFleet:
         *,
         head_in_ms: float | None,
         next_head_in_ms: float | None,
+        idle: bool = False,
     ) -> Grant:
         if not candidates or want <= 0:
             return Grant(None)
@@ -506,27 +627,50 @@ class RedisFleet:
             self._heads(queue),
             f"{self.gateway_id}:{next(self._seq)}",
             len(candidates),
+            1 if idle else 0,
         ]
+        keys = [self._gw, self._freed_at]
         for c in candidates:
             args += [c.instance_id, c.capacity]
-        keys = [self._gw, self._freed_at, *(self._slots(c.instance_id) for c in candidates)]
+            keys += [self._slots(c.instance_id), self._computing(c.instance_id)]
         try:
             out = await self._acquire(keys=keys, args=args)
         except _ERRORS as exc:
             raise self._unavailable("acquire", exc) from exc
-        chosen, yielded = int(out[0]), bool(out[1])
+        chosen, yielded, others = int(out[0]), bool(out[1]), int(out[2])
         n = len(candidates)
-        used = {c.instance_id: int(out[2 + i]) for i, c in enumerate(candidates)}
-        ids = tuple(x.decode() if isinstance(x, bytes) else str(x) for x in out[2 + n :])
+        used = {c.instance_id: int(out[3 + i]) for i, c in enumerate(candidates)}
+        computing = {c.instance_id: int(out[3 + n + i]) for i, c in enumerate(candidates)}
+        ids = tuple(_text(x) for x in out[3 + 2 * n :])
         instance = candidates[chosen - 1].instance_id if chosen else None
-        return Grant(instance, ids, yielded=yielded, used=used)
+        return Grant(
+            instance,
+            ids,
+            yielded=yielded,
+            used=used,
+            computing=computing,
+            others_head_ms=None if others < 0 else float(others),
+        )
+
+    async def computed(self, leases: Sequence[tuple[str, str]]) -> None:
+        if not leases:
+            return
+        keys = [self._freed_at, *(self._computing(i) for i, _ in leases)]
+        args: list[Any] = [self._idle_channel]
+        for instance_id, lease_id in leases:
+            args += [instance_id, lease_id]
+        try:
+            await self._computed(keys=keys, args=args)
+        except _ERRORS as exc:
+            raise self._unavailable("computed", exc) from exc
 
     async def release(self, leases: Sequence[tuple[str, str]]) -> None:
         if not leases:
             return
-        keys = [self._freed_at, *(self._slots(i) for i, _ in leases)]
+        keys = [self._freed_at]
         args: list[Any] = [self._channel]
         for instance_id, lease_id in leases:
+            keys += [self._slots(instance_id), self._computing(instance_id)]
             args += [instance_id, lease_id]
         try:
             await self._release(keys=keys, args=args)
@@ -541,7 +685,8 @@ class RedisFleet:
         for ids in held.values():
             args += [len(ids), *ids]
         try:
-            await self._renew(keys=[self._slots(i) for i in held], args=args)
+            keys = [k for i in held for k in (self._slots(i), self._computing(i))]
+            await self._renew(keys=keys, args=args)
         except _ERRORS as exc:
             raise self._unavailable("renew", exc) from exc
 
@@ -551,6 +696,7 @@ class RedisFleet:
         tokens: Mapping[str, int],
         heads: Mapping[str, float | None],
         instances: Sequence[str],
+        samples: Mapping[str, str] | None = None,
     ) -> FleetView:
         queues = list(heads)
         counts = sorted(set(streams) | set(tokens))
@@ -558,8 +704,9 @@ class RedisFleet:
             self._gw,
             self._sums,
             self._mine,
+            self._samples,
             *(self._heads(q) for q in queues),
-            *(self._slots(i) for i in instances),
+            *(k for i in instances for k in (self._slots(i), self._computing(i))),
         ]
         args: list[Any] = [
             self.gateway_id,
@@ -575,6 +722,9 @@ class RedisFleet:
         args += list(instances)
         for i in counts:
             args += [i, int(streams.get(i, 0)), int(tokens.get(i, 0))]
+        args.append(self._cursor)
+        for q in queues:
+            args += [q, (samples or {}).get(q, "")]
         try:
             out = await self._sync(keys=keys, args=args)
         except _ERRORS as exc:
@@ -582,18 +732,26 @@ class RedisFleet:
         view_streams: dict[str, int] = {}
         view_tokens: dict[str, int] = {}
         view_slots: dict[str, int] = {}
+        view_computing: dict[str, int] = {}
         for r, instance in enumerate(instances):
-            s, k, used = out[1 + 3 * r : 4 + 3 * r]
+            s, k, used, computing = out[1 + 4 * r : 5 + 4 * r]
             view_streams[instance] = max(0, int(s))
             view_tokens[instance] = max(0, int(k))
             view_slots[instance] = int(used)
-        return FleetView(int(out[0]), view_streams, view_tokens, view_slots)
+            view_computing[instance] = int(computing)
+        theirs: dict[str, list[str]] = {}
+        at = 1 + 4 * len(instances)
+        self._cursor = _text(out[at])
+        for k in range(int(out[at + 1])):
+            queue, packed = _text(out[at + 2 + 2 * k]), _text(out[at + 3 + 2 * k])
+            theirs.setdefault(queue, []).append(packed)
+        return FleetView(int(out[0]), view_streams, view_tokens, view_slots, view_computing, theirs)
 
-    async def freed(self) -> AsyncIterator[str]:
+    async def freed(self) -> AsyncIterator[Freed]:
         pubsub = self._sub_client.pubsub()
         try:
             try:
-                await pubsub.subscribe(self._channel)
+                await pubsub.subscribe(self._channel, self._idle_channel)
             except _ERRORS as exc:
                 raise self._unavailable("subscribe", exc) from exc
             loop = asyncio.get_running_loop()
@@ -617,8 +775,8 @@ class RedisFleet:
                     continue
                 heard = loop.time()
                 if msg.get("type") == "message":
-                    data = msg["data"]
-                    yield data.decode() if isinstance(data, bytes) else str(data)
+                    channel = _text(msg.get("channel", b""))
+                    yield Freed(_text(msg["data"]), slot=channel != self._idle_channel)
         finally:
             with contextlib.suppress(*_ERRORS):
                 await pubsub.aclose()  # type: ignore[no-untyped-call]
@@ -631,3 +789,7 @@ class RedisFleet:
         for client in (self._sub_client, self._client):
             with contextlib.suppress(*_ERRORS):
                 await client.aclose()
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -25,7 +25,7 @@ class LeastSSE:
         kept = [
             c
             for c in candidates
-            if not c.ejected and not c.busy and c.inflight < c.capacity and c.own_inflight == 0
+            if not c.ejected and not c.busy and c.inflight < c.capacity and c.computing == 0
         ]
         return sorted(kept, key=lambda c: (c.open_streams, c.inflight, c.id))
 

@@ -62,6 +62,9 @@ def parse_gateway_metrics(text: str) -> Counters:
                 "pdgate_prefill_rejections_count",
             ):
                 out[sample.name.removeprefix("pdgate_")] = sample.value
+            elif sample.name in ("pdgate_fleet_calls_total", "pdgate_fleet_call_seconds_total"):
+                kind = "calls" if sample.name == "pdgate_fleet_calls_total" else "seconds"
+                out[f"fleet_{kind}_{sample.labels['op']}"] = sample.value
     return out
 
 

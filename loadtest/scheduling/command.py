@@ -154,7 +154,12 @@ def configure(s: argparse.ArgumentParser) -> None:
         help="the prompts (default mix: chat, code, agent, doc)",
     )
     s.add_argument("--prefills", type=int, help="prefill instances (default 8)")
-    s.add_argument("--prefill-slots", type=_positive, help="batch slots per prefill (default 1)")
+    s.add_argument(
+        "--prefill-slots",
+        type=_positives,
+        help="batch slots per prefill, comma-separated counts (e.g. 1,4,8: rows MODE/sK for "
+        "each); default 1",
+    )
     s.add_argument("--decodes", type=int, help="decode instances (default 1)")
     s.add_argument(
         "--batch-forwarding",
@@ -275,7 +280,9 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         )
     shape = {k: getattr(args, k) for k in ("prefills", "decodes") if getattr(args, k) is not None}
     if args.prefill_slots is not None:
-        shape["prefill_capacity"] = args.prefill_slots
+        shape["prefill_capacity"] = args.prefill_slots[0]
+        if len(args.prefill_slots) > 1:
+            plan = replace(plan, prefill_slots=tuple(args.prefill_slots))
     if shape:
         plan = replace(plan, spec=replace(plan.spec, **shape))
     timing, calibration = plan.timing, plan.calibration_timing
@@ -314,11 +321,16 @@ def describe(plan: Plan) -> str:
         if len(plan.gateways) == 1
         else f"{', '.join(map(str, plan.gateways))} gateways (rows /gN)"
     )
+    slots = (
+        f"{', '.join(map(str, plan.prefill_slots))} (rows /sK)"
+        if len(plan.prefill_slots) > 1
+        else str(spec.prefill_capacity)
+    )
     bf = {(): "", (True,): "; batch forwarding on", (False,): "; batch forwarding off"}.get(
         plan.batch_forwarding, "; batch forwarding on (+bf) and off (-bf)"
     )
     return (
-        f"{gateways}, {spec.prefills} prefill(s) x {spec.prefill_capacity} "
+        f"{gateways}, {spec.prefills} prefill(s) x {slots} "
         f"slot(s), {spec.decodes} decode(s) x {spec.decode_capacity}, sim {spec.sim_profile}, "
         f"prefix cache {spec.prefix_cache_blocks} blocks/prefill{bf}; {deployed}"
     )

@@ -78,11 +78,12 @@ class Series:
     a number of gateways."""
 
     # The mode's name, then, where the plan compares several: "+bf" / "-bf" (batch
-    # forwarding on / off), "@deploy", "/gN" (N gateways).
+    # forwarding on / off), "@deploy", "/sK" (K slots a prefill), "/gN" (N gateways).
     name: str
     mode: Mode
     deploy: str
     gateways: int = 1
+    prefill_slots: int | None = None  # None: the cluster spec's
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,8 @@ class Plan:
         default_factory=lambda: RouterOptions(retries=20, retry_initial_ms=25, retry_max_ms=500)
     )
     gateways: tuple[int, ...] = (1,)  # gateways per cluster: one set of series per count
+    # Batch slots per prefill: one set of series per count (empty: the spec's only).
+    prefill_slots: tuple[int, ...] = ()
     # GatewaySettings.batch_forwarding of the queued modes: () leaves the gateway's default;
     # (True, False) runs each such mode twice (the ablation).
     batch_forwarding: tuple[bool, ...] = ()
@@ -118,6 +121,8 @@ class Plan:
             raise ValueError("a plan needs at least one seed, mode, deployment and load")
         if not self.gateways or min(self.gateways) < 1:
             raise ValueError("gateway counts must be at least 1")
+        if self.prefill_slots and min(self.prefill_slots) < 1:
+            raise ValueError("prefill slot counts must be at least 1")
         if "inprocess" in self.deploys and max(self.gateways) > 1:
             raise ValueError(f"--gateways above 1 needs --deploy processes: {INPROCESS_FLEET}")
         if self.arrivals.open and self.capacity.how == "off":
@@ -148,6 +153,7 @@ class Plan:
         gateway counts. Batch forwarding is only varied where the gateway queues (not for
         the baseline's direct dispatch nor behind another router): those run once."""
         deploys, gateways = len(self.deploys) > 1, len(self.gateways) > 1
+        slots: tuple[int | None, ...] = self.prefill_slots or (None,)
         ablation = len(self.batch_forwarding) > 1
         out: list[Series] = []
         for m in self.modes:
@@ -162,9 +168,12 @@ class Plan:
                 ]
             for mode, suffix in variants:
                 for d in self.deploys:
-                    for n in self.gateways:
-                        name = m.name + suffix + (f"@{d}" if deploys else "")
-                        out.append(Series(name + (f"/g{n}" if gateways else ""), mode, d, n))
+                    for k in slots:
+                        for n in self.gateways:
+                            name = m.name + suffix + (f"@{d}" if deploys else "")
+                            name += f"/s{k}" if len(slots) > 1 else ""
+                            name += f"/g{n}" if gateways else ""
+                            out.append(Series(name, mode, d, n, k))
         return out
 
     def check(self) -> None:
@@ -245,6 +254,11 @@ def _describe_point(name: str, point: Point) -> str:
     extra = ""
     if len(s.success_by_gateway) > 1:
         extra += " per-gateway=" + "/".join(f"{v:.0%}" for v in s.success_by_gateway.values())
+    if not math.isnan(point.fleet_calls_per_request):
+        extra += (
+            f" redis={point.fleet_calls_per_request:.2f}/req"
+            f" acquire={point.fleet_ms('acquire'):.2f}ms"
+        )
     if s.success_by_tenant:
         extra += " tenants=" + "/".join(f"{k}:{v:.0%}" for k, v in s.success_by_tenant.items())
     if point.arrivals != "closed":
@@ -280,6 +294,8 @@ async def _drive(
     mode = series.mode
     workload = plan.workload_for(seed)
     spec = replace(plan.spec, gateways=series.gateways)
+    if series.prefill_slots is not None:
+        spec = replace(spec, prefill_capacity=series.prefill_slots)
     points: list[Point] = []
     async with contextlib.AsyncExitStack() as stack:
         cluster = await stack.enter_async_context(open_cluster(spec, mode, series.deploy))

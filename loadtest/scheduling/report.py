@@ -106,7 +106,7 @@ def summary_json(result: Result) -> dict[str, Any]:
         "base_users": result.base_users,
         "workload": plan.workload,
         "arrivals": plan.arrivals.kind,
-        "prefill_slots": plan.spec.prefill_capacity,
+        "prefill_slots": list(plan.prefill_slots) or plan.spec.prefill_capacity,
         "batch_forwarding": _batch_forwarding(plan.batch_forwarding),
         "capacity": None if result.capacity is None else result.capacity.as_json(),
         "load_fraction": result.load_fraction(),
@@ -115,6 +115,8 @@ def summary_json(result: Result) -> dict[str, Any]:
         "offered_rps": result.metric("offered_rps"),
         "rejections_per_request": result.metric("prefill_429s_per_request"),
         "retries_per_request": result.metric("retries_per_request"),
+        "fleet_calls_per_request": result.metric("fleet_calls_per_request"),
+        "fleet_acquire_ms": result.metric("fleet_acquire_ms"),
     }
     if plan.arrivals.open:
         cap = result.capacity

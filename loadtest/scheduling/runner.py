@@ -62,6 +62,10 @@ class Holds:
         return cls(after.max_s, after.over_5s - before.over_5s, after.held)
 
 
+# The fleet's Redis calls a request makes (gateway/fleet.py); the others are periodic.
+_PER_REQUEST_OPS = ("acquire", "computed", "release")
+
+
 @dataclass(frozen=True, slots=True)
 class Point:
     mode: str
@@ -107,6 +111,21 @@ class Point:
         n = self.summary.requests
         return self.rejections_429 / n if n else math.nan
 
+    @property
+    def fleet_calls_per_request(self) -> float:
+        """The gateways' calls to the fleet's Redis that requests make (acquire, computed,
+        release) per request issued in the window; the periodic sync and renewal are per
+        gateway and second, not per request. NaN where none were made (one gateway alone
+        counts the slots of queue-less prefills itself)."""
+        n = self.summary.requests
+        calls = sum(self.counters.get(f"fleet_calls_{op}", 0.0) for op in _PER_REQUEST_OPS)
+        return calls / n if n and calls else math.nan
+
+    def fleet_ms(self, op: str) -> float:
+        """Mean milliseconds of one fleet call of `op` in the window (NaN: none made)."""
+        calls = self.counters.get(f"fleet_calls_{op}", 0.0)
+        return 1000 * self.counters.get(f"fleet_seconds_{op}", 0.0) / calls if calls else math.nan
+
     def row(self) -> dict[str, Any]:
         s = self.summary
         return {
@@ -130,6 +149,8 @@ class Point:
             "host_cpu_cores": self.host_cpu,
             "loop_lag_p99_ms": self.loop_lag.get("lag_p99_ms", math.nan),
             "gateway_cpu_cores": self.gateway_cpu,
+            "fleet_calls_per_request": self.fleet_calls_per_request,
+            "fleet_acquire_ms": self.fleet_ms("acquire"),
             "kv_hold_max_s": self.holds.max_s,
             "kv_hold_over_5s": self.holds.over_5s,
             "kv_stranded": self.holds.stranded,

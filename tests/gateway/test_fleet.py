@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests._cluster import (
     SIM_MODEL,
@@ -166,3 +167,94 @@ def test_a_gateway_that_loses_redis_keeps_serving_from_its_own_view(
         timeout=5,
         what="fleet state recovered",
     )
+
+
+# -- prefills with several slots: the fleet acts as one scheduler -------------------------
+
+A100 = ("--sim-profile", "llama-3.1-8b-a100")  # about 0.2 ms a prompt token: time to look
+
+
+def _multi_slot_cluster(processes: Processes, **gateway_env: str) -> tuple[list[str], list[str]]:
+    """Two prefills of 4 slots and a decode behind two gateways."""
+    for _ in range(2):
+        processes.shim("prefill", "--capacity", "4", *A100)
+    processes.shim("decode", "--capacity", "64", *A100)
+    urls = [
+        processes.gateway(env={**FLEET, "PDGATE_GATEWAY_GATEWAY_ID": f"gw{i}", **gateway_env})
+        for i in range(2)
+    ]
+    for u in urls:
+        wait_instances(u, 3)
+    return urls, instance_urls(urls[0], "prefill")
+
+
+def _words(n: int, seed: str) -> str:
+    return " ".join(f"{seed}{i % 97}" for i in range(n))
+
+
+def test_a_gateway_does_not_send_into_a_batch_another_gateway_computes_while_one_idles(
+    processes: Processes,
+) -> None:
+    """With four slots, the prefill computing gateway 0's long prompt still has room, and
+    prefix hashing rates it first for gateway 1's request of the same prefix; counting only
+    its own requests, gateway 1 sent it there to wait a whole batch inside the prefill while
+    the other prefill idled."""
+    urls, prefills = _multi_slot_cluster(processes, PDGATE_GATEWAY_PREFILL_POLICY="affinity_sse")
+    prefix = "You are the support desk of ACME Corp; answer in one line. " * 6
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        # ~6,000 prompt tokens: about 1.3 s of prefill on the A100 profile.
+        long = pool.submit(_post, urls[0], prefix + _words(6000, "doc"))
+
+        def computing() -> str | None:
+            return next((u for u in prefills if shim_load(u)["running"]), None)
+
+        wait_for(lambda: computing() is not None, timeout=5, what="gateway 0's prefill starts")
+        busy_url = computing()
+        time.sleep(0.1)  # a fleet sync or two: the old code's view had it by then
+        short = _post(urls[1], prefix + "Where is my order?")
+        assert short.status_code == 200, short.text
+        assert not long.done()  # it came back before the batch it would have waited for
+        assert long.result().status_code == 200
+    rows = instances_by_id(urls[1]).values()
+    busy = next(r["id"] for r in rows if r["url"] == busy_url)
+    assert short.headers["x-pdgate-prefill"] != busy
+    assert instances_by_id(urls[1])[busy]["accepted"] == 0
+    # What it cost: each gateway took its slots in one call and told the fleet its prefill
+    # answered in another (its release and syncs aside).
+    for url in urls:
+        calls = _fleet_calls(url)
+        assert calls["acquire"] == 1 and calls["computed"] == 1, calls
+
+
+def _fleet_calls(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return {
+        s.labels["op"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "pdgate_fleet_calls_total"
+    }
+
+
+def test_every_gateway_learns_prefill_times_from_the_whole_fleets_calls(
+    processes: Processes,
+) -> None:
+    """Early drop's estimates are the fleet's: a gateway that never sent a prompt of this
+    length drops one that cannot make its deadline at once, as the gateway that sent them
+    does, instead of trying it until the deadline passes."""
+    urls, _ = _multi_slot_cluster(processes)
+    # ~2,000 tokens a prompt: about 0.4 s each; 20 of them, sent through gateway 0 only.
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        jobs = [pool.submit(_post, urls[0], _words(2000, f"w{i}x")) for i in range(20)]
+        assert [j.result().status_code for j in jobs] == [200] * 20
+    time.sleep(0.3)  # a few fleet syncs
+    hopeless = {"x-pdgate-ttft-timeout-ms": "150"}
+    answers = []
+    for url in urls:
+        sent = sum(r["accepted"] for r in instances_by_id(url).values())
+        resp = _post(url, _words(2000, "late"), **hopeless)
+        answers.append((resp.status_code, resp.json()["error"]["message"]))
+        # Dropped before any prefill was tried, not tried until the deadline passed.
+        assert sum(r["accepted"] for r in instances_by_id(url).values()) == sent, answers
+    assert answers[0] == answers[1]
+    assert answers[0][0] == 503 and "cannot be prefilled before" in answers[0][1], answers

@@ -221,20 +221,24 @@ async def test_batch_forwarding_spreads_a_backlog_over_the_prefills_with_room() 
 
 
 async def test_the_idle_filter_keeps_requests_queued_until_a_prefill_is_idle() -> None:
-    upstream = MockUpstream(FakeCluster())
+    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.3))
     tracker = tracker_for([4])
     idle = load_policy("least_sse", {"filters": ["not_ejected", "not_busy", "has_room", "idle"]})
     fwd, _, background = forwarder(upstream, tracker, policy=idle)
-    first = await fwd.acquire(waiter(0))
+    first_task = asyncio.ensure_future(fwd.acquire(waiter(0)))
+    await asyncio.sleep(0.05)
     second = asyncio.ensure_future(fwd.acquire(waiter(1)))
-    await asyncio.sleep(0.2)
-    # The prefill has three free slots but is computing (its KV not yet taken): the second
-    # request waits in the gateway's queue, not in the prefill's next batch.
+    await asyncio.sleep(0.1)
+    # The prefill has three free slots but is computing the first prompt: the second request
+    # waits in the gateway's queue, not in the prefill's next batch.
     assert not second.done()
     assert [c.leg for c in upstream.calls] == ["prefill"]
-    first.close()
+    first = await asyncio.wait_for(first_task, 5)
+    # Answered, the first request's slot still holds its KV (no decode took it), but the
+    # prefill computes nothing: the second goes into a free slot at once.
     (await asyncio.wait_for(second, 5)).close()
     assert [c.leg for c in upstream.calls].count("prefill") == 2
+    first.close()
     await eventually(lambda: tracker.totals() == (0, 0))
     await fwd.close()
     await background.aclose()
@@ -260,3 +264,44 @@ async def test_a_batch_ends_where_it_would_make_a_member_late() -> None:
     await eventually(lambda: tracker.totals() == (0, 0))
     await fwd.close()
     await background.aclose()
+
+
+async def test_a_prompt_in_a_batch_is_timed_at_its_share_of_the_batch() -> None:
+    """Every answer of a batch comes when the prefill has computed all of it: timed whole,
+    four short prompts batched together each looked four times as slow as it is, and early
+    drop refused the next ones as hopeless."""
+    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.2))
+    tracker = tracker_for([4])
+    fwd, _, background = batching_forwarder(upstream, tracker)
+    grants = await asyncio.gather(*(fwd.acquire(waiter(i, prompt=f"prompt {i}")) for i in range(4)))
+    assert [len(b) for b in upstream.batches] == [4]
+    recorded = fwd.prefill_times.take_new()
+    assert [chars for chars, _ in recorded] == [len("prompt 0")] * 4
+    assert all(0.04 < seconds < 0.1 for _, seconds in recorded), recorded  # 0.2 s / 4
+    for g in grants:
+        g.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()
+
+
+async def test_what_one_gateway_measured_another_estimates_with() -> None:
+    upstream = MockUpstream(FakeCluster())
+    here, _, bg1 = forwarder(upstream, tracker_for([1]))
+    there, _, bg2 = forwarder(upstream, tracker_for([1]))
+    for i in range(20):
+        here.prefill_times.record(1000 + i, 0.5)
+        here.compute_times.record(800, 0.4)
+        here.prefill_times.record_handover(0.05)
+    packed = here.samples_out()
+    assert here.samples_out() == ""  # each sample is shared once
+    there.samples_in([packed, "x 1 2;p nonsense;p 5"])  # another version's extras skipped
+    for times in ("prefill_times", "compute_times"):
+        mine, theirs = getattr(here, times), getattr(there, times)
+        assert theirs.estimate_s(1000) == mine.estimate_s(1000) is not None
+    assert there.prefill_times.handover_s() == here.prefill_times.handover_s() == 0.05
+    assert there.prefill_times.hopeless(1000, 0.4) and not there.prefill_times.hopeless(1000, 1)
+    assert there.samples_out() == ""  # what came from the fleet is not sent back to it
+    for fwd, bg in ((here, bg1), (there, bg2)):
+        await fwd.close()
+        await bg.aclose()

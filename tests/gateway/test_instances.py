@@ -87,14 +87,14 @@ async def test_a_snapshot_carries_every_count_in_its_own_field() -> None:
     record = InstanceRecord(id="p", role=Role.PREFILL, url="http://p", model="m",
                             capacity=8, group="g")  # fmt: skip
     t.update_membership({"p": record})
-    held = [t.begin("p"), t.begin("p"), t.open_stream("p"), t.work("p", 120)]
-    t.set_others({"p": 5}, {"p": 300}, {"p": 3})
+    held = [t.begin("p"), t.begin("p"), t.open_stream("p"), t.work("p", 120), t.computing("p")]
+    t.set_others({"p": 5}, {"p": 300}, {"p": 3}, {"p": 2})
     t.rejected("p")
     (load,) = t.loads(Role.PREFILL, "m", "g")
     assert load._asdict() == {
         "id": "p", "url": "http://p", "group": "g", "capacity": 8, "open_streams": 6,
         "inflight": 5, "busy": True, "role": Role.PREFILL, "inflight_tokens": 420,
-        "ejected": False, "own_inflight": 2,
+        "ejected": False, "own_inflight": 2, "computing": 3,
     }  # fmt: skip
     t.eject("p", until=time.monotonic() + 60)
     (load,) = t.loads(Role.PREFILL, None)

@@ -189,13 +189,14 @@ def test_plugins_and_whole_policies_load_from_a_dotted_path() -> None:
         load_policy("pdgate.policies.pickers:MaxScore")  # a picker is not a whole policy
 
 
-def test_idle_keeps_a_prefill_only_other_gateways_use_and_drops_one_we_use() -> None:
-    """Other gateways' requests count against the slots (has_room), not against idleness:
-    the fleet's view of them lags a sync behind, and a prefill busy only in that lag would
-    lose its prefix affinity."""
+def test_idle_drops_a_prefill_computing_for_any_gateway_and_keeps_one_holding_kv() -> None:
+    """A prefill computing a batch, ours or another gateway's, would take a new prompt into
+    its next batch (a queue inside it); one whose slots only hold KV for decodes to pull
+    computes nothing and can start a new batch in its free slots."""
     idle = FILTERS["idle"]()
-    ours = inst("ours", inflight=1)._replace(own_inflight=1)
-    theirs = inst("theirs", inflight=2)  # both of them another gateway's
+    ours = inst("ours", inflight=1)._replace(own_inflight=1, computing=1)
+    theirs = inst("theirs", inflight=2)._replace(computing=2)  # another gateway's batch
+    holding = inst("holding", inflight=3)._replace(own_inflight=1)  # answered, KV not taken
     free = inst("free")
-    kept = idle.filter(RequestInfo("m", None, "p", 1, 4), [ours, theirs, free])
-    assert ids(kept) == ["theirs", "free"]
+    kept = idle.filter(RequestInfo("m", None, "p", 1, 4), [ours, theirs, holding, free])
+    assert ids(kept) == ["holding", "free"]

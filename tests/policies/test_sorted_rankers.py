@@ -32,7 +32,8 @@ def _loads() -> list[InstanceLoad]:
     ):
         load = InstanceLoad(id=f"i{n:03d}", url="u", group="g", capacity=capacity,
                             open_streams=streams, inflight=inflight, busy=busy,
-                            ejected=ejected, own_inflight=min(own, inflight))  # fmt: skip
+                            ejected=ejected, own_inflight=min(own, inflight),
+                            computing=min(own, inflight))  # fmt: skip
         out.append(load)
     return out
 

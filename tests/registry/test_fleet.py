@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from pdgate.registry.fleet import Candidate, LocalFleet, RedisFleet
+from pdgate.registry.fleet import Candidate, Freed, LocalFleet, RedisFleet
 
 P = [Candidate("p0", 2), Candidate("p1", 1)]
 
@@ -39,20 +39,86 @@ async def test_leases_never_exceed_a_slot_count_across_gateways(fleet) -> None: 
     assert g4.instance_id == "p0"
 
 
-async def test_a_release_is_announced_to_every_gateway(fleet) -> None:  # type: ignore[no-untyped-def]
-    a, b = fleet(gateway_id="a"), fleet(gateway_id="b")
-    grant = await a.acquire("m|", P, 1, head_in_ms=None, next_head_in_ms=None)
-    heard: asyncio.Queue[str] = asyncio.Queue()
+async def _listen(store: RedisFleet) -> tuple[asyncio.Queue[Freed], asyncio.Task[None]]:
+    """What `store` hears of the fleet, once it is subscribed."""
+    heard: asyncio.Queue[Freed] = asyncio.Queue()
 
     async def listen() -> None:
-        async for instance in b.freed():
-            await heard.put(instance)
+        async for event in store.freed():
+            await heard.put(event)
 
     task = asyncio.create_task(listen())
     await asyncio.sleep(0.2)  # subscribed
+    return heard, task
+
+
+async def test_a_release_is_announced_to_every_gateway(fleet) -> None:  # type: ignore[no-untyped-def]
+    a, b = fleet(gateway_id="a"), fleet(gateway_id="b")
+    grant = await a.acquire("m|", P, 1, head_in_ms=None, next_head_in_ms=None)
+    heard, task = await _listen(b)
     await a.release([("p0", grant.lease_ids[0])])
-    assert await asyncio.wait_for(heard.get(), 2) == "p0"
+    assert await asyncio.wait_for(heard.get(), 2) == Freed("p0", slot=True)
     task.cancel()
+
+
+async def test_an_idle_acquire_skips_a_prefill_another_gateway_computes_at(fleet) -> None:  # type: ignore[no-untyped-def]
+    """What a prefill computes, and for whom, is known fleet-wide in the same step that
+    takes its slots: gateway b never sends into a batch gateway a's requests compute."""
+    a, b = fleet(gateway_id="a"), fleet(gateway_id="b")
+    big = [Candidate("p0", 8), Candidate("p1", 8)]
+    g1 = await a.acquire("m|", big, 2, head_in_ms=None, next_head_in_ms=None, idle=True)
+    assert g1.instance_id == "p0" and g1.computing["p0"] == 2
+    # p0 has six free slots, but computes a's batch: b goes to the idle p1.
+    g2 = await b.acquire("m|", big, 1, head_in_ms=None, next_head_in_ms=None, idle=True)
+    assert g2.instance_id == "p1" and g2.computing == {"p0": 2, "p1": 1}
+    # Without the idle rule, free slots are enough.
+    g3 = await b.acquire("m|", big, 1, head_in_ms=None, next_head_in_ms=None)
+    assert g3.instance_id == "p0"
+    await b.release([("p0", g3.lease_ids[0])])
+    # Answered, the slots still hold KV (leased) but p0 is idle again: b may use it.
+    await a.computed([("p0", x) for x in g1.lease_ids])
+    g4 = await b.acquire("m|", big[:1], 1, head_in_ms=None, next_head_in_ms=None, idle=True)
+    assert g4.instance_id == "p0" and g4.used["p0"] == 3 and g4.computing["p0"] == 1
+
+
+async def test_a_prefill_that_stops_computing_is_announced(fleet) -> None:  # type: ignore[no-untyped-def]
+    a, b = fleet(gateway_id="a"), fleet(gateway_id="b")
+    grant = await a.acquire("m|", P, 2, head_in_ms=None, next_head_in_ms=None, idle=True)
+    heard, task = await _listen(b)
+    await a.computed([("p0", grant.lease_ids[0])])  # one of two answered: still computing
+    await a.computed([("p0", grant.lease_ids[1])])
+    assert await asyncio.wait_for(heard.get(), 2) == Freed("p0", slot=False)
+    assert heard.empty()
+    task.cancel()
+
+
+async def test_a_sync_reads_what_each_prefill_computes(fleet) -> None:  # type: ignore[no-untyped-def]
+    a, b = fleet(gateway_id="a"), fleet(gateway_id="b")
+    grant = await a.acquire("m|", P, 2, head_in_ms=None, next_head_in_ms=None, idle=True)
+    view = await b.sync({}, {}, {}, ["p0", "p1"])
+    assert view.computing == {"p0": 2, "p1": 0} and view.slots == {"p0": 2, "p1": 0}
+    await a.release([("p0", grant.lease_ids[0])])  # a release ends its computing too
+    view = await b.sync({}, {}, {}, ["p0", "p1"])
+    assert view.computing == {"p0": 1, "p1": 0} and view.slots == {"p0": 1, "p1": 0}
+
+
+async def test_prefill_time_samples_reach_the_other_gateways_once(fleet) -> None:  # type: ignore[no-untyped-def]
+    a, b, c = fleet(gateway_id="a"), fleet(gateway_id="b"), fleet(gateway_id="c")
+    heads = {"m|": None, "n|": None}
+    await a.sync({}, {}, heads, [], {"m|": "p 100 0.5"})
+    await b.sync({}, {}, heads, [], {"m|": "p 200 0.7", "n|": "c 9 0.1"})
+    # c joins late and still gets what was shared before it (a warm start), of every queue,
+    # its own included or not.
+    view = await c.sync({}, {}, {}, [])
+    assert {q: sorted(x) for q, x in view.samples.items()} == {
+        "m|": ["p 100 0.5", "p 200 0.7"],
+        "n|": ["c 9 0.1"],
+    }
+    # Each gateway gets only the others' samples, and each sample once.
+    view = await a.sync({}, {}, heads, [])
+    assert {q: list(x) for q, x in view.samples.items()} == {"m|": ["p 200 0.7"], "n|": ["c 9 0.1"]}
+    assert (await a.sync({}, {}, heads, [])).samples == {}
+    assert (await c.sync({}, {}, heads, [])).samples == {}
 
 
 async def test_a_dead_gateways_leases_and_counts_vanish_within_its_ttl(fleet) -> None:  # type: ignore[no-untyped-def]

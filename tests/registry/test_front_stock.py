@@ -147,7 +147,8 @@ def test_queueless_rule_holds_for_a_queueing_static_prefill(
     procs: list[Subprocess], servers: list[StockServer], model: str, capacity: int, clients: int
 ) -> None:
     """The stock server would take every request at once (it never refuses): the gateway
-    keeps it to its declared slots, in full batches of single calls."""
+    keeps it to its declared slots, in batches of single calls (a new batch as soon as it
+    computes nothing, into the slots the last one's KV has left)."""
     prefill, decode = _pair(servers, model, prefill_s=0.2)
     args = ["gateway", "--port", "0", "--prefill", f"{prefill.url} capacity={capacity}"]
     url = gateway_url(start(procs, [*args, "--decode", decode.url], PROBES))
@@ -156,7 +157,7 @@ def test_queueless_rule_holds_for_a_queueing_static_prefill(
     # A stock server declares no pdgate extension: never a batch call, only vLLM's handshake.
     assert stats["not_found"] == {}
     assert stats["prefill_legs"] == clients
-    assert stats["prefill_max"] == capacity
+    assert min(capacity, 2) <= stats["prefill_max"] <= capacity
 
 
 def test_queueless_rule_holds_across_two_gateways_on_one_redis(

@@ -170,3 +170,21 @@ def test_levels_as_multiples_of_a_or_shares_of_capacity() -> None:
     with pytest.raises(ValueError, match="positive"):
         Plan(load_fractions=(0.0,))
     assert command.plan_from_args(_args("--load-fractions=0.5,2")).load_fractions == (0.5, 2.0)
+
+
+def test_several_prefill_slot_counts_are_series_of_their_own() -> None:
+    plan = command.plan_from_args(
+        _args("--prefill-slots=1,4,8", "--gateways=1,2", "--deploy=processes", "--modes=least_sse")
+    )
+    assert plan.prefill_slots == (1, 4, 8)
+    assert [(s.name, s.prefill_slots, s.gateways) for s in plan.series()] == [
+        ("least_sse/s1/g1", 1, 1), ("least_sse/s1/g2", 1, 2),
+        ("least_sse/s4/g1", 4, 1), ("least_sse/s4/g2", 4, 2),
+        ("least_sse/s8/g1", 8, 1), ("least_sse/s8/g2", 8, 2),
+    ]  # fmt: skip
+    one = command.plan_from_args(_args("--prefill-slots=4"))
+    assert one.prefill_slots == () and one.spec.prefill_capacity == 4
+    assert [s.name for s in one.series()][:1] == [one.modes[0].name]
+    assert "1, 4, 8 (rows /sK)" in command.describe(plan)
+    with pytest.raises(SystemExit):
+        _args("--prefill-slots=4,0")
