@@ -1,12 +1,14 @@
 """The gateway's side of fleet-shared load (registry/fleet.py): slot leases, sync, wake-ups.
 
 `Fleet` wraps a `FleetStore`. Forwarders ask it for prefill slot leases before each call
-(`acquire`); a lease is given back with the request's in-flight count (`SlotLease.release`,
-coalesced: all releases of one event-loop iteration go to Redis in one call). Three
-background tasks keep the rest up to date: a sync every `sync_interval_s` (this gateway's
-counts and queue heads out, the fleet's sums in, into the `InstanceTracker`), lease renewal
-(every third of the lease TTL), and a subscription that wakes the forwarders whenever
-another gateway frees a slot.
+(`acquire`, which with the `idle` rule also checks that the prefill computes nothing for
+any gateway). A lease counts as computing until the prefill answers (`SlotLease.computed`)
+and is given back with the request's in-flight count (`SlotLease.release`); both are
+coalesced: all of one event-loop iteration go to Redis in one call each. Three background
+tasks keep the rest up to date: a sync every `sync_interval_s` (this gateway's counts,
+queue heads and new prefill-time samples out; the fleet's sums and the other gateways'
+samples in), lease renewal (every third of the lease TTL), and a subscription that wakes
+the forwarders whenever another gateway frees a slot or a prefill stops computing.
 
 When Redis cannot be reached the fleet degrades to this gateway's own view (it keeps
 serving: leases are then counted locally, against each instance's whole capacity) and

@@ -11,9 +11,18 @@ passes: no busy loop. Each request waits for its grant only until its deadline.
 
 A prefill slot counts as taken from the call until the KV has left the prefill: a decode
 pulled it (the decode's first byte says so, see `Placement.first_byte`) or it was released.
+Until the prefill answers, the call also counts as computing there, fleet-wide: with
+``prefill_admit = idle`` a prefill is sent a new run only when it computes nothing (its
+free slots may be next to slots still holding KV), and with several gateways a run takes
+only requests due before the most urgent one queued at another gateway.
 Every call that is abandoned (deadline, client gone, timeout, failure) releases its KV by the
 id the gateway chose for it, and only then gives back the count: the prefill frees the slot
 when the release arrives, not before.
+
+A prefill computes a run as one batch, so every answer of a run comes when the whole run is
+computed: each is timed at its share of the run's characters, what the prompt itself cost.
+Those times (early drop, the start guard, batch forming, try timeouts) are shared with the
+fleet's other gateways (`samples_out`, `samples_in`).
 
 Each call also counts its prompt work against the prefill until the answer (token-work load:
 estimated tokens of the part the prefill does not hold in cache, at a tokens-per-character

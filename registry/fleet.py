@@ -13,17 +13,24 @@ one (P/D-Serve runs many gateways in front of one pool):
   with the fleet's most urgent request may take it; the others yield (and are woken again
   when the window ends). After the window anyone may, so a slot never idles waiting for a
   gateway that does not come.
+* **What each prefill computes (exact, per request).** A lease is in the prefill's
+  computing set from its grant until the gateway saw the answer (`computed`). An acquire
+  with ``idle`` grants only on a prefill whose set is empty, in the same step, so no gateway
+  sends into a batch another gateway's requests compute, where its request would wait out
+  of the fleet's deadline order.
 * **Gossiped counts (every `sync_interval_s`).** Open streams and prompt tokens in flight
   per instance, summed over the fleet, for ranking; eventually consistent, off the request
-  path.
-* **Freed-slot notifications** over pub/sub wake every gateway's forwarders at once.
+  path. The same sync carries prefill-time samples (one stream for the fleet): every
+  gateway estimates from every gateway's calls.
+* **Freed-slot and idle notifications** over pub/sub wake every gateway's forwarders at
+  once.
 
 Liveness: a gateway's entry, its leases and its counts expire `ttl_s` after its last
 renewal, so a gateway that dies (kill -9) leaves no phantom load beyond that bound.
 
 All server-side logic is Lua, timed by the Redis server's clock (never the gateways'), so
 hosts with skewed clocks agree. Redis is never on the per-token path: per request, one
-acquire and one (coalesced) release.
+acquire, one (coalesced) computed mark and one (coalesced) release.
 
 `LocalFleet` is the same seam without Redis: one process's leases, or, for ``--workers``
 without Redis, leases from one slot table the workers share through the OS
@@ -392,15 +399,23 @@ end
 return 0
 """
 
-# KEYS: freed_at, then per lease: its slots key, its computing key.  ARGV: channel, then per
-# lease: instance, id.
+# KEYS: freed_at, then per lease: its slots key, its computing key.  ARGV: channel, idle
+# channel, then per lease: instance, id. A lease given back before its answer also leaves the
+# computing set; a prefill that then computes nothing is announced as `_COMPUTED` does.
 _RELEASE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local freed = {}
+local freed, idle = {}, {}
 for i = 1, (#KEYS - 1) / 2 do
-  local instance, id = ARGV[2 * i], ARGV[2 * i + 1]
-  redis.call('ZREM', KEYS[2 * i + 1], id)
+  local instance, id = ARGV[2 * i + 1], ARGV[2 * i + 2]
+  local busy_key = KEYS[2 * i + 1]
+  if redis.call('ZREM', busy_key, id) == 1 and not idle[instance] then
+    redis.call('ZREMRANGEBYSCORE', busy_key, '-inf', now)
+    if redis.call('ZCARD', busy_key) == 0 then
+      idle[instance] = true
+      redis.call('PUBLISH', ARGV[2], instance)
+    end
+  end
   if redis.call('ZREM', KEYS[2 * i], id) == 1 and not freed[instance] then
     freed[instance] = true
     redis.call('HSET', KEYS[1], instance, now)
@@ -668,7 +683,7 @@ class RedisFleet:
         if not leases:
             return
         keys = [self._freed_at]
-        args: list[Any] = [self._channel]
+        args: list[Any] = [self._channel, self._idle_channel]
         for instance_id, lease_id in leases:
             keys += [self._slots(instance_id), self._computing(instance_id)]
             args += [instance_id, lease_id]

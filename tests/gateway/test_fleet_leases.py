@@ -127,3 +127,50 @@ async def test_a_slot_another_gateway_frees_is_seen_before_the_next_sync(
     finally:
         for f in fleets:
             await f.aclose()
+
+
+def _computing(tracker: InstanceTracker) -> int:
+    (load,) = tracker.loads(Role.PREFILL, "m")
+    return load.computing
+
+
+async def test_what_another_gateway_computes_is_seen_at_once_and_when_it_ends(
+    redis_url: str, registry_prefix: str
+) -> None:
+    """A prefill another gateway computes at leaves `idle` candidates at the next acquire's
+    answer, not the next sync, and comes back as soon as its answer is marked: a view that
+    lagged a sync either sent into the batch or left the prefill idle while requests
+    waited. A lease given back before its answer ends its computing too."""
+    trackers = ta, tb = _tracker(), _tracker()
+    fleets = a, b = [
+        Fleet(RedisFleet(redis_url, key_prefix=registry_prefix, gateway_id=gw), tr,
+              sync_interval_s=3600)  # no sync but the test's
+        for gw, tr in zip("ab", trackers, strict=True)
+    ]  # fmt: skip
+    try:
+        for f in fleets:
+            await f.start()
+            f.gateways = 2
+        await asyncio.sleep(0.1)  # subscribed
+        held = await a.acquire(
+            "m|", ta.loads(Role.PREFILL, "m"), 2, head_in_ms=None, next_head_in_ms=None, idle=True
+        )
+        assert len(held.leases) == 2
+        # b asks, is refused (the prefill computes a's two), and knows why from the answer.
+        refused = await b.acquire(
+            "m|", tb.loads(Role.PREFILL, "m"), 1, head_in_ms=None, next_head_in_ms=None, idle=True
+        )
+        assert refused.instance is None and _computing(tb) == 2
+        first, second = held.leases
+        first.computed()
+        second.release()  # abandoned before its answer
+        await eventually(lambda: _computing(tb) == 0)  # the idle message, no sync
+        assert _inflight(tb) == 1  # a's first slot still holds its KV
+        got = await b.acquire(
+            "m|", tb.loads(Role.PREFILL, "m"), 1, head_in_ms=None, next_head_in_ms=None, idle=True
+        )
+        assert got.instance is not None  # into the slot next to a's KV
+        assert a.calls["computed"] == 1 and a.calls["release"] == 1 and a.calls["acquire"] == 1
+    finally:
+        for f in fleets:
+            await f.aclose()

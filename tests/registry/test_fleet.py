@@ -57,7 +57,16 @@ async def test_a_release_is_announced_to_every_gateway(fleet) -> None:  # type: 
     grant = await a.acquire("m|", P, 1, head_in_ms=None, next_head_in_ms=None)
     heard, task = await _listen(b)
     await a.release([("p0", grant.lease_ids[0])])
+    # Given back before its answer: the slot is free and the prefill computes nothing.
+    events = {await asyncio.wait_for(heard.get(), 2) for _ in range(2)}
+    assert events == {Freed("p0", slot=True), Freed("p0", slot=False)}
+    grant = await a.acquire("m|", P, 1, head_in_ms=None, next_head_in_ms=None)
+    await a.computed([("p0", grant.lease_ids[0])])
+    assert await asyncio.wait_for(heard.get(), 2) == Freed("p0", slot=False)
+    await a.release([("p0", grant.lease_ids[0])])  # answered before: only the slot frees
     assert await asyncio.wait_for(heard.get(), 2) == Freed("p0", slot=True)
+    await asyncio.sleep(0.1)
+    assert heard.empty()
     task.cancel()
 
 
