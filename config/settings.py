@@ -66,8 +66,10 @@ class RegistrySettings(_Settings):
 
     url: str | None = Field(
         default=None,
-        description="redis://host:port/db for a shared Redis registry; "
-        "unset = in-memory (one process).",
+        description="redis://host:port/db for a shared Redis registry (rediss:// with TLS, "
+        "unix://), or redis+sentinel://[:password@]host:port[,host:port...]/service[/db] for "
+        "the primary of a replicated Redis that Sentinel names and follows through failovers "
+        "(rediss+sentinel:// with TLS; docs/operations.md); unset = in-memory (one process).",
     )
     key_prefix: str = Field(default="pdgate", description="Prefix of every Redis key and channel.")
     heartbeat_interval_s: float = Field(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 from pdgate.config import RegistrySettings
+from pdgate.registry._redis_url import SENTINEL_SCHEMES
 from pdgate.registry.base import (
     EventKind,
     EventStream,
@@ -22,7 +23,7 @@ from pdgate.registry.memory import MemoryRegistry
 from pdgate.registry.redis import RedisRegistry, redact_url
 from pdgate.registry.signing import RecordSigner, SigningRegistry
 
-_REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
+_REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", *SENTINEL_SCHEMES})
 
 
 def open_registry(settings: RegistrySettings) -> Registry:
@@ -56,7 +57,8 @@ def _open(settings: RegistrySettings) -> Registry:
     if scheme not in _REDIS_SCHEMES:
         raise ValueError(
             f"registry url {redact_url(settings.url)!r}: unsupported scheme {scheme!r}; "
-            "expected redis://, rediss:// or unix:// (or no url for the in-memory registry)"
+            "expected redis://, rediss://, unix://, redis+sentinel:// or rediss+sentinel:// "
+            "(or no url for the in-memory registry)"
         )
     try:
         return RedisRegistry(

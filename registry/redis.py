@@ -28,6 +28,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import RedisError
 
+from pdgate.registry._redis_url import open_redis
 from pdgate.registry.base import (
     EventKind,
     InstanceRecord,
@@ -228,7 +229,9 @@ class _RedisEventStream:
 
 
 class RedisRegistry:
-    """`Registry` on a Redis server (``redis://``, ``rediss://`` or ``unix://`` URL)."""
+    """`Registry` on a Redis server (``redis://``, ``rediss://`` or ``unix://`` URL) or on the
+    primary of a replicated one, through its sentinels (``redis+sentinel://``,
+    registry/_redis_url.py)."""
 
     def __init__(
         self,
@@ -257,12 +260,12 @@ class RedisRegistry:
         }
         # One quick retry covers a pooled connection left dead by a Redis restart; more
         # would only stretch every call against a server that is really down.
-        self._client = Redis.from_url(
+        self._client = open_redis(
             url, retry=Retry(ExponentialBackoff(cap=0.1, base=0.02), 1), **common
         )
         # No retries for pub/sub: a silent reconnect would hide that events were lost,
         # and the consumer must know so that it re-polls.
-        self._sub_client = Redis.from_url(url, retry=Retry(NoBackoff(), 0), **common)
+        self._sub_client = open_redis(url, retry=Retry(NoBackoff(), 0), **common)
         self._prune_missing = self._client.register_script(_PRUNE_MISSING)
         self._streams: set[_RedisEventStream] = set()
         self._warned_ids: set[bytes] = set()

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -78,11 +79,14 @@ class RedisServer:
         startup_timeout_s: float = 10.0,
         password: str | None = None,
         tls: tuple[Path, Path] | None = None,
+        args: Sequence[str] = (),
     ) -> None:
         """`password`: started with ``requirepass``. `tls`: (certificate, key) of a
-        self-signed certificate; the server then speaks TLS only (``rediss://``)."""
+        self-signed certificate; the server then speaks TLS only (``rediss://``). `args`:
+        more flags (``--replicaof HOST PORT``)."""
         self.password = password
         self.tls = tls
+        self._args = list(args)
         self._fixed_port = port is not None
         self.port = port if port is not None else free_port()
         self._binary = binary
@@ -174,6 +178,7 @@ class RedisServer:
         if self.password:
             args += ["--requirepass", self.password]
         args += [
+            *self._args,
             "--save", "",
             "--appendonly", "no",
             "--dir", str(self._dir),
@@ -220,3 +225,111 @@ def find_shared_redis() -> tuple[str, RedisServer | None]:
         server.close()
         raise
     return server.url, server
+
+
+class SentinelGroup:
+    """A replicated Redis as operators run it: a primary, a replica and three sentinels
+    (``redis-server --sentinel``, quorum 2), quick to fail over (the primary is judged down
+    after `down_after_ms`). `url` is the ``redis+sentinel://`` URL of its service."""
+
+    SERVICE = "pdgate-test"
+
+    def __init__(self, *, down_after_ms: int = 500) -> None:
+        self._down_after_ms = down_after_ms
+        self.primary = RedisServer()
+        self.replica: RedisServer | None = None
+        self._dir = Path(tempfile.mkdtemp(prefix="pdgate-sentinel-"))
+        self._sentinels: list[tuple[int, subprocess.Popen[bytes]]] = []
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{port}" for port, _ in self._sentinels)
+        return f"redis+sentinel://{hosts}/{self.SERVICE}/0"
+
+    def start(self, timeout_s: float = 20.0) -> None:
+        self.primary.start()
+        self.replica = RedisServer(args=["--replicaof", "127.0.0.1", str(self.primary.port)])
+        self.replica.start()
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RedisServerError("redis-server not found on PATH")
+        for i in range(3):
+            port = free_port()
+            conf = self._dir / f"sentinel{i}.conf"
+            conf.write_text(
+                f"port {port}\nbind 127.0.0.1\ndir {self._dir}\n"
+                f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.primary.port} 2\n"
+                f"sentinel down-after-milliseconds {self.SERVICE} {self._down_after_ms}\n"
+                f"sentinel failover-timeout {self.SERVICE} 5000\n"
+                f"sentinel parallel-syncs {self.SERVICE} 1\n"
+            )
+            log = self._dir / f"sentinel{i}.log"
+            proc = subprocess.Popen(
+                [exe, str(conf), "--sentinel", "--logfile", str(log)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            self._sentinels.append((port, proc))
+        # Ready for a failover once every sentinel knows the replica and the two others.
+        deadline = time.monotonic() + timeout_s
+        while not all(self._knows_all(port) for port, _ in self._sentinels):
+            if time.monotonic() > deadline:
+                raise RedisServerError("the sentinels did not find each other and the replica")
+            time.sleep(0.1)
+
+    def _knows_all(self, port: int) -> bool:
+        client = redis.Redis(port=port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        try:
+            replicas = client.execute_command("SENTINEL", "REPLICAS", self.SERVICE)
+            sentinels = client.execute_command("SENTINEL", "SENTINELS", self.SERVICE)
+            return len(replicas) >= 1 and len(sentinels) >= 2
+        except (RedisError, OSError):
+            return False
+        finally:
+            client.close()
+
+    def primary_port(self) -> int | None:
+        """The primary's port as the sentinels name it now (None: none answers)."""
+        for port, _ in self._sentinels:
+            client = redis.Redis(port=port, socket_timeout=0.5, socket_connect_timeout=0.5)
+            try:
+                addr = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.SERVICE)
+                if addr:
+                    return int(addr[1])
+            except (RedisError, OSError):
+                continue
+            finally:
+                client.close()
+        return None
+
+    def fail_over(self, timeout_s: float = 20.0) -> RedisServer:
+        """Kill -9 the primary; returns the replica once the sentinels promoted it."""
+        assert self.replica is not None
+        old, new = self.primary, self.replica
+        old.kill()
+        deadline = time.monotonic() + timeout_s
+        while self.primary_port() != new.port or not _is_primary(new):
+            if time.monotonic() > deadline:
+                raise RedisServerError("the sentinels did not promote the replica")
+            time.sleep(0.1)
+        self.primary, self.replica = new, old
+        return new
+
+    def close(self) -> None:
+        for _, proc in self._sentinels:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for server in (self.primary, self.replica):
+            if server is not None:
+                server.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _is_primary(server: RedisServer) -> bool:
+    client = redis.Redis(port=server.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+    try:
+        return bool(client.info("replication").get("role") == "master")
+    except (RedisError, OSError):
+        return False
+    finally:
+        client.close()

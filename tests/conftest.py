@@ -17,7 +17,13 @@ import pytest
 from redis.exceptions import RedisError
 
 from tests._cluster import Processes, Subprocess, registry_env
-from tests._redis import RedisServer, RedisServerError, delete_prefix, find_shared_redis
+from tests._redis import (
+    RedisServer,
+    RedisServerError,
+    SentinelGroup,
+    delete_prefix,
+    find_shared_redis,
+)
 
 
 def _redis_unavailable(reason: str) -> NoReturn:
@@ -64,6 +70,21 @@ def private_redis() -> Iterator[RedisServer]:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture
+def sentinel_group() -> Iterator[SentinelGroup]:
+    """A primary, a replica and three sentinels of this test's own (`SentinelGroup`)."""
+    group = SentinelGroup()
+    try:
+        group.start()
+    except RedisServerError as exc:
+        group.close()
+        _redis_unavailable(str(exc))
+    try:
+        yield group
+    finally:
+        group.close()
 
 
 @pytest.fixture
