@@ -73,11 +73,13 @@ class KvSources:
         poll_interval_s: float,
         max_instances: int,
         refresh_interval_s: float = 0.25,
+        hold_s: float = 0.0,
     ) -> None:
         self._registry = registry
         self._max = max_instances
+        # `hold_s`: prefills a registry that lost its state forgot stay sources meanwhile.
         self._membership = Membership(
-            registry, poll_interval_s=poll_interval_s, max_instances=max_instances
+            registry, poll_interval_s=poll_interval_s, max_instances=max_instances, hold_s=hold_s
         )
         self._membership.add_listener(self._changed)
         self._known: frozenset[Endpoint] = frozenset()  # the membership's view

@@ -288,6 +288,7 @@ def build_shim_app(
             registry,
             poll_interval_s=registry_settings.poll_interval_s,
             max_instances=registry_settings.max_instances,
+            hold_s=registry_settings.ttl_s,
         )
         service = DecodeWorker(
             settings,

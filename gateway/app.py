@@ -171,6 +171,7 @@ def build_gateway_app(
             registry,
             poll_interval_s=registry_settings.poll_interval_s,
             max_instances=registry_settings.max_instances,
+            hold_s=registry_settings.ttl_s,
         )
         membership.add_listener(tracker.update_membership)
         owned = upstream is None

@@ -158,6 +158,12 @@ class Registry(Protocol):
         """All live (unexpired) records. Raises `RegistryUnavailable`."""
         ...
 
+    def generation(self) -> str | None:
+        """The store's contents as of the last `snapshot()`, named: a new name means it lost
+        its state in between (a Redis restarted empty, a replica promoted before it had the
+        records), which is not every instance leaving. None: a store that cannot tell."""
+        ...
+
     def events(self) -> AsyncIterator[RegistryEvent]:
         """Join/leave notifications from now on. Best effort: may end or raise
         `RegistryUnavailable`; the caller re-subscribes and re-polls."""

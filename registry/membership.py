@@ -39,9 +39,13 @@ class Membership:
         poll_interval_s: float,
         max_instances: int = 4096,
         backoff: Backoff | None = None,
+        hold_s: float = 0.0,
     ) -> None:
-        if poll_interval_s <= 0 or max_instances <= 0:
-            raise ValueError("poll_interval_s and max_instances must be positive")
+        """`hold_s`: how long instances the registry lost with its state (`generation`
+        changed) stay in the view, unless they leave or come back first; the registry's
+        record TTL: a live instance writes its record again within that."""
+        if poll_interval_s <= 0 or max_instances <= 0 or hold_s < 0:
+            raise ValueError("poll_interval_s and max_instances must be positive, hold_s >= 0")
         self._registry = registry
         self._poll_interval_s = poll_interval_s
         self._max_instances = max_instances
@@ -62,6 +66,11 @@ class Membership:
         self._during_poll: list[RegistryEvent] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._over_limit_logged = False
+        self._hold_s = hold_s
+        self._generation: str | None = None
+        # What the registry lost with its state, kept until `_held_until` (loop time).
+        self._held: dict[str, InstanceRecord] = {}
+        self._held_until = 0.0
 
     # --- public API -------------------------------------------------------------------
 
@@ -161,12 +170,40 @@ class Membership:
         finally:
             replay, self._during_poll = self._during_poll, None
         self._poll_failures = 0
+        self._note_generation(self._registry.generation())
         view = self._bounded(records)
         for event in replay:
             self._apply(view, event)
+        self._keep_held(view)
         self._commit(view)
         self._set_health(poll_ok=True)
         return None
+
+    def _note_generation(self, generation: str | None) -> None:
+        """A registry that lost its state is not every instance leaving: what it forgot stays
+        in the view for `hold_s`, while the instances write their records again (a gateway
+        that read it as departures answered 503 until their next heartbeats)."""
+        lost = self._generation is not None and generation not in (None, self._generation)
+        self._generation = generation
+        if lost and self._hold_s > 0:
+            self._held = dict(self._view)
+            self._held_until = asyncio.get_running_loop().time() + self._hold_s
+            logger.warning(
+                "the registry lost its state; keeping %d instances for %.1f s while they "
+                "register again",
+                len(self._held),
+                self._hold_s,
+            )
+
+    def _keep_held(self, view: dict[str, InstanceRecord]) -> None:
+        if not self._held:
+            return
+        if asyncio.get_running_loop().time() >= self._held_until:
+            self._held = {}  # whoever has not registered again by now is gone
+            return
+        for instance_id, record in self._held.items():
+            if instance_id not in view and len(view) < self._max_instances:
+                view[instance_id] = record
 
     def _bounded(self, records: Iterable[InstanceRecord]) -> dict[str, InstanceRecord]:
         view: dict[str, InstanceRecord] = {}
@@ -246,6 +283,7 @@ class Membership:
     def _apply(self, view: dict[str, InstanceRecord], event: RegistryEvent) -> None:
         if event.kind is EventKind.LEAVE:
             view.pop(event.instance_id, None)
+            self._held.pop(event.instance_id, None)  # it left: no longer only forgotten
         elif event.record is not None and (
             event.instance_id in view or len(view) < self._max_instances
         ):

@@ -111,6 +111,9 @@ class MemoryRegistry:
         self._prune(self._clock())
         return [record for record, _ in self._records.values()]
 
+    def generation(self) -> str | None:
+        return None  # one process's memory: it never loses its state while in use
+
     def events(self) -> _Subscription:
         sub = _Subscription(self._subscribers.discard, self._queue_size)
         if self._closed:

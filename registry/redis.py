@@ -7,6 +7,9 @@ Layout under ``{prefix}``:
 - ``{prefix}:members``: ZSET id -> writer's expiry (ms). Only an index, to list ids without
   SCAN; stale entries are pruned lazily by readers.
 - ``{prefix}:events``: pub/sub channel of ``{"kind": "join"|"leave", "id": ..., "record": ...}``.
+- ``{prefix}:generation``: a random name of the store's contents, written by the first reader
+  that finds none. A new one means Redis lost its state (restarted empty, a replica promoted
+  before it had the records): readers then keep what they knew (registry/membership.py).
 
 Every Redis/socket failure leaves this module as `RegistryUnavailable`.
 """
@@ -17,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -252,6 +256,8 @@ class RedisRegistry:
         self._ping_interval_s = event_ping_interval_s
         self._key_base = f"{key_prefix}:instance:".encode()
         self._members_key = f"{key_prefix}:members"
+        self._generation_key = f"{key_prefix}:generation"
+        self._generation: str | None = None
         self._channel = f"{key_prefix}:events"
         common: dict[str, Any] = {
             "socket_timeout": connect_timeout_s,
@@ -298,16 +304,26 @@ class RedisRegistry:
         except _ERRORS as exc:
             raise self._unavailable("remove", exc) from exc
 
+    def generation(self) -> str | None:
+        return self._generation
+
     async def snapshot(self) -> list[InstanceRecord]:
         try:
             async with self._client.pipeline(transaction=False) as pipe:
+                # A Redis without it lost its state (restarted empty, or a replica promoted
+                # before it had it): the first reader names the new contents.
+                pipe.setnx(self._generation_key, secrets.token_hex(8))
+                pipe.get(self._generation_key)
                 pipe.zremrangebyscore(
                     self._members_key, "-inf", time.time() * 1000 - _INDEX_GRACE_MS
                 )
                 pipe.zcard(self._members_key)
                 # Freshest first: if over the bound, the recently refreshed are the ones kept.
                 pipe.zrange(self._members_key, 0, self._max_instances - 1, desc=True)
-                _, total, ids = await pipe.execute()
+                _, generation, _, total, ids = await pipe.execute()
+            if isinstance(generation, bytes):
+                generation = generation.decode(errors="replace")
+            self._generation = None if generation is None else str(generation)
             self._check_bound(int(total))
             if not ids:
                 return []

@@ -104,6 +104,9 @@ class SigningRegistry:
     async def snapshot(self) -> list[InstanceRecord]:
         return [r for r in await self._inner.snapshot() if self._trusted(r)]
 
+    def generation(self) -> str | None:
+        return self._inner.generation()
+
     def events(self) -> _SignedStream:
         return _SignedStream(self._inner.events(), self._trusted)
 

@@ -288,6 +288,9 @@ class StaticRegistry:
                     await self._first_round.wait()
         return await self._store.snapshot()
 
+    def generation(self) -> str | None:
+        return None  # the settings' instances: nothing to lose
+
     def events(self) -> AsyncIterator[RegistryEvent]:
         self._start()
         return self._store.events()
@@ -484,6 +487,9 @@ class MergedRegistry:
                     record.id[:128],
                 )
         return merged
+
+    def generation(self) -> str | None:
+        return self._registry.generation()  # the static part has nothing to lose
 
     def events(self) -> _MergedStream:
         return _MergedStream([self._static.events(), self._registry.events()], self._static.ids)

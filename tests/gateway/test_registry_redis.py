@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
 from typing import Any
 
 import httpx
+import redis
 
 from tests._cluster import (
+    Processes,
     Subprocess,
     ThreadedCluster,
     gateway_url,
@@ -15,6 +19,7 @@ from tests._cluster import (
     registry_env,
     start,
     wait_for,
+    wait_instances,
 )
 
 BODY = {"model": "sim-llama-3.1-8b", "prompt": "registry test", "max_tokens": 3}
@@ -103,3 +108,40 @@ def test_gateway_keeps_serving_while_redis_is_down(
         )
         c.wait_for(lambda: len(c.instances()) == 2, timeout=5)
         assert httpx.post(c.url + "/v1/completions", json=BODY, timeout=10).status_code == 200
+
+
+def test_a_redis_that_comes_back_empty_costs_clients_nothing(
+    private_redis: Any, procs: list[Subprocess]
+) -> None:
+    """Read as every instance leaving, an empty Redis (restarted without persistence) gave
+    clients 503s ("no instances are registered") and 400s until the shims' next heartbeats.
+    The gateway keeps what the registry forgot (and the decode the prefills it may pull
+    from) until they write their records again. FLUSHALL empties it as a restart does, but
+    with the connections up, so the shims' next heartbeats come a whole interval later,
+    every time."""
+    env = registry_env(private_redis.url, "pdgate-empty", ttl=3.0, heartbeat=1.0, poll=0.1)
+    processes = Processes(procs, env)
+    processes.shim("prefill", "--capacity", "4")
+    processes.shim("decode", "--capacity", "16")
+    url = processes.gateway()
+    wait_instances(url, 2)
+    stop = threading.Event()
+    codes: list[int] = []
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            body = {**BODY, "prompt": f"across the reset {i} {len(codes)}"}
+            codes.append(httpx.post(url + "/v1/completions", json=body, timeout=30).status_code)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        jobs = [pool.submit(client, i) for i in range(4)]
+        time.sleep(1.0)
+        admin = redis.Redis.from_url(private_redis.url)
+        admin.flushall()
+        admin.close()
+        time.sleep(4.0)  # past the hold (the record TTL): the shims registered again
+        stop.set()
+        for job in jobs:
+            job.result()
+    assert len(codes) > 20 and set(codes) == {200}, sorted(set(codes))
+    assert len(get_instances(url)) == 2

@@ -319,3 +319,38 @@ async def test_view_kept_across_failed_polls(
     finally:
         await m.stop()
         await reg.aclose()
+
+
+async def test_what_a_redis_restarted_empty_forgot_is_held_until_it_registers_again(
+    private_redis: RedisServer, started: list[Membership]
+) -> None:
+    """An empty Redis after a restart is lost state, not every instance leaving: read as
+    departures, a gateway answered 503 until the shims' next heartbeats. For `hold_s` (the
+    record TTL) the forgotten instances stay; one that registers again stays for good, one
+    that does not is gone after the hold, and one that leaves meanwhile leaves at once."""
+    reg = RedisRegistry(private_redis.url, key_prefix="t", connect_timeout_s=0.3)
+    m = Membership(reg, poll_interval_s=0.05, backoff=FAST, hold_s=1.0)
+    started.append(m)
+    changes = Changes()
+    m.add_listener(changes)
+    try:
+        for i in (1, 2, 3):
+            await reg.put(make_record(f"p{i}"), 30)
+        await m.start()
+        assert set(m.instances()) == {"p1", "p2", "p3"}
+        before = reg.generation()
+        assert before is not None
+        await private_redis.astop()
+        await private_redis.astart()  # empty
+        await eventually(lambda: reg.generation() not in (None, before), within=3.0,
+                         what="the new generation read")  # fmt: skip
+        assert set(m.instances()) == {"p1", "p2", "p3"} and not changes.departed
+        await reg.put(make_record("p1"), 30, announce=True)  # its next heartbeat
+        await reg.remove("p3")  # leaves: at once, hold or not
+        await eventually(lambda: "p3" not in m.instances(), within=1.0, what="p3 left")
+        assert "p2" in m.instances()
+        await eventually(lambda: set(m.instances()) == {"p1"}, within=2.0, what="hold over")
+        assert changes.departed == {"p2", "p3"}
+    finally:
+        await m.stop()
+        await reg.aclose()
