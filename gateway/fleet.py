@@ -31,7 +31,7 @@ from pdgate.config.wire import EXT_QUEUELESS
 from pdgate.gateway.instances import InstanceTracker
 from pdgate.policies.base import InstanceLoad
 from pdgate.registry.base import RegistryUnavailable
-from pdgate.registry.fleet import Candidate, FleetStore, Freed, LocalFleet
+from pdgate.registry.fleet import Candidate, FleetStore, Freed, HeldLeases, LocalFleet
 
 __all__ = ["Fleet", "FleetEstimates", "SlotLease", "Slots"]
 
@@ -358,7 +358,9 @@ class Fleet:
         heads = self._heads()
         samples = self._estimates.outgoing() if self._estimates is not None else None
         started = time.perf_counter()
-        view = await self.store.sync(streams, tokens, heads, instances, samples)
+        view = await self.store.sync(
+            streams, tokens, heads, instances, samples, self._held_leases()
+        )
         self._count("sync", started)
         self._recover()
         if self._estimates is not None:
@@ -385,6 +387,20 @@ class Fleet:
             {i: n - leased.get(i, 0) - flushing.get(i, 0) for i, n in view.slots.items()},
             {i: n - computing.get(i, 0) for i, n in view.computing.items()},
         )
+
+    def _held_leases(self) -> HeldLeases:
+        """What this gateway holds, for the store to agree with (a failover or a Redis back
+        empty loses leases; a lost release leaves one behind). Leases counted here only are
+        not the store's business."""
+        keep: dict[str, list[str]] = {}
+        for lease in self._to_release:
+            if not lease.local:
+                keep.setdefault(lease.instance_id, []).append(lease.lease_id)
+        live = {
+            i: [(lid, x._computing) for lid, x in held.items() if not x.local]
+            for i, held in self._live.items()
+        }
+        return HeldLeases(self.store.lease_cutoff(), live, keep)
 
     async def _renew_loop(self) -> None:
         while True:

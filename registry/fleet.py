@@ -63,6 +63,7 @@ __all__ = [
     "FleetView",
     "Freed",
     "Grant",
+    "HeldLeases",
     "LocalFleet",
     "RedisFleet",
     "SlotTable",
@@ -120,6 +121,18 @@ class FleetView:
     samples: Mapping[str, Sequence[str]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class HeldLeases:
+    """The leases a gateway holds, for a sync to make the shared store agree with them."""
+
+    # Leases of this store's acquires numbered up to this were answered before the list was
+    # made (-1: judge none); a later one may be in Redis and not yet here.
+    cutoff: int = -1
+    live: Mapping[str, Sequence[tuple[str, bool]]] = field(default_factory=dict)  # instance
+    # -> (lease id, still computing)
+    keep: Mapping[str, Sequence[str]] = field(default_factory=dict)  # being given back
+
+
 class FleetStore(Protocol):
     gateway_id: str
     shared: bool  # False: this process's own view only
@@ -165,12 +178,17 @@ class FleetStore(Protocol):
         heads: Mapping[str, float | None],
         instances: Sequence[str],
         samples: Mapping[str, str] | None = None,
+        leases: HeldLeases | None = None,
     ) -> FleetView:
         """Publish this gateway's counts (absolute, per instance), queue heads (queue -> ms
         to the most urgent deadline, None = empty) and new prefill-time samples (queue ->
-        one packed string), renew its liveness, and read the fleet's sums for `instances`
-        and the other gateways' samples for the queues of `heads`. Raises
-        `RegistryUnavailable`."""
+        one packed string), make its leases on `instances` agree with `leases`, renew its
+        liveness, and read the fleet's sums for `instances` and the other gateways'
+        samples. Raises `RegistryUnavailable`."""
+        ...
+
+    def lease_cutoff(self) -> int:
+        """The `HeldLeases.cutoff` of now: every acquire numbered up to it was answered."""
         ...
 
     def freed(self) -> AsyncIterator[Freed]:
@@ -268,6 +286,7 @@ class LocalFleet:
         heads: Mapping[str, float | None],
         instances: Sequence[str],
         samples: Mapping[str, str] | None = None,
+        leases: HeldLeases | None = None,
     ) -> FleetView:
         return FleetView(
             1,
@@ -275,6 +294,9 @@ class LocalFleet:
             dict(tokens),
             {i: len(self._leases.get(i, ())) for i in instances},
         )
+
+    def lease_cutoff(self) -> int:
+        return -1  # nothing shared to agree with
 
     async def freed(self) -> AsyncIterator[Freed]:
         if self._table is None:
@@ -452,7 +474,13 @@ return 0
 # ARGV: me, ttl_ms, prefix of the per-gateway hashes, n_queues, n_read, n_counts, then per
 # queue: ms to its head (-1: empty); per read instance: its id; per count: instance, streams,
 # tokens; then the samples cursor ("-": from the start), then per queue: its name, its new
-# samples ("": none).
+# samples ("": none); then the lease cutoff, then per read instance: n_live, n_live (lease
+# id, computing 0/1), n_keep, n_keep lease ids.
+# This gateway's leases are made to agree with what it holds (`_reconcile`): a live one Redis
+# lost (a failover to a replica that had not received it, a Redis back empty) is written
+# again, one of its own that it no longer holds and that is not being given back (a release
+# the old primary took with it) is removed. Only leases of acquires answered before this
+# sync was built (sequence <= the cutoff) can be judged so.
 # Returns {live gateways, then per read instance: streams, tokens, slots, computing, then the
 # new cursor, n, and n (queue, samples) pairs of the other gateways}.
 _SYNC = """
@@ -515,12 +543,35 @@ for q = 1, nq do
   end
   redis.call('PEXPIRE', KEYS[4 + q], ttl * 4)
 end
+local b = a + 1 + 2 * nq
+local cutoff = tonumber(ARGV[b]); b = b + 1
+local mine_prefix = me .. ':'
+local function stale_own(id, held)
+  if held[id] or string.sub(id, 1, #mine_prefix) ~= mine_prefix then return false end
+  local seq = tonumber(string.match(string.sub(id, #mine_prefix + 1), '^(%d+):%d+$'))
+  return seq ~= nil and seq <= cutoff
+end
 local out = {redis.call('ZCARD', gw)}
 for r = 1, nr do
   local instance = ARGV[6 + nq + r]
   local key, busy_key = KEYS[3 + nq + 2 * r], KEYS[4 + nq + 2 * r]
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
   redis.call('ZREMRANGEBYSCORE', busy_key, '-inf', now)
+  local held = {}
+  local n_live = tonumber(ARGV[b]); b = b + 1
+  for j = 1, n_live do
+    local id, comp = ARGV[b], ARGV[b + 1]; b = b + 2
+    held[id] = true
+    redis.call('ZADD', key, 'NX', now + ttl, id)
+    if comp == '1' then redis.call('ZADD', busy_key, 'NX', now + ttl, id) end
+  end
+  local n_keep = tonumber(ARGV[b]); b = b + 1
+  for j = 1, n_keep do held[ARGV[b]] = true; b = b + 1 end
+  for _, set in ipairs({key, busy_key}) do
+    for _, id in ipairs(redis.call('ZRANGE', set, 0, -1)) do
+      if stale_own(id, held) then redis.call('ZREM', set, id) end
+    end
+  end
   out[#out + 1] = tonumber(redis.call('HGET', sums, instance .. '|s') or '0')
   out[#out + 1] = tonumber(redis.call('HGET', sums, instance .. '|t') or '0')
   out[#out + 1] = redis.call('ZCARD', key)
@@ -588,6 +639,8 @@ class RedisFleet:
         self._samples = base + "samples"
         self._cursor = "-"  # the last samples entry read
         self._seq = itertools.count()
+        self._last_seq = -1  # the last acquire's number
+        self._pending: set[int] = set()  # acquires not answered yet
         common: dict[str, Any] = {
             "socket_timeout": connect_timeout_s,
             "socket_connect_timeout": connect_timeout_s,
@@ -631,6 +684,28 @@ class RedisFleet:
     ) -> Grant:
         if not candidates or want <= 0:
             return Grant(None)
+        seq = self._last_seq = next(self._seq)
+        self._pending.add(seq)
+        try:
+            return await self._acquire_as(
+                seq, queue, candidates, want, head_in_ms, next_head_in_ms, idle
+            )
+        finally:
+            self._pending.discard(seq)
+
+    def lease_cutoff(self) -> int:
+        return min(self._pending) - 1 if self._pending else self._last_seq
+
+    async def _acquire_as(
+        self,
+        seq: int,
+        queue: str,
+        candidates: Sequence[Candidate],
+        want: int,
+        head_in_ms: float | None,
+        next_head_in_ms: float | None,
+        idle: bool,
+    ) -> Grant:
         args: list[Any] = [
             self.gateway_id,
             self._ttl_ms,
@@ -640,7 +715,7 @@ class RedisFleet:
             -1 if head_in_ms is None else max(0, round(head_in_ms)),
             -1 if next_head_in_ms is None else max(0, round(next_head_in_ms)),
             self._heads(queue),
-            f"{self.gateway_id}:{next(self._seq)}",
+            f"{self.gateway_id}:{seq}",
             len(candidates),
             1 if idle else 0,
         ]
@@ -712,6 +787,7 @@ class RedisFleet:
         heads: Mapping[str, float | None],
         instances: Sequence[str],
         samples: Mapping[str, str] | None = None,
+        leases: HeldLeases | None = None,
     ) -> FleetView:
         queues = list(heads)
         counts = sorted(set(streams) | set(tokens))
@@ -740,6 +816,15 @@ class RedisFleet:
         args.append(self._cursor)
         for q in queues:
             args += [q, (samples or {}).get(q, "")]
+        held = leases or HeldLeases()
+        args.append(held.cutoff)
+        for i in instances:
+            live = held.live.get(i, ())
+            keep = held.keep.get(i, ())
+            args.append(len(live))
+            for lease_id, computing in live:
+                args += [lease_id, 1 if computing else 0]
+            args += [len(keep), *keep]
         try:
             out = await self._sync(keys=keys, args=args)
         except _ERRORS as exc:

@@ -6,6 +6,7 @@ Redis round trip per dispatch."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
@@ -16,6 +17,7 @@ from pdgate.gateway.fleet import Fleet
 from pdgate.gateway.instances import InstanceTracker
 from pdgate.registry.base import InstanceRecord
 from pdgate.registry.fleet import RedisFleet
+from tests._redis import delete_prefix
 from tests.gateway._fakes import eventually
 
 
@@ -79,6 +81,30 @@ def _tracker() -> InstanceTracker:
     return tracker
 
 
+@contextlib.asynccontextmanager
+async def _two_gateways(
+    redis_url: str, prefix: str, *, listen: bool
+) -> AsyncIterator[tuple[InstanceTracker, InstanceTracker, Fleet, Fleet]]:
+    """Two gateways' fleets on one Redis (trackers a, b, then fleets a, b) that sync only when
+    the test says; `listen`: started, so each hears the other's freed and idle prefills."""
+    trackers = ta, tb = _tracker(), _tracker()
+    fleets = a, b = [
+        Fleet(RedisFleet(redis_url, key_prefix=prefix, gateway_id=gw), tr, sync_interval_s=3600)
+        for gw, tr in zip("ab", trackers, strict=True)
+    ]
+    try:
+        for f in fleets:
+            if listen:
+                await f.start()
+            f.gateways = 2
+        if listen:
+            await asyncio.sleep(0.1)  # subscribed
+        yield ta, tb, a, b
+    finally:
+        for f in fleets:
+            await f.aclose()
+
+
 def _inflight(tracker: InstanceTracker) -> int:
     (load,) = tracker.loads(Role.PREFILL, "m")
     return load.inflight
@@ -91,23 +117,13 @@ async def test_a_slot_another_gateway_frees_is_seen_before_the_next_sync(
     until their next sync (100 ms), so it idled while their queues waited. The freed-slot
     message now lowers the other gateway's share at once; a gateway's own message does not
     lower the share of the others."""
-    trackers = ta, tb = _tracker(), _tracker()
-    fleets = a, b = [
-        Fleet(RedisFleet(redis_url, key_prefix=registry_prefix, gateway_id=gw), tr,
-              sync_interval_s=3600)  # no sync but the test's
-        for gw, tr in zip("ab", trackers, strict=True)
-    ]  # fmt: skip
-    try:
-        for f in fleets:
-            await f.start()
-            f.gateways = 2
-        await asyncio.sleep(0.1)  # subscribed
+    async with _two_gateways(redis_url, registry_prefix, listen=True) as (ta, tb, a, b):
         loads_a = ta.loads(Role.PREFILL, "m")
         loads_b = tb.loads(Role.PREFILL, "m")
         held_a = await a.acquire("m|", loads_a, 1, head_in_ms=None, next_head_in_ms=None)
         held_b = await b.acquire("m|", loads_b, 1, head_in_ms=None, next_head_in_ms=None)
         assert held_a.instance is not None and held_b.instance is not None
-        for f in fleets:
+        for f in (a, b):
             await f.sync_once()
         # Each sees the other's slot (its own are counted by its forwarder, not used here).
         assert _inflight(ta) == 1 and _inflight(tb) == 1
@@ -124,9 +140,6 @@ async def test_a_slot_another_gateway_frees_is_seen_before_the_next_sync(
             "m|", ta.loads(Role.PREFILL, "m"), 1, head_in_ms=None, next_head_in_ms=None
         )
         assert again.instance is not None
-    finally:
-        for f in fleets:
-            await f.aclose()
 
 
 def _computing(tracker: InstanceTracker) -> int:
@@ -141,17 +154,7 @@ async def test_what_another_gateway_computes_is_seen_at_once_and_when_it_ends(
     answer, not the next sync, and comes back as soon as its answer is marked: a view that
     lagged a sync either sent into the batch or left the prefill idle while requests
     waited. A lease given back before its answer ends its computing too."""
-    trackers = ta, tb = _tracker(), _tracker()
-    fleets = a, b = [
-        Fleet(RedisFleet(redis_url, key_prefix=registry_prefix, gateway_id=gw), tr,
-              sync_interval_s=3600)  # no sync but the test's
-        for gw, tr in zip("ab", trackers, strict=True)
-    ]  # fmt: skip
-    try:
-        for f in fleets:
-            await f.start()
-            f.gateways = 2
-        await asyncio.sleep(0.1)  # subscribed
+    async with _two_gateways(redis_url, registry_prefix, listen=True) as (ta, tb, a, b):
         held = await a.acquire(
             "m|", ta.loads(Role.PREFILL, "m"), 2, head_in_ms=None, next_head_in_ms=None, idle=True
         )
@@ -171,6 +174,25 @@ async def test_what_another_gateway_computes_is_seen_at_once_and_when_it_ends(
         )
         assert got.instance is not None  # into the slot next to a's KV
         assert a.calls["computed"] == 1 and a.calls["release"] == 1 and a.calls["acquire"] == 1
-    finally:
-        for f in fleets:
-            await f.aclose()
+
+
+async def test_after_redis_lost_the_leases_the_next_sync_puts_back_what_is_held(
+    redis_url: str, registry_prefix: str
+) -> None:
+    """A stock prefill queues instead of refusing: with its leases lost (a Redis back empty,
+    a failover to a replica that had not received them) the fleet would overfill it. One
+    sync later every gateway's held leases are back; a released one is not."""
+    async with _two_gateways(redis_url, registry_prefix, listen=False) as (ta, tb, a, b):
+        held = await a.acquire(
+            "m|", ta.loads(Role.PREFILL, "m"), 2, head_in_ms=None, next_head_in_ms=None
+        )
+        kept, released = held.leases
+        released.release()
+        await asyncio.sleep(0.05)  # the release flushed
+        delete_prefix(redis_url, registry_prefix)  # Redis lost everything
+        await a.sync_once()
+        got = await b.acquire(
+            "m|", tb.loads(Role.PREFILL, "m"), 2, head_in_ms=None, next_head_in_ms=None
+        )
+        assert len(got.leases) == 1  # a's kept lease is back: one slot of two is free
+        assert kept.lease_id not in {x.lease_id for x in got.leases}

@@ -6,8 +6,9 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+import redis.asyncio
 
-from pdgate.registry.fleet import Candidate, Freed, LocalFleet, RedisFleet
+from pdgate.registry.fleet import Candidate, Freed, HeldLeases, LocalFleet, RedisFleet
 
 P = [Candidate("p0", 2), Candidate("p1", 1)]
 
@@ -186,3 +187,40 @@ async def test_local_fleet_counts_its_own_leases() -> None:
     await f.release([("p", g.lease_ids[0])])
     await f.release([("p", g.lease_ids[0])])  # given back once only
     assert (await f.sync({}, {}, {}, ["p"])).slots == {"p": 2}
+
+
+async def test_a_sync_makes_the_store_agree_with_the_leases_a_gateway_holds(
+    fleet, redis_url: str, registry_prefix: str
+) -> None:  # type: ignore[no-untyped-def]
+    """A failover to a replica that had not received them, or a Redis back empty, loses
+    leases: the prefill would look free and be overfilled. A release the old primary took
+    with it leaves a lease nobody holds: phantom load until its TTL. Each sync puts back what
+    the gateway holds and takes away its own leases it does not."""
+    a, b = fleet(gateway_id="a"), fleet(gateway_id="b")
+    big = [Candidate("p0", 8)]
+    mine = await a.acquire("m|", big, 2, head_in_ms=None, next_head_in_ms=None, idle=True)
+    theirs = await b.acquire("m|", big, 1, head_in_ms=None, next_head_in_ms=None)
+    one, two = mine.lease_ids
+    await a.computed([("p0", two)])
+    lost = redis.asyncio.Redis.from_url(redis_url)
+    await lost.delete(f"{registry_prefix}:fleet:slots:p0", f"{registry_prefix}:fleet:computing:p0")
+    await lost.aclose()
+    held = HeldLeases(a.lease_cutoff(), {"p0": [(one, True), (two, False)]})
+    view = await a.sync({}, {}, {}, ["p0"], leases=held)
+    assert (view.slots, view.computing) == ({"p0": 2}, {"p0": 1})  # b's is b's to restore
+    b_holds = HeldLeases(b.lease_cutoff(), {"p0": [(theirs.lease_ids[0], True)]})
+    view = await b.sync({}, {}, {}, ["p0"], leases=b_holds)
+    assert (view.slots, view.computing) == ({"p0": 3}, {"p0": 2})
+    # a gave `two` back, but the release never reached Redis: a phantom, until a's next sync.
+    late = await a.acquire("m|", big, 1, head_in_ms=None, next_head_in_ms=None)
+    (three,) = late.lease_ids
+    in_flight = HeldLeases(a.lease_cutoff() - 1, {"p0": [(one, True)]})  # `three` not yet seen
+    view = await a.sync({}, {}, {}, ["p0"], leases=in_flight)
+    assert view.slots == {"p0": 3}  # one, b's, and three (which a may not have heard of yet)
+    giving_back = HeldLeases(a.lease_cutoff(), {"p0": [(one, True)]}, {"p0": [three]})
+    view = await a.sync({}, {}, {}, ["p0"], leases=giving_back)
+    assert view.slots == {"p0": 3}  # three is being given back: its release will say so
+    view = await a.sync(
+        {}, {}, {}, ["p0"], leases=HeldLeases(a.lease_cutoff(), {"p0": [(one, True)]})
+    )
+    assert (view.slots, view.computing) == ({"p0": 2}, {"p0": 2})  # b's is never a's to drop
