@@ -71,6 +71,12 @@ REQUEST_ID_HEADER = "x-request-id"
 # Request header of the prefill leg: the caller's name for the KV handle (pdgate extension),
 # so it can DELETE the KV of a call it abandoned without ever reading the answer.
 KV_ID_HEADER = "x-pdgate-kv-id"
+# Request header of the prefill leg: the max_tokens its decode leg will ask for (the prefill
+# leg's own is 1). A pdgate prefill checks the context length with it, as the decode will,
+# so a prompt too long for the client's max_tokens is refused before it is computed, with
+# the client's number in the message; other servers ignore it. The batch endpoint takes the
+# same per request as ``decode_max_tokens``.
+DECODE_MAX_TOKENS_HEADER = "x-pdgate-decode-max-tokens"
 # Response headers of the KV pull.
 KV_TOKENS_HEADER = "x-pdgate-kv-tokens"
 KV_DIGEST_HEADER = "x-pdgate-kv-digest"  # blake2b-128 hex of the body, checked by the decode

@@ -192,9 +192,9 @@ class ShimService(Generic[B]):
             _check_chat(req)
         return req
 
-    def _tokens(self, req: ApiRequest) -> list[int]:
+    def _tokens(self, req: ApiRequest, max_tokens: int | None = None) -> list[int]:
         """The prompt's token ids (a chat rendered with the model's template), within the
-        model's context with ``max_tokens``."""
+        model's context with `max_tokens` (default: the request's ``max_tokens``)."""
         param = "prompt"
         try:
             if isinstance(req, ChatCompletionRequest):
@@ -206,7 +206,9 @@ class ShimService(Generic[B]):
                 tokens = self._backend.tokenize(req.one_prompt)
         except ValueError as exc:
             raise bad_request(str(exc)[:_MAX_ENGINE_MESSAGE], param) from None
-        check_length(len(tokens), req.max_tokens or 0, self._settings.max_model_len)
+        if max_tokens is None:
+            max_tokens = req.max_tokens or 0
+        check_length(len(tokens), max_tokens, self._settings.max_model_len)
         return tokens
 
 

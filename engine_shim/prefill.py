@@ -18,6 +18,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -31,6 +32,7 @@ from pdgate.config.openai_api import Api, ClientGone, error_body, read_body
 from pdgate.config.tracing import Span, SpanKind, Tracing
 from pdgate.config.wire import (
     BATCH_SUFFIX,
+    DECODE_MAX_TOKENS_HEADER,
     KV_DIGEST_HEADER,
     KV_ID_HEADER,
     KV_PATH,
@@ -80,11 +82,20 @@ def _strings(raw: dict[str, Any], name: str) -> list[str]:
     return value
 
 
-def parse_batch(
-    body: bytes, *, max_items: int
-) -> tuple[list[dict[str, Any]], list[str], list[str]]:
-    """``{"requests": [completion body, ...], "kv_ids": [...], "request_ids": [...]}``, the
-    ids optional and matched to the requests by position."""
+@dataclass(frozen=True)
+class Batch:
+    """A batch call: the requests, and per request (by position, each list optional) the
+    caller's KV id, request id and decode leg's max_tokens."""
+
+    items: list[dict[str, Any]]
+    kv_ids: list[str]
+    request_ids: list[str]
+    decode_max_tokens: list[int | None]
+
+
+def parse_batch(body: bytes, *, max_items: int) -> Batch:
+    """``{"requests": [completion body, ...], "kv_ids": [...], "request_ids": [...],
+    "decode_max_tokens": [...]}``."""
     try:
         raw = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -95,7 +106,19 @@ def parse_batch(
     if len(items) > max_items:
         raise bad_request(f"at most {max_items} requests per batch", "requests")
     assert isinstance(raw, dict)
-    return items, _strings(raw, "kv_ids"), _strings(raw, "request_ids")
+    limits = raw.get("decode_max_tokens")
+    decode_max = [_positive(x) for x in limits] if isinstance(limits, list) else []
+    return Batch(items, _strings(raw, "kv_ids"), _strings(raw, "request_ids"), decode_max)
+
+
+def _positive(value: object) -> int | None:
+    """A positive integer from a header or a JSON value; None for anything else (the
+    gateway's own hint: a bad one is ignored, as a server without it would)."""
+    try:
+        n = int(value) if isinstance(value, str | int) and not isinstance(value, bool) else 0
+    except ValueError:
+        return None
+    return n if n > 0 else None
 
 
 def _nth(values: list[str], index: int) -> str:
@@ -191,8 +214,9 @@ class PrefillShim(ShimService[PrefillBackend]):
         req = await self._read(request, api)
         kv_id = request.headers.get(KV_ID_HEADER, "")
         rid = caller_request_id(request)
+        decode_max = _positive(request.headers.get(DECODE_MAX_TOKENS_HEADER))
         answer = await self._prefill_one(
-            req, kv_id, rid, lambda work: until_disconnect(request, work), span
+            req, kv_id, rid, lambda work: until_disconnect(request, work), span, decode_max
         )
         end_span(span, "ok", 200)
         return json_response(answer)
@@ -204,8 +228,13 @@ class PrefillShim(ShimService[PrefillBackend]):
         rid: str | None,
         guard: Callable[[Awaitable[Any]], Awaitable[Any]],
         span: Span,
+        decode_max_tokens: int | None = None,
     ) -> dict[str, Any]:
         """Admit, compute and hold the KV of one request; its answer as a dict.
+
+        `decode_max_tokens`: what the decode leg will ask for (the gateway says so); the
+        context length is checked with it, so a prompt the decode would refuse is refused
+        here, before it is computed, naming the client's ``max_tokens``.
 
         `guard` runs each wait so that the caller's disconnect cancels it (the single
         endpoint watches its own request; the batch endpoint cancels its items itself).
@@ -217,7 +246,7 @@ class PrefillShim(ShimService[PrefillBackend]):
                 "kv_transfer_params with do_remote_decode=true (send them through the gateway)",
                 "kv_transfer_params",
             )
-        tokens = self._tokens(req)
+        tokens = self._tokens(req, decode_max_tokens)
         kv_id = self._claim_kv_id(kv_id)
         self._prompt_tokens += len(tokens)
         try:
@@ -362,13 +391,13 @@ class PrefillShim(ShimService[PrefillBackend]):
             if self.draining:
                 raise draining()
             body = await read_body(request, self._max_body_bytes, self._settings.body_timeout_s)
-            items, kv_ids, request_ids = parse_batch(body, max_items=MAX_BATCH)
+            batch = parse_batch(body, max_items=MAX_BATCH)
         except ApiError as exc:
             return exc.response()
         except ClientGone:
             return Response(status_code=499)
         parsed: list[ApiRequest | ApiError] = []
-        for raw in items:
+        for raw in batch.items:
             try:
                 parsed.append(self._parse(orjson.dumps(raw), api))
             except ApiError as exc:
@@ -389,8 +418,12 @@ class PrefillShim(ShimService[PrefillBackend]):
             try:
                 if isinstance(item, ApiError):
                     raise item
-                rid = _nth(request_ids, index) or None
-                body = await self._prefill_one(item, _nth(kv_ids, index), rid, _unguarded, span)
+                rid = _nth(batch.request_ids, index) or None
+                limits = batch.decode_max_tokens
+                limit = limits[index] if index < len(limits) else None
+                body = await self._prefill_one(
+                    item, _nth(batch.kv_ids, index), rid, _unguarded, span, limit
+                )
                 end_span(span, "ok", 200)
                 return _line(index, 200, body)
             except ApiError as exc:

@@ -32,7 +32,7 @@ from pdgate.config.aio import Background, Backoff, shielded
 from pdgate.config.openai_api import Api
 from pdgate.config.settings import DispatchMode, GatewaySettings
 from pdgate.config.tracing import Span, Tracing
-from pdgate.config.wire import Role, prefill_kv_request
+from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, Role, prefill_kv_request
 from pdgate.gateway._decode_attempt import DecodeAttempts, release_after
 from pdgate.gateway._local_prefill import LocalPrefill
 from pdgate.gateway.affinity import PrefixIndex
@@ -55,7 +55,12 @@ from pdgate.gateway.instances import InstanceTracker, Lease
 from pdgate.gateway.metrics import GatewayMetrics
 from pdgate.gateway.queue import Waiter, WaitQueue
 from pdgate.gateway.ratio import RatioAdvisor
-from pdgate.gateway.upstream import DecodeStream, Upstream, upstream_error_message
+from pdgate.gateway.upstream import (
+    DecodeStream,
+    Upstream,
+    upstream_error_message,
+    upstream_error_param,
+)
 from pdgate.policies import admit_idle
 from pdgate.policies.base import InstanceLoad, Ranker, RequestInfo
 from pdgate.registry.fleet import LocalFleet
@@ -431,6 +436,7 @@ class Dispatcher:
                     timeout_s=remaining,
                     kv_id=kv_id,
                     path=path,
+                    headers={DECODE_MAX_TOKENS_HEADER: str(info.max_tokens)},
                 )
             finally:
                 computing.release(slot_freed=False)
@@ -552,4 +558,4 @@ def client_error(exc: UpstreamStatus) -> GatewayError:
     message = upstream_error_message(exc)
     if exc.status == 413:
         return PayloadTooLarge(message)
-    return BadRequest(message)
+    return BadRequest(message, param=upstream_error_param(exc))

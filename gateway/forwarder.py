@@ -48,7 +48,7 @@ import orjson
 
 from pdgate.config.aio import Background, Backoff
 from pdgate.config.tracing import Span, Tracing
-from pdgate.config.wire import EXT_BATCH_PREFILL, Role
+from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, EXT_BATCH_PREFILL, Role
 from pdgate.gateway.affinity import PrefixIndex
 from pdgate.gateway.errors import (
     BadGateway,
@@ -169,8 +169,9 @@ class _Call:
         chars = self.waiter.info.prompt_chars
         return chars / self.run_chars if self.run_chars > chars else 1.0
 
-    def trace_headers(self, tracing: Tracing) -> dict[str, str]:
-        headers: dict[str, str] = {}
+    def headers(self, tracing: Tracing) -> dict[str, str]:
+        """The call's headers: the decode leg's max_tokens, and the trace context."""
+        headers = {DECODE_MAX_TOKENS_HEADER: str(self.waiter.info.max_tokens)}
         tracing.inject(self.span, headers)
         return headers
 
@@ -699,7 +700,7 @@ class PrefillForwarder:
                 request_id=waiter.request_id,
                 timeout_s=min(remaining, self._try_timeout_s(call)),
                 kv_id=call.kv_id,
-                headers=call.trace_headers(self._shared.tracing),
+                headers=call.headers(self._shared.tracing),
                 path=waiter.path,
             )
         except UpstreamRejected:
@@ -737,8 +738,9 @@ class PrefillForwarder:
                 kv_ids=[c.kv_id for c in calls],
                 request_id=calls[0].waiter.request_id,
                 timeout_s=min(max(last_deadline - time.monotonic(), 0.001), try_timeout),
-                headers=calls[0].trace_headers(self._shared.tracing),
+                headers=calls[0].headers(self._shared.tracing),
                 path=path,
+                decode_max_tokens=[c.waiter.info.max_tokens for c in calls],
             ):
                 call = pending.pop(index, None)
                 if call is not None:

@@ -11,11 +11,12 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
+from typing import Any
 
 import aiohttp
 import orjson
 
-from pdgate.config.wire import KV_ID_HEADER, REQUEST_ID_HEADER
+from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, KV_ID_HEADER, REQUEST_ID_HEADER
 from pdgate.gateway.errors import UpstreamProtocolError, UpstreamUnreachable
 from pdgate.gateway.upstream import BaseUpstream, Call, status_error
 
@@ -158,12 +159,18 @@ class HttpUpstream(BaseUpstream):
     async def _post_batch(
         self, url: str, calls: list[Call], timeout_s: float
     ) -> AsyncIterator[bytes]:
-        payload = orjson.dumps(
-            {"requests": [c.body for c in calls], "kv_ids": [c.kv_id for c in calls]}
-        )
+        batch: dict[str, Any] = {
+            "requests": [c.body for c in calls],
+            "kv_ids": [c.kv_id for c in calls],
+        }
+        if all(DECODE_MAX_TOKENS_HEADER in c.headers for c in calls):
+            # Per request: the call's one header would say only the first one's.
+            batch["decode_max_tokens"] = [int(c.headers[DECODE_MAX_TOKENS_HEADER]) for c in calls]
+        sent = self._sent(calls[0])
+        sent.pop(DECODE_MAX_TOKENS_HEADER, None)
         with _mapped(url):
             async with self._session.post(
-                url, data=payload, headers=self._sent(calls[0]), timeout=self._timeout(timeout_s)
+                url, data=orjson.dumps(batch), headers=sent, timeout=self._timeout(timeout_s)
             ) as resp:
                 if resp.status != 200:
                     raise status_error(url, resp.status, await resp.read(), "prefill")

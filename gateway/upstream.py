@@ -11,13 +11,19 @@ fake meets the same rules over HTTP. Nothing above this seam sees sockets or aio
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import orjson
 
-from pdgate.config.wire import BATCH_SUFFIX, COMPLETIONS_PATH, kv_release_url, kv_url
+from pdgate.config.wire import (
+    BATCH_SUFFIX,
+    COMPLETIONS_PATH,
+    DECODE_MAX_TOKENS_HEADER,
+    kv_release_url,
+    kv_url,
+)
 from pdgate.gateway.errors import (
     UpstreamError,
     UpstreamProtocolError,
@@ -94,11 +100,13 @@ class Upstream(Protocol):
         timeout_s: float,
         headers: Mapping[str, str] | None = None,
         path: str = COMPLETIONS_PATH,
+        decode_max_tokens: Sequence[int] = (),
     ) -> AsyncIterator[tuple[int, int, dict[str, Any]]]:
         """POST several prefill legs of one API at once (pdgate shims' batch endpoint,
         `path` + ``/batch``); yields ``(index, status, body)`` per request as the prefill
-        reports it (rejections first). An instance without the endpoint raises
-        `UpstreamStatus` 404 or 405."""
+        reports it (rejections first). `decode_max_tokens`: per request, as the
+        ``DECODE_MAX_TOKENS_HEADER`` of a single call. An instance without the endpoint
+        raises `UpstreamStatus` 404 or 405."""
         ...
 
     async def open_decode(
@@ -193,11 +201,14 @@ class BaseUpstream:
         timeout_s: float,
         headers: Mapping[str, str] | None = None,
         path: str = COMPLETIONS_PATH,
+        decode_max_tokens: Sequence[int] = (),
     ) -> AsyncIterator[tuple[int, int, dict[str, Any]]]:
         url = base_url + path + BATCH_SUFFIX
+        sent = headers or {}
+        limits = [{DECODE_MAX_TOKENS_HEADER: str(n)} for n in decode_max_tokens]
         calls = [
-            Call("prefill", base_url, body, request_id, kv_id, headers or {}, path)
-            for body, kv_id in zip(bodies, kv_ids, strict=True)
+            Call("prefill", base_url, body, request_id, kv_id, {**sent, **limit}, path)
+            for body, kv_id, limit in zip(bodies, kv_ids, limits or [{}] * len(bodies), strict=True)
         ]
         async for line in self._post_batch(url, calls, timeout_s):
             try:
@@ -241,14 +252,22 @@ def status_error(url: str, status: int, raw: bytes, leg: Leg) -> UpstreamError:
 
 def upstream_error_message(exc: UpstreamStatus) -> str:
     """The instance's own OpenAI error message, if it sent one (it is about the request)."""
+    msg = _error_field(exc, "message")
+    return msg[:1024] if msg is not None else f"upstream answered HTTP {exc.status}"
+
+
+def upstream_error_param(exc: UpstreamStatus) -> str | None:
+    """The request field the instance's OpenAI error names (``param``), if a plausible one."""
+    param = _error_field(exc, "param")
+    return param if param is not None and 0 < len(param) <= 64 and param.isprintable() else None
+
+
+def _error_field(exc: UpstreamStatus, name: str) -> str | None:
     try:
-        data = orjson.loads(exc.body)
-        msg = data["error"]["message"]
-        if isinstance(msg, str):
-            return msg[:1024]
+        value = orjson.loads(exc.body)["error"][name]
     except (orjson.JSONDecodeError, KeyError, TypeError):
-        pass
-    return f"upstream answered HTTP {exc.status}"
+        return None
+    return value if isinstance(value, str) else None
 
 
 def prefill_reply(url: str, raw: bytes) -> dict[str, Any]:

@@ -66,6 +66,21 @@ def test_bad_items_fail_alone(prefill: str) -> None:
     assert httpx.delete(f"{prefill}/v1/kv/{rid}").status_code == 204
 
 
+def test_each_item_is_checked_against_its_own_decode_max_tokens(prefill: str) -> None:
+    """The gateway says what each request's decode leg will ask for: an item the model's
+    context (32,768 tokens) cannot hold with it is refused before it is computed, naming it;
+    a value that is not a positive integer is ignored, as a server without the field would."""
+    long = " ab" * 32_700
+    body = {"requests": [item(long), item(long), item("short")], "decode_max_tokens": [100, "x", 5]}
+    resp = httpx.post(prefill + "/v1/completions/batch", json=body, timeout=10)
+    lines = {e["index"]: e for e in map(orjson.loads, resp.text.splitlines())}
+    assert [lines[i]["status"] for i in range(3)] == [400, 200, 200]
+    assert "max_tokens is 100" in lines[0]["body"]["error"]["message"]
+    for i in (1, 2):
+        rid = lines[i]["body"]["kv_transfer_params"]["remote_request_id"]
+        assert httpx.delete(f"{prefill}/v1/kv/{rid}").status_code == 204
+
+
 @pytest.mark.parametrize("body", [b"{", b"[]", b'{"requests": []}', b'{"requests": [1]}'])
 def test_malformed_batches_are_400(prefill: str, body: bytes) -> None:
     resp = httpx.post(prefill + "/v1/completions/batch", content=body, timeout=10)

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER
 from pdgate.gateway.dispatch import client_error
 from pdgate.gateway.errors import DeadlineExceeded
 from pdgate.gateway.forwarder import ForwardingOptions
@@ -305,3 +306,22 @@ async def test_what_one_gateway_measured_another_estimates_with() -> None:
     for fwd, bg in ((here, bg1), (there, bg2)):
         await fwd.close()
         await bg.aclose()
+
+
+async def test_every_prefill_call_says_what_its_decode_leg_will_ask_for() -> None:
+    """So a pdgate prefill checks the context length with the client's max_tokens, not the
+    prefill leg's 1 (config/wire.py, DECODE_MAX_TOKENS_HEADER)."""
+    upstream = MockUpstream(FakeCluster())
+    tracker = tracker_for([4])
+    fwd, _, background = batching_forwarder(upstream, tracker)
+    grants = await asyncio.gather(*(fwd.acquire(waiter(i)) for i in range(2)))  # one batch
+    alone = await fwd.acquire(waiter(2))  # one call
+    (batch,) = upstream.batches
+    single = [c for c in upstream.calls if c.leg == "prefill" and c not in batch]
+    for call in [*batch, *single]:
+        assert call.headers[DECODE_MAX_TOKENS_HEADER] == "4"  # waiter()'s max_tokens
+    for g in [*grants, alone]:
+        g.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()
