@@ -194,7 +194,7 @@ class Dispatcher:
         # for them before the upstream session closes.
         self.background = Background("pdgate-dispatch")
         self.fleet = fleet or Fleet(LocalFleet(settings.gateway_id), tracker)
-        self.fleet.set_heads(self.heads, self)
+        self.fleet.serve_queues(self.heads, self)
         ejection = Ejection(
             settings.eject_after_failures, settings.eject_base_s, settings.eject_max_s
         )

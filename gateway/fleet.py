@@ -151,11 +151,13 @@ class Fleet:
     def gateway_id(self) -> str:
         return self.store.gateway_id
 
-    def set_heads(
+    def serve_queues(
         self,
         heads: Callable[[], dict[str, float | None]],
         estimates: FleetEstimates | None = None,
     ) -> None:
+        """What the gateway's queues share with the fleet at each sync: their heads (the
+        deadline order) and their prefill-time samples."""
         self._heads = heads
         self._estimates = estimates
 
