@@ -135,6 +135,7 @@ def forwarder(
     *,
     order: QueueOrder = QueueOrder.EDF,
     policy: Ranker | None = None,
+    fleet: Fleet | None = None,
 ) -> tuple[PrefillForwarder, GatewayMetrics, Background]:
     metrics = GatewayMetrics(tracker.totals, lambda: 0)
     background = Background("test")
@@ -151,7 +152,7 @@ def forwarder(
             None,
             options or ForwardingOptions(client_error=client_error),
             background,
-            Fleet(LocalFleet("test"), tracker),
+            fleet or Fleet(LocalFleet("test"), tracker),
             Ejector(tracker, metrics),
             RetryBudget(),
         ),

@@ -11,9 +11,11 @@ import pytest
 from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER
 from pdgate.gateway.dispatch import client_error
 from pdgate.gateway.errors import DeadlineExceeded
+from pdgate.gateway.fleet import Fleet
 from pdgate.gateway.forwarder import ForwardingOptions
 from pdgate.gateway.mock_upstream import MockUpstream, Reply
 from pdgate.policies import load_policy
+from pdgate.registry.fleet import RedisFleet
 from tests.gateway._fakes import (
     FakeCluster,
     batching_forwarder,
@@ -325,3 +327,34 @@ async def test_every_prefill_call_says_what_its_decode_leg_will_ask_for() -> Non
     await eventually(lambda: tracker.totals() == (0, 0))
     await fwd.close()
     await background.aclose()
+
+
+async def test_a_batch_takes_no_request_due_after_one_waiting_at_another_gateway(
+    redis_url: str, registry_prefix: str
+) -> None:
+    """Batches in the fleet's deadline order: gateway b waits with a request due in a
+    second, so gateway a's run stops before its own request due in five; that one goes in
+    a run of its own (to the next idle prefill, here the same one once it answered)."""
+    tracker = tracker_for([4])
+    here = Fleet(RedisFleet(redis_url, key_prefix=registry_prefix, gateway_id="a"), tracker)
+    here.gateways = 2  # b shares the fleet: every slot through Redis
+    there = RedisFleet(redis_url, key_prefix=registry_prefix, gateway_id="b")
+    await there.sync({}, {}, {"m|": 1000.0}, [])  # b's queue head: due in 1 s
+    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.05))
+    options = ForwardingOptions(batch_forwarding=True, batch_endpoint=True, admit_idle=True,
+                                client_error=client_error)  # fmt: skip
+    fwd, _, background = forwarder(upstream, tracker, options, fleet=here)
+    try:
+        grants = await asyncio.gather(
+            fwd.acquire(waiter(0, deadline_s=0.5)), fwd.acquire(waiter(1, deadline_s=5.0))
+        )
+        assert upstream.batches == []  # never the two in one batch call
+        assert [c.request_id for c in upstream.calls if c.leg == "prefill"] == ["r0", "r1"]
+        for g in grants:
+            g.close()
+        await eventually(lambda: tracker.totals() == (0, 0))
+    finally:
+        await fwd.close()
+        await background.aclose()
+        await here.aclose()
+        await there.aclose()
