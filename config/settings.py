@@ -565,6 +565,15 @@ class GatewaySettings(_Settings):
         "prefill (one that accepted the connection and hangs); unset = 4x the slowest recent "
         "prefills of that prompt length, at least 2 s.",
     )
+    decode_stall_timeout_s: float | None = Field(
+        default=5.0,
+        gt=0,
+        description="A decode stream that has started and then keeps the gateway waiting this "
+        "long for its next bytes (a hung or stopped decode: a running one sends a token every "
+        "few tens of ms) is given up, and the request continues on another decode "
+        "(max_migrations); checked every quarter of it, at most every second. Unset = only "
+        "upstream_read_timeout_s.",
+    )
     decode_header_timeout_s: float = Field(
         default=5.0,
         gt=0,

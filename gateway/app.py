@@ -185,6 +185,7 @@ def build_gateway_app(
                     url: {"authorization": f"Bearer {key}"} for url, key in instance_keys.items()
                 },
                 header_timeout_s=settings.decode_header_timeout_s,
+                stall_timeout_s=settings.decode_stall_timeout_s,
             )
             if upstream is None
             else upstream

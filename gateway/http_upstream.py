@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import weakref
 from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from pdgate.config.aio import cancel_and_wait
 from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, KV_ID_HEADER, REQUEST_ID_HEADER
 from pdgate.gateway.errors import UpstreamProtocolError, UpstreamUnreachable
 from pdgate.gateway.upstream import BaseUpstream, Call, status_error
@@ -54,18 +57,46 @@ class _mapped:
 class _Stream:
     """`DecodeStream` over an aiohttp response."""
 
-    __slots__ = ("_guard", "_resp", "url")
+    __slots__ = ("__weakref__", "_guard", "_resp", "_started", "_waiting_since", "stalled", "url")
 
     def __init__(self, resp: aiohttp.ClientResponse, url: str) -> None:
         self._resp = resp
         self.url = url
         self._guard = _mapped(url)  # it holds nothing per use: one for every read
+        self._started = False  # data came: the decode holds the KV and is generating
+        self._waiting_since = 0.0  # monotonic start of the read in progress (0: none)
+        self.stalled = 0.0  # > 0: given up after this many seconds of silence
 
     async def read(self, size: int) -> bytes:
         # What has arrived, up to `size`: no iterator of aiohttp's in between (this runs for
         # every token of every stream).
-        with self._guard:
-            return await self._resp.content.read(size)
+        self._waiting_since = time.monotonic()
+        try:
+            with self._guard:
+                data = await self._resp.content.read(size)
+        except UpstreamUnreachable:
+            if self.stalled:
+                raise UpstreamUnreachable(
+                    self.url, f"decode stalled: no data for {self.stalled:.1f} s"
+                ) from None
+            raise
+        finally:
+            self._waiting_since = 0.0
+        self._started = self._started or bool(data)
+        return data
+
+    def silent_s(self, now: float) -> float:
+        """How long a started stream has kept the relay waiting (0: not waiting, or not
+        started: before its first data a decode may be pulling KV or queueing)."""
+        if not self._started or not self._waiting_since or self._resp.closed:
+            return 0.0
+        return now - self._waiting_since
+
+    def stall(self, silent_s: float) -> None:
+        """Give up on it: the read in progress raises (the request moves to another decode),
+        and the dropped connection tells the decode, if it ever wakes, that nobody listens."""
+        self.stalled = silent_s
+        self.close()
 
     def at_eof(self) -> bool:
         return self._resp.content.at_eof()
@@ -86,11 +117,18 @@ class HttpUpstream(BaseUpstream):
         headers: dict[str, str] | None = None,
         instance_headers: Mapping[str, Mapping[str, str]] | None = None,
         header_timeout_s: float = 5.0,
+        stall_timeout_s: float | None = None,
     ) -> None:
         """`headers` go with every call (e.g. the cluster token towards the shims);
         `instance_headers` (base URL -> headers) replace some of them towards one instance:
-        a static server with an API key of its own (registry/static.py, `static_api_keys`)."""
+        a static server with an API key of its own (registry/static.py, `static_api_keys`).
+        `stall_timeout_s`: a decode stream that started and then keeps the relay waiting this
+        long is given up (a hung or stopped decode); None: only `read_timeout_s`."""
         self._session = session
+        self._stall_timeout_s = stall_timeout_s
+        # Open decode streams, for the stall watchdog (one task, only while any is open).
+        self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
+        self._watchdog: asyncio.Task[None] | None = None
         self._header_timeout_s = header_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._read_timeout_s = read_timeout_s
@@ -113,6 +151,7 @@ class HttpUpstream(BaseUpstream):
         headers: dict[str, str] | None = None,
         instance_headers: Mapping[str, Mapping[str, str]] | None = None,
         header_timeout_s: float = 5.0,
+        stall_timeout_s: float | None = None,
     ) -> HttpUpstream:
         """A new session with the gateway's pool settings; `aclose()` closes it."""
         connector = aiohttp.TCPConnector(
@@ -130,10 +169,36 @@ class HttpUpstream(BaseUpstream):
             headers=headers,
             instance_headers=instance_headers,
             header_timeout_s=header_timeout_s,
+            stall_timeout_s=stall_timeout_s,
         )
 
     async def aclose(self) -> None:
+        if self._watchdog is not None:
+            await cancel_and_wait([self._watchdog])
         await self._session.close()
+
+    def _watch(self, stream: _Stream) -> _Stream:
+        if self._stall_timeout_s is not None:
+            self._streams.add(stream)
+            if self._watchdog is None or self._watchdog.done():
+                self._watchdog = asyncio.create_task(self._watch_stalls(), name="stall-watchdog")
+        return stream
+
+    async def _watch_stalls(self) -> None:
+        """Every quarter of the stall timeout (at most a second), give up the streams whose
+        decode has kept the relay waiting longer than it. One timer for all streams: a
+        timeout per read would cost every token of every stream."""
+        assert self._stall_timeout_s is not None
+        limit = self._stall_timeout_s
+        while self._streams:
+            await asyncio.sleep(min(1.0, limit / 4))
+            now = time.monotonic()
+            for stream in list(self._streams):
+                silent = stream.silent_s(now)
+                if silent > limit:
+                    log.warning("decode %s stalled (%.1f s without data): moving on", stream.url,
+                                silent)  # fmt: skip
+                    stream.stall(silent)
 
     def _timeout(self, total_s: float) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=total_s, connect=min(self._connect_timeout_s, total_s))
@@ -191,7 +256,7 @@ class HttpUpstream(BaseUpstream):
                     url, data=orjson.dumps(call.body), headers=self._sent(call), timeout=timeout
                 )
         if resp.status == 200:
-            return _Stream(resp, url)
+            return self._watch(_Stream(resp, url))
         try:
             with _mapped(url):
                 raw = await self._read_limited(resp, url)

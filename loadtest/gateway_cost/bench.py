@@ -130,6 +130,7 @@ def gateway_env(key_prefix: str, streams: int) -> dict[str, str]:
         "PDGATE_GATEWAY_QUEUE_SIZE": bound,
         "PDGATE_GATEWAY_UPSTREAM_CONNECTIONS": bound,
         "PDGATE_GATEWAY_UPSTREAM_READ_TIMEOUT_S": "7200",  # idle streams are silent
+        "PDGATE_GATEWAY_DECODE_STALL_TIMEOUT_S": "7200",  # on purpose, after one token
     }
 
 

@@ -355,31 +355,44 @@ async def _client(
     return {"status": status, "text": "".join(texts), "done": done, "errors": errors}
 
 
-async def _load(url: str, procs: dict[str, Subprocess]) -> tuple[list[dict[str, Any]], str]:
+async def _load(
+    url: str, procs: dict[str, Subprocess], sig: signal.Signals = signal.SIGKILL
+) -> tuple[list[dict[str, Any]], str]:
     started: set[int] = set()
     all_started = asyncio.Event()
     tasks = [asyncio.ensure_future(_client(url, i, started, all_started)) for i in range(CLIENTS)]
-    # Kill one decode once every client is well into its stream.
+    # Kill (or stop) one decode once every client is well into its stream.
     await asyncio.wait_for(all_started.wait(), 30)
     victim = "d0"
-    os.kill(procs[victim].proc.pid, signal.SIGKILL)
+    os.kill(procs[victim].proc.pid, sig)
     return await asyncio.gather(*tasks), victim
 
 
-def test_killing_a_decode_mid_stream_goes_unnoticed(processes: Processes) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
+def test_losing_a_decode_mid_stream_goes_unnoticed(
+    processes: Processes, sig: signal.Signals
+) -> None:
+    """SIGKILL drops the decode's connections: the streams move at once. SIGSTOP leaves
+    them open and silent (a hung decode): without the stall timeout they waited for the
+    60 s read timeout; now they move after one second of silence."""
     sim = {"PDGATE_SHIM_SIM_PROFILE": "llama-3.1-8b-a100"}
     processes.shim("prefill", "--capacity", "8", env=sim)
     decodes = {
         name: processes.shim("decode", "--capacity", "16", "--instance-id", name, env=sim)
         for name in ("d0", "d1")
     }
-    url = processes.gateway()
+    url = processes.gateway(env={"PDGATE_GATEWAY_DECODE_STALL_TIMEOUT_S": "1"})
     wait_instances(url, 3)
 
     # The greedy text of every prompt, from an undisturbed run.
     expected = asyncio.run(_expected(url))
-    results, victim = asyncio.run(_load(url, decodes))
-    assert decodes[victim].proc.wait(5) == -signal.SIGKILL
+    try:
+        results, victim = asyncio.run(_load(url, decodes, sig))
+    finally:
+        if sig is signal.SIGSTOP:
+            os.kill(decodes["d0"].proc.pid, signal.SIGCONT)
+    if sig is signal.SIGKILL:
+        assert decodes[victim].proc.wait(5) == -signal.SIGKILL
     noticed = [
         (i, r) for i, r in enumerate(results)
         if r["status"] != 200 or not r["done"] or r["errors"] or r["text"] != expected[i]
