@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import signal
 import socket
 import threading
 import time
@@ -191,3 +193,40 @@ def test_a_decode_that_never_answers_is_passed_over_and_ejected(
         assert len(hole.accepted) == 2  # tried twice, then ejected
     finally:
         hole.close()
+
+
+def test_a_stopped_prefill_costs_clients_a_pause_not_an_error(processes: Processes) -> None:
+    """A prefill that is alive but answers nothing (SIGSTOP): the calls it holds are given
+    up after the try timeout and placed again; it computes them forever as far as the fleet
+    knows, so the `idle` rule sends it nothing new; its record expires. No client sees an
+    error, under load, while it is stopped and after it comes back."""
+    a100 = {"PDGATE_SHIM_SIM_PROFILE": "llama-3.1-8b-a100"}
+    prefills = [
+        processes.shim("prefill", "--capacity", "4", "--instance-id", f"p{i}", env=a100)
+        for i in range(2)
+    ]
+    processes.shim("decode", "--capacity", "32", env=a100)
+    url = processes.gateway(env={"PDGATE_GATEWAY_PREFILL_TRY_TIMEOUT_S": "1"})
+    wait_instances(url, 3)
+    stop = threading.Event()
+    codes: list[int] = []
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            body = {"model": SIM_MODEL, "prompt": f"client {i} " * 200, "max_tokens": 4}
+            codes.append(httpx.post(url + "/v1/completions", json=body, timeout=30).status_code)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        os.kill(prefills[0].proc.pid, signal.SIGSTOP)
+        time.sleep(4.0)  # past its record's TTL: it left the view
+        os.kill(prefills[0].proc.pid, signal.SIGCONT)
+        time.sleep(2.0)  # back, registered again
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert len(codes) > 30 and set(codes) == {200}, sorted(set(codes))
