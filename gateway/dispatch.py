@@ -257,10 +257,13 @@ class Dispatcher:
     def incoming(self, queue: str, packed: Sequence[str]) -> None:
         """The other gateways' samples for `queue` (`FleetEstimates`); kept for a queue this
         gateway has not served yet, so its first request is judged on the fleet's figures."""
-        for f in self._forwarders.values():
-            if f.key == queue:
-                f.samples_in(packed)
-                return
+        model, _, group = queue.partition("|")
+        fwd = self._forwarders.get((model, group or None))
+        if fwd is None or fwd.key != queue:  # a model name with "|" in it
+            fwd = next((f for f in self._forwarders.values() if f.key == queue), None)
+        if fwd is not None:
+            fwd.samples_in(packed)
+            return
         kept = self._early_samples.pop(queue, None) or deque(maxlen=_EARLY_SAMPLES)
         kept.extend(packed)
         self._early_samples[queue] = kept  # the most recently heard queues last

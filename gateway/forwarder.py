@@ -393,11 +393,12 @@ class PrefillForwarder:
     def samples_in(self, packed: Sequence[str]) -> None:
         """The other gateways' samples for this queue (`samples_out` there). Malformed
         entries are skipped: another gateway's version may pack more."""
+        targets = {"p": self.prefill_times, "c": self.compute_times}
         for entry in packed:
             for item in entry.split(";"):
                 kind, _, rest = item.partition(" ")
                 chars, _, secs = rest.partition(" ")
-                target = {"p": self.prefill_times, "c": self.compute_times}.get(kind)
+                target = targets.get(kind)
                 try:
                     n, t = int(chars), float(secs)
                 except ValueError:
