@@ -66,6 +66,12 @@ return removed
 """
 
 
+def _name(generation: object) -> str | None:
+    if isinstance(generation, bytes):
+        return generation.decode(errors="replace")
+    return None if generation is None else str(generation)
+
+
 def redact_url(url: str) -> str:
     """`url` fit for logs: user info and any ``password=`` query value replaced by ``***``."""
     scheme, sep, rest = url.partition("://")
@@ -309,7 +315,10 @@ class RedisRegistry:
 
     async def snapshot(self) -> list[InstanceRecord]:
         try:
-            async with self._client.pipeline(transaction=False) as pipe:
+            # Each step is one MULTI, and each names the generation it read: a Redis emptied
+            # between the index and the records must read as lost, not as every instance
+            # leaving under the old name (the view would then have nothing left to hold).
+            async with self._client.pipeline(transaction=True) as pipe:
                 # A Redis without it lost its state (restarted empty, or a replica promoted
                 # before it had it): the first reader names the new contents.
                 pipe.setnx(self._generation_key, secrets.token_hex(8))
@@ -321,14 +330,17 @@ class RedisRegistry:
                 # Freshest first: if over the bound, the recently refreshed are the ones kept.
                 pipe.zrange(self._members_key, 0, self._max_instances - 1, desc=True)
                 _, generation, _, total, ids = await pipe.execute()
-            if isinstance(generation, bytes):
-                generation = generation.decode(errors="replace")
-            self._generation = None if generation is None else str(generation)
+            self._generation = _name(generation)
             self._check_bound(int(total))
             if not ids:
                 return []
             keys = [self._key(i) for i in ids]
-            raws = await self._client.mget(keys)
+            async with self._client.pipeline(transaction=True) as pipe:
+                pipe.mget(keys)
+                pipe.setnx(self._generation_key, secrets.token_hex(8))
+                pipe.get(self._generation_key)
+                raws, _, generation = await pipe.execute()
+            self._generation = _name(generation)
             records: list[InstanceRecord] = []
             missing: list[bytes] = []
             for instance_id, raw in zip(ids, raws, strict=True):

@@ -357,3 +357,44 @@ async def test_what_a_redis_restarted_empty_forgot_is_held_until_it_registers_ag
     finally:
         await m.stop()
         await reg.aclose()
+
+
+async def test_a_redis_emptied_between_the_index_and_the_records_reads_as_lost(
+    private_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A snapshot reads the index, then the records. Emptied in between, it once answered
+    "nobody" under the old generation: the membership dropped every instance at once and,
+    at its next poll, had nothing left to hold while they registered again."""
+    import redis.asyncio as aioredis
+
+    reg = RedisRegistry(private_redis.url, key_prefix="t", connect_timeout_s=0.3)
+    admin = aioredis.Redis.from_url(private_redis.url)
+    try:
+        await reg.put(make_record("p1"), 30)
+        assert [r.id for r in await reg.snapshot()] == ["p1"]
+        before = reg.generation()
+        client = reg._client
+        opened = client.pipeline
+        calls = 0
+
+        def pipeline(*args: object, **kwargs: object) -> object:
+            nonlocal calls
+            calls += 1
+            pipe = opened(*args, **kwargs)  # type: ignore[arg-type]
+            if calls == 2:  # the records' read: the Redis is emptied just before it
+                execute = pipe.execute
+
+                async def flushed_then_execute(*a: object, **k: object) -> object:
+                    await admin.flushall()
+                    return await execute(*a, **k)  # type: ignore[arg-type]
+
+                pipe.execute = flushed_then_execute  # type: ignore[method-assign]
+            return pipe
+
+        monkeypatch.setattr(client, "pipeline", pipeline)
+        assert await reg.snapshot() == []
+        assert calls == 2
+        assert reg.generation() not in (None, before)
+    finally:
+        await admin.aclose()
+        await reg.aclose()
