@@ -1,13 +1,9 @@
-"""``pdgate``: the command line.
+"""``pdgate``: the command line."""
 
-Each subcommand lives with the package it runs and is loaded by name (like policies and
-engines), so this module depends on none of them: ``pdgate gateway`` never imports the shim
-package, ``pdgate shim`` never imports the gateway. A command module provides ``HELP``,
-``configure(parser)`` and ``main(args) -> int``.
-
-Every subcommand takes the common flags (``--log-level``, ``--config``, ``--registry-url``),
-before or after its name.
-"""
+# Each subcommand lives with the package it runs and is loaded by name (like policies and
+# engines), so this module depends on none of them: ``pdgate gateway`` never imports the shim
+# package, ``pdgate shim`` never imports the gateway. A command module provides ``HELP``,
+# ``configure(parser)`` and ``main(args) -> int``.
 
 from __future__ import annotations
 
@@ -25,6 +21,14 @@ from typing import Any
 from pdgate.config.settings import RegistrySettings
 
 __all__ = ["COMMANDS", "main", "overrides", "registry_settings", "serve_until_signalled"]
+
+# What `pdgate --help` says above the commands: for users, what pdgate and its flags are.
+DESCRIPTION = (
+    "pdgate: an OpenAI-compatible gateway for prefill/decode-disaggregated LLM serving, "
+    "its engine shims and its benchmarks. Every command takes the common flags "
+    "(--log-level, --config, --registry-url), before or after its name; "
+    "`pdgate COMMAND --help` lists a command's own."
+)
 
 # name -> module; more plug in here (or through `python -m` of the module itself).
 COMMANDS: dict[str, str] = {
@@ -66,7 +70,7 @@ def _load(name: str) -> ModuleType:
 
 
 def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdgate", description=__doc__, parents=[_common(False)])
+    p = argparse.ArgumentParser(prog="pdgate", description=DESCRIPTION, parents=[_common(False)])
     sub = p.add_subparsers(dest="command", required=True)
     # Only the named command's module is imported (they import heavy things: vLLM, Locust).
     wanted = next((a for a in argv if a in COMMANDS), None)

@@ -448,19 +448,20 @@ class GatewaySettings(_Settings):
         description="Start guard of the queue (0 = off): a request the queue order would not "
         "pick next goes first once its latest start (deadline minus the 90% quantile of recent "
         "prefill times for its length) is this close, so EDF cannot starve long-deadline long "
-        "prompts (docs/scheduling.md measures what it costs past capacity).",
+        "prompts (docs/results/scheduling/ measures what it costs past capacity).",
     )
     keyless_max_priority: Literal["high", "normal", "low"] = Field(
         default="normal",
         description="With client keys off: the most urgent class a request may ask for with "
         "x-pdgate-priority (it may always ask for less). With keys on, each key's priority= "
-        "sets it (gateway/tenancy.py).",
+        "sets it (gateway/admission/tenancy.py).",
     )
     early_drop: bool = Field(
         default=True,
         description="dispatch=queue: answer 503 at once, instead of sending it, a queued request "
-        "whose remaining time is shorter than an estimate of its prefill (gateway/prefill_time.py, "
-        "prefill_estimate_quantile): past capacity it would only occupy a prefill and fail.",
+        "whose remaining time is shorter than an estimate of its prefill "
+        "(gateway/placement/prefill_time.py, prefill_estimate_quantile): past capacity it "
+        "would only occupy a prefill and fail.",
     )
     prefill_estimate_quantile: float = Field(
         default=0.9,
@@ -469,7 +470,7 @@ class GatewaySettings(_Settings):
         description="The prefill-time estimate behind early_drop: this "
         "quantile of recent prefill seconds per prompt character (per length class), times the "
         "prompt's length (lower = more optimistic = fewer drops). 0.9: send a request only if "
-        "it will most likely make its deadline; the 0.1 of before let a workload of shared "
+        "it will most likely make its deadline; a low quantile (0.1) lets a workload of shared "
         "prefixes and one deadline collapse past capacity (docs/scheduling.md, early drop).",
     )
     prefill_admit: Literal["idle", "room"] = Field(
@@ -480,7 +481,7 @@ class GatewaySettings(_Settings):
         "several at once; the others wait in the gateway's deadline-ordered queue. room: "
         "whenever it has a free slot, so requests also wait inside a busy prefill "
         "for its next batch, out of that order (with 4 slots a prefill "
-        "this collapsed past 2A: docs/scheduling.md, batch forwarding). The same with 1 slot.",
+        "this collapsed past 2A: docs/results/scheduling/). The same with 1 slot.",
     )
     batch_forwarding: bool = Field(
         default=True,
@@ -492,9 +493,9 @@ class GatewaySettings(_Settings):
     prefill_batch_endpoint: bool = Field(
         default=True,
         description="Send each batch-forwarded run in one call to the shims' "
-        "/v1/completions/batch (measured faster: docs/batch_forwarding.md). Only prefills whose "
-        "registry record declares it (pdgate shims) get batch calls; stock servers get one call "
-        "per request, and a 404/405 turns it off for that prefill.",
+        "/v1/completions/batch (measured faster: docs/results/batch_forwarding/). Only prefills "
+        "whose registry record declares it (pdgate shims) get batch calls; stock servers get "
+        "one call per request, and a 404/405 turns it off for that prefill.",
     )
     prefill_policy: str = Field(
         default="least_sse",
@@ -686,7 +687,7 @@ class GatewaySettings(_Settings):
         description="A file of client keys, one per line: `<key or sha256:<hex>> [name=...] "
         "[group=...] [rpm=...] [priority=high|normal|low] [weight=...]` (`pdgate keys new` "
         "writes lines). name is the tenant; priority the most urgent class the key may ask "
-        "for and its default; weight its share of the queue (gateway/tenancy.py).",
+        "for and its default; weight its share of the queue (gateway/admission/tenancy.py).",
     )
     admin_token: SecretStr | None = Field(
         default=None, description="Bearer token for /admin/* and /dashboard."
@@ -757,7 +758,7 @@ class GatewaySettings(_Settings):
         'strings "URL [capacity=N] [group=G] [model=M] [id=ID] [api_key_env=VAR]" or tables '
         f"of those keys. Capacity defaults to {STATIC_PREFILL_CAPACITY} slots, the model to "
         "the server's first in GET /v1/models; api_key_env names the environment variable "
-        "holding that server's own API key (README: Fronting existing servers).",
+        "holding that server's own API key (docs/operations.md, fronting existing servers).",
     )
     static_decodes: _StaticList = Field(
         default_factory=list,

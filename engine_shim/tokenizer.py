@@ -10,9 +10,9 @@ BPE tokenizer (GPT-2, Llama 3):
   symbols, ``_``),
 * a run of whitespace that none of the above absorbed (``"\\n\\n"``, indentation).
 
-On English prose this gives about 3.9 characters per piece, close to the ~4 characters per
-token of real BPE vocabularies, so token counts, prefix-cache blocks and KV sizes come out at
-realistic magnitudes. The pieces cover the text exactly (``"".join(pieces(t)) == t``).
+On English prose a piece is about as long as a token of a real BPE vocabulary, so token
+counts, prefix-cache blocks and KV sizes come out at realistic magnitudes. The pieces cover
+the text exactly (``"".join(pieces(t)) == t``).
 
 Each piece maps to an id in ``[0, VOCAB_SIZE)`` by CRC-32 of its UTF-8 bytes: stable across
 processes, platforms and Python versions (unlike ``hash()``), so a prefill and a decode

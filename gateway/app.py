@@ -1,7 +1,9 @@
-"""The gateway's Starlette application.
+"""The composition root: every part of one gateway, built once and handed down.
 
-Shared resources (aiohttp session, registry membership, dispatcher) are created in the
-lifespan and handed down; nothing lives at module level.
+`build_gateway_app` returns the ASGI app. Its lifespan builds the parts in order (`Gateway`
+names each), starts them, and closes them in the reverse order; `build_dispatcher` builds
+the placement stage's parts. Nothing lives at module level. The life of a request through
+these parts is in gateway/api/completions.py.
 """
 
 from __future__ import annotations
@@ -10,33 +12,39 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
-import orjson
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from pdgate.config import GatewaySettings, RegistrySettings
-from pdgate.config.aio import ExponentialBackoff
+from pdgate.config.aio import Background, Backoff, ExponentialBackoff
 from pdgate.config.openai_api import error_json
 from pdgate.config.tracing import Tracing
-from pdgate.gateway.affinity import PrefixIndex
-from pdgate.gateway.auth import KeyRing
-from pdgate.gateway.completions import CompletionsEndpoint
-from pdgate.gateway.dashboard import dashboard_routes
-from pdgate.gateway.dispatch import Dispatcher
+from pdgate.gateway.admission.auth import KeyRing
+from pdgate.gateway.admission.groups import GroupResolver
+from pdgate.gateway.api.admin import admin_routes
+from pdgate.gateway.api.completions import CompletionsEndpoint
+from pdgate.gateway.api.dashboard import dashboard_routes
 from pdgate.gateway.errors import GatewayError
-from pdgate.gateway.fleet import Fleet
-from pdgate.gateway.http_upstream import HttpUpstream
-from pdgate.gateway.instances import InstanceTracker
-from pdgate.gateway.metrics import GatewayMetrics
-from pdgate.gateway.upstream import Upstream
-from pdgate.policies import load_policy, needs
+from pdgate.gateway.instances.affinity import PrefixIndex
+from pdgate.gateway.instances.health import Ejection, Ejector, RetryBudget
+from pdgate.gateway.instances.tracker import InstanceTracker
+from pdgate.gateway.observe.metrics import GatewayMetrics
+from pdgate.gateway.observe.ratio import RatioAdvisor
+from pdgate.gateway.placement.decode_attempt import DecodeAttempts
+from pdgate.gateway.placement.dispatch import Dispatcher, client_error
+from pdgate.gateway.placement.forwarder import ForwardingOptions, Shared
+from pdgate.gateway.placement.leases import Fleet
+from pdgate.gateway.placement.local_prefill import LocalPrefill
+from pdgate.gateway.upstream.base import Upstream
+from pdgate.gateway.upstream.http import HttpUpstream
+from pdgate.policies import admit_idle, load_policy
 from pdgate.policies.base import Ranker
 from pdgate.registry.base import InstanceRecord, Registry
 from pdgate.registry.fleet import FleetStore, LocalFleet, RedisFleet, SlotTable
@@ -44,11 +52,6 @@ from pdgate.registry.membership import Listener, Membership
 from pdgate.registry.static import static_api_keys
 
 log = logging.getLogger("pdgate.gateway")
-
-
-class _ORJSONResponse(JSONResponse):
-    def render(self, content: Any) -> bytes:
-        return orjson.dumps(content)
 
 
 class _Late:
@@ -110,22 +113,11 @@ def open_fleet_store(settings: GatewaySettings, registry_settings: RegistrySetti
     return LocalFleet(settings.gateway_id, table)
 
 
-_RATIO_NOTE = (
-    "eq. 1 of P/D-Serve: n_p*b_p/T_p = n_d*b_d/T_d; desired_* are this gateway's share of the "
-    "fleet's need at the target utilization (sum over gateways)"
-)
-
-
 def _upstream_headers(
     settings: GatewaySettings, registry_settings: RegistrySettings
 ) -> dict[str, str]:
     token = settings.upstream_api_key or registry_settings.cluster_token
     return {"authorization": f"Bearer {token.get_secret_value()}"} if token else {}
-
-
-def _describe(policy: Ranker) -> dict[str, object]:
-    describe = getattr(policy, "describe", None)
-    return describe() if callable(describe) else {"name": policy.name}
 
 
 def _forget_departed(index: PrefixIndex) -> Listener:
@@ -134,6 +126,95 @@ def _forget_departed(index: PrefixIndex) -> Listener:
         index.drop_instances(departed)
 
     return listener
+
+
+@dataclass(frozen=True, kw_only=True)
+class Gateway:
+    """Every part of a running gateway, by name (the admin endpoints read them)."""
+
+    settings: GatewaySettings
+    keys: KeyRing
+    prefill_policy: Ranker
+    decode_policy: Ranker
+    tracker: InstanceTracker
+    membership: Membership
+    upstream: Upstream
+    metrics: GatewayMetrics
+    index: PrefixIndex | None
+    fleet: Fleet
+    dispatcher: Dispatcher
+    endpoint: CompletionsEndpoint
+    started: float  # wall clock, for /v1/models' `created`
+
+    def state(self) -> dict[str, Any]:
+        """The lifespan state: each part under its own name (gateway/api/admin.py)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def build_dispatcher(
+    settings: GatewaySettings,
+    *,
+    tracker: InstanceTracker,
+    upstream: Upstream,
+    metrics: GatewayMetrics,
+    prefill_policy: Ranker,
+    decode_policy: Ranker,
+    index: PrefixIndex | None = None,
+    fleet: Fleet | None = None,
+    backoff: Backoff | None = None,
+    tracing: Tracing | None = None,
+) -> Dispatcher:
+    """The placement stage: the dispatcher and the parts its forwarders share."""
+    tracing = tracing or Tracing.off()
+    fleet = fleet or Fleet(LocalFleet(settings.gateway_id), tracker)
+    ejector = Ejector(
+        tracker,
+        metrics,
+        Ejection(settings.eject_after_failures, settings.eject_base_s, settings.eject_max_s),
+    )
+    decodes = DecodeAttempts(tracker, upstream, metrics.decode_attempts, ejector, tracing)
+    shared = Shared(
+        tracker=tracker,
+        upstream=upstream,
+        backoff=backoff
+        or ExponentialBackoff(
+            settings.backoff_initial_s, settings.backoff_max_s, settings.backoff_jitter
+        ),
+        metrics=metrics,
+        index=index,
+        options=ForwardingOptions(
+            batch_forwarding=settings.batch_forwarding,
+            batch_endpoint=settings.prefill_batch_endpoint,
+            admit_idle=settings.prefill_admit == "idle",
+            retry_after_s=settings.retry_after_s,
+            client_error=client_error,
+            early_drop=settings.early_drop,
+            prefill_estimate_quantile=settings.prefill_estimate_quantile,
+            try_timeout_s=settings.prefill_try_timeout_s,
+        ),
+        background=Background("pdgate-dispatch"),
+        fleet=fleet,
+        ejector=ejector,
+        budget=RetryBudget(settings.retry_budget_ratio, settings.retry_budget_burst),
+        tracing=tracing,
+        advisor=RatioAdvisor(
+            window_s=settings.ratio_window_s, target_utilization=settings.ratio_target_utilization
+        ),
+    )
+    dispatcher = Dispatcher(
+        settings,
+        shared,
+        prefill_policy=(
+            admit_idle(prefill_policy) if settings.prefill_admit == "idle" else prefill_policy
+        ),
+        decode_policy=decode_policy,
+        groups=GroupResolver(settings, tracker),
+        decodes=decodes,
+        # Conditional disaggregation (gateway/placement/local_prefill.py).
+        local=LocalPrefill(settings, tracker, decodes, decode_policy, metrics, ejector),
+    )
+    fleet.serve_queues(dispatcher.heads, dispatcher)
+    return dispatcher
 
 
 def build_gateway_app(
@@ -190,23 +271,6 @@ def build_gateway_app(
             if upstream is None
             else upstream
         )
-        # Late-bound: the gauge reads the endpoint built just below.
-        metrics = GatewayMetrics(
-            tracker.totals,
-            lambda: endpoint.pending,
-            tracker.describe,
-            lambda: dispatcher.advisor.advise(tracker.records()),
-            lambda: (dispatcher.fleet.calls, dispatcher.fleet.call_seconds),
-        )
-        index: PrefixIndex | None = None
-        if "prefix" in needs(prefill_policy):
-            # Only a policy that scores prefix affinity pays for the index.
-            index = PrefixIndex(
-                block_chars=settings.affinity_block_chars,
-                max_blocks=settings.affinity_max_blocks,
-                max_bytes=settings.affinity_max_bytes,
-            )
-            membership.add_listener(_forget_departed(index))
         fleet = Fleet(
             open_fleet_store(settings, registry_settings),
             tracker,
@@ -214,21 +278,50 @@ def build_gateway_app(
             ttl_s=settings.fleet_ttl_s,
             window_s=settings.fleet_window_s,
         )
-        dispatcher = Dispatcher(
+        # Late-bound: the gauges read the dispatcher and the endpoint built just below.
+        metrics = GatewayMetrics(
+            tracker.totals,
+            lambda: endpoint.pending,
+            tracker.describe,
+            lambda: dispatcher.advisor.advise(tracker.records()),
+            lambda: (fleet.calls, fleet.call_seconds),
+        )
+        index: PrefixIndex | None = None
+        if "prefix" in prefill_policy.needs:
+            # Only a policy that scores prefix affinity pays for the index.
+            index = PrefixIndex(
+                block_chars=settings.affinity_block_chars,
+                max_blocks=settings.affinity_max_blocks,
+                max_bytes=settings.affinity_max_bytes,
+            )
+            membership.add_listener(_forget_departed(index))
+        dispatcher = build_dispatcher(
             settings,
-            tracker,
-            client,
-            prefill_policy,
-            decode_policy,
-            ExponentialBackoff(
-                settings.backoff_initial_s, settings.backoff_max_s, settings.backoff_jitter
-            ),
-            metrics,
-            index,
-            fleet,
-            traces,
+            tracker=tracker,
+            upstream=client,
+            metrics=metrics,
+            prefill_policy=prefill_policy,
+            decode_policy=decode_policy,
+            index=index,
+            fleet=fleet,
+            tracing=traces,
         )
         endpoint = CompletionsEndpoint(settings, dispatcher, tracker, metrics, keys, traces)
+        gateway = Gateway(
+            settings=settings,
+            keys=keys,
+            prefill_policy=prefill_policy,
+            decode_policy=decode_policy,
+            tracker=tracker,
+            membership=membership,
+            upstream=client,
+            metrics=metrics,
+            index=index,
+            fleet=fleet,
+            dispatcher=dispatcher,
+            endpoint=endpoint,
+            started=started,
+        )
         try:
             await membership.start()
         except BaseException:
@@ -241,15 +334,7 @@ def build_gateway_app(
         await fleet.start()
         completions.target = endpoint
         try:
-            yield {
-                "tracker": tracker,
-                "membership": membership,
-                "metrics": metrics,
-                "endpoint": endpoint,
-                "dispatcher": dispatcher,
-                "index": index,
-                "fleet": fleet,
-            }
+            yield gateway.state()
         finally:
             completions.target = None
             # In this order: pending KV releases still need the upstream session, and the
@@ -262,107 +347,42 @@ def build_gateway_app(
             if owns_tracing:
                 traces.shutdown()
 
-    async def models(request: Request) -> Response:
-        keys.client(request.headers.get("authorization"))
-        tracker: InstanceTracker = request.state.tracker
-        data = [
-            {"id": m, "object": "model", "created": int(started), "owned_by": "pdgate"}
-            for m in tracker.models()
-        ]
-        return _ORJSONResponse({"object": "list", "data": data})
-
-    async def health(request: Request) -> Response:
-        membership: Membership = request.state.membership
-        index: PrefixIndex | None = request.state.index
-        tracker: InstanceTracker = request.state.tracker
-        streams, inflight = tracker.totals()
-        return _ORJSONResponse(
-            {
-                "status": "ok",
-                "registry": "ok" if membership.healthy else "unreachable (serving last known view)",
-                "instances": len(tracker.records()),
-                "open_streams": streams,
-                "inflight": inflight,
-                "pending": request.state.endpoint.pending,
-                "queued": request.state.dispatcher.queued(),
-                "gateway_id": request.state.fleet.gateway_id,
-                "fleet": {
-                    "shared": request.state.fleet.shared,
-                    "degraded": request.state.fleet.degraded,
-                    "gateways": request.state.fleet.gateways,
-                },
-                "prefill_policy": _describe(prefill_policy),
-                "decode_policy": _describe(decode_policy),
-                # null: the policy scores no prefix affinity, so no index is kept at all.
-                "affinity_index": None if index is None else dict(index.stats()),
-            }
-        )
-
-    async def instances(request: Request) -> Response:
-        keys.admin(request.headers.get("authorization"))
-        tracker: InstanceTracker = request.state.tracker
-        return _ORJSONResponse({"instances": list(tracker.describe())})
-
-    async def queues(request: Request) -> Response:
-        keys.admin(request.headers.get("authorization"))
-        return _ORJSONResponse({"queues": request.state.dispatcher.describe_queues()})
-
-    async def series(request: Request) -> Response:
-        keys.admin(request.headers.get("authorization"))
-        return _ORJSONResponse(request.state.endpoint.series.snapshot())
-
-    async def ratio(request: Request) -> Response:
-        keys.admin(request.headers.get("authorization"))
-        tracker: InstanceTracker = request.state.tracker
-        fleet: Fleet = request.state.fleet
-        advice = [a.as_dict() for a in request.state.dispatcher.advisor.advise(tracker.records())]
-        return _ORJSONResponse({"gateways": fleet.gateways, "note": _RATIO_NOTE, "groups": advice})
-
-    async def metrics(request: Request) -> Response:
-        if settings.metrics_auth:
-            keys.admin(request.headers.get("authorization"))
-        m: GatewayMetrics = request.state.metrics
-        return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
-
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        return Response(
-            error_json(str(exc.detail), "invalid_request_error", code=f"http_{exc.status_code}"),
-            status_code=exc.status_code,
-            media_type="application/json",
-            headers=exc.headers,
-        )
-
-    async def gateway_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, GatewayError)
-        return exc.response()
-
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return Response(
-            error_json("internal gateway error", "internal_error"),
-            500,
-            media_type="application/json",
-        )
-
     app = Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),  # GatewayApp takes POSTs
             Route("/v1/chat/completions", completions, methods=["POST"]),  # (this one too)
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/admin/instances", instances, methods=["GET"]),
-            Route("/admin/queues", queues, methods=["GET"]),
-            Route("/admin/series", series, methods=["GET"]),
-            Route("/admin/ratio", ratio, methods=["GET"]),
+            *admin_routes(),
             *dashboard_routes(keys),
-            Route("/metrics", metrics, methods=["GET"]),
         ],
         lifespan=lifespan,
         exception_handlers={
-            HTTPException: http_error,
-            GatewayError: gateway_error,
-            Exception: internal_error,
+            HTTPException: _http_error,
+            GatewayError: _gateway_error,
+            Exception: _internal_error,
         },
     )
     return GatewayApp(app, completions)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return Response(
+        error_json(str(exc.detail), "invalid_request_error", code=f"http_{exc.status_code}"),
+        status_code=exc.status_code,
+        media_type="application/json",
+        headers=exc.headers,
+    )
+
+
+async def _gateway_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, GatewayError)
+    return exc.response()
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return Response(
+        error_json("internal gateway error", "internal_error"),
+        500,
+        media_type="application/json",
+    )

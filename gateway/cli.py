@@ -14,8 +14,8 @@ from pdgate.config.settings import (
     STATIC_PREFILL_CAPACITY,
     GatewaySettings,
 )
-from pdgate.gateway._workers import READY
-from pdgate.gateway.auth import check_exposure
+from pdgate.gateway.admission.auth import check_exposure
+from pdgate.gateway.workers import READY
 
 log = logging.getLogger("pdgate.gateway")
 
@@ -117,9 +117,9 @@ def _settle_gc() -> None:
     cyclic collector's view (``gc.freeze``, as vLLM and SGLang do after warm-up), and the
     youngest generation is collected every 10,000 allocations instead of 700. Requests
     allocate many short-lived containers, freed by reference counting; at 700 the collector
-    ran twice as often as at b8cbedd, about 77 us of the gateway's CPU a request against 37
-    (docs/structure.md). Only the gateway's own process: tests and ``pdgate up`` that host
-    gateways in-process keep the interpreter's defaults."""
+    ran often enough to double its share of the gateway's CPU a request (measured in
+    docs/results/structure/README.md). Only the gateway's own process: tests and ``pdgate
+    up`` that host gateways in-process keep the interpreter's defaults."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, *gc.get_threshold()[1:])
@@ -129,7 +129,7 @@ async def _supervise(
     args: argparse.Namespace, settings: GatewaySettings, stop: asyncio.Event
 ) -> None:
     from pdgate.config.server import bind_socket, bound_port
-    from pdgate.gateway._workers import Supervisor
+    from pdgate.gateway.workers import Supervisor
 
     sock = bind_socket(settings.host, settings.port)
     try:

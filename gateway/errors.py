@@ -2,7 +2,7 @@
 
 `GatewayError`s are what a client sees: each knows its HTTP status and OpenAI error type.
 `UpstreamError`s are what an instance did; aiohttp errors are mapped to them at the boundary
-(gateway/upstream.py) and the dispatcher decides which become a `GatewayError`.
+(gateway/upstream/base.py) and the dispatcher decides which become a `GatewayError`.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Forbidden(GatewayError):
 
 
 class RateLimited(GatewayError):
-    """429: the client's key is over its requests per minute (gateway/auth.py)."""
+    """429: the client's key is over its requests per minute (gateway/admission/auth.py)."""
 
     status = 429
     type = "rate_limit_error"
@@ -87,8 +87,8 @@ class DeadlineExceeded(ServiceUnavailable):
 
 
 class OverShare(GatewayError):
-    """429, the one rule (gateway/queue.py, "429 or 503"): other tenants are waiting too and
-    this tenant already holds its share of the queue, so back off and retry; a request of a
+    """429, the one rule (gateway/placement/queue.py, "429 or 503"): other tenants are waiting
+    too and this tenant already holds its share of the queue, so back off and retry; a request of a
     tenant under its share takes the place of an over-share tenant's newest, which gets this.
     503 means the fleet has no capacity for anyone: the deadline passed with no prefill free,
     the request could not be prefilled in time, or the queue is full with every tenant

@@ -12,7 +12,7 @@ import argparse
 import secrets
 import sys
 
-from pdgate.gateway.auth import digest
+from pdgate.gateway.admission.auth import digest
 
 HELP = "make client API keys and keys-file lines"
 

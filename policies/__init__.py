@@ -127,14 +127,28 @@ def _factory(name: str, builtins: Mapping[str, Callable[..., Any]], kind: str) -
     raise ValueError(f"unknown {kind} {name!r}; built-in: {known}, or 'package.module:factory'")
 
 
+# What each kind of plugin must have (its Protocol in base.py), for the start-up check.
+_CONTRACT = {
+    "filter": (Filter, "name, needs and filter(request, candidates)"),
+    "scorer": (Scorer, "name, needs and score(request, candidates)"),
+    "picker": (Picker, "name, needs and order(request, candidates, scores)"),
+    "holder": (Holder, "name, needs, scan and choose(now, busy, remaining_s=, held_s=)"),
+    "policy": (Ranker, "name, needs, hold, rank(request, candidates) and describe()"),
+}
+
+
 def _build(name: str, builtins: Mapping[str, Callable[..., Any]], kind: str, kwargs: Any) -> Any:
     factory = _factory(name, builtins, kind)
     if not isinstance(kwargs, Mapping):
         raise ValueError(f"options of {kind} {name!r} must be a table of keyword arguments")
     try:
-        return factory(**kwargs)
+        plugin = factory(**kwargs)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"bad options for {kind} {name!r}: {exc}") from exc
+    protocol, members = _CONTRACT[kind]
+    if not isinstance(plugin, protocol):
+        raise ValueError(f"{kind} {name!r} does not implement the {kind} contract: {members}")
+    return plugin
 
 
 def load_policy(name: str, options: Mapping[str, Any] | None = None) -> Ranker:
@@ -147,9 +161,7 @@ def load_policy(name: str, options: Mapping[str, Any] | None = None) -> Ranker:
         if ":" not in name:
             known = ", ".join(sorted(PROFILES))
             raise ValueError(f"unknown policy {name!r}; built-in: {known}, or 'module:factory'")
-        ranker = _build(name, {}, "policy", options)
-        if not isinstance(ranker, Ranker):
-            raise ValueError(f"policy {name!r} has no rank(request, candidates) method")
+        ranker: Ranker = _build(name, {}, "policy", options)
         return ranker
     profile = PROFILES[name]
     filters = options.pop("filters", profile.filters)
@@ -191,11 +203,6 @@ def admit_idle(ranker: Ranker) -> Ranker:
     )
 
 
-def needs(ranker: Ranker) -> frozenset[str]:
-    """Signals a ranker asks the gateway for (``"prefix"``: the affinity index)."""
-    return frozenset(getattr(ranker, "needs", frozenset()))
-
-
 __all__ = [
     "DEFAULT_FILTERS",
     "FILTERS",
@@ -206,5 +213,4 @@ __all__ = [
     "Profile",
     "admit_idle",
     "load_policy",
-    "needs",
 ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdgate.policies.base import Candidates, InstanceLoad, RequestInfo
+from pdgate.policies.base import NO_NEEDS, Candidates, InstanceLoad, RequestInfo
 
 __all__ = ["HasRoom", "Idle", "NotBusy", "NotEjected"]
 
@@ -13,6 +13,7 @@ class HasRoom:
     load when other clients share it (a 429 corrects it)."""
 
     name = "has_room"
+    needs = NO_NEEDS
 
     def filter(self, request: RequestInfo, candidates: Candidates) -> list[InstanceLoad]:
         return [c for c in candidates if c.inflight < c.capacity]
@@ -26,9 +27,10 @@ class Idle:
     prefill several requests at once. A prefill whose slots only hold KV for decodes to pull
     is idle (it can compute a new batch in its free slots). The fleet's view is optimistic
     (a prefill that stops computing is announced at once); the slot lease re-checks it
-    atomically (gateway/fleet.py)."""
+    atomically (gateway/placement/leases.py)."""
 
     name = "idle"
+    needs = NO_NEEDS
 
     def filter(self, request: RequestInfo, candidates: Candidates) -> list[InstanceLoad]:
         return [c for c in candidates if c.computing == 0]
@@ -38,6 +40,7 @@ class NotBusy:
     """Not rejected (429) recently: it is the least likely to accept now."""
 
     name = "not_busy"
+    needs = NO_NEEDS
 
     def filter(self, request: RequestInfo, candidates: Candidates) -> list[InstanceLoad]:
         return [c for c in candidates if not c.busy]
@@ -47,6 +50,7 @@ class NotEjected:
     """Not ejected as an outlier (consecutive failures), until its cool-down ends."""
 
     name = "not_ejected"
+    needs = NO_NEEDS
 
     def filter(self, request: RequestInfo, candidates: Candidates) -> list[InstanceLoad]:
         return [c for c in candidates if not c.ejected]

@@ -6,7 +6,7 @@ import itertools
 import random
 from collections.abc import Sequence
 
-from pdgate.policies.base import Candidates, InstanceLoad, RequestInfo
+from pdgate.policies.base import NO_NEEDS, Candidates, InstanceLoad, RequestInfo
 
 __all__ = ["MaxScore", "PowerOfTwo", "RoundRobin"]
 
@@ -14,7 +14,7 @@ __all__ = ["MaxScore", "PowerOfTwo", "RoundRobin"]
 def _best_first(candidates: Candidates, scores: Sequence[float]) -> list[InstanceLoad]:
     # Ties go by id: deterministic, so tests and operators can reason about a ranking. Two
     # stable sorts (by id, then by score) with C-level keys instead of one with a Python key
-    # function: 7.5 against 13.6 µs for 64 candidates (0.3 µs more for two).
+    # function: no Python call per candidate, which a large fleet's rankings pay for most.
     ids = [c.id for c in candidates]
     order = sorted(range(len(candidates)), key=ids.__getitem__)
     negated = [-s for s in scores]
@@ -26,6 +26,7 @@ class MaxScore:
     """Highest weighted score first."""
 
     name = "max_score"
+    needs = NO_NEEDS
 
     def order(
         self, request: RequestInfo, candidates: Candidates, scores: Sequence[float]
@@ -38,6 +39,7 @@ class RoundRobin:
     is its own cursor."""
 
     name = "round_robin"
+    needs = NO_NEEDS
 
     def __init__(self) -> None:
         self._counter = itertools.count()
@@ -61,6 +63,7 @@ class PowerOfTwo:
     """
 
     name = "power_of_two"
+    needs = NO_NEEDS
 
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from pdgate.policies.base import Candidates, RequestInfo
+from pdgate.policies.base import NO_NEEDS, Candidates, RequestInfo
 
 __all__ = [
     "FreeRoom",
@@ -36,6 +36,7 @@ class OpenStreams:
     so they measure the whole request's footprint, not the prefill's)."""
 
     name = "open_streams"
+    needs = NO_NEEDS
 
     def score(self, request: RequestInfo, candidates: Candidates) -> list[float]:
         return lower_is_better([c.open_streams for c in candidates])
@@ -45,6 +46,7 @@ class Inflight:
     """Fewest requests at the instance now (for a prefill: not yet handed to a decode)."""
 
     name = "inflight"
+    needs = NO_NEEDS
 
     def score(self, request: RequestInfo, candidates: Candidates) -> list[float]:
         return lower_is_better([c.inflight for c in candidates])
@@ -55,6 +57,7 @@ class InflightTokens:
     which connection counts cannot see."""
 
     name = "inflight_tokens"
+    needs = NO_NEEDS
 
     def score(self, request: RequestInfo, candidates: Candidates) -> list[float]:
         return lower_is_better([c.inflight_tokens for c in candidates])
@@ -65,6 +68,7 @@ class Load:
     sizes (used by power-of-two choices)."""
 
     name = "load"
+    needs = NO_NEEDS
 
     def score(self, request: RequestInfo, candidates: Candidates) -> list[float]:
         return lower_is_better(
@@ -76,6 +80,7 @@ class FreeRoom:
     """Most free slots (decode: running sequences it can still take)."""
 
     name = "free_room"
+    needs = NO_NEEDS
 
     def score(self, request: RequestInfo, candidates: Candidates) -> list[float]:
         return lower_is_better([-(c.capacity - c.open_streams) for c in candidates])
@@ -124,6 +129,7 @@ class PrefixHash:
     `PrefixAffinity`, so a hot prefix does not pile onto one instance."""
 
     name = "prefix_hash"
+    needs = NO_NEEDS
 
     def __init__(self, prefix_chars: int = 256, load_guard: int = 4) -> None:
         if prefix_chars <= 0 or load_guard < 0:

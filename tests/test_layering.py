@@ -7,6 +7,9 @@ registry     membership: config only
 gateway      config, policies, registry; never the shim package (it fronts stock vLLM too)
 engine_shim  config, registry; never the gateway
 loadtest     anything (benchmarks and the embedded cluster run whole clusters)
+
+Inside gateway/, the stages of a request, lowest first (gateway/__init__.py): a module
+imports only modules of its own stage or of a lower one, and the module graph has no cycle.
 """
 
 from __future__ import annotations
@@ -61,3 +64,87 @@ def test_the_wire_modules_import_nothing_of_pdgate_but_each_other() -> None:
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pdgate")
         }
         assert imported <= {"pdgate.config.wire"}, (name, imported)
+
+
+# gateway/'s stages, lowest first; the top-level modules (app, cli, keys, workers) come last.
+STAGES = ["errors", "observe", "upstream", "instances", "admission", "placement", "stream", "api"]
+TOP = {"app", "cli", "keys", "workers", "__init__"}
+
+
+def _gateway_modules() -> dict[str, Path]:
+    """Dotted name under pdgate.gateway (``placement.dispatch``) -> source file."""
+    out = {}
+    for path in sorted((ROOT / "gateway").rglob("*.py")):
+        rel = path.relative_to(ROOT / "gateway").with_suffix("")
+        out[".".join(rel.parts)] = path
+    return out
+
+
+def _gateway_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The gateway modules `path` imports, at any depth (TYPE_CHECKING ones too)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            if name.startswith("pdgate.gateway."):
+                short = name.removeprefix("pdgate.gateway.")
+                while short and short not in modules:
+                    short = short.rpartition(".")[0]
+                if short:
+                    found.add(short)
+    return found
+
+
+def _stage(module: str) -> int:
+    head = module.split(".")[0]
+    return STAGES.index(head) if head in STAGES else len(STAGES)
+
+
+def test_gateway_stages_import_only_lower_stages() -> None:
+    modules = _gateway_modules()
+    bad = {}
+    for name, path in modules.items():
+        if name.split(".")[0] in TOP:
+            continue
+        assert name.split(".")[0] in STAGES, f"gateway/{name}: not in a stage of STAGES"
+        upward = {
+            m
+            for m in _gateway_imports(path, modules)
+            if _stage(m) > _stage(name) and m.split(".")[0] not in ("__init__",)
+        }
+        if upward:
+            bad[name] = sorted(upward)
+    assert not bad, f"a gateway stage imports a later one: {bad}"
+
+
+def test_the_gateway_module_graph_has_no_cycle() -> None:
+    modules = _gateway_modules()
+    graph = {name: _gateway_imports(path, modules) - {name} for name, path in modules.items()}
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            raise AssertionError("import cycle: " + " -> ".join([*path[path.index(node) :], node]))
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, [*path, node])
+        done.add(node)
+
+    for name in sorted(graph):
+        visit(name, [])
+
+
+def test_gateway_keeps_few_modules_at_its_top_level() -> None:
+    top = sorted(p.name for p in (ROOT / "gateway").glob("*.py"))
+    assert len(top) <= 12, top
+
+
+def test_each_gateway_stage_says_what_it_may_import() -> None:
+    for stage in STAGES[1:]:
+        doc = ast.get_docstring(ast.parse((ROOT / "gateway" / stage / "__init__.py").read_text()))
+        assert doc and ("May import" in doc or "Imports nothing" in doc), stage

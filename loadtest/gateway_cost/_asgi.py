@@ -1,6 +1,6 @@
 """Driving a gateway's ASGI app in process, as uvicorn drives it: `pdgate bench hotpath`'s
-requests, and the same driver for an older checkout's gateway (docs/structure/
-hotpath_b8cbedd.py loads this file by path). So it imports nothing of pdgate's."""
+requests, and the same driver for an older checkout's gateway (docs/results/structure/
+hotpath_*.py loads this file by path). So it imports nothing of pdgate's."""
 
 from __future__ import annotations
 

@@ -89,7 +89,7 @@ class GatewayPlan:
     engines: tuple[str, ...] = ("shim", "stock")
     # Engine time of the fast phase (default none: every millisecond left is the fronts' or
     # the client's). Timers tick in whole milliseconds on uvloop, so an engine that sleeps
-    # hides part of a front's sub-millisecond cost (docs/performance.md).
+    # hides part of a front's sub-millisecond cost (docs/results/performance/README.md).
     prefill_s: float | None = None
     token_s: float | None = None
     # vllm-router --policy of each router front: "vllm_router" is round_robin (the cheapest

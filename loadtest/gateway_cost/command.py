@@ -1,9 +1,10 @@
 """``pdgate bench gateway``, ``profile``, ``compare`` and ``hotpath``: the gateway's own cost.
 
 ``gateway`` (bench.py) prints one JSON line and, unless ``--quick`` or ``--no-doc``, writes
-the generated block of docs/performance.md. ``profile`` (profile.py) prints py-spy's view of
-the gateway's hot path. ``compare`` (compare.py) prints a markdown table of gateway builds
-side by side; ``hotpath`` (hotpath.py) one of pdgate's own CPU per request, without sockets.
+the generated block of docs/results/performance/README.md. ``profile`` (profile.py) prints
+py-spy's view of the gateway's hot path. ``compare`` (compare.py) prints a markdown table of
+gateway builds side by side; ``hotpath`` (hotpath.py) one of pdgate's own CPU per request,
+without sockets.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ COMPARE_HELP = "gateway builds (e.g. two checkouts) in front of the same engines
 
 def configure_gateway(g: argparse.ArgumentParser) -> None:
     g.add_argument("--quick", action="store_true", help="short windows, 1,000 idle streams (<90 s)")
-    g.add_argument("--doc", type=Path, help="default: docs/performance.md (not with --quick)")
+    g.add_argument(
+        "--doc", type=Path, help="default: docs/results/performance/README.md (not with --quick)"
+    )
     g.add_argument("--no-doc", action="store_true")
     g.add_argument("--no-router", action="store_true", help="skip vllm-router")
     g.add_argument(
@@ -240,7 +243,7 @@ def gateway_main(args: argparse.Namespace, command: str) -> int:
         plan = replace(plan, engines=(args.engine,))
     load_before = os.getloadavg()
     result = run_main(run_gateway_bench(plan, to_stderr))
-    doc = args.doc or (None if args.quick else Path("docs/performance.md"))
+    doc = args.doc or (None if args.quick else Path("docs/results/performance/README.md"))
     if doc is not None and not args.no_doc:
         load = f"load average before {load_before[0]:.2f}, after {result['load_avg_1m_after']:.2f}"
         update_gateway_doc(doc, markdown(result, command, load))

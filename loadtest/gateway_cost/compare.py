@@ -24,7 +24,7 @@ share a fleet lease every slot through Redis.
 ``taskset``) and everything else (this process's load, the engines, Redis) the others. On a
 small machine the gateway otherwise shares its cores with the engines and the load, and its
 CPU per request moves with theirs: unpinned ratios moved by ±0.15 between runs on two cores
-(docs/structure.md). Linux only; needs two CPUs or more.
+(docs/results/structure/README.md). Linux only; needs two CPUs or more.
 """
 
 from __future__ import annotations

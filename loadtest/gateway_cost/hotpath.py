@@ -39,7 +39,7 @@ import orjson
 from pdgate.config import GatewaySettings, RegistrySettings, Role
 from pdgate.config.wire import EXT_BATCH_PREFILL, EXT_CONTINUATION, EXT_QUEUELESS, SSE_DONE
 from pdgate.gateway.app import build_gateway_app
-from pdgate.gateway.mock_upstream import Call, MockUpstream, Reply
+from pdgate.gateway.upstream.mock import Call, MockUpstream, Reply
 from pdgate.loadtest.gateway_cost._asgi import Lifespan, decode_events, requests
 from pdgate.registry import open_registry
 from pdgate.registry.base import InstanceRecord
@@ -166,7 +166,8 @@ def _profile_text(profiler: cProfile.Profile, plan: HotpathPlan) -> str:
         marker = next((m for m in ("/gateway/", "/policies/", "/registry/", "/config/")
                        if m in path and "site-packages" not in path), None)  # fmt: skip
         if marker is not None:
-            where = marker.strip("/") + "/" + path.rsplit("/", 1)[-1]
+            # The path from the package folder on: gateway/stream/relay.py, not relay.py.
+            where = marker.strip("/") + "/" + path.rsplit(marker, 1)[-1]
             rows.append((own, cumulative, calls, f"{where}:{line} {name}"))
     rows.sort(reverse=True)
     lines = ["cProfile, pdgate's functions (us per request: self, inclusive; calls per request)"]

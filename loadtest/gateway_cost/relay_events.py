@@ -26,11 +26,11 @@ from pdgate.config import GatewaySettings, Role
 from pdgate.config.aio import ConstantBackoff
 from pdgate.config.openai_api import Api, parse_api, sse_event
 from pdgate.config.wire import EXT_CONTINUATION, SSE_DONE
-from pdgate.gateway.dispatch import Dispatcher
-from pdgate.gateway.instances import InstanceTracker
-from pdgate.gateway.metrics import GatewayMetrics
-from pdgate.gateway.mock_upstream import Call, MockUpstream, Reply
-from pdgate.gateway.relay import Relay, RelayOptions, RelayRequest
+from pdgate.gateway.app import build_dispatcher
+from pdgate.gateway.instances.tracker import InstanceTracker
+from pdgate.gateway.observe.metrics import GatewayMetrics
+from pdgate.gateway.stream.relay import Relay, RelayOptions, RelayRequest
+from pdgate.gateway.upstream.mock import Call, MockUpstream, Reply
 from pdgate.policies import load_policy
 from pdgate.policies.base import RequestInfo
 from pdgate.registry.base import InstanceRecord
@@ -81,9 +81,10 @@ async def _one(n: int, options: dict[str, Any], client_ids: bool) -> float:
     prefill = InstanceRecord(id="p0", role=Role.PREFILL, url="http://p0", model="m")
     tracker.update_membership({"p0": prefill, "d0": decode})
     metrics = GatewayMetrics(tracker.totals, lambda: 0)
-    d = Dispatcher(
-        GatewaySettings(), tracker, MockUpstream(handler), load_policy("least_sse"),
-        load_policy("least_loaded"), ConstantBackoff(0.01), metrics, None,
+    d = build_dispatcher(
+        GatewaySettings(), tracker=tracker, upstream=MockUpstream(handler), metrics=metrics,
+        prefill_policy=load_policy("least_sse"), decode_policy=load_policy("least_loaded"),
+        backoff=ConstantBackoff(0.01),
     )  # fmt: skip
     body = {"model": "m", "prompt": "p", "max_tokens": n + 1, "stream": True}
     if client_ids:

@@ -1,5 +1,5 @@
-"""docs/performance.md from a ``pdgate bench gateway`` result: one table per engine (fronts as
-columns), the stock engines' TTFT split hop by hop, the command and the load."""
+"""docs/results/performance/README.md from a ``pdgate bench gateway`` result: one table per
+engine (fronts as columns), the stock engines' TTFT split hop by hop, the command and the load."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ behaves as ``vllm serve`` with a KV connector does towards a router, and no more
   naming this instance (``do_remote_prefill``, engine id, host, port, block ids, request id).
   Any other request is a decode (or a plain, undisaggregated) leg and gets ``max_tokens``
   tokens, streamed as SSE when ``stream`` is true. No KV moves: the decode does not fetch
-  anything (the shims do, over HTTP: docs/performance.md says what that costs);
+  anything (the shims do, over HTTP: docs/results/performance/README.md says what that costs);
 * it never answers 429: like stock vLLM it takes whatever it is sent;
 * fast and deterministic: no modelled compute unless ``prefill_s``/``token_s`` ask for it,
   the text is a function of the prompt, ids count up per instance.

@@ -36,7 +36,8 @@ def save_run(
     csv: Callable[[Path], None] | None = None,
 ) -> str | None:
     """Write run `kind`'s files into `out` (created): ``<kind>.csv`` with `csv`, and
-    ``<kind>.png`` with `plot`; the plot as the docs link it (``<out>/<kind>.png``), None
+    ``<kind>.png`` with `plot`; the plot as the docs link it from ``out`` (``<kind>.png``: the
+    doc, ``out/README.md`` by default, and ``out/<kind>.md`` sit beside it), None
     when it could not be drawn (matplotlib, the loadtest extra, missing: a hint on stderr,
     the numbers are published without their plot)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -48,7 +49,7 @@ def save_run(
     except ImportError:
         print("no plot: matplotlib is missing (pip install -e '.[loadtest]')", file=sys.stderr)
         return None
-    return f"{out.name}/{png.name}"
+    return png.name
 
 
 def publish(block: str, out: Path, kind: str, doc: Path | None, bench: str) -> None:

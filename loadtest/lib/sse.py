@@ -43,7 +43,7 @@ __all__ = [
 
 TTFT_HEADER = "x-pdgate-ttft-timeout-ms"  # the gateway may only shorten its deadline by it
 # Who a request is for and its priority class (high | normal | low), for the gateway's
-# per-tenant fairness and priority classes (issue 12 item 7).
+# per-tenant fairness and priority classes.
 TENANT_HEADER = "x-pdgate-tenant"
 PRIORITY_HEADER = "x-pdgate-priority"
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make loadtest`: start `pdgate up` on a free port, run Locust headless against it, stop the
 # cluster (also when Locust fails or the run is interrupted). Outputs: OUT/SHAPE_*.csv and
-# OUT/SHAPE.html. Settings by environment (defaults in brackets): LOADTEST_OUT [docs/loadtest],
+# OUT/SHAPE.html. Settings by environment (defaults in brackets): LOADTEST_OUT [docs/results/loadtest],
 # PDGATE_LOCUST_SHAPE [step], PDGATE_LOCUST_DURATION_S [45], PDGATE_LOCUST_MAX_USERS [16],
 # plus those of loadtest/locust/shape_classes.py.
 set -euo pipefail
@@ -9,7 +9,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 
 BIN=${BIN:-.venv/bin}
-OUT=${LOADTEST_OUT:-docs/loadtest}
+OUT=${LOADTEST_OUT:-docs/results/loadtest}
 export PDGATE_LOCUST_SHAPE=${PDGATE_LOCUST_SHAPE:-step}
 export PDGATE_LOCUST_DURATION_S=${PDGATE_LOCUST_DURATION_S:-45}
 export PDGATE_LOCUST_MAX_USERS=${PDGATE_LOCUST_MAX_USERS:-16}

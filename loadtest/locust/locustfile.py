@@ -2,7 +2,8 @@
 endpoint), with TTFT, inter-token latency, TPOT and E2E reported as their own Locust rows.
 
     locust -f loadtest/locust/locustfile.py --host http://127.0.0.1:8000 --headless \
-        --run-time 60s --stop-timeout 30 --csv docs/loadtest/step --html docs/loadtest/step.html
+        --run-time 60s --stop-timeout 30 --csv docs/results/loadtest/step \
+        --html docs/results/loadtest/step.html
 
 Why ``HttpUser`` (requests) with ``stream=True`` and ``iter_lines(chunk_size=None)``: each
 line must be timed when it arrives. ``FastHttpUser.iter_lines`` reads 1 KiB blocks, so small

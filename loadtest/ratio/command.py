@@ -55,8 +55,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--quick", action="store_true",
         help="shorter workloads and windows, one seed, each workload from its worst start (<90 s)",
     )  # fmt: skip
-    p.add_argument("--out", type=Path, default=Path("docs/ratio"), help="output folder")
-    p.add_argument("--doc", type=Path, default=Path("docs/ratio.md"))
+    p.add_argument("--out", type=Path, default=Path("docs/results/ratio"), help="output folder")
+    p.add_argument("--doc", type=Path, default=Path("docs/results/ratio/README.md"))
     p.add_argument("--no-doc", action="store_true", help="do not update the doc's block")
     p.add_argument("--kind", help="name of the outputs and the doc block; default quick or full")
     p.add_argument(

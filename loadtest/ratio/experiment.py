@@ -15,8 +15,9 @@ Before each run, every gateway is **primed** with `PRIME_REQUESTS` one-token req
 workload, never more at once than the prefills have slots: the gateway's early drop (a
 queued request that could not finish even an optimistic prefill before its deadline is
 answered 503 instead of sent) needs 16 accepted prefills to estimate from, and a cluster
-overloaded from its first second never gets them (docs/ratio.md, "Cold start"). Priming
-stands for the traffic a serving gateway has seen before; the advice's window starts after.
+overloaded from its first second never gets them (docs/results/ratio/README.md, "Cold
+start"). Priming stands for the traffic a serving gateway has seen before; the advice's
+window starts after.
 
 Every run of a seed sends the same request sequence (same prompts per user), so splits are
 compared on equal terms. Goodput = requests per second of the window that completed and
@@ -57,7 +58,7 @@ __all__ = [
 
 Split = tuple[int, int]  # (prefills, decodes)
 
-# Accepted prefills a gateway needs before its early drop works (gateway/prefill_time.py,
+# Accepted prefills a gateway needs before its early drop works (gateway/placement/prefill_time.py,
 # PrefillTimes.min_samples = 16), with a margin.
 PRIME_REQUESTS = 20
 
@@ -205,8 +206,8 @@ def _spec(plan: Plan, split: Split) -> ClusterSpec:
         prefix_cache_blocks=0,  # unique prompts: no hits to model, no index to keep
         kv_wire_fraction=shape.kv_wire_fraction,
         # The advice's window = warm-up + measurement window, read at the window's end: the
-        # whole run after priming. (The gateway needs 20 decoded requests in it; a
-        # decode-bound split finishes about 1.5 a second.)
+        # whole run after priming. (The gateway needs 20 decoded requests in it, and a
+        # decode-bound split finishes only a few a second.)
         gateway={"ratio_window_s": plan.timing.warmup_s + plan.timing.measure_s},
     )
 

@@ -1,5 +1,6 @@
 """Writing the ratio experiment's results: the JSON line, CSV, PNG and the markdown block of
-docs/ratio.md (between ``<!-- ratio:KIND:begin -->`` and ``<!-- ratio:KIND:end -->``).
+docs/results/ratio/README.md (between ``<!-- ratio:KIND:begin -->`` and
+``<!-- ratio:KIND:end -->``).
 
 The comparison is per workload and start split: the start's goodput, the advice it led to,
 and the goodput at the advised split in the same seed; over seeds, min / median / max.

@@ -3,7 +3,7 @@
 Two shapes at the two ends of P/D-Serve's scenarios (section 3.3: the best ratio differs by
 scenario), each a single scenario so the gateway's advice is about one shape:
 
-* **prompt-heavy**: long prompts (3,584-4,608 tokens, ~0.85 s of A100 prefill each), short
+* **prompt-heavy**: long prompts (3,584-4,608 tokens, whose prefill is most of the work), short
   outputs (32 tokens): a summarisation or retrieval-augmented question;
 * **decode-heavy**: short prompts (128-256 tokens), long outputs (512 tokens): chat or code
   generation.
@@ -47,9 +47,9 @@ class Shape:
     # One slot per prefill: P/D-Serve's rule (a prefill accepts only when idle), as in the
     # scheduling benchmark; eq. 1's b_p = 1.
     prefill_capacity: int = 1
-    # Four running sequences per decode: every decode-bound run then streams at most
-    # 4 x 7 / 10.5 ms ~ 2,700 SSE events/s in all, which a 2-core box can relay next to the
-    # servers. A real decode runs far larger batches; eq. 1 scales with b_d either way.
+    # Four running sequences per decode: few enough that a small test box can relay every
+    # decode-bound run's SSE events next to the servers. A real decode runs far larger
+    # batches; eq. 1 scales with b_d either way.
     decode_capacity: int = 4
     kv_wire_fraction: float = 1 / 131072  # transfer time still modelled at full size
 

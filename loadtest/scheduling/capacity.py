@@ -1,4 +1,5 @@
-"""The cluster's capacity, and loads as a fraction of it (issue 12 item 2).
+"""The cluster's capacity, and loads as a fraction of it, so that a load level says how
+close the cluster is to the most it can serve.
 
 **Capacity** = the maximum goodput (successful requests per second) of the cluster under
 the reference mode (`CapacityPlan.mode`, default ``least_sse``: on-demand forwarding),

@@ -54,14 +54,14 @@ __all__ = ["HELP", "configure", "describe", "main", "plan_from_args", "write_out
 
 HELP = "baseline vs on-demand forwarding at loads A..4A"
 
-# A of the quick run, from the full run's calibration (docs/scheduling.md): the quick run
-# has no time to calibrate.
+# A of the quick run, from the full run's calibration (docs/results/scheduling/README.md):
+# the quick run has no time to calibrate.
 QUICK_BASE_USERS = 8
 # Nor to measure the capacity: a rough one of the default cluster (1 slot per prefill) and
-# workload, from the committed full run (docs/scheduling.md): least_sse's goodput peaked at
-# 17.3 req/s (4A); 12 users (1A), served without waiting, sent 0.6 req/s each.
+# workload, from the committed full run (docs/results/scheduling/README.md): least_sse's
+# goodput peaked at 17.3 req/s (4A); 12 users (1A), served without waiting, sent 0.6 req/s each.
 QUICK_CAPACITY = Capacity(rps=17.3, user_rps=0.6)
-# Runs per point of the full run: issue 12 asks for five seeds per point, spread reported.
+# Runs per point of the full run: five seeds per point, so the spread can be reported.
 FULL_SEEDS = 5
 _BATCH_FORWARDING = {"on": (True,), "off": (False,), "both": (True, False)}
 
@@ -114,8 +114,10 @@ def _capacity(text: str) -> str | float:
 
 def configure(s: argparse.ArgumentParser) -> None:
     s.add_argument("--quick", action="store_true", help="short windows, modes in parallel (<60 s)")
-    s.add_argument("--out", type=Path, default=Path("docs/scheduling"), help="output folder")
-    s.add_argument("--doc", type=Path, default=Path("docs/scheduling.md"))
+    s.add_argument(
+        "--out", type=Path, default=Path("docs/results/scheduling"), help="output folder"
+    )
+    s.add_argument("--doc", type=Path, default=Path("docs/results/scheduling/README.md"))
     s.add_argument("--no-doc", action="store_true", help="do not update the doc's table")
     s.add_argument(
         "--kind",
@@ -369,7 +371,7 @@ def write_outputs(result: Result, kind: str, out: Path, doc: Path | None, comman
         + (f"\nSpread over seeds:\n\n{spread}" if spread else "")
         + (f"\nCalibration of A (baseline):\n\n{calibration}" if calibration else "")
         + (f"\nCapacity:\n\n{capacity}" if capacity else "")
-        + f"\n![{kind} run]({out.name}/{kind}.png)\n"
+        + f"\n![{kind} run]({kind}.png)\n"
     )
     publish(block, out, kind, doc, "scheduling")
 

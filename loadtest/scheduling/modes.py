@@ -9,10 +9,10 @@
 * ``affinity_sse``: the same, with prefills ranked by prefix-cache affinity first.
 * ``least_tokens``, ``affinity_overload``, ``first_token_early``, ``local_prefill``,
   ``least_sse_guard``, ``least_sse_q10``, ``least_sse_q50``, ``least_sse_q90``,
-  ``least_sse_room`` (issue 12):
+  ``least_sse_room``:
   on-demand forwarding with one of the gateway's newer features on, each a `Mode` whose
   `Mode.gateway` (and, if needed, `Mode.prefill` / `Mode.decode`) overrides settings.
-* ``router_*`` (issue 5, item 5): the same queue-less prefills behind vllm-router instead of
+* ``router_*``: the same queue-less prefills behind vllm-router instead of
   pdgate (loadtest/lib/router.py), with one of its policies and retries on. The router does
   not know the requests' deadlines; the client judges every mode by the same rule.
 
@@ -115,7 +115,7 @@ FEATURE_MODES: tuple[Mode, ...] = (
     _on_demand("least_sse_q90", prefill_estimate_quantile=0.9),
     _on_demand("least_sse_q10", prefill_estimate_quantile=0.1),
     # least_sse that sends a prefill requests whenever it has a free slot, not only when idle
-    # (`prefill_admit = room`, the default before issue 12): with several slots a prefill,
+    # (`prefill_admit = room`, the former default): with several slots a prefill,
     # requests then wait inside busy prefills, out of the gateway's deadline order.
     _on_demand("least_sse_room", prefill_admit="room"),
 )

@@ -1,5 +1,5 @@
 """An open loop: requests arrive at a set rate whether or not earlier ones were answered,
-as real traffic does (issue 12 item 8), next to the paper's closed loop (closed_loop.py).
+as real traffic does, next to the paper's closed loop (closed_loop.py).
 
 Two arrival processes, both seeded (the same seed and level give the same arrival times):
 

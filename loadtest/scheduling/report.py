@@ -1,5 +1,5 @@
 """Writing an experiment's results: CSV, a PNG in the style of Fig. 14a, markdown tables,
-the one JSON line, and the generated block of docs/scheduling.md.
+the one JSON line, and the generated block of docs/results/scheduling/README.md.
 
 The generated block sits between ``<!-- scheduling:KIND:begin -->`` and
 ``<!-- scheduling:KIND:end -->`` (KIND = quick or full), so the prose around it is kept.

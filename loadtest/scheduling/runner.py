@@ -62,7 +62,7 @@ class Holds:
         return cls(after.max_s, after.over_5s - before.over_5s, after.held)
 
 
-# The fleet's Redis calls a request makes (gateway/fleet.py); the others are periodic.
+# The fleet's Redis calls a request makes (gateway/placement/leases.py); the others are periodic.
 _PER_REQUEST_OPS = ("acquire", "computed", "release")
 
 

@@ -13,8 +13,9 @@ block after the tag is unique too. Bodies come from a small pre-built pool per s
 the load generator spends its CPU on requests, not on building text.
 
 `WORKLOADS` names the workloads ``pdgate bench scheduling --workload`` offers: the mix
-above (``mix``, the default) and variants for issue 12's measurements (shared prefixes that
-are most of the prompt, no shared prefix at all, widely mixed lengths, several tenants).
+above (``mix``, the default) and variants that each bring out one effect a policy should
+handle (shared prefixes that are most of the prompt, no shared prefix at all, widely mixed
+lengths, several tenants).
 A workload with tenants tags each request with one (`Tenant`): the closed loop gives each
 user one tenant for good (`Workload.tenant_for`), the open loop draws one per arrival by
 weight; the client sends the tenant's name and priority class as headers.
@@ -64,9 +65,10 @@ class Scenario:
 
 
 # Short interactive scenarios with 1-1.5 s TTFT thresholds next to a long-document scenario
-# whose prefill alone takes 1-2 s (the paper: thresholds differ by scenario, and long prompts
-# queued ahead of short ones make the short ones miss theirs). Prefixes together are 3,584
-# tokens = 224 blocks, more than the per-prefill prefix cache the experiment configures.
+# whose prefill alone takes longer than those thresholds (the paper: thresholds differ by
+# scenario, and long prompts queued ahead of short ones make the short ones miss theirs).
+# Prefixes together are 3,584 tokens = 224 blocks, more than the per-prefill prefix cache
+# the experiment configures.
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("chat", prefix_tokens=512, body_min=32, body_max=128, max_tokens=128,
              ttft_deadline_s=1.0, weight=0.3),
@@ -111,8 +113,8 @@ def _no_prefix(s: Scenario) -> Scenario:
 
 # Eight system prompts of 1,536 tokens, each ~92% of its prompt: the prefix cache of one
 # prefill (192 blocks = 3,072 tokens) holds two of them, all eight prefills together hold
-# every one, so where a request goes decides whether its prefill takes ~0.04 s (cached) or
-# ~0.33 s (A100 profile): affinity can raise capacity, issue 12 item 3's case.
+# every one, so where a request goes decides whether its prefill computes a short body or
+# the whole prompt: the case where cache affinity can raise capacity.
 _SHARED_PREFIX = tuple(
     Scenario(f"sp{i}", prefix_tokens=1536, body_min=32, body_max=160, max_tokens=64,
              ttft_deadline_s=1.0)
@@ -121,7 +123,7 @@ _SHARED_PREFIX = tuple(
 
 # Short, medium and long prompts with no shared prefix: 10% of the requests (the long ones)
 # carry over half of the prompt tokens, so open streams and prompt tokens rank prefills
-# differently (issue 12 item 4).
+# differently: the case that tells least_sse and least_tokens apart.
 _MIXED_LENGTHS = (
     Scenario("short", prefix_tokens=0, body_min=64, body_max=256, max_tokens=64,
              ttft_deadline_s=1.0, weight=0.6),
@@ -132,7 +134,7 @@ _MIXED_LENGTHS = (
 )  # fmt: skip
 
 # One heavy tenant sending 3x what each of three light ones sends (half of all requests),
-# all in the same priority class: what fairness must protect (issue 12 item 7).
+# all in the same priority class: what fairness must protect.
 _TENANTS = (
     Tenant("heavy", weight=3),
     Tenant("light-a"),

@@ -6,7 +6,8 @@ gateway's RSS. Progress goes to stderr; stdout gets one JSON line: the samples
 (``[seconds, KiB, requests issued]``), RSS at the start, after the warm-up, at the end and
 its maximum, the growth after warm-up (KiB, %, KiB/min from a fitted line, KiB per 1,000
 requests) and the run's success rate. Unless ``--quick`` or ``--no-doc`` it also writes the
-``soak:KIND`` block of docs/soak.md (KIND = the policy, or ``--kind``) and a PNG beside it.
+``soak:KIND`` block of docs/results/soak/README.md (KIND = the policy, or ``--kind``) and a
+PNG beside it.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefills", type=int, help="prefill shims (2)")
     p.add_argument("--decodes", type=int, help="decode shims (1)")
     p.add_argument("--seed", type=int, help="workload seed (0)")
-    p.add_argument("--doc", type=Path, help="default: docs/soak.md (not with --quick)")
-    p.add_argument("--out", type=Path, default=Path("docs/soak"), help="folder of the PNG")
+    p.add_argument(
+        "--doc", type=Path, help="default: docs/results/soak/README.md (not with --quick)"
+    )
+    p.add_argument("--out", type=Path, default=Path("docs/results/soak"), help="folder of the PNG")
     p.add_argument("--kind", help="name of the doc block and PNG; default: the policy")
     p.add_argument("--no-doc", action="store_true")
 
@@ -51,7 +54,7 @@ def main(args: argparse.Namespace, command: str) -> int:
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     plan = replace(plan, **given)
     result = run_main(run_soak(plan, to_stderr))
-    doc = args.doc or (None if args.quick else Path("docs/soak.md"))
+    doc = args.doc or (None if args.quick else Path("docs/results/soak/README.md"))
     if doc is not None and not args.no_doc:
         kind = args.kind or plan.policy
         title = f"pdgate bench soak ({kind})"

@@ -1,5 +1,5 @@
 """The soak's outputs: the one JSON line (the result as is), a markdown block for
-docs/soak.md and a PNG of RSS over time."""
+docs/results/soak/README.md and a PNG of RSS over time."""
 
 from __future__ import annotations
 

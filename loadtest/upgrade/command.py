@@ -31,8 +31,8 @@ _SECONDS = ("drain_timeout_s", "gateway_prestop_s", "steady_s", "settle_s", "aft
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="1 prefill, 1 decode, short streams")
-    p.add_argument("--out", type=Path, default=Path("docs/upgrade"), help="output folder")
-    p.add_argument("--doc", type=Path, default=Path("docs/operations.md"))
+    p.add_argument("--out", type=Path, default=Path("docs/results/upgrade"), help="output folder")
+    p.add_argument("--doc", type=Path, default=Path("docs/results/upgrade/README.md"))
     p.add_argument("--no-doc", action="store_true", help="do not update the doc's block")
     p.add_argument("--kind", help="name of the outputs and the doc block; default quick or full")
     for name in _NUMBERS:

@@ -1,5 +1,5 @@
 """The rolling upgrade's results: the JSON line, a CSV of every request, the timeline PNG and
-the markdown block of docs/operations.md (``<!-- upgrade:KIND:begin -->`` ...)."""
+the markdown block of docs/results/upgrade/README.md (``<!-- upgrade:KIND:begin -->`` ...)."""
 
 from __future__ import annotations
 

@@ -52,9 +52,9 @@ class UpgradePlan:
     gateways: int = 2
     users: int = 24  # concurrent streams, split across the gateways
     prompt_tokens: tuple[int, int] = (128, 256)
-    # Each stream asks for max_tokens/2..max_tokens tokens: 4.5-10 s at the decodes' batch
-    # (A100 profile), most longer than the gateways' 5 s graceful close, all shorter than
-    # the preStop grace.
+    # Each stream asks for max_tokens/2..max_tokens tokens: at the decodes' batch (A100
+    # profile) most streams outlast the gateways' 5 s graceful close, so only the preStop
+    # grace keeps a gateway's restart from cutting them, and all end within that grace.
     max_tokens: int = 768
     sim_profile: str = "llama-3.1-8b-a100"
     prefill_capacity: int = 4

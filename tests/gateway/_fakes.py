@@ -14,15 +14,16 @@ from pdgate.config import GatewaySettings, QueueOrder, Role
 from pdgate.config.aio import Background, ConstantBackoff
 from pdgate.config.openai_api import Api, parse_api
 from pdgate.config.wire import EXT_BATCH_PREFILL, SSE_DONE
-from pdgate.gateway.dispatch import Dispatcher, client_error
-from pdgate.gateway.fleet import Fleet
-from pdgate.gateway.forwarder import ForwardingOptions, PrefillForwarder, Shared
-from pdgate.gateway.health import Ejector, RetryBudget
-from pdgate.gateway.instances import InstanceTracker
-from pdgate.gateway.metrics import GatewayMetrics
-from pdgate.gateway.mock_upstream import Call, MockUpstream, Reply
-from pdgate.gateway.queue import Waiter, WaitQueue
-from pdgate.gateway.relay import Relay, RelayOptions, RelayRequest
+from pdgate.gateway.app import build_dispatcher
+from pdgate.gateway.instances.health import Ejector, RetryBudget
+from pdgate.gateway.instances.tracker import InstanceTracker
+from pdgate.gateway.observe.metrics import GatewayMetrics
+from pdgate.gateway.placement.dispatch import Dispatcher, client_error
+from pdgate.gateway.placement.forwarder import ForwardingOptions, PrefillForwarder, Shared
+from pdgate.gateway.placement.leases import Fleet
+from pdgate.gateway.placement.queue import Waiter, WaitQueue
+from pdgate.gateway.stream.relay import Relay, RelayOptions, RelayRequest
+from pdgate.gateway.upstream.mock import Call, MockUpstream, Reply
 from pdgate.policies import load_policy
 from pdgate.policies.base import Ranker, RequestInfo
 from pdgate.registry.base import InstanceRecord
@@ -175,15 +176,14 @@ def dispatcher(
 ) -> tuple[Dispatcher, GatewayMetrics]:
     metrics = GatewayMetrics(tracker.totals, lambda: 0)
     gs = GatewaySettings(backoff_initial_s=0.005, backoff_max_s=0.02, **settings)  # type: ignore[arg-type]
-    d = Dispatcher(
+    d = build_dispatcher(
         gs,
-        tracker,
-        upstream,
-        load_policy("least_sse"),
-        load_policy("least_loaded"),
-        ConstantBackoff(0.01),
-        metrics,
-        None,
+        tracker=tracker,
+        upstream=upstream,
+        metrics=metrics,
+        prefill_policy=load_policy("least_sse"),
+        decode_policy=load_policy("least_loaded"),
+        backoff=ConstantBackoff(0.01),
     )
     return d, metrics
 

@@ -20,10 +20,10 @@ import orjson
 from pdgate.config import Role
 from pdgate.config.openai_api import sse_event
 from pdgate.config.wire import CHAT_PATH, EXT_BATCH_PREFILL, EXT_CONTINUATION, SSE_DONE
-from pdgate.gateway.instances import InstanceTracker
-from pdgate.gateway.metrics import GatewayMetrics
-from pdgate.gateway.mock_upstream import Call, MockUpstream, Reply
-from pdgate.gateway.relay import Relay
+from pdgate.gateway.instances.tracker import InstanceTracker
+from pdgate.gateway.observe.metrics import GatewayMetrics
+from pdgate.gateway.stream.relay import Relay
+from pdgate.gateway.upstream.mock import Call, MockUpstream, Reply
 from pdgate.registry.base import InstanceRecord
 from tests.gateway._fakes import Sink, dispatcher, eventually, relay
 

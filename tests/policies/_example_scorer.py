@@ -15,6 +15,7 @@ from pdgate.policies.base import InstanceLoad, RequestInfo
 
 class Headroom:
     name = "headroom"
+    needs = frozenset[str]()  # reads only the candidates' loads
 
     def __init__(self, floor: float = 0.0) -> None:
         if not 0 <= floor < 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdgate.policies import HOLDERS, load_policy, needs
+from pdgate.policies import HOLDERS, load_policy
 from pdgate.policies.base import Option, Policy
 from pdgate.policies.completion import ExpectedCompletion
 from pdgate.policies.scorers import InflightTokens
@@ -79,12 +79,12 @@ def test_affinity_hold_is_affinity_sse_with_a_holder() -> None:
     assert isinstance(policy, Policy)
     assert isinstance(policy.hold, ExpectedCompletion) and policy.hold.scan == 2
     assert policy.describe()["hold"] == "expected_completion"
-    assert needs(policy) == {"prefix"}
+    assert policy.needs == {"prefix"}
     assert load_policy("affinity_sse").describe()["hold"] is None
     # Any profile can take one, or drop it.
     added = load_policy("least_sse", {"hold": "expected_completion"})
     assert isinstance(added, Policy) and added.hold is not None
-    assert needs(added) == {"prefix"}  # it needs the affinity index to know of hits
+    assert added.needs == {"prefix"}  # it needs the affinity index to know of hits
     dropped = load_policy("affinity_hold", {"hold": ""})
     assert isinstance(dropped, Policy) and dropped.hold is None
     assert "expected_completion" in HOLDERS

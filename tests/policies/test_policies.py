@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from pdgate.policies import FILTERS, PROFILES, load_policy, needs
+from pdgate.policies import FILTERS, PROFILES, load_policy
 from pdgate.policies.base import InstanceLoad, Policy, RequestInfo
 from pdgate.policies.filters import HasRoom, NotBusy, NotEjected
 from pdgate.policies.pickers import MaxScore
@@ -118,6 +118,7 @@ class _Recording:
     """A scorer and a picker that note how many candidates they were given."""
 
     name = "recording"
+    needs = frozenset[str]()
 
     def __init__(self) -> None:
         self.seen: list[int] = []
@@ -162,9 +163,9 @@ def test_max_score_orders_by_score_then_id_at_any_size() -> None:
 
 
 def test_the_affinity_index_is_needed_only_by_affinity_scoring() -> None:
-    assert needs(load_policy("least_sse")) == frozenset()
-    assert needs(load_policy("affinity_sse")) == {"prefix"}
-    assert needs(load_policy("least_sse", {"scorers": {"prefix_affinity": 1}})) == {"prefix"}
+    assert load_policy("least_sse").needs == frozenset()
+    assert load_policy("affinity_sse").needs == {"prefix"}
+    assert load_policy("least_sse", {"scorers": {"prefix_affinity": 1}}).needs == {"prefix"}
 
 
 def test_unknown_names_and_options_are_rejected_with_the_choices() -> None:
@@ -185,8 +186,25 @@ def test_unknown_names_and_options_are_rejected_with_the_choices() -> None:
 def test_plugins_and_whole_policies_load_from_a_dotted_path() -> None:
     scorer = load_policy("least_sse", {"scorers": {"pdgate.policies.scorers:Inflight": 1.0}})
     assert ids(scorer.rank(REQ, [inst("a", inflight=3), inst("b", inflight=1)])) == ["b", "a"]
-    with pytest.raises(ValueError, match="no rank"):
+    with pytest.raises(ValueError, match="does not implement the policy contract"):
         load_policy("pdgate.policies.pickers:MaxScore")  # a picker is not a whole policy
+
+
+class _Undeclared:
+    """A scorer from before the contract: it does not say what it needs."""
+
+    name = "undeclared"
+
+    def score(self, request: RequestInfo, candidates: Sequence[InstanceLoad]) -> list[float]:
+        return [0.0] * len(candidates)
+
+
+def test_a_plugin_that_does_not_declare_its_needs_fails_at_start_naming_the_contract() -> None:
+    """The gateway reads what a plugin needs from its declaration (the index is built only
+    for a policy whose plugins read it): a plugin without one is refused at start-up, with
+    what the contract asks for, not taken as needing nothing."""
+    with pytest.raises(ValueError, match=r"scorer .*_Undeclared.* contract: name, needs"):
+        load_policy("least_sse", {"scorers": {f"{__name__}:_Undeclared": 1.0}})
 
 
 def test_idle_drops_a_prefill_computing_for_any_gateway_and_keeps_one_holding_kv() -> None:

@@ -1,5 +1,5 @@
-"""docs/structure/sorted_rankers.py prices the policy pipeline against b8cbedd's one-sort
-rankers (docs/structure.md). The measurement holds only if those rankers try the same
+"""docs/results/structure/sorted_rankers.py prices the policy pipeline against b8cbedd's one-sort
+rankers (docs/results/structure/README.md). The measurement holds only if those rankers try the same
 candidates in the same order as the built-in profiles where it runs: two candidates."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pdgate.policies import admit_idle, load_policy
 from pdgate.policies.base import InstanceLoad, RequestInfo
 
 REQ = RequestInfo(model="m", group=None, prompt="hello", prompt_chars=5, max_tokens=8)
-_PATH = Path(__file__).parents[2] / "docs" / "structure" / "sorted_rankers.py"
+_PATH = Path(__file__).parents[2] / "docs" / "results" / "structure" / "sorted_rankers.py"
 
 
 def _module() -> ModuleType:

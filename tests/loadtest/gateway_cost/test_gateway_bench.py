@@ -171,7 +171,8 @@ async def test_every_front_hits_the_same_stock_endpoints() -> None:
 
 
 def test_cli_runs_a_custom_short_comparison(capsys: pytest.CaptureFixture[str]) -> None:
-    """The before/after command of docs/performance.md: no idle phase, one concurrency."""
+    """The before/after command of docs/results/performance/README.md: no idle phase, one
+    concurrency."""
     _redis_or_fail()
     code = bench.main(
         ["gateway", "--no-router", "--no-doc", "--idle-streams", "0", "--concurrencies", "32",
@@ -187,8 +188,9 @@ def test_cli_runs_a_custom_short_comparison(capsys: pytest.CaptureFixture[str]) 
 
 def test_profile_summary_ranks_self_and_inclusive_samples() -> None:
     raw = (
-        'process 1:"python";main (gateway/cli.py:9);relay (gateway/relay.py:40) 30\n'
-        "main (gateway/cli.py:9);relay (gateway/relay.py:40);send (x/site-packages/u.py:7) 50\n"
+        'process 1:"python";main (gateway/cli.py:9);relay (gateway/stream/relay.py:40) 30\n'
+        "main (gateway/cli.py:9);relay (gateway/stream/relay.py:40);"
+        "send (x/site-packages/u.py:7) 50\n"
         "main (gateway/cli.py:9) 20\n"
         "garbage line\n"
     )
@@ -196,6 +198,6 @@ def test_profile_summary_ranks_self_and_inclusive_samples() -> None:
     assert text.startswith("100 samples")
     self_part, incl_part = text.split("incl %")
     # Self: send 50, relay 30, main 20; inclusive: main 100, relay 80, send 50.
-    assert self_part.index("send (u.py)") < self_part.index("relay (gateway/relay.py)")
+    assert self_part.index("send (u.py)") < self_part.index("relay (gateway/stream/relay.py)")
     assert "100.0   main (gateway/cli.py)" in incl_part
-    assert "80.0   relay (gateway/relay.py)" in incl_part
+    assert "80.0   relay (gateway/stream/relay.py)" in incl_part

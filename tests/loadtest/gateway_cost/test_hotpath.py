@@ -30,7 +30,10 @@ async def test_a_larger_fleet_is_registered_and_named() -> None:
 async def test_the_profile_names_pdgate_functions_per_request() -> None:
     plan = HotpathPlan(requests=20, concurrency=2, rounds=1, tokens=4, warmup=4, profile=True)
     result = await run_hotpath(plan)
-    assert "gateway/relay.py" in result.profile and "gateway/completions.py" in result.profile
+    assert (
+        "gateway/stream/relay.py" in result.profile
+        and "gateway/api/completions.py" in result.profile
+    )
     assert "include cProfile's overhead" in result.report(plan, "x")
 
 

@@ -1,0 +1,351 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: where a request's life starts
+and ends.
+
+The life of a request, each step with the module that does it (docs/architecture.md):
+
+1. admission, here: the client's key (admission/auth.py), the body read within its bounds and
+   parsed (config/openai_api.py), counted against ``max_pending``;
+2. its group, tenant and TTFT deadline (admission/groups.py, admission/tenancy.py);
+3. the relay takes it (stream/relay.py, `Relay.run`) and asks the dispatcher for its legs;
+4. the prefill leg (placement/dispatch.py, `Dispatcher.prefill`): the request waits in its
+   queue (placement/queue.py) until its forwarder (placement/forwarder.py) takes a slot
+   through the fleet's leases (placement/leases.py), forms a run (placement/batching.py)
+   and posts it to a prefill (upstream/http.py); the grant holds the KV
+   (placement/placed.py); the first token may go to the client now;
+5. the decode leg (`Dispatcher.decode`, placement/decode_attempt.py): a decode takes the
+   request with the prefill's ``kv_transfer_params`` and streams;
+6. the relay sends the decode's events on (or assembles the answer, stream/assemble.py);
+   a decode that breaks is replaced and the stream goes on from the tokens sent
+   (stream/continuation.py);
+7. release, here: every count and lease once, in one ``finally``; metrics and the span.
+
+One endpoint serves both APIs (`Api`, from the request's path): they differ only in the
+schema that parses the body, the path both legs go to, the answer's id prefix and the text
+the prefix-affinity index hashes (a chat's rendered conversation, see
+`ChatCompletionRequest.prompt_key`); the queue, the deadline, the counts and the relay are
+the same, and so are the limits (one ``max_pending`` for both).
+
+Written as a plain ASGI callable so one place owns the request's whole life: a task watches
+for the client's disconnect from the moment the body is read, and cancels whatever the
+request is doing (waiting for a prefill, prefilling, streaming); every count is released in
+one ``finally``.
+
+Admission counts a request only once its body is whole: uploads are bounded separately
+(`max_uploads`) and must finish within `body_timeout_s`, so clients that send headers and
+stall cannot lock everybody else out of `max_pending`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from starlette.requests import Request
+from starlette.types import Receive, Scope, Send
+
+from pdgate.config.aio import run_unless, wait_disconnect
+from pdgate.config.openai_api import (
+    Api,
+    ApiRequest,
+    ClientGone,
+    OpenAIError,
+    parse_api,
+    read_body,
+)
+from pdgate.config.settings import GatewaySettings
+from pdgate.config.tracing import SpanKind, Tracing
+from pdgate.config.wire import REQUEST_ID_HEADER, valid_request_id
+from pdgate.gateway.admission.auth import PRIORITIES, ApiKey, KeyRing
+from pdgate.gateway.admission.groups import GROUP_HEADER, GroupResolver
+from pdgate.gateway.admission.tenancy import resolve_tenancy
+from pdgate.gateway.errors import (
+    BadRequest,
+    GatewayError,
+    ModelNotFound,
+    Overloaded,
+    ServiceUnavailable,
+    from_openai_error,
+)
+from pdgate.gateway.instances.tracker import InstanceTracker
+from pdgate.gateway.observe.metrics import ANY_GROUP, GatewayMetrics
+from pdgate.gateway.observe.series import Series
+from pdgate.gateway.placement.dispatch import Dispatcher
+from pdgate.gateway.placement.placed import Placement
+from pdgate.gateway.stream.relay import Relay, RelayOptions, RelayRequest
+from pdgate.policies.base import RequestInfo
+
+log = logging.getLogger("pdgate.completions")
+
+TTFT_HEADER = "x-pdgate-ttft-timeout-ms"
+# Set by the gateway on the prefill leg; a client that sends them would steer the handshake.
+_GATEWAY_ONLY = {"kv_transfer_params": "kv_transfer_params is set by the gateway, not by clients"}
+
+
+class CompletionsEndpoint:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        dispatcher: Dispatcher,
+        tracker: InstanceTracker,
+        metrics: GatewayMetrics,
+        keys: KeyRing,
+        tracing: Tracing | None = None,
+    ) -> None:
+        self._settings = settings
+        self._keys = keys
+        self._groups = GroupResolver(settings, tracker)
+        self.series = Series()
+        self._tracing = tracing or Tracing.off()
+        self._dispatcher = dispatcher
+        self._tracker = tracker
+        self._metrics = metrics
+        self.pending = 0  # admitted: body whole, not finished
+        self.uploading = 0  # connections whose body is still arriving
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        arrived = time.monotonic()
+        request = Request(scope, receive)
+        headers = _header_map(scope)
+        api = Api.CHAT if scope["path"] == Api.CHAT.path else Api.COMPLETIONS
+        request_id = _request_id(headers, api)
+        try:
+            # Before reading a byte of the body: a caller without a key costs nothing.
+            key = self._keys.client(headers.get("authorization"))
+            self._keys.admit(key, self._settings.retry_after_max_s)
+            body = await self._read(request)
+        except GatewayError as exc:
+            self._metrics.requests.labels(_outcome(exc), ANY_GROUP).inc()
+            await exc.response()(scope, receive, send)
+            return
+        except ClientGone:
+            self._metrics.requests.labels("client_gone", ANY_GROUP).inc()
+            return
+        if self.pending >= self._settings.max_pending:
+            self._metrics.requests.labels("overloaded", ANY_GROUP).inc()
+            err = Overloaded(
+                "the gateway is at its limit of pending requests",
+                retry_after=self._settings.retry_after_s,
+            )
+            await err.response()(scope, receive, send)
+            return
+        self.pending += 1
+        span = self._tracing.start(
+            "pdgate.request",
+            parent=Tracing.extract(headers) if self._tracing.enabled else None,
+            kind=SpanKind.SERVER,
+        )
+        watcher: asyncio.Task[None] | None = None
+        placement: Placement | None = None
+        info: RequestInfo | None = None
+        outcome = "ok"
+        group = ANY_GROUP
+        relaying = False  # the relay sent the response's start: past it, no status to send
+        try:
+            req, forward = self._parse(body, api)
+            info = self._request_info(req, forward, key, headers)
+            group = info.group or ANY_GROUP
+            deadline = arrived + self._ttft_timeout(headers, info.group)
+            watcher = asyncio.ensure_future(wait_disconnect(receive))
+            if span.is_recording():
+                span.set_attribute("pdgate.request_id", request_id)
+                span.set_attribute("pdgate.api", api.value)
+                span.set_attribute("pdgate.model", info.model)
+                span.set_attribute("pdgate.group", info.group or "")
+                span.set_attribute("pdgate.stream", req.stream)
+                span.set_attribute("pdgate.prompt_chars", info.prompt_chars)
+            settings = self._settings
+            relay = Relay(
+                self._dispatcher,
+                send,
+                RelayRequest(
+                    info, req, forward, api, request_id, deadline, arrived, group=group, span=span
+                ),
+                RelayOptions(
+                    chunk_bytes=settings.stream_chunk_bytes,
+                    max_response_bytes=settings.max_response_bytes,
+                    max_migrations=settings.max_migrations,
+                    first_token_early=settings.first_token_early,
+                    ttft_timeout_s=self._groups.ttft_timeout_s(info.group),
+                ),
+                self._metrics,
+                self._tracing,
+            )
+            try:
+                outcome = await run_unless(relay.run(), watcher, lost=ClientGone())
+            finally:
+                placement = relay.first
+                relaying = relay.started
+        except GatewayError as exc:
+            outcome = _outcome(exc)
+            if not relaying:
+                await exc.response()(scope, receive, send)
+        except ClientGone:
+            outcome = "client_gone"
+        except Exception:
+            # A bug, not the client's fault. This endpoint runs outside Starlette's error
+            # middleware (gateway/app.py), so it answers with an OpenAI error body itself.
+            log.exception("unhandled error on request %s", request_id)
+            outcome = "internal_error"
+            if not relaying:
+                await GatewayError("internal gateway error").response()(scope, receive, send)
+        finally:
+            if placement is not None:
+                placement.close()
+            if watcher is not None:
+                watcher.cancel()
+            self.pending -= 1
+            self._metrics.requests.labels(outcome, group).inc()
+            self._observe(outcome, info, placement, arrived)
+            if span.is_recording():
+                span.set_attribute("pdgate.outcome", outcome)
+            span.end()
+
+    def _observe(
+        self, outcome: str, info: RequestInfo | None, placement: Placement | None, arrived: float
+    ) -> None:
+        """The operator's history and the P/D ratio advice's inputs."""
+        first = placement.first_token_at if placement is not None else None
+        self.series.record(
+            outcome,
+            None if first is None else first - arrived,
+            placement.prefill_rejections if placement is not None else 0,
+        )
+        advisor = self._dispatcher.advisor
+        if placement is not None:
+            advisor.arrival(placement.prefill_group)
+            if outcome == "ok" and first is not None and placement.tokens > 0:
+                advisor.decode(
+                    placement.decode_group,
+                    first - placement.opened_at,
+                    placement.tokens,
+                    placement.gaps_s / max(placement.tokens - 1, 1),
+                )
+        elif info is not None:
+            # Demand that found no room counts too: it is what the ratio must serve.
+            groups = [info.group] if info.group else sorted(self._tracker.groups(info.model))
+            if len(groups) == 1:
+                advisor.arrival(groups[0])
+
+    async def _read(self, request: Request) -> bytes:
+        settings = self._settings
+        if self.uploading >= settings.max_uploads:
+            raise Overloaded(
+                "the gateway is at its limit of requests being uploaded",
+                retry_after=settings.retry_after_s,
+            )
+        self.uploading += 1
+        try:
+            body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+        except OpenAIError as exc:
+            raise from_openai_error(exc) from exc
+        finally:
+            self.uploading -= 1
+        if not body:
+            raise BadRequest("request body is empty; expected a JSON object")
+        return body
+
+    def _parse(self, body: bytes, api: Api) -> tuple[ApiRequest, dict[str, Any]]:
+        try:
+            req, forward = parse_api(
+                api,
+                body,
+                max_tokens_limit=self._settings.max_tokens_limit,
+                default_max_tokens=self._settings.default_max_tokens,
+            )
+        except OpenAIError as exc:
+            raise from_openai_error(exc) from exc
+        for key, why in _GATEWAY_ONLY.items():
+            if forward.get(key) is not None:
+                raise BadRequest(why, param=key)
+        return req, forward
+
+    def _request_info(
+        self,
+        req: ApiRequest,
+        forward: dict[str, Any],
+        key: ApiKey | None,
+        headers: Mapping[str, str],
+    ) -> RequestInfo:
+        """What the policies and the queue know of the request: its model, group, prompt,
+        tenant, priority class and share weight (gateway/admission/tenancy.py)."""
+        models = self._tracker.models()
+        model = req.model
+        if model is None:
+            if len(models) != 1:
+                raise BadRequest(
+                    "model is required when the gateway serves several models", param="model"
+                )
+            model = models[0]
+            forward["model"] = model
+        elif model not in models:
+            if not models:
+                raise ServiceUnavailable(
+                    "no instances are registered", retry_after=self._settings.retry_after_s
+                )
+            raise ModelNotFound(f"the model {model!r} does not exist", param="model")
+        prompt = req.prompt_key
+        group = self._groups.resolve(model, key, headers.get(GROUP_HEADER), len(prompt))
+        who = resolve_tenancy(
+            key,
+            headers,
+            group_priority=self._groups.priority(group),
+            keyless_max_priority=PRIORITIES[self._settings.keyless_max_priority],
+        )
+        return RequestInfo(
+            model=model,
+            group=group,
+            prompt=prompt,
+            prompt_chars=len(prompt),
+            max_tokens=int(forward["max_tokens"]),
+            tenant=who.tenant,
+            priority=who.priority,
+            weight=who.weight,
+        )
+
+    def _ttft_timeout(self, headers: Mapping[str, str], group: str | None) -> float:
+        timeout = self._groups.ttft_timeout_s(group)
+        raw = headers.get(TTFT_HEADER)
+        if raw is not None:
+            try:
+                asked = int(raw) / 1000
+            except ValueError as exc:
+                raise BadRequest(
+                    f"{TTFT_HEADER} must be an integer number of milliseconds"
+                ) from exc
+            if asked <= 0:
+                raise BadRequest(f"{TTFT_HEADER} must be positive")
+            # A client may only shorten the deadline: the gateway's own bound protects the fleet.
+            timeout = min(timeout, asked)
+        return timeout
+
+
+def _header_map(scope: Scope) -> dict[str, str]:
+    """The request's headers by name, built once: Starlette's `Headers` scans the list on
+    every lookup, and a request looks up eight. ASGI servers give the names in lower case;
+    a repeated header's first value counts, as with `Headers.get`."""
+    out: dict[str, str] = {}
+    for name, value in scope["headers"]:
+        key = name.decode("latin-1")
+        if key not in out:
+            out[key] = value.decode("latin-1")
+    return out
+
+
+def _request_id(headers: Mapping[str, str], api: Api = Api.COMPLETIONS) -> str:
+    """The client's ``x-request-id`` if it is usable, else a new one (``cmpl-``, or
+    ``chatcmpl-`` for chat, as OpenAI's ids). It is sent upstream on both legs, and pdgate's
+    shims use it as the answer's ``id``: one id everywhere."""
+    given = headers.get(REQUEST_ID_HEADER, "")
+    if valid_request_id(given):
+        return given
+    return f"{api.id_prefix}-{secrets.token_hex(16)}"
+
+
+def _outcome(exc: GatewayError) -> str:
+    if exc.status < 500:
+        return "client_error"
+    return exc.code or "server_error"

@@ -1,0 +1,124 @@
+"""One try at a decode, for both ways the gateway asks one: the decode leg of a disaggregated
+request (gateway/placement/dispatch.py) and a local prefill (gateway/placement/local_prefill.py).
+
+The try counts against the instance while it runs (open stream, request in flight) and has
+its own trace span. When it fails, it gives those counts back, counts its outcome and notes
+it on the instance (a 429: busy for a while; a failure: towards ejection) before the error
+goes on to the caller, which decides what to try next.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from prometheus_client import Counter
+
+from pdgate.config.tracing import Span, Tracing
+from pdgate.gateway.errors import (
+    UpstreamError,
+    UpstreamRejected,
+    UpstreamStatus,
+    UpstreamUnreachable,
+)
+from pdgate.gateway.instances.health import Ejector
+from pdgate.gateway.instances.tracker import InstanceTracker, Lease
+from pdgate.gateway.observe.metrics import Labelled
+from pdgate.gateway.upstream.base import DecodeStream, Upstream
+from pdgate.policies.base import InstanceLoad
+
+__all__ = ["PREFILL_PATH", "DecodeAttempts", "release_after"]
+
+log = logging.getLogger("pdgate.dispatch")
+
+PREFILL_PATH = "pdgate.prefill_path"  # span attribute: "local" or "disaggregated"
+
+
+class DecodeAttempts:
+    def __init__(
+        self,
+        tracker: InstanceTracker,
+        upstream: Upstream,
+        counter: Labelled[Counter],
+        ejector: Ejector,
+        tracing: Tracing,
+    ) -> None:
+        """`counter`: attempts by outcome (``pdgate_decode_attempts``)."""
+        self._tracker = tracker
+        self._upstream = upstream
+        self._counter = counter
+        self._ejector = ejector
+        self._tracing = tracing
+
+    async def open(
+        self,
+        inst: InstanceLoad,
+        body: dict[str, Any],
+        path: str,
+        *,
+        request_id: str,
+        deadline: float,
+        parent: Span | None,
+        local: bool = False,
+    ) -> tuple[DecodeStream, Lease, Lease]:
+        """The decode's open stream with its open-stream and in-flight leases, which the
+        caller now owns; a failure raises the `open_decode` error, already accounted for.
+        The connection must be made by `deadline` (``time.monotonic()``). `local`: the body
+        is the whole request (no ``kv_transfer_params``)."""
+        stream, inflight = self._tracker.open_stream(inst.id), self._tracker.begin(inst.id)
+        span = self._tracing.start("pdgate.decode_attempt", parent=parent)
+        headers: dict[str, str] = {}
+        self._tracing.inject(span, headers)
+        if span.is_recording():
+            span.set_attribute("pdgate.instance", inst.id)
+            span.set_attribute("server.address", inst.url)
+            if local:
+                span.set_attribute(PREFILL_PATH, "local")
+        try:
+            response = await self._upstream.open_decode(
+                inst.url,
+                body,
+                request_id=request_id,
+                connect_timeout_s=max(deadline - time.monotonic(), 0.001),
+                headers=headers,
+                path=path,
+            )
+        except BaseException as exc:
+            release_after(exc, stream, inflight)
+            _end(span, self._note_failure(inst, exc))
+            raise
+        _end(span, "accepted")
+        self._counter.labels("accepted").inc()
+        return response, stream, inflight
+
+    def _note_failure(self, inst: InstanceLoad, exc: BaseException) -> str:
+        """Count the failed attempt and mark `inst`; the attempt's outcome."""
+        if not isinstance(exc, UpstreamError):
+            return "abandoned"  # cancelled: nothing to say about the instance
+        if isinstance(exc, UpstreamRejected):
+            self._tracker.rejected(inst.id)
+            outcome = "rejected"
+        elif isinstance(exc, UpstreamStatus) and exc.is_client_error:
+            outcome = "client_error"  # about the request, not the instance
+        else:
+            log.warning("decode %s failed: %s", inst.id, exc)
+            self._tracker.failed(inst.id)
+            self._ejector.failure(inst.id, "decode")
+            outcome = "failed"
+        self._counter.labels(outcome).inc()
+        return outcome
+
+
+def release_after(exc: BaseException, *leases: Lease) -> None:
+    """Give back the counts of a call that failed with `exc`. A rejected or unreachable
+    instance never took the request, so its end is no sign of a freed slot."""
+    took_slot = not isinstance(exc, UpstreamRejected | UpstreamUnreachable)
+    for lease in leases:
+        lease.release(slot_freed=took_slot)
+
+
+def _end(span: Span, outcome: str) -> None:
+    if span.is_recording():
+        span.set_attribute("pdgate.outcome", outcome)
+    span.end()

@@ -1,0 +1,512 @@
+"""Placing one request: a prefill that accepts, then a decode that accepts.
+
+Prefill leg, ``dispatch = "queue"`` (P/D-Serve on-demand forwarding): the request joins its
+(model, group) queue and a `PrefillForwarder` sends it to an idle prefill, retrying on 429s
+until the request's TTFT deadline. ``dispatch = "direct"`` is the paper's baseline gateway:
+one try at the top-ranked prefill (which may queue locally), no retries.
+
+Decode leg: the prefill's ``kv_transfer_params`` go to a decode chosen by the decode policy;
+a 429 tries the next one, then waits for a freed slot or a back-off, until the deadline. The
+decode leg always streams, whatever the client asked: its first event is the moment the KV
+has left the prefill (the decode pulls it before it generates), which is when the prefill's
+slot frees, and a non-streaming answer is assembled from the stream (gateway/stream/assemble.py).
+
+Failover of the decode leg: a decode that was never reached (refused, reset, timed out) is
+replaced by the next one with the same ``kv_transfer_params`` (the KV is still at the
+prefill); one that answered with an error status may have consumed the KV, so `place` raises
+`DecodeLost` and the caller places the request again, prefill included (gateway/stream/relay.py).
+Either counts against the retry budget, as prefill failovers do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections import deque
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdgate.config.aio import shielded
+from pdgate.config.openai_api import Api
+from pdgate.config.settings import DispatchMode, GatewaySettings
+from pdgate.config.tracing import Span
+from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, Role, prefill_kv_request
+from pdgate.gateway.admission.groups import GroupResolver
+from pdgate.gateway.errors import (
+    BadGateway,
+    BadRequest,
+    DeadlineExceeded,
+    DecodeLost,
+    GatewayError,
+    PayloadTooLarge,
+    UpstreamError,
+    UpstreamRejected,
+    UpstreamStatus,
+)
+from pdgate.gateway.instances.tracker import Lease
+from pdgate.gateway.placement.decode_attempt import DecodeAttempts, release_after
+from pdgate.gateway.placement.forwarder import (
+    PrefillForwarder,
+    Shared,
+)
+from pdgate.gateway.placement.local_prefill import LocalPlan, LocalPrefill
+from pdgate.gateway.placement.placed import DecodeLeg, Placement, PrefillGrant
+from pdgate.gateway.placement.queue import Waiter, WaitQueue
+from pdgate.gateway.upstream.base import (
+    DecodeStream,
+    upstream_error_message,
+    upstream_error_param,
+)
+from pdgate.policies.base import InstanceLoad, Ranker, RequestInfo
+
+# Queues exist only for (model, group) pairs the registry knows, so this bound is a backstop.
+_MAX_QUEUES = 1024
+# Packed sample entries kept per queue this gateway has not served yet (each entry: one
+# gateway's samples of one sync).
+_EARLY_SAMPLES = 64
+
+
+_NOT_FOR_PREFILL = ("stream_options", "return_token_ids")
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """One client request as both of its legs see it."""
+
+    info: RequestInfo
+    request_id: str
+    deadline: float  # time.monotonic() by which the first byte is due
+    span: Span | None  # the request's trace span: the legs' spans are its children
+
+
+class Prefilled:
+    """A request whose prefill leg is done: either `grant` (a prefill computed it and holds
+    its KV; `Dispatcher.decode` places the decode leg) or `placement` (one instance did both
+    legs). Whoever holds it and gives up calls `close()`."""
+
+    __slots__ = ("_local", "_request", "avoid", "grant", "placement")
+
+    def __init__(
+        self,
+        request: _Request,
+        avoid: Collection[str],
+        *,
+        grant: PrefillGrant | None = None,
+        placement: Placement | None = None,
+        local: LocalPlan | None = None,
+    ) -> None:
+        self._request = request
+        self.avoid = avoid
+        self.grant = grant
+        self.placement = placement
+        self._local = local
+
+    def close(self) -> None:
+        """Give up before the decode leg: the KV is released at the prefill, then the counts."""
+        if self.grant is not None:
+            self.grant.close()
+        if self.placement is not None:
+            self.placement.close()
+
+
+class Dispatcher:
+    """Places requests: a prefill that computed the request, then a decode that took its KV.
+
+    Receives its parts built (gateway/app.py, `build_dispatcher`): the forwarders' `shared`
+    parts, the decode attempts, the local-prefill planner and the group resolver."""
+
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        shared: Shared,
+        *,
+        prefill_policy: Ranker,
+        decode_policy: Ranker,
+        groups: GroupResolver,
+        decodes: DecodeAttempts,
+        local: LocalPrefill,
+    ) -> None:
+        self._settings = settings
+        self._shared = shared
+        self._tracing = shared.tracing
+        self._tracker = shared.tracker
+        self._upstream = shared.upstream
+        self._backoff = shared.backoff
+        self._metrics = shared.metrics
+        self._index = shared.index
+        self._options = shared.options
+        self._prefill_policy = prefill_policy
+        self._decode_policy = decode_policy
+        self._groups = groups
+        self._decodes = decodes
+        self._local = local
+        self._forwarders: dict[tuple[str, str | None], PrefillForwarder] = {}
+        # Queue -> the fleet's recent samples for a queue with no forwarder here yet.
+        self._early_samples: dict[str, deque[str]] = {}
+        # KV releases and batch calls outlive the requests that started them; `close` waits
+        # for them before the upstream session closes.
+        self.background = shared.background
+        self.fleet = shared.fleet
+        self.ejector = shared.ejector
+        self.budget = shared.budget
+        self.advisor = shared.advisor
+
+    async def close(self) -> None:
+        for fwd in self._forwarders.values():
+            await fwd.close()
+        self._forwarders.clear()
+        await self.background.aclose()
+
+    def heads(self) -> dict[str, float | None]:
+        """Per queue, ms to its most urgent request's deadline (the fleet's deadline order)."""
+        return {f.key: f.head_in_ms() for f in self._forwarders.values()}
+
+    def outgoing(self) -> dict[str, str]:
+        """Per queue, this gateway's new prefill-time samples (`FleetEstimates`)."""
+        out: dict[str, str] = {}
+        for f in self._forwarders.values():
+            packed = f.samples_out()
+            if packed:
+                out[f.key] = packed
+        return out
+
+    def incoming(self, queue: str, packed: Sequence[str]) -> None:
+        """The other gateways' samples for `queue` (`FleetEstimates`); kept for a queue this
+        gateway has not served yet, so its first request is judged on the fleet's figures."""
+        model, _, group = queue.partition("|")
+        fwd = self._forwarders.get((model, group or None))
+        if fwd is None or fwd.key != queue:  # a model name with "|" in it
+            fwd = next((f for f in self._forwarders.values() if f.key == queue), None)
+        if fwd is not None:
+            fwd.samples_in(packed)
+            return
+        kept = self._early_samples.pop(queue, None) or deque(maxlen=_EARLY_SAMPLES)
+        kept.extend(packed)
+        self._early_samples[queue] = kept  # the most recently heard queues last
+        while len(self._early_samples) > _MAX_QUEUES:
+            del self._early_samples[next(iter(self._early_samples))]
+
+    def describe_queues(self) -> list[dict[str, object]]:
+        """Rows for ``GET /admin/queues``."""
+        return [
+            {
+                "model": f.model,
+                "group": f.group,
+                "queued": len(f.queue),
+                "waiting": f.waiting,
+                "head_ms": f.head_in_ms(),
+            }
+            for f in self._forwarders.values()
+        ]
+
+    def queued(self) -> int:
+        """Requests waiting at the gateway for a prefill (queued or being tried)."""
+        return sum(f.waiting for f in self._forwarders.values())
+
+    async def place(
+        self,
+        info: RequestInfo,
+        forward: dict[str, Any],
+        *,
+        request_id: str,
+        deadline: float,
+        span: Span | None = None,
+        api: Api = Api.COMPLETIONS,
+        avoid: Collection[str] = (),
+        retry: bool = False,
+    ) -> Placement:
+        """Both legs with the request's own body (`prefill`, then `decode`), for a caller that
+        sends the client nothing in between."""
+        prefilled = await self.prefill(
+            info, forward, request_id=request_id, deadline=deadline, span=span, api=api,
+            avoid=avoid, retry=retry,
+        )  # fmt: skip
+        return await self.decode(prefilled, DecodeLeg(forward, api))
+
+    async def prefill(
+        self,
+        info: RequestInfo,
+        forward: dict[str, Any],
+        *,
+        request_id: str,
+        deadline: float,
+        span: Span | None = None,
+        api: Api = Api.COMPLETIONS,
+        avoid: Collection[str] = (),
+        retry: bool = False,
+        token_ids: bool = False,
+    ) -> Prefilled:
+        """The request's prefill leg: a prefill that computed it (or, for a request its decode
+        can prefill itself, both legs at once). `span` is the request's trace span (the legs'
+        spans are its children). Decodes in `avoid` (one that just broke this request's
+        stream) are tried last. A `retry` (failover, migration) places a request already
+        counted: it adds nothing to the retry budget. `token_ids`: keep the prefill's token
+        ids in its reply (the first token early reads them)."""
+        if not retry:
+            self.budget.deposit()
+        req = _Request(info, request_id, deadline, span)
+        local = self._local.plan(info, avoid)
+        if local is not None and (
+            placed := await local.place(
+                forward, request_id=request_id, deadline=deadline, span=span, path=api.path
+            )
+        ):
+            return Prefilled(req, avoid, placement=placed)
+        # The prefill's token ids are read only to send the first token early; otherwise they
+        # would be a prompt-long list parsed and dropped per request (the decode's first
+        # event carries them too), and the gateway's RSS grew with the peaks of such lists
+        # (docs/results/soak/README.md).
+        drop = ("stream_options",) if token_ids else _NOT_FOR_PREFILL
+        body = {k: v for k, v in forward.items() if k not in drop}
+        body.update(max_tokens=1, stream=False, kv_transfer_params=prefill_kv_request())
+        grant = await self._prefill(req, body, api.path)
+        return Prefilled(req, avoid, grant=grant, local=local)
+
+    async def decode(self, prefilled: Prefilled, leg: DecodeLeg) -> Placement:
+        """The decode leg of a prefilled request, with `leg`'s body (``kv_transfer_params``
+        are added). Closes `prefilled` if no decode takes it.
+
+        Raises `DecodeLost` when a decode answered with an error status (its KV may be gone:
+        place the request again)."""
+        if prefilled.placement is not None:
+            return prefilled.placement
+        grant = prefilled.grant
+        assert grant is not None
+        try:
+            decode_body = {**leg.body, "kv_transfer_params": grant.kv_params, "stream": True}
+            if not leg.body.get("stream"):
+                decode_body["stream_options"] = {"include_usage": True}
+            decode, stream, decode_leases = await self._decode(
+                prefilled._request,
+                decode_body,
+                leg.api.path,
+                extension=leg.extension,
+                avoid=prefilled.avoid,
+            )
+        except BaseException:
+            grant.close()
+            raise
+        self._metrics.prefill_rejections.observe(grant.rejections)
+        placement = Placement(
+            stream,
+            grant,
+            decode,
+            decode_leases,
+            on_first_byte=lambda: self.ejector.success(decode.id),
+        )
+        if prefilled._local is not None:
+            prefilled._local.served_by(decode.id)
+        return placement
+
+    def decodes_declare(self, info: RequestInfo, extension: str) -> bool:
+        """Whether a ready decode for `info` declares `extension`."""
+        return bool(self._decode_candidates(info, extension))
+
+    def extensions(self, instance_id: str) -> tuple[str, ...]:
+        """What the instance's registry record declares (nothing once it left)."""
+        record = self._tracker.records().get(instance_id)
+        return () if record is None else record.extensions
+
+    async def _prefill(self, req: _Request, body: dict[str, Any], path: str) -> PrefillGrant:
+        if self._settings.dispatch is DispatchMode.DIRECT:
+            return await self._prefill_direct(req, body, path)
+        waiter = Waiter(
+            info=req.info,
+            body=body,
+            request_id=req.request_id,
+            deadline=req.deadline,
+            future=asyncio.get_running_loop().create_future(),
+            span=req.span,
+            path=path,
+        )
+        return await self._forwarder(req.info).acquire(waiter)
+
+    def _forwarder(self, info: RequestInfo) -> PrefillForwarder:
+        key = (info.model, info.group)
+        fwd = self._forwarders.get(key)
+        if fwd is None:
+            if len(self._forwarders) >= _MAX_QUEUES:
+                for k in [k for k, f in self._forwarders.items() if f.idle]:
+                    del self._forwarders[k]
+            fwd = self._forwarders[key] = PrefillForwarder(
+                info.model,
+                info.group,
+                WaitQueue(
+                    self._groups.queue_size(info.group),
+                    self._settings.queue_order,
+                    guard_s=self._settings.queue_guard_s,
+                ),
+                self._prefill_policy,
+                self._shared,
+            )
+            # What the fleet measured for this queue before we had one (a warm start).
+            fwd.samples_in(self._early_samples.pop(fwd.key, ()))
+        return fwd
+
+    async def _prefill_direct(self, req: _Request, body: dict[str, Any], path: str) -> PrefillGrant:
+        """The paper's original gateway: the top-ranked prefill or nothing. Its ranking sees
+        every ready prefill (the baseline does not know which one has room)."""
+        info, request_id = req.info, req.request_id
+        loads = self._tracker.loads(Role.PREFILL, info.model, info.group)
+        ranked = self._prefill_policy.rank(info, [c for c in loads if not c.ejected]) or loads
+        if not ranked:
+            raise DeadlineExceeded(
+                "no prefill instance is available", retry_after=self._settings.retry_after_s
+            )
+        inst = ranked[0]
+        stream, inflight = self._tracker.open_stream(inst.id), self._tracker.begin(inst.id)
+        counter = self._metrics.prefill_attempts
+        kv_id = secrets.token_hex(16)
+        upstream = self._upstream
+
+        async def release(
+            params: dict[str, Any] | None,
+            *,
+            slot_freed: bool,
+            leases: Sequence[Lease] = (stream, inflight),
+        ) -> None:
+            try:
+                if params is None:
+                    await upstream.release_kv_id(inst.url, kv_id, request_id=request_id)
+                else:
+                    await upstream.release_kv(params, request_id=request_id)
+            finally:
+                for lease in leases:
+                    lease.release(slot_freed=slot_freed)
+
+        computing = self._tracker.computing(inst.id)  # for the `idle` filter's view
+        try:
+            remaining = max(req.deadline - time.monotonic(), 0.001)
+            try:
+                reply = await upstream.prefill(
+                    inst.url,
+                    body,
+                    request_id=request_id,
+                    timeout_s=remaining,
+                    kv_id=kv_id,
+                    path=path,
+                    headers={DECODE_MAX_TOKENS_HEADER: str(info.max_tokens)},
+                )
+            finally:
+                computing.release(slot_freed=False)
+        except UpstreamRejected as exc:
+            release_after(exc, stream, inflight)
+            self._tracker.rejected(inst.id)
+            counter.labels("rejected").inc()
+            raise DeadlineExceeded(
+                "the prefill instance is busy", retry_after=self._settings.retry_after_s
+            ) from exc
+        except UpstreamStatus as exc:
+            if exc.is_client_error:
+                release_after(exc, stream, inflight)
+                raise client_error(exc) from exc
+            await shielded(release(None, slot_freed=False))
+            counter.labels("failed").inc()
+            raise DeadlineExceeded(
+                "the prefill failed before the TTFT deadline",
+                retry_after=self._settings.retry_after_s,
+            ) from exc
+        except UpstreamError as exc:
+            # Timed out or lost: the prefill may hold KV for an answer we will never read.
+            await shielded(release(None, slot_freed=False))
+            counter.labels("failed").inc()
+            raise DeadlineExceeded(
+                "the prefill did not answer before the TTFT deadline",
+                retry_after=self._settings.retry_after_s,
+            ) from exc
+        except BaseException:
+            await shielded(release(None, slot_freed=False))
+            raise
+        counter.labels("accepted").inc()
+        if self._index is not None:
+            self._index.record(self._index.hashes(info.prompt), inst.id)
+        params: dict[str, Any] = reply["kv_transfer_params"]
+        return PrefillGrant(
+            inst,
+            reply,
+            stream,
+            inflight,
+            lambda leases: self.background.spawn(release(params, slot_freed=True, leases=leases)),
+            attempts=1,
+            rejections=0,
+        )
+
+    async def _decode(
+        self,
+        req: _Request,
+        body: dict[str, Any],
+        path: str,
+        *,
+        extension: str | None = None,
+        avoid: Collection[str] = (),
+    ) -> tuple[InstanceLoad, DecodeStream, list[Lease]]:
+        info, deadline = req.info, req.deadline
+        round_no = 0
+        failures: list[str] = []
+        while True:
+            ranked = self._decode_policy.rank(info, self._decode_candidates(info, extension))
+            if avoid:
+                ranked = [c for c in ranked if c.id not in avoid] + [
+                    c for c in ranked if c.id in avoid
+                ]
+            for inst in ranked[: self._settings.decode_candidates]:
+                if time.monotonic() >= deadline:
+                    break
+                try:
+                    response, stream, inflight = await self._decodes.open(
+                        inst,
+                        body,
+                        path,
+                        request_id=req.request_id,
+                        deadline=deadline,
+                        parent=req.span,
+                    )
+                except UpstreamRejected:
+                    continue
+                except UpstreamStatus as exc:
+                    if exc.is_client_error:
+                        raise client_error(exc) from exc
+                    # It answered: its KV pull may have consumed the prefill's copy, so
+                    # another decode cannot be given the same kv_transfer_params.
+                    raise DecodeLost("the decode instance failed") from exc
+                except UpstreamError as exc:
+                    failures.append(str(exc))
+                    if not self.budget.withdraw():
+                        # A fleet-wide failure must not multiply the load on what is left.
+                        self._metrics.retry_budget_exhausted.inc()
+                        raise BadGateway("the decode instances are failing; not retried") from exc
+                    continue  # never reached it: the KV is still at the prefill
+                return inst, response, [stream, inflight]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if failures and not ranked:
+                    raise BadGateway(f"every decode instance failed; last error: {failures[-1]}")
+                what = (
+                    "no decode instance is available"
+                    if not ranked
+                    else "no decode instance accepted the request before its TTFT deadline"
+                )
+                raise DeadlineExceeded(what, retry_after=self._settings.retry_after_s)
+            await self._tracker.wait_freed(min(self._backoff.delay(round_no), remaining))
+            round_no += 1
+
+    def _decode_candidates(self, info: RequestInfo, extension: str | None) -> list[InstanceLoad]:
+        loads = self._tracker.loads(Role.DECODE, info.model, info.group)
+        if extension is None:
+            return loads
+        records = self._tracker.records()
+        return [
+            c
+            for c in loads
+            if (rec := records.get(c.id)) is not None and extension in rec.extensions
+        ]
+
+
+def client_error(exc: UpstreamStatus) -> GatewayError:
+    """An instance said the request itself is bad: tell the client in its words."""
+    message = upstream_error_message(exc)
+    if exc.status == 413:
+        return PayloadTooLarge(message)
+    return BadRequest(message, param=upstream_error_param(exc))

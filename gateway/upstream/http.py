@@ -1,0 +1,293 @@
+"""`HttpUpstream`: the `Upstream` seam over aiohttp (`BaseUpstream` holds what an answer
+means; this module moves the bytes).
+
+Every aiohttp failure becomes an `UpstreamError` here, in one place (`_mapped`), with
+``raise ... from exc``; nothing above this module sees an aiohttp type.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import weakref
+from collections.abc import AsyncIterator, Mapping
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+import orjson
+
+from pdgate.config.aio import cancel_and_wait
+from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, KV_ID_HEADER, REQUEST_ID_HEADER
+from pdgate.gateway.errors import UpstreamProtocolError, UpstreamUnreachable
+from pdgate.gateway.upstream.base import BaseUpstream, Call, status_error
+
+__all__ = ["HttpUpstream"]
+
+log = logging.getLogger("pdgate.upstream")
+
+_JSON = {"content-type": "application/json"}
+_RELEASE_TIMEOUT_S = 2.0
+
+
+class _mapped:
+    """The one place where socket-level failures become `UpstreamUnreachable`. A class, not
+    a generator context manager: it wraps every call and every stream read."""
+
+    __slots__ = ("_url",)
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # `UpstreamError` is none of these: raised inside, it passes through unchanged.
+        if isinstance(exc, aiohttp.ClientError | TimeoutError | OSError):
+            raise UpstreamUnreachable(self._url, f"{type(exc).__name__}: {exc}") from exc
+
+
+class _Stream:
+    """`DecodeStream` over an aiohttp response."""
+
+    __slots__ = ("__weakref__", "_guard", "_resp", "_started", "_waiting_since", "stalled", "url")
+
+    def __init__(self, resp: aiohttp.ClientResponse, url: str) -> None:
+        self._resp = resp
+        self.url = url
+        self._guard = _mapped(url)  # it holds nothing per use: one for every read
+        self._started = False  # data came: the decode holds the KV and is generating
+        self._waiting_since = 0.0  # monotonic start of the read in progress (0: none)
+        self.stalled = 0.0  # > 0: given up after this many seconds of silence
+
+    async def read(self, size: int) -> bytes:
+        # What has arrived, up to `size`: no iterator of aiohttp's in between (this runs for
+        # every token of every stream).
+        self._waiting_since = time.monotonic()
+        try:
+            with self._guard:
+                data = await self._resp.content.read(size)
+        except UpstreamUnreachable:
+            if self.stalled:
+                raise UpstreamUnreachable(
+                    self.url, f"decode stalled: no data for {self.stalled:.1f} s"
+                ) from None
+            raise
+        finally:
+            self._waiting_since = 0.0
+        self._started = self._started or bool(data)
+        return data
+
+    def silent_s(self, now: float) -> float:
+        """How long a started stream has kept the relay waiting (0: not waiting, or not
+        started: before its first data a decode may be pulling KV or queueing)."""
+        if not self._started or not self._waiting_since or self._resp.closed:
+            return 0.0
+        return now - self._waiting_since
+
+    def stall(self, silent_s: float) -> None:
+        """Give up on it: the read in progress raises (the request moves to another decode),
+        and the dropped connection tells the decode, if it ever wakes, that nobody listens."""
+        self.stalled = silent_s
+        self.close()
+
+    def at_eof(self) -> bool:
+        return self._resp.content.at_eof()
+
+    def close(self) -> None:
+        if not self._resp.closed:
+            self._resp.close()
+
+
+class HttpUpstream(BaseUpstream):
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        *,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        max_response_bytes: int = 16 * 1024 * 1024,
+        headers: dict[str, str] | None = None,
+        instance_headers: Mapping[str, Mapping[str, str]] | None = None,
+        header_timeout_s: float = 5.0,
+        stall_timeout_s: float | None = None,
+    ) -> None:
+        """`headers` go with every call (e.g. the cluster token towards the shims);
+        `instance_headers` (base URL -> headers) replace some of them towards one instance:
+        a static server with an API key of its own (registry/static.py, `static_api_keys`).
+        `stall_timeout_s`: a decode stream that started and then keeps the relay waiting this
+        long is given up (a hung or stopped decode); None: only `read_timeout_s`."""
+        self._session = session
+        self._stall_timeout_s = stall_timeout_s
+        # Open decode streams, for the stall watchdog (one task, only while any is open).
+        self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
+        self._watchdog: asyncio.Task[None] | None = None
+        self._header_timeout_s = header_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._read_timeout_s = read_timeout_s
+        self._max_response_bytes = max_response_bytes
+        self._headers = {**_JSON, **(headers or {})}
+        self._by_instance = {
+            url: {**self._headers, **extra} for url, extra in (instance_headers or {}).items()
+        }
+
+    def __repr__(self) -> str:
+        return f"HttpUpstream({len(self._by_instance)} instances with headers of their own)"
+
+    @classmethod
+    def connect(
+        cls,
+        *,
+        connections: int,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        headers: dict[str, str] | None = None,
+        instance_headers: Mapping[str, Mapping[str, str]] | None = None,
+        header_timeout_s: float = 5.0,
+        stall_timeout_s: float | None = None,
+    ) -> HttpUpstream:
+        """A new session with the gateway's pool settings; `aclose()` closes it."""
+        connector = aiohttp.TCPConnector(
+            limit=connections, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=60
+        )
+        # No cookie jar: cookies one upstream sets must never ride along on other clients'
+        # requests (and the jar's bookkeeping is per-call work on the hot path).
+        session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
+        )
+        return cls(
+            session,
+            connect_timeout_s=connect_timeout_s,
+            read_timeout_s=read_timeout_s,
+            headers=headers,
+            instance_headers=instance_headers,
+            header_timeout_s=header_timeout_s,
+            stall_timeout_s=stall_timeout_s,
+        )
+
+    async def aclose(self) -> None:
+        if self._watchdog is not None:
+            await cancel_and_wait([self._watchdog])
+        await self._session.close()
+
+    def _watch(self, stream: _Stream) -> _Stream:
+        if self._stall_timeout_s is not None:
+            self._streams.add(stream)
+            if self._watchdog is None or self._watchdog.done():
+                self._watchdog = asyncio.create_task(self._watch_stalls(), name="stall-watchdog")
+        return stream
+
+    async def _watch_stalls(self) -> None:
+        """Every quarter of the stall timeout (at most a second), give up the streams whose
+        decode has kept the relay waiting longer than it. One timer for all streams: a
+        timeout per read would cost every token of every stream."""
+        assert self._stall_timeout_s is not None
+        limit = self._stall_timeout_s
+        while self._streams:
+            await asyncio.sleep(min(1.0, limit / 4))
+            now = time.monotonic()
+            for stream in list(self._streams):
+                silent = stream.silent_s(now)
+                if silent > limit:
+                    log.warning("decode %s stalled (%.1f s without data): moving on", stream.url,
+                                silent)  # fmt: skip
+                    stream.stall(silent)
+
+    def _timeout(self, total_s: float) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=total_s, connect=min(self._connect_timeout_s, total_s))
+
+    def _sent(self, call: Call) -> dict[str, str]:
+        return {
+            **self._by_instance.get(call.url, self._headers),
+            **call.headers,
+            REQUEST_ID_HEADER: call.request_id,
+        }
+
+    async def _post(self, call: Call, timeout_s: float) -> tuple[int, bytes]:
+        url = call.url + call.path
+        sent = self._sent(call)
+        if call.kv_id is not None:
+            sent[KV_ID_HEADER] = call.kv_id
+        with _mapped(url):
+            async with self._session.post(
+                url, data=orjson.dumps(call.body), headers=sent, timeout=self._timeout(timeout_s)
+            ) as resp:
+                return resp.status, await self._read_limited(resp, url)
+
+    async def _post_batch(
+        self, url: str, calls: list[Call], timeout_s: float
+    ) -> AsyncIterator[bytes]:
+        batch: dict[str, Any] = {
+            "requests": [c.body for c in calls],
+            "kv_ids": [c.kv_id for c in calls],
+        }
+        if all(DECODE_MAX_TOKENS_HEADER in c.headers for c in calls):
+            # Per request: the call's one header would say only the first one's.
+            batch["decode_max_tokens"] = [int(c.headers[DECODE_MAX_TOKENS_HEADER]) for c in calls]
+        sent = self._sent(calls[0])
+        sent.pop(DECODE_MAX_TOKENS_HEADER, None)
+        with _mapped(url):
+            async with self._session.post(
+                url, data=orjson.dumps(batch), headers=sent, timeout=self._timeout(timeout_s)
+            ) as resp:
+                if resp.status != 200:
+                    raise status_error(url, resp.status, await resp.read(), "prefill")
+                while line := await resp.content.readline():
+                    yield line
+
+    async def _open(self, call: Call, connect_timeout_s: float) -> _Stream | tuple[int, bytes]:
+        url = call.url + call.path
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=max(0.001, min(self._connect_timeout_s, connect_timeout_s)),
+            sock_read=self._read_timeout_s,
+        )
+        with _mapped(url):
+            # A decode that accepts the connection and never answers is a failure too.
+            async with asyncio.timeout(min(self._header_timeout_s, max(connect_timeout_s, 0.001))):
+                resp = await self._session.post(
+                    url, data=orjson.dumps(call.body), headers=self._sent(call), timeout=timeout
+                )
+        if resp.status == 200:
+            return self._watch(_Stream(resp, url))
+        try:
+            with _mapped(url):
+                raw = await self._read_limited(resp, url)
+        except UpstreamUnreachable:
+            raw = b""
+        finally:
+            resp.release()
+        return resp.status, raw
+
+    async def _delete(self, url: str, request_id: str) -> None:
+        try:
+            with _mapped(url):
+                async with self._session.delete(
+                    url,
+                    headers={**self._headers, REQUEST_ID_HEADER: request_id},
+                    timeout=aiohttp.ClientTimeout(total=_RELEASE_TIMEOUT_S),
+                ) as resp:
+                    await resp.read()
+        except UpstreamUnreachable as exc:
+            log.info(
+                "releasing KV at %s failed (%s); the prefill's hold timeout frees it", url, exc
+            )
+
+    async def _read_limited(self, resp: aiohttp.ClientResponse, url: str) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in resp.content.iter_any():
+            size += len(chunk)
+            if size > self._max_response_bytes:
+                raise UpstreamProtocolError(
+                    url, f"answer larger than {self._max_response_bytes} bytes"
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)

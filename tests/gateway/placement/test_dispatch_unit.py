@@ -1,0 +1,221 @@
+"""The dispatcher and the relay against `MockUpstream`: who holds which count when."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import orjson
+import pytest
+
+from pdgate.config import DispatchMode
+from pdgate.gateway.errors import BadGateway, DeadlineExceeded
+from pdgate.gateway.placement.placed import Placement
+from pdgate.gateway.upstream.mock import MockUpstream, Reply
+from tests.gateway._fakes import (
+    FakeCluster,
+    Sink,
+    completion_chunks,
+    dispatcher,
+    eventually,
+    info,
+    relay,
+    tracker_for,
+)
+
+
+def counts(tracker: Any, instance_id: str) -> tuple[int, int]:
+    row = next(r for r in tracker.describe() if r["id"] == instance_id)
+    return row["open_streams"], row["inflight"]
+
+
+async def place(d: Any, *, stream: bool = True, deadline_s: float = 2.0) -> Placement:
+    forward = {"model": "m", "prompt": "p", "max_tokens": 4, "stream": stream}
+    placement: Placement = await d.place(
+        info(), forward, request_id="req-1", deadline=time.monotonic() + deadline_s
+    )
+    return placement
+
+
+async def test_the_prefill_slot_is_held_until_the_decode_sends_its_first_event() -> None:
+    """Issue 9: the prefill's count was given back when the decode accepted, ~1 ms before the
+    prefill really freed the slot (when the decode had pulled the KV): the next request got a
+    429 and the prefill then sat idle for the whole busy hold."""
+    upstream = MockUpstream(FakeCluster(text="abc", decode_chunk_delay_s=0.3))
+    tracker = tracker_for([1], [4])
+    d, metrics = dispatcher(upstream, tracker)
+    sink = Sink()
+    task = asyncio.ensure_future(relay(d, metrics, sink=sink))
+    await eventually(lambda: any(c.leg == "decode" for c in upstream.calls))
+    assert counts(tracker, "p0") == (1, 1)  # the decode may not have pulled the KV yet
+    await eventually(lambda: b"data:" in sink.body)
+    assert counts(tracker, "p0") == (1, 0)  # KV gone from the prefill: slot free
+    outcome, _, _ = await task
+    assert outcome == "ok"
+    assert tracker.totals() == (0, 0)
+    assert upstream.released() == []  # the decode took the KV: nothing to release
+    await d.close()
+
+
+async def test_the_decode_leg_always_streams_and_a_whole_answer_is_assembled() -> None:
+    upstream = MockUpstream(FakeCluster(text="hello"))
+    tracker = tracker_for([1], [4])
+    d, metrics = dispatcher(upstream, tracker)
+    body = {"model": "m", "prompt": "p", "max_tokens": 5}
+    # Events split across chunks.
+    outcome, _, sink = await relay(d, metrics, body, chunk_bytes=7)
+    decode_call = next(c for c in upstream.calls if c.leg == "decode")
+    assert decode_call.body is not None
+    assert decode_call.body["stream"] is True
+    assert decode_call.body["stream_options"] == {"include_usage": True}
+    assert outcome == "ok" and sink.status == 200
+    answer = orjson.loads(sink.body)
+    assert answer["object"] == "text_completion"
+    assert answer["id"] == "req-1"
+    assert answer["choices"][0]["text"] == "hello"
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["completion_tokens"] == 5
+    assert tracker.totals() == (0, 0)
+    await d.close()
+
+
+async def test_a_decode_that_breaks_before_its_first_event_releases_the_kv_before_the_slot() -> (
+    None
+):
+    upstream = MockUpstream(FakeCluster(decode_script=[Reply(chunks=[], fail_after=0)]))
+    tracker = tracker_for([1], [4])
+    d, metrics = dispatcher(upstream, tracker)
+    outcome, _, sink = await relay(d, metrics)
+    # Placed again, prefill included (gateway/stream/relay.py): the client never saw the failure.
+    assert outcome == "ok" and sink.status == 200 and b'"error"' not in sink.body
+    assert [c.leg for c in upstream.calls if c.leg != "release"] == ["prefill", "decode"] * 2
+    await eventually(lambda: tracker.totals() == (0, 0))
+    assert len(upstream.released()) == 1  # the broken decode may never have pulled it
+    await d.close()
+
+
+async def test_a_whole_answer_cut_short_is_a_real_502() -> None:
+    chunks = completion_chunks("hello")
+    upstream = MockUpstream(FakeCluster(decode_script=[Reply(chunks=chunks, fail_after=2)]))
+    tracker = tracker_for([1], [4])
+    d, metrics = dispatcher(upstream, tracker)
+    body = {"model": "m", "prompt": "p", "max_tokens": 5}
+    with pytest.raises(BadGateway):  # the endpoint answers it with its status
+        await relay(d, metrics, body, chunk_bytes=64, max_migrations=0)
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await d.close()
+
+
+async def test_a_rejecting_decode_is_skipped_and_an_unreachable_one_keeps_the_kv() -> None:
+    cluster = FakeCluster(decode_script=[Reply(status=429, json={}), Reply(unreachable=True)])
+    upstream = MockUpstream(cluster)
+    tracker = tracker_for([1], [4, 4, 4])
+    d, _ = dispatcher(upstream, tracker)
+    placement = await place(d)
+    decodes = [c.url for c in upstream.calls if c.leg == "decode"]
+    assert len(decodes) == 3 and len(set(decodes)) == 3
+    assert upstream.released() == []  # the KV waited at the prefill for the third decode
+    placement.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await d.close()
+
+
+async def test_a_decode_error_status_fails_the_request_and_releases_the_kv() -> None:
+    upstream = MockUpstream(FakeCluster(decode_script=[Reply(status=500, json={})]))
+    tracker = tracker_for([1], [4, 4])
+    d, _ = dispatcher(upstream, tracker)
+    with pytest.raises(BadGateway):
+        await place(d)
+    await eventually(lambda: tracker.totals() == (0, 0))
+    assert len(upstream.released()) == 1
+    await d.close()
+
+
+async def test_cancelled_while_the_decode_is_chosen_releases_everything() -> None:
+    gate = asyncio.Event()
+
+    async def handler(call: Any) -> Reply:
+        if call.leg == "decode":
+            await gate.wait()
+        return await FakeCluster()(call)
+
+    upstream = MockUpstream(handler)
+    tracker = tracker_for([1], [4])
+    d, _ = dispatcher(upstream, tracker)
+    task = asyncio.ensure_future(place(d))
+    await eventually(lambda: any(c.leg == "decode" for c in upstream.calls))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await eventually(lambda: tracker.totals() == (0, 0))
+    assert len(upstream.released()) == 1
+    await d.close()
+
+
+async def test_direct_dispatch_tries_the_top_prefill_once() -> None:
+    cluster = FakeCluster(prefill_script=[Reply(status=429, json={})])
+    upstream = MockUpstream(cluster)
+    tracker = tracker_for([1, 1], [4])
+    d, _ = dispatcher(upstream, tracker, dispatch=DispatchMode.DIRECT)
+    with pytest.raises(DeadlineExceeded, match="busy"):
+        await place(d)
+    assert [c.leg for c in upstream.calls] == ["prefill"]
+    assert tracker.totals() == (0, 0)
+    placement = await place(d)
+    placement.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await d.close()
+
+
+async def test_no_decode_before_the_deadline_is_a_503_and_the_kv_is_released() -> None:
+    cluster = FakeCluster(decode_script=[Reply(status=429, json={})] * 100)
+    upstream = MockUpstream(cluster)
+    tracker = tracker_for([1], [1])
+    d, _ = dispatcher(upstream, tracker)
+    with pytest.raises(DeadlineExceeded, match="decode"):
+        await place(d, deadline_s=0.2)
+    await eventually(lambda: tracker.totals() == (0, 0))
+    assert len(upstream.released()) == 1
+    await d.close()
+
+
+@pytest.mark.parametrize(("admit", "calls_while_computing"), [("idle", 1), ("room", 2)])
+async def test_a_computing_prefill_gets_no_second_request_unless_admit_is_room(
+    admit: str, calls_while_computing: int
+) -> None:
+    """``prefill_admit = idle`` (the default): a prefill with free slots that is computing one
+    of our requests is not sent another, which waits in the gateway's queue; ``room`` sends
+    it into the prefill's next batch at once."""
+    gate = asyncio.Event()
+    upstream = MockUpstream(FakeCluster(gate=gate))
+    tracker = tracker_for([4], [8])
+    d, _ = dispatcher(upstream, tracker, prefill_admit=admit)
+    first = asyncio.ensure_future(place(d))
+    await eventually(lambda: any(c.leg == "prefill" for c in upstream.calls))
+    second = asyncio.ensure_future(place(d))  # arrives while the prefill computes the first
+    await asyncio.sleep(0.2)
+    assert [c.leg for c in upstream.calls].count("prefill") == calls_while_computing
+    gate.set()
+    for task in (first, second):
+        (await task).close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await d.close()
+
+
+async def test_the_decode_s_first_event_reports_the_hand_over_time() -> None:
+    """Early drop learns how long a decode takes from the prefill's answer to its first
+    event (the part of a first token's time after the prefill): the first event reports it."""
+    upstream = MockUpstream(FakeCluster(text="abc"))
+    tracker = tracker_for([1], [4])
+    d, _ = dispatcher(upstream, tracker)
+    handed: list[float] = []
+    placement = await place(d)
+    assert placement._grant.on_handover is not None  # the forwarder listens
+    placement._grant.on_handover = handed.append
+    await asyncio.sleep(0.05)
+    placement.first_byte()
+    placement.first_byte()  # once only
+    assert len(handed) == 1 and handed[0] >= 0.05
+    placement.close()
+    await d.close()

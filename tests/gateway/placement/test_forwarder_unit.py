@@ -1,0 +1,360 @@
+"""The forwarder against `MockUpstream`: batch fallback, early drop, and the hand-off rules
+(every abandoned prefill call releases its KV, a grant nobody takes is closed)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER
+from pdgate.gateway.errors import DeadlineExceeded
+from pdgate.gateway.placement.dispatch import client_error
+from pdgate.gateway.placement.forwarder import ForwardingOptions
+from pdgate.gateway.placement.leases import Fleet
+from pdgate.gateway.upstream.mock import MockUpstream, Reply
+from pdgate.policies import load_policy
+from pdgate.registry.fleet import RedisFleet
+from tests.gateway._fakes import (
+    FakeCluster,
+    batching_forwarder,
+    eventually,
+    forwarder,
+    info,
+    tracker_for,
+    waiter,
+)
+
+
+async def test_prefill_without_batch_endpoint_falls_back_to_single_calls() -> None:
+    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.01), batch_endpoint=False)
+    tracker = tracker_for([8])
+    fwd, _, background = batching_forwarder(upstream, tracker)
+    for round_no in range(2):
+        grants = await asyncio.gather(*(fwd.acquire(waiter(i)) for i in range(4)))
+        assert [g.instance.id for g in grants] == ["p0"] * 4
+        for g in grants:
+            g.close()
+        # Tried once, then remembered: the second run goes straight to single calls.
+        assert len(upstream.batches) == 1
+        prefills = [c for c in upstream.calls if c.leg == "prefill"]
+        assert len(prefills) == 4 * (round_no + 1)
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()
+
+
+async def test_a_prefill_that_declares_no_batch_endpoint_never_gets_a_batch_call() -> None:
+    """A stock server (static, announced) gets exactly vLLM's handshake: one call per request,
+    batch forwarding still filling its slots."""
+    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.01))
+    tracker = tracker_for([8], stock=True)
+    fwd, _, background = batching_forwarder(upstream, tracker)
+    grants = await asyncio.gather(*(fwd.acquire(waiter(i)) for i in range(4)))
+    assert [g.instance.id for g in grants] == ["p0"] * 4
+    for g in grants:
+        g.close()
+    assert upstream.batches == []
+    assert [c.leg for c in upstream.calls] == ["prefill"] * 4
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()
+
+
+def short_waiter(chars: int, deadline_s: float) -> object:
+    w = waiter(0, deadline_s=deadline_s)
+    w.info = info("x" * chars)
+    return w
+
+
+async def test_hopeless_request_is_dropped_without_a_prefill_call() -> None:
+    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.05))
+    fwd, metrics, background = forwarder(
+        upstream, tracker_for([1]), ForwardingOptions(early_drop=True, client_error=client_error)
+    )
+    for _ in range(32):  # recent history: 100 chars took 0.2 s
+        fwd.prefill_times.record(100, 0.2)
+    began = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="cannot be prefilled"):
+        await fwd.acquire(short_waiter(100, 0.1))  # type: ignore[arg-type]
+    assert time.monotonic() - began < 0.05  # at once, not at its deadline
+    assert upstream.calls == []
+    assert fwd.queue.peek() is None and fwd.waiting == 0
+    assert metrics.registry.get_sample_value("pdgate_early_drops_total") == 1
+    # A request with time enough is sent as usual (and its call time recorded).
+    grant = await fwd.acquire(short_waiter(100, 1.0))  # type: ignore[arg-type]
+    grant.close()
+    assert len(upstream.calls) == 1 and len(fwd.prefill_times) == 33
+    await fwd.close()
+    await background.aclose()
+
+
+async def test_without_early_drop_the_same_request_is_sent_and_expires() -> None:
+    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.5))
+    fwd, metrics, background = forwarder(
+        upstream, tracker_for([1]), ForwardingOptions(early_drop=False, client_error=client_error)
+    )
+    for _ in range(32):
+        fwd.prefill_times.record(100, 0.2)
+    with pytest.raises(DeadlineExceeded, match="before its TTFT deadline"):
+        await fwd.acquire(short_waiter(100, 0.1))  # type: ignore[arg-type]
+    assert [c.leg for c in upstream.calls] == ["prefill"]
+    assert metrics.registry.get_sample_value("pdgate_early_drops_total") == 0
+    await fwd.close()
+    await background.aclose()
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        Reply(unreachable=True),
+        Reply(status=500, json={"error": {"message": "boom"}}),
+        # The gateway's credentials, not the client's request: another prefill, not a 400.
+        Reply(status=401, json={"error": {"message": "invalid api key"}}),
+        Reply(status=404, json={"error": {"message": "no such model"}}),
+    ],
+    ids=["unreachable-or-timeout", "5xx", "401", "404"],
+)
+async def test_a_failed_prefill_call_releases_its_kv_and_the_request_moves_on(
+    failure: Reply,
+) -> None:
+    """Issue 9: the 502 branch released the counts but never the KV id, so a prefill that had
+    stored the KV kept the slot for its whole hold timeout."""
+    cluster = FakeCluster(prefill_script=[failure])
+    upstream = MockUpstream(cluster)
+    tracker = tracker_for([1, 1])
+    fwd, _, background = forwarder(upstream, tracker)
+    grant = await fwd.acquire(waiter(0))
+    first = next(c for c in upstream.calls if c.leg == "prefill")
+    assert first.kv_id is not None
+    await eventually(lambda: any(url.endswith("/" + first.kv_id) for url in upstream.released()))
+    assert grant.instance.id != first.url.rsplit("/", 1)[-1]  # tried the other prefill
+    grant.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()
+
+
+async def test_a_call_abandoned_at_the_deadline_releases_its_kv_then_its_count() -> None:
+    release_gate = asyncio.Event()
+
+    class SlowRelease(MockUpstream):
+        async def release_kv_id(self, base_url: str, kv_id: str, *, request_id: str) -> None:
+            await release_gate.wait()
+            await super().release_kv_id(base_url, kv_id, request_id=request_id)
+
+    upstream = SlowRelease(FakeCluster(prefill_delay_s=1.0))
+    tracker = tracker_for([1])
+    fwd, _, background = forwarder(
+        upstream, tracker, ForwardingOptions(early_drop=False, client_error=client_error)
+    )
+    with pytest.raises(DeadlineExceeded):
+        await fwd.acquire(waiter(0, deadline_s=0.05))
+    await asyncio.sleep(0.05)
+    # The prefill frees its slot when the release arrives, so the gateway's count waits too.
+    assert tracker.totals() == (1, 1)
+    release_gate.set()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    assert len(upstream.released()) == 1
+    await fwd.close()
+    await background.aclose()
+
+
+async def test_a_grant_landing_as_the_caller_is_cancelled_is_closed() -> None:
+    """Issue 9: when the cancel and the grant land in the same loop iteration, the grant was
+    neither returned nor released: its leases, in-flight count and KV leaked."""
+    cluster = FakeCluster()
+    upstream = MockUpstream(cluster)
+    tracker = tracker_for([1])
+    fwd, _, background = forwarder(upstream, tracker)
+    acquiring: asyncio.Task[object] | None = None
+
+    async def answer_and_cancel(call: object) -> Reply:
+        reply = await FakeCluster()(call)  # type: ignore[arg-type]
+        # Queued before the grant's own callbacks: the caller is cancelled in the very
+        # iteration in which its grant becomes ready.
+        assert acquiring is not None
+        asyncio.get_running_loop().call_soon(acquiring.cancel)
+        return reply
+
+    upstream.handler = answer_and_cancel
+    acquiring = asyncio.ensure_future(fwd.acquire(waiter(0)))
+    with pytest.raises(asyncio.CancelledError):
+        await acquiring
+    await eventually(lambda: tracker.totals() == (0, 0))
+    assert len(upstream.released()) == 1  # the KV computed for it was released
+    await fwd.close()
+    await background.aclose()
+
+
+async def test_a_rejection_requeues_at_the_old_place_and_marks_the_prefill_busy() -> None:
+    cluster = FakeCluster(prefill_script=[Reply(status=429, json={"error": {}})])
+    upstream = MockUpstream(cluster)
+    tracker = tracker_for([1])
+    fwd, metrics, background = forwarder(upstream, tracker)
+    grant = await fwd.acquire(waiter(0))
+    assert grant.rejections == 1 and grant.attempts == 2
+    assert (
+        metrics.registry.get_sample_value("pdgate_prefill_attempts_total", {"result": "rejected"})
+        == 1
+    )
+    assert upstream.released() == []  # a 429 holds nothing at the prefill
+    grant.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()
+
+
+async def test_batch_forwarding_spreads_a_backlog_over_the_prefills_with_room() -> None:
+    """A prefill computes a batch in about the time of its prompts one after another, so
+    four queued requests and two idle prefills make two batches of two, not one of four
+    while the other prefill idles."""
+    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.01))
+    tracker = tracker_for([4, 4])
+    fwd, _, background = batching_forwarder(upstream, tracker)
+    grants = await asyncio.gather(*(fwd.acquire(waiter(i)) for i in range(4)))
+    assert sorted(g.instance.id for g in grants) == ["p0", "p0", "p1", "p1"]
+    assert [len(b) for b in upstream.batches] == [2]  # the first run; p1's came one by one
+    for g in grants:
+        g.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()
+
+
+async def test_the_idle_filter_keeps_requests_queued_until_a_prefill_is_idle() -> None:
+    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.3))
+    tracker = tracker_for([4])
+    idle = load_policy("least_sse", {"filters": ["not_ejected", "not_busy", "has_room", "idle"]})
+    fwd, _, background = forwarder(upstream, tracker, policy=idle)
+    first_task = asyncio.ensure_future(fwd.acquire(waiter(0)))
+    await asyncio.sleep(0.05)
+    second = asyncio.ensure_future(fwd.acquire(waiter(1)))
+    await asyncio.sleep(0.1)
+    # The prefill has three free slots but is computing the first prompt: the second request
+    # waits in the gateway's queue, not in the prefill's next batch.
+    assert not second.done()
+    assert [c.leg for c in upstream.calls] == ["prefill"]
+    first = await asyncio.wait_for(first_task, 5)
+    # Answered, the first request's slot still holds its KV (no decode took it), but the
+    # prefill computes nothing: the second goes into a free slot at once.
+    (await asyncio.wait_for(second, 5)).close()
+    assert [c.leg for c in upstream.calls].count("prefill") == 2
+    first.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()
+
+
+async def test_a_batch_ends_where_it_would_make_a_member_late() -> None:
+    """Each member of a batch waits for the others' prompts: a batch is only as long as its
+    expected end (the sum of its members' expected prefill times) meets every deadline."""
+    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.01))
+    tracker = tracker_for([4])
+    fwd, _, background = batching_forwarder(upstream, tracker)
+    for _ in range(16):  # enough samples for an estimate
+        fwd.compute_times.record(1000, 1.0)  # 1 ms per character: 0.1 s per request below
+    prompt = "x" * 100
+    waiters = [waiter(0, deadline_s=0.25, prompt=prompt)]
+    waiters += [waiter(i, deadline_s=5.0, prompt=prompt) for i in (1, 2, 3)]
+    grants = await asyncio.gather(*(fwd.acquire(w) for w in waiters))
+    # Two fit before the first request's deadline (0.2 s <= 0.25 s); the other two follow
+    # in a batch of their own, not in one batch of four that ends at 0.4 s.
+    assert [len(b) for b in upstream.batches] == [2, 2]
+    for g in grants:
+        g.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()
+
+
+async def test_a_prompt_in_a_batch_is_timed_at_its_share_of_the_batch() -> None:
+    """Every answer of a batch comes when the prefill has computed all of it: timed whole,
+    four short prompts batched together each looked four times as slow as it is, and early
+    drop refused the next ones as hopeless."""
+    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.2))
+    tracker = tracker_for([4])
+    fwd, _, background = batching_forwarder(upstream, tracker)
+    grants = await asyncio.gather(*(fwd.acquire(waiter(i, prompt=f"prompt {i}")) for i in range(4)))
+    assert [len(b) for b in upstream.batches] == [4]
+    recorded = fwd.prefill_times.take_new()
+    assert [chars for chars, _ in recorded] == [len("prompt 0")] * 4
+    assert all(0.04 < seconds < 0.1 for _, seconds in recorded), recorded  # 0.2 s / 4
+    for g in grants:
+        g.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()
+
+
+async def test_what_one_gateway_measured_another_estimates_with() -> None:
+    upstream = MockUpstream(FakeCluster())
+    here, _, bg1 = forwarder(upstream, tracker_for([1]))
+    there, _, bg2 = forwarder(upstream, tracker_for([1]))
+    for i in range(20):
+        here.prefill_times.record(1000 + i, 0.5)
+        here.compute_times.record(800, 0.4)
+        here.prefill_times.record_handover(0.05)
+    packed = here.samples_out()
+    assert here.samples_out() == ""  # each sample is shared once
+    there.samples_in([packed, "x 1 2;p nonsense;p 5"])  # another version's extras skipped
+    for times in ("prefill_times", "compute_times"):
+        mine, theirs = getattr(here, times), getattr(there, times)
+        assert theirs.estimate_s(1000) == mine.estimate_s(1000) is not None
+    assert there.prefill_times.handover_s() == here.prefill_times.handover_s() == 0.05
+    assert there.prefill_times.hopeless(1000, 0.4) and not there.prefill_times.hopeless(1000, 1)
+    assert there.samples_out() == ""  # what came from the fleet is not sent back to it
+    for fwd, bg in ((here, bg1), (there, bg2)):
+        await fwd.close()
+        await bg.aclose()
+
+
+async def test_every_prefill_call_says_what_its_decode_leg_will_ask_for() -> None:
+    """So a pdgate prefill checks the context length with the client's max_tokens, not the
+    prefill leg's 1 (config/wire.py, DECODE_MAX_TOKENS_HEADER)."""
+    upstream = MockUpstream(FakeCluster())
+    tracker = tracker_for([4])
+    fwd, _, background = batching_forwarder(upstream, tracker)
+    grants = await asyncio.gather(*(fwd.acquire(waiter(i)) for i in range(2)))  # one batch
+    alone = await fwd.acquire(waiter(2))  # one call
+    (batch,) = upstream.batches
+    single = [c for c in upstream.calls if c.leg == "prefill" and c not in batch]
+    for call in [*batch, *single]:
+        assert call.headers[DECODE_MAX_TOKENS_HEADER] == "4"  # waiter()'s max_tokens
+    for g in [*grants, alone]:
+        g.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()
+
+
+async def test_a_batch_takes_no_request_due_after_one_waiting_at_another_gateway(
+    redis_url: str, registry_prefix: str
+) -> None:
+    """Batches in the fleet's deadline order: gateway b waits with a request due in a
+    second, so gateway a's run stops before its own request due in five; that one goes in
+    a run of its own (to the next idle prefill, here the same one once it answered)."""
+    tracker = tracker_for([4])
+    here = Fleet(RedisFleet(redis_url, key_prefix=registry_prefix, gateway_id="a"), tracker)
+    here.gateways = 2  # b shares the fleet: every slot through Redis
+    there = RedisFleet(redis_url, key_prefix=registry_prefix, gateway_id="b")
+    await there.sync({}, {}, {"m|": 1000.0}, [])  # b's queue head: due in 1 s
+    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.05))
+    options = ForwardingOptions(batch_forwarding=True, batch_endpoint=True, admit_idle=True,
+                                client_error=client_error)  # fmt: skip
+    fwd, _, background = forwarder(upstream, tracker, options, fleet=here)
+    try:
+        grants = await asyncio.gather(
+            fwd.acquire(waiter(0, deadline_s=0.5)), fwd.acquire(waiter(1, deadline_s=5.0))
+        )
+        assert upstream.batches == []  # never the two in one batch call
+        assert [c.request_id for c in upstream.calls if c.leg == "prefill"] == ["r0", "r1"]
+        for g in grants:
+            g.close()
+        await eventually(lambda: tracker.totals() == (0, 0))
+    finally:
+        await fwd.close()
+        await background.aclose()
+        await here.aclose()
+        await there.aclose()

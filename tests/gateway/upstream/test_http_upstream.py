@@ -1,0 +1,74 @@
+"""`HttpUpstream` against a real HTTP server: a decode stream that starts and then goes
+silent (a hung or SIGSTOP'd decode) is given up after the stall timeout; silence before its
+first data (the decode pulling KV, or queueing) is not a stall."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from pdgate.gateway.errors import UpstreamUnreachable
+from pdgate.gateway.upstream.http import HttpUpstream
+
+
+@pytest.fixture
+async def decode() -> AsyncIterator[str]:
+    """``/first-then-silence``: one event, then nothing; ``/slow-start``: nothing for 0.8 s,
+    then an event and the end."""
+
+    done = asyncio.Event()
+
+    async def first_then_silence(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"n": 1}\n\n')
+        await done.wait()  # silent until the test ends
+        return resp
+
+    async def slow_start(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(0.8)
+        await resp.write(b'data: {"n": 1}\n\ndata: [DONE]\n\n')
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/first-then-silence", first_then_silence)
+    app.router.add_post("/slow-start", slow_start)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    yield f"http://127.0.0.1:{port}"
+    done.set()
+    await runner.cleanup()
+
+
+async def test_a_stream_that_goes_silent_after_its_first_data_is_given_up(decode: str) -> None:
+    upstream = HttpUpstream.connect(
+        connections=4, connect_timeout_s=1, read_timeout_s=60, stall_timeout_s=0.4
+    )
+    try:
+        stream = await upstream.open_decode(
+            decode, {}, request_id="r", connect_timeout_s=1, path="/first-then-silence"
+        )
+        assert await stream.read(1024) == b'data: {"n": 1}\n\n'
+        began = time.monotonic()
+        with pytest.raises(UpstreamUnreachable, match="decode stalled"):
+            await stream.read(1024)
+        # Within the limit and one check period (a quarter of it), not the 60 s read timeout.
+        assert time.monotonic() - began < 0.4 + 0.1 + 0.5
+        stream.close()
+        # Before its first data the decode may be pulling KV or queueing: not a stall.
+        slow = await upstream.open_decode(
+            decode, {}, request_id="r", connect_timeout_s=1, path="/slow-start"
+        )
+        assert b"[DONE]" in await slow.read(1024) + await slow.read(1024)
+        slow.close()
+    finally:
+        await upstream.aclose()
