@@ -87,16 +87,17 @@ $(VLLM_STAMP): pyproject.toml | $(STAMP)
 test-vllm: vllm redis-server
 	$(BIN)/python -m pytest -m vllm $(PYTEST_ARGS)
 
-## loadtest: `pdgate up` on a free port + Locust headless (step shape, 45 s) into docs/loadtest/
-## (LOADTEST_OUT); the cluster is stopped however Locust ends. See docs/loadtest.md.
+## loadtest: `pdgate up` on a free port + Locust headless (step shape, 45 s) into
+## docs/results/loadtest/ (LOADTEST_OUT); the cluster is stopped however Locust ends.
+## See docs/benchmarks.md.
 loadtest: install
 	BIN=$(BIN) loadtest/locust/locust_run.sh
 
-## docs: regenerate the settings reference in README.md from config/settings.py, and
+## docs: regenerate the settings reference in docs/configuration.md from config/settings.py, and
 ## docs/dashboard.png (the operator's page under load, taken by its browser test)
 docs: install debs
-	$(BIN)/python -m pdgate.config._docs --update README.md
-	PDGATE_UPDATE_DOCS=1 $(BIN)/python -m pytest tests/gateway/test_dashboard.py -k browser -q
+	$(BIN)/python -m pdgate.config._docs --update docs/configuration.md
+	PDGATE_UPDATE_DOCS=1 $(BIN)/python -m pytest tests/gateway/api/test_dashboard.py -k browser -q
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 from pdgate.config.cli import _parser as pdgate_parser
 from pdgate.config.server import is_loopback, make_server
 from pdgate.config.settings import GatewaySettings, RegistrySettings, ShimSettings
-from pdgate.gateway._workers import Supervisor
-from pdgate.gateway.auth import check_exposure, parse_keys
+from pdgate.gateway.admission.auth import check_exposure, parse_keys
+from pdgate.gateway.workers import Supervisor
 from tests.deploy._k8s import (
     NotModelled,
     Obj,
@@ -53,7 +53,7 @@ POD_IP = "10.244.1.7"
 SHUTDOWN_MARGIN_S = 10
 PLACEHOLDER = "REPLACE-ME"
 
-# Secrets an overlay that ships none expects the operator to have created (docs/operations.md
+# Secrets an overlay that ships none expects the operator to have created (deploy/README.md
 # shows the commands; test_manifests.py checks that the docs name exactly these), with
 # example values in the right format.
 OPERATOR_SECRETS: dict[str, dict[str, str]] = {

@@ -405,11 +405,16 @@ def test_every_check_is_exercised_by_a_mutation() -> None:
 # --- the documentation and the Secrets it tells the operator to create ---------------------
 
 
-def _section(title: str) -> str:
-    text = (ROOT / "docs" / "operations.md").read_text()
+def _section(title: str, page: str = "docs/operations.md") -> str:
+    text = (ROOT / page).read_text()
     match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
-    assert match is not None, f"docs/operations.md has no '## {title}' section"
+    assert match is not None, f"{page} has no '## {title}' section"
     return match.group(1)
+
+
+def _kubernetes() -> str:
+    """deploy/README.md, the Kubernetes guide, whole."""
+    return (ROOT / "deploy" / "README.md").read_text()
 
 
 def test_docs_create_exactly_the_secrets_the_gpu_overlay_expects() -> None:
@@ -436,7 +441,7 @@ def test_docs_create_exactly_the_secrets_the_gpu_overlay_expects() -> None:
     assert set(OPERATOR_SECRETS["pdgate-api-keys"]) == {"keys"}
 
     created: dict[str, set[str]] = {}
-    section = _section("Kubernetes")
+    section = _section("The gpu overlay", "deploy/README.md")
     for match in re.finditer(r"create secret generic (\S+)((?:\\\n|[^\n])*)", section):
         flags = re.findall(r"--from-(?:literal|file)=([A-Za-z0-9_.-]+)=", match.group(2))
         created[match.group(1)] = set(flags)
@@ -444,7 +449,7 @@ def test_docs_create_exactly_the_secrets_the_gpu_overlay_expects() -> None:
 
 
 def test_docs_have_the_operations_sections() -> None:
-    kubernetes = _section("Kubernetes")
+    kubernetes = _kubernetes()
     for overlay in DEPLOYABLE:
         assert f"kubectl apply -k deploy/{overlay}" in kubernetes
     assert "pdgate_ratio_desired_instances" in kubernetes
@@ -452,7 +457,7 @@ def test_docs_have_the_operations_sections() -> None:
 
 
 def test_dev_secrets_are_the_placeholders_the_docs_mention() -> None:
-    section = _section("Kubernetes")
+    section = _section("The dev overlay", "deploy/README.md")
     for secret in rendered("overlays/dev").of_kind("Secret"):
         assert secret["metadata"]["name"] in section
         assert all(_checks.PLACEHOLDER in v for v in secret_values(secret).values())
