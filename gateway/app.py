@@ -161,6 +161,7 @@ def build_dispatcher(
     decode_policy: Ranker,
     index: PrefixIndex | None = None,
     fleet: Fleet | None = None,
+    groups: GroupResolver | None = None,
     backoff: Backoff | None = None,
     tracing: Tracing | None = None,
 ) -> Dispatcher:
@@ -208,7 +209,7 @@ def build_dispatcher(
             admit_idle(prefill_policy) if settings.prefill_admit == "idle" else prefill_policy
         ),
         decode_policy=decode_policy,
-        groups=GroupResolver(settings, tracker),
+        groups=groups or GroupResolver(settings, tracker),
         decodes=decodes,
         # Conditional disaggregation (gateway/placement/local_prefill.py).
         local=LocalPrefill(settings, tracker, decodes, decode_policy, metrics, ejector),
@@ -295,8 +296,10 @@ def build_gateway_app(
                 max_bytes=settings.affinity_max_bytes,
             )
             membership.add_listener(_forget_departed(index))
+        groups = GroupResolver(settings, tracker)
         dispatcher = build_dispatcher(
             settings,
+            groups=groups,
             tracker=tracker,
             upstream=client,
             metrics=metrics,
@@ -306,7 +309,9 @@ def build_gateway_app(
             fleet=fleet,
             tracing=traces,
         )
-        endpoint = CompletionsEndpoint(settings, dispatcher, tracker, metrics, keys, traces)
+        endpoint = CompletionsEndpoint(
+            settings, dispatcher, tracker, metrics, keys, groups=groups, tracing=traces
+        )
         gateway = Gateway(
             settings=settings,
             keys=keys,

@@ -93,11 +93,13 @@ class CompletionsEndpoint:
         tracker: InstanceTracker,
         metrics: GatewayMetrics,
         keys: KeyRing,
+        *,
+        groups: GroupResolver,
         tracing: Tracing | None = None,
     ) -> None:
         self._settings = settings
         self._keys = keys
-        self._groups = GroupResolver(settings, tracker)
+        self._groups = groups  # the dispatcher's too: one view of the scenario groups
         self.series = Series()
         self._tracing = tracing or Tracing.off()
         self._dispatcher = dispatcher

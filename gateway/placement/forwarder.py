@@ -627,7 +627,7 @@ class PrefillForwarder:
             took = time.monotonic() - call.started
             chars = waiter.info.prompt_chars
             # What this prompt cost, not the batch it rode in: the estimates are of a prompt
-            # sent alone (a batch is then the sum of its members', `_Batch`).
+            # sent alone (a run is then the sum of its members', `RunBudget`).
             own = took * call.share
             self.prefill_times.record(chars, own)
             usage = answer.get("usage")
