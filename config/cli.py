@@ -36,7 +36,7 @@ COMMANDS: dict[str, str] = {
     "shim": "pdgate.engine_shim.cli",
     "announce": "pdgate.registry.announce",
     "keys": "pdgate.gateway.keys",
-    "up": "pdgate.loadtest.embedded",
+    "up": "pdgate.loadtest.up",
     "bench": "pdgate.loadtest.bench",
 }
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]

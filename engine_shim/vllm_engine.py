@@ -60,7 +60,13 @@ from pdgate.engine_shim.backend import (
 )
 from pdgate.engine_shim.vllm_connector import LOAD_KEY, LOAD_TOKENS_KEY, SAVE_KEY
 
-__all__ = ["VllmDecodeEngine", "VllmPrefillEngine", "engine_args", "make_vllm_backend"]
+__all__ = [
+    "VllmDecodeEngine",
+    "VllmPrefillEngine",
+    "cpu_memory_available",
+    "engine_args",
+    "make_vllm_backend",
+]
 
 log = logging.getLogger("pdgate.engine.vllm")
 
@@ -100,6 +106,25 @@ def engine_args(settings: ShimSettings, spool_dir: str) -> AsyncEngineArgs:
         args["kv_cache_memory_bytes"] = settings.vllm_kv_cache_bytes
     args.update(settings.vllm_engine_args)
     return AsyncEngineArgs(**args)
+
+
+def cpu_memory_available() -> int | None:
+    """Bytes of host memory free as vLLM's CPU worker counts them when it checks an explicit
+    KV cache size (its first allowed CPU's NUMA node: free, file and reclaimable pages, capped
+    by the cgroup), or None when vLLM does not run on the CPU (its KV cache is then device
+    memory). That count can be far below the kernel's MemAvailable, e.g. on VMs whose node
+    shows only the memory touched so far, and a size above it makes the engine refuse to
+    start."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    # vLLM's own functions (CPUWorker.determine_available_memory uses them), so the count is
+    # the one the engine will check against.
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+
+    node = get_allowed_cpu_list()[0].numa_node
+    return int(get_memory_node_info(node).available_memory)
 
 
 class _Stats:

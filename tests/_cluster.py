@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from pdgate.config import ClusterSettings, GatewaySettings, RegistrySettings, ShimSettings
-from pdgate.loadtest.embedded import ClusterInfo, embedded_cluster
+from pdgate.loadtest.up import ClusterInfo, embedded_cluster
 
 SIM_MODEL = "sim-llama-3.1-8b"  # what a sim shim serves unless told otherwise
 
