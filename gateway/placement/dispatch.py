@@ -86,7 +86,7 @@ class Prefilled:
     its KV; `Dispatcher.decode` places the decode leg) or `placement` (one instance did both
     legs). Whoever holds it and gives up calls `close()`."""
 
-    __slots__ = ("_local", "_request", "avoid", "grant", "placement")
+    __slots__ = ("avoid", "grant", "local", "placement", "request")
 
     def __init__(
         self,
@@ -97,11 +97,11 @@ class Prefilled:
         placement: Placement | None = None,
         local: LocalPlan | None = None,
     ) -> None:
-        self._request = request
+        self.request = request
         self.avoid = avoid
         self.grant = grant
         self.placement = placement
-        self._local = local
+        self.local = local
 
     def close(self) -> None:
         """Give up before the decode leg: the KV is released at the prefill, then the counts."""
@@ -279,7 +279,7 @@ class Dispatcher:
             if not leg.body.get("stream"):
                 decode_body["stream_options"] = {"include_usage": True}
             decode, stream, decode_leases = await self._decode(
-                prefilled._request,
+                prefilled.request,
                 decode_body,
                 leg.api.path,
                 extension=leg.extension,
@@ -296,8 +296,8 @@ class Dispatcher:
             decode_leases,
             on_first_byte=lambda: self.ejector.success(decode.id),
         )
-        if prefilled._local is not None:
-            prefilled._local.served_by(decode.id)
+        if prefilled.local is not None:
+            prefilled.local.served_by(decode.id)
         return placement
 
     def decodes_declare(self, info: RequestInfo, extension: str) -> bool:
