@@ -77,6 +77,9 @@ KV_ID_HEADER = "x-pdgate-kv-id"
 # the client's number in the message; other servers ignore it. The batch endpoint takes the
 # same per request as ``decode_max_tokens``.
 DECODE_MAX_TOKENS_HEADER = "x-pdgate-decode-max-tokens"
+# Error code of a decode's 400 for ``kv_transfer_params`` naming no prefill it knows: about
+# its view of the registry, not about the request (the view may lag the gateway's).
+UNKNOWN_KV_SOURCE = "unknown_kv_source"
 # Response headers of the KV pull.
 KV_TOKENS_HEADER = "x-pdgate-kv-tokens"
 KV_DIGEST_HEADER = "x-pdgate-kv-digest"  # blake2b-128 hex of the body, checked by the decode

@@ -37,7 +37,7 @@ from starlette.responses import Response
 from pdgate.config import Role, ShimSettings
 from pdgate.config.openai_api import Api, ClientGone
 from pdgate.config.tracing import Span, Tracing
-from pdgate.config.wire import SSE_DONE, kv_url, valid_kv_id
+from pdgate.config.wire import SSE_DONE, UNKNOWN_KV_SOURCE, kv_url, valid_kv_id
 from pdgate.engine_shim._completion import ApiRequest, Shape, shape_for, usage
 from pdgate.engine_shim._http import (
     ApiError,
@@ -191,7 +191,7 @@ class DecodeWorker(ShimService[DecodeBackend]):
                 400,
                 "kv_transfer_params name no prefill instance of this cluster",
                 param="kv_transfer_params",
-                code="unknown_kv_source",
+                code=UNKNOWN_KV_SOURCE,
             )
         return await self._run(request, req, self._tokens(req), (url, kv_id), span)
 

@@ -28,7 +28,7 @@ from pdgate.gateway.observe.metrics import Labelled
 from pdgate.gateway.upstream.base import DecodeStream, Upstream
 from pdgate.policies.base import InstanceLoad
 
-__all__ = ["PREFILL_PATH", "DecodeAttempts", "release_after"]
+__all__ = ["PREFILL_PATH", "DecodeAttempts", "out_of_time", "release_after"]
 
 log = logging.getLogger("pdgate.dispatch")
 
@@ -86,17 +86,21 @@ class DecodeAttempts:
             )
         except BaseException as exc:
             release_after(exc, stream, inflight)
-            _end(span, self._note_failure(inst, exc))
+            _end(span, self._note_failure(inst, exc, deadline))
             raise
         _end(span, "accepted")
         self._counter.labels("accepted").inc()
         return response, stream, inflight
 
-    def _note_failure(self, inst: InstanceLoad, exc: BaseException) -> str:
+    def _note_failure(self, inst: InstanceLoad, exc: BaseException, deadline: float) -> str:
         """Count the failed attempt and mark `inst`; the attempt's outcome."""
         if not isinstance(exc, UpstreamError):
             return "abandoned"  # cancelled: nothing to say about the instance
-        if isinstance(exc, UpstreamRejected):
+        if not isinstance(exc, UpstreamStatus | UpstreamRejected) and out_of_time(deadline):
+            # The attempt's timeout was the request's deadline, not the decode's header
+            # timeout: a decode too busy to answer in the time left has not failed.
+            outcome = "deadline"
+        elif isinstance(exc, UpstreamRejected):
             self._tracker.rejected(inst.id)
             outcome = "rejected"
         elif isinstance(exc, UpstreamStatus) and exc.is_client_error:
@@ -108,6 +112,11 @@ class DecodeAttempts:
             outcome = "failed"
         self._counter.labels(outcome).inc()
         return outcome
+
+
+def out_of_time(deadline: float) -> bool:
+    """Whether `deadline` (``time.monotonic()``) has passed, give or take a timer's lateness."""
+    return time.monotonic() >= deadline - 0.001
 
 
 def release_after(exc: BaseException, *leases: Lease) -> None:

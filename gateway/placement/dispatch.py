@@ -32,7 +32,12 @@ from pdgate.config.aio import shielded
 from pdgate.config.openai_api import Api
 from pdgate.config.settings import DispatchMode, GatewaySettings
 from pdgate.config.tracing import Span
-from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, Role, prefill_kv_request
+from pdgate.config.wire import (
+    DECODE_MAX_TOKENS_HEADER,
+    UNKNOWN_KV_SOURCE,
+    Role,
+    prefill_kv_request,
+)
 from pdgate.gateway.admission.groups import GroupResolver
 from pdgate.gateway.errors import (
     BadGateway,
@@ -46,7 +51,7 @@ from pdgate.gateway.errors import (
     UpstreamStatus,
 )
 from pdgate.gateway.instances.tracker import Lease
-from pdgate.gateway.placement.decode_attempt import DecodeAttempts, release_after
+from pdgate.gateway.placement.decode_attempt import DecodeAttempts, out_of_time, release_after
 from pdgate.gateway.placement.forwarder import (
     PrefillForwarder,
     Shared,
@@ -56,6 +61,7 @@ from pdgate.gateway.placement.placed import DecodeLeg, Placement, PrefillGrant
 from pdgate.gateway.placement.queue import Waiter, WaitQueue
 from pdgate.gateway.upstream.base import (
     DecodeStream,
+    upstream_error_code,
     upstream_error_message,
     upstream_error_param,
 )
@@ -466,12 +472,26 @@ class Dispatcher:
                 except UpstreamRejected:
                     continue
                 except UpstreamStatus as exc:
+                    if upstream_error_code(exc) == UNKNOWN_KV_SOURCE:
+                        # The decode does not know this prefill yet: its view of the
+                        # registry lags ours (as across a Redis failover). It pulled
+                        # nothing, so another decode, or this one after a back-off, may.
+                        failures.append(str(exc))
+                        continue
                     if exc.is_client_error:
                         raise client_error(exc) from exc
                     # It answered: its KV pull may have consumed the prefill's copy, so
                     # another decode cannot be given the same kv_transfer_params.
                     raise DecodeLost("the decode instance failed") from exc
                 except UpstreamError as exc:
+                    if out_of_time(deadline):
+                        # The request's own time ran out while the decode was answering
+                        # (a busy decode, past capacity): shed it as the queue does, not as
+                        # a broken decode.
+                        raise DeadlineExceeded(
+                            "no decode instance answered before the TTFT deadline",
+                            retry_after=self._settings.retry_after_s,
+                        ) from exc
                     failures.append(str(exc))
                     if not self.budget.withdraw():
                         # A fleet-wide failure must not multiply the load on what is left.

@@ -262,6 +262,11 @@ def upstream_error_param(exc: UpstreamStatus) -> str | None:
     return param if param is not None and 0 < len(param) <= 64 and param.isprintable() else None
 
 
+def upstream_error_code(exc: UpstreamStatus) -> str | None:
+    """The ``code`` of the instance's OpenAI error, if it sent one."""
+    return _error_field(exc, "code")
+
+
 def _error_field(exc: UpstreamStatus, name: str) -> str | None:
     try:
         value = orjson.loads(exc.body)["error"][name]

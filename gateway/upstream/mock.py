@@ -118,7 +118,12 @@ class MockUpstream(BaseUpstream):
                 task.cancel()
 
     async def _open(self, call: Call, connect_timeout_s: float) -> _MockStream | tuple[int, bytes]:
-        reply = await self._answer(call)
+        # As the HTTP client: the answer's headers are due within the connect timeout.
+        try:
+            async with asyncio.timeout(max(connect_timeout_s, 0.001)):
+                reply = await self._answer(call)
+        except TimeoutError as exc:
+            raise UpstreamUnreachable(call.url + call.path, "TimeoutError") from exc
         if reply.status != 200:
             return reply.status, orjson.dumps(reply.json or {})
         stream = _MockStream(call.url + call.path, reply)

@@ -219,3 +219,58 @@ async def test_the_decode_s_first_event_reports_the_hand_over_time() -> None:
     assert len(handed) == 1 and handed[0] >= 0.05
     placement.close()
     await d.close()
+
+
+async def test_a_decode_too_busy_to_answer_by_the_deadline_sheds_the_request_not_the_decode() -> (
+    None
+):
+    """Past capacity, a request can reach its decode leg with little time left, and a busy
+    decode answers later than that. The attempt's timeout is then the request's deadline:
+    it was answered 502 "every decode instance failed" (no Retry-After) and the decode was
+    marked failed. It is the request that ran out of time: 503 with Retry-After, and the
+    decode keeps its standing."""
+
+    async def slow_decode(call: Any) -> Reply:
+        if call.leg == "decode":
+            await asyncio.sleep(1.0)
+        return await FakeCluster(text="abc")(call)
+
+    upstream = MockUpstream(slow_decode)
+    tracker = tracker_for([1], [4])
+    d, metrics = dispatcher(upstream, tracker)
+    with pytest.raises(DeadlineExceeded) as raised:
+        await place(d, deadline_s=0.3)
+    assert raised.value.retry_after is not None
+    decode = next(r for r in tracker.describe() if r["id"] == "d0")
+    assert not decode["ejected"], decode
+    assert metrics.decode_attempts.labels("deadline")._value.get() == 1
+    assert metrics.decode_attempts.labels("failed")._value.get() == 0
+    await eventually(lambda: tracker.totals() == (0, 0))
+    assert len(upstream.released()) == 1  # nobody took the KV: released at the prefill
+    await d.close()
+
+
+async def test_a_decode_that_does_not_know_the_prefill_yet_is_tried_again() -> None:
+    """A decode whose view of the registry lags the gateway's (across a Redis failover)
+    refuses KV from a prefill it does not know yet with 400 ``unknown_kv_source``. That is
+    about the decode's view, not the request: it was passed to the client as its own 400.
+    The decode pulled nothing, so the gateway tries again until its deadline."""
+    cluster = FakeCluster(text="abc")
+    refusals = 0
+
+    async def lagging(call: Any) -> Reply:
+        nonlocal refusals
+        if call.leg == "decode" and refusals < 2:
+            refusals += 1
+            error = {"message": "kv_transfer_params name no prefill", "code": "unknown_kv_source"}
+            return Reply(status=400, json={"error": error})
+        return await cluster(call)
+
+    upstream = MockUpstream(lagging)
+    tracker = tracker_for([1], [4])
+    d, _ = dispatcher(upstream, tracker)
+    placement = await place(d)
+    assert refusals == 2 and placement.decode_id == "d0"
+    placement.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await d.close()
