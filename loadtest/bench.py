@@ -1,7 +1,7 @@
-"""``pdgate bench scheduling|gateway|profile|compare|hotpath|soak|ratio|upgrade``: the CLI.
+"""``pdgate bench scheduling|gateway|profile|compare|hotpath|soak|ratio|upgrade|chaos``: the CLI.
 
 Each benchmark is its own suite (loadtest/scheduling, loadtest/gateway_cost, loadtest/soak,
-loadtest/ratio, loadtest/upgrade);
+loadtest/ratio, loadtest/upgrade, loadtest/chaos);
 this module only dispatches. Progress goes to stderr; stdout gets the benchmark's one JSON
 line (``profile``: its report). Every server a benchmark starts is stopped on every path,
 Ctrl-C and SIGTERM included.
@@ -14,6 +14,7 @@ import shlex
 import sys
 from collections.abc import Callable, Sequence
 
+from pdgate.loadtest.chaos import command as chaos
 from pdgate.loadtest.gateway_cost import command as gateway_cost
 from pdgate.loadtest.ratio import command as ratio
 from pdgate.loadtest.scheduling import command as scheduling
@@ -44,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     soak.configure(sub.add_parser("soak", help=soak.HELP, description=soak.__doc__))
     ratio.configure(sub.add_parser("ratio", help=ratio.HELP, description=ratio.__doc__))
     upgrade.configure(sub.add_parser("upgrade", help=upgrade.HELP, description=upgrade.__doc__))
+    chaos.configure(sub.add_parser("chaos", help=chaos.HELP, description=chaos.__doc__))
     return p
 
 
@@ -56,11 +58,12 @@ _MAINS: dict[str, Callable[[argparse.Namespace, str], int]] = {
     "soak": soak.main,
     "ratio": ratio.main,
     "upgrade": upgrade.main,
+    "chaos": chaos.main,
 }
 
 HELP = (
     "benchmarks: `pdgate bench scheduling|gateway|profile|compare|hotpath|soak|ratio|upgrade"
-    " --help`"
+    "|chaos --help`"
 )
 
 

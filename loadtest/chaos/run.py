@@ -1,0 +1,650 @@
+"""One chaos run: a fleet deployed as separate processes, registry in Redis behind Sentinel,
+steady open-loop streaming load through two gateways, then one fault at a time, and last the
+overload of one gateway.
+
+A fault's life (times since the run's origin, all kept in `FaultEvent`):
+
+* ``began_s``: the fault is injected (kill -9, SIGSTOP, ...); ``ended_s``: the fault is over
+  (the same instant for a kill; SIGCONT for a stop; the sentinels' promotion for the
+  primary's kill);
+* the fleet is made whole again (a replacement started, the old primary restarted) and
+  ``ready_s`` is when every gateway lists every instance ready (the dead ones gone) and says
+  its registry and fleet state are healthy;
+* the load runs on for `ChaosPlan.observe_s` after the fault's end (and at least
+  `ChaosPlan.after_ready_s` after ready); then the arrivals pause (``paused_s``), the open
+  streams end, and, no earlier than 5 s after the fault's end, `snapshot` reads what is still
+  held (``held``): gateways' open streams, in-flight counts, pending and queued requests;
+  shims' used and queued slots, running sequences, held and sending KV; the fleet's live
+  slot leases in Redis. With no request open every one of them must be 0, as in the
+  baseline snapshot taken the same way before the first fault;
+* the arrivals resume (``resumed_s``) and the next fault waits `ChaosPlan.settle_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from pdgate.loadtest.chaos.load import OpenStreamingLoad, StreamRecord
+from pdgate.loadtest.chaos.sentinel import SentinelRedis
+from pdgate.loadtest.lib.children import Child, start_all
+from pdgate.loadtest.lib.deployed import DeployedCluster, Deployment, settings_env
+from pdgate.loadtest.lib.log import Log, to_stderr
+from pdgate.loadtest.lib.probes import wait_instances
+from pdgate.loadtest.lib.rss import RssSample, RssSampler
+from pdgate.loadtest.scheduling.workload import Scenario
+from pdgate.loadtest.scheduling.workload import Workload as Prompts
+from pdgate.loadtest.upgrade.load import GatewayPool
+from pdgate.registry._redis_url import open_redis
+from pdgate.registry.base import RegistryUnavailable
+from pdgate.registry.redis import RedisRegistry
+
+__all__ = [
+    "FAULTS",
+    "QUICK",
+    "ChaosPlan",
+    "ChaosResult",
+    "FaultEvent",
+    "OverloadResult",
+    "run_chaos",
+]
+
+_MODEL = "sim-llama-3.1-8b"
+_PREFIX = "pdgate-bench-chaos"
+_SHIM_READY = r"pdgate shim\b.*?(http://[\w.:\[\]-]+)"
+_GATEWAY_READY = r"pdgate gateway\b.*?(http://[\w.:\[\]-]+)"
+
+FAULTS = (
+    "kill-prefill",
+    "kill-decode",
+    "stop-prefill",
+    "stop-decode",
+    "kill-gateway",
+    "kill-redis-primary",
+    "redis-empty",
+)
+FAULT_TITLES = {
+    "kill-prefill": "kill -9 a prefill, start a replacement",
+    "kill-decode": "kill -9 a decode mid-stream, start a replacement",
+    "stop-prefill": "SIGSTOP a prefill, SIGCONT",
+    "stop-decode": "SIGSTOP a decode mid-stream, SIGCONT",
+    "kill-gateway": "kill -9 a gateway, restart it",
+    "kill-redis-primary": "kill -9 the Redis primary (Sentinel fails over)",
+    "redis-empty": "Redis emptied (FLUSHALL + every client cut off)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ChaosPlan:
+    prefills: int = 2
+    decodes: int = 2
+    gateways: int = 2
+    prefill_capacity: int = 4
+    decode_capacity: int = 12
+    sim_profile: str = "llama-3.1-8b-a100"
+    rate_rps: float = 2.0  # Poisson arrivals over both gateways
+    prompt_tokens: tuple[int, int] = (128, 256)
+    max_tokens: int = 384  # each stream asks for min_tokens..max_tokens: ~2-4 s
+    min_tokens: int = 192
+    steady_s: float = 15.0  # load before the first fault (the reference)
+    stop_s: float = 10.0  # how long a SIGSTOP lasts
+    observe_s: float = 12.0  # load after a fault's end before the arrivals pause
+    after_ready_s: float = 3.0  # ... and at least this long after the fleet is whole
+    hold_check_s: float = 5.0  # the held snapshot is no earlier than this after the fault
+    settle_s: float = 4.0  # after the arrivals resume, before the next fault
+    faults: tuple[str, ...] = FAULTS
+    down_after_ms: int = 1000  # Sentinel: the primary is judged down after this
+    overload_factor: float = 10.0  # x the fleet's capacity
+    overload_s: float = 20.0
+    overload_rps: float | None = None  # default: overload_factor x the measured capacity
+    probe_period_s: float = 0.1  # the /health probe of the overloaded gateway
+    # A second overload, of an extra gateway whose queue per (model, group) is this short
+    # (queue_size; the default is 1024): None = only the fleet's gateway, as deployed.
+    overload_queue_size: int | None = 32
+    seed: int = 0
+    register_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        unknown = set(self.faults) - set(FAULTS)
+        if unknown:
+            raise ValueError(f"unknown faults {sorted(unknown)}; known: {', '.join(FAULTS)}")
+        if min(self.prefills, self.decodes) < 2 or self.gateways < 2:
+            raise ValueError("two of each server at least: one takes over from the other")
+
+    def scenario(self) -> Scenario:
+        lo, hi = self.prompt_tokens
+        return Scenario("stream", prefix_tokens=0, body_min=lo, body_max=hi,
+                        max_tokens=self.max_tokens, ttft_deadline_s=10.0)  # fmt: skip
+
+
+QUICK = ChaosPlan(
+    rate_rps=2.0, max_tokens=96, min_tokens=48, steady_s=4.0, stop_s=6.0, observe_s=6.0,
+    after_ready_s=1.0, settle_s=1.0, overload_s=5.0,
+)  # fmt: skip
+
+
+@dataclass
+class FaultEvent:
+    fault: str
+    target: str  # the server the fault hit
+    began_s: float
+    ended_s: float
+    ready_s: float = 0.0
+    paused_s: float = 0.0
+    snapshot_s: float = 0.0
+    resumed_s: float = 0.0
+    held: dict[str, float] = field(default_factory=dict)
+    # What the target held at the fault: a gateway's pending requests, a shim's used slots.
+    open_at_fault: int | None = None
+    note: str = ""
+
+
+@dataclass
+class OverloadResult:
+    label: str  # which gateway: "defaults" or "queue_size=N"
+    capacity_rps: float  # what the fleet sustains (decode slots / mean stream time)
+    rate_rps: float  # offered
+    began_s: float
+    ended_s: float
+    records: list[StreamRecord]
+    probes: list[tuple[float, float]]  # (since origin, /health latency s); NaN: no answer
+    idle_probe_s: float  # the /health latency before the overload (median)
+    rss: list[RssSample]
+    held: dict[str, float] = field(default_factory=dict)  # after it, once idle
+
+
+@dataclass
+class ChaosResult:
+    plan: ChaosPlan
+    records: list[StreamRecord]
+    faults: list[FaultEvent]
+    baseline_held: dict[str, float]
+    steady: tuple[float, float]  # the reference window (since origin)
+    overloads: list[OverloadResult]
+    wall_s: float = 0.0
+    load_avg: tuple[float, float] = (0.0, 0.0)
+    notes: list[str] = field(default_factory=list)
+
+
+class ChaosCluster(DeployedCluster):
+    """`DeployedCluster` whose registry is a given URL (the Sentinel group's) rather than a
+    private Redis of its own; everything else (settings by environment, start, replace,
+    stop order) is the parent's."""
+
+    def __init__(self, deployment: Deployment, redis_url: str) -> None:
+        super().__init__(deployment)
+        self._given_url = redis_url
+
+    async def _start(self) -> None:
+        d = self.deployment
+        self.redis_url = self._given_url
+        local = {"host": "127.0.0.1", "port": 0}
+        shim = {"drain_timeout_s": 0, **local}
+        for role, count, settings, into in (
+            ("prefill", d.prefills, d.prefill_settings, self.prefills),
+            ("decode", d.decodes, d.decode_settings, self.decodes),
+        ):
+            env = self._envs[role] = settings_env("shim", {**shim, **settings, "role": role})
+            into.extend(self._child(f"{role}-{i}", "shim", env) for i in range(count))
+        env = self._envs["gateway"] = settings_env("gateway", {**d.gateway_settings, **local})
+        self.gateways = [self._child(f"gateway-{i}", "gateway", env) for i in range(d.gateways)]
+        self._started = d.prefills + d.decodes + d.gateways
+        self._stack.push_async_callback(self._stop_all)
+        starts = [(c, _SHIM_READY) for c in (*self.prefills, *self.decodes)]
+        starts += [(c, _GATEWAY_READY) for c in self.gateways]
+        urls = [m.group(1) for m in await start_all(starts, 90.0)]
+        self.prefill_urls = urls[: d.prefills]
+        self.decode_urls = urls[d.prefills : d.prefills + d.decodes]
+        self.gateway_urls = urls[d.prefills + d.decodes :]
+
+
+async def _kill9(child: Child) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.pid, signal.SIGKILL)
+    await child.stop(timeout_s=5)
+
+
+def _signal(child: Child, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.pid, sig)
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str, timeout_s: float = 5.0) -> Any:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        resp.raise_for_status()
+        return await resp.json(content_type=None)
+
+
+# A fault waits (10 s at most) until its target holds this many requests: decodes stream
+# for seconds, so one is hit mid-stream; a prefill's work lasts tens of ms, so one is hit
+# whenever it holds any.
+_MID_STREAM = {"prefill": 1, "decode": 2}
+
+_GATEWAY_HELD = ("open_streams", "inflight", "pending", "queued")
+_SHIM_HELD = ("used", "queued", "running", "waiting", "kv_held", "kv_sending", "retrieving")
+
+
+async def fleet_leases(redis_url: str, prefix: str = _PREFIX) -> dict[str, float]:
+    """Live entries of the fleet's slot-lease and computing sets (registry/fleet.py:
+    ``PREFIX:fleet:slots:ID`` and ``PREFIX:fleet:computing:ID``, sorted sets scored by their
+    expiry on the Redis clock), summed over the instances."""
+    client = open_redis(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    try:
+        seconds, micros = await client.time()
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        out = {"redis_slot_leases": 0.0, "redis_computing": 0.0}
+        for kind, key in (("slots", "redis_slot_leases"), ("computing", "redis_computing")):
+            async for name in client.scan_iter(match=f"{prefix}:fleet:{kind}:*", count=200):
+                out[key] += float(await client.zcount(name, f"({now_ms}", "+inf"))
+        return out
+    finally:
+        await client.aclose()
+
+
+async def snapshot(
+    session: aiohttp.ClientSession, cluster: DeployedCluster, gateway_urls: list[str]
+) -> dict[str, float]:
+    """What the fleet holds now, summed per kind of server (NaN: a server did not answer)."""
+    out: dict[str, float] = {}
+    for url in gateway_urls:
+        try:
+            health = await _get_json(session, url + "/health")
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            health = {}
+        for key in _GATEWAY_HELD:
+            value = health.get(key)
+            out[f"gw_{key}"] = out.get(f"gw_{key}", 0.0) + (
+                float(value) if isinstance(value, int | float) else float("nan")
+            )
+    for role in ("prefill", "decode"):
+        for url in cluster.members(role)[1]:
+            try:
+                load = await _get_json(session, url + "/load")
+            except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                load = {}
+            for key in _SHIM_HELD:
+                value = load.get(key, 0)
+                out[f"{role}_{key}"] = out.get(f"{role}_{key}", 0.0) + (
+                    float(value) if isinstance(value, int | float) else float("nan")
+                )
+    try:
+        out.update(await fleet_leases(cluster.redis_url))
+    except Exception:  # a failed read is reported (NaN), not fatal
+        out["redis_slot_leases"] = float("nan")
+    return out
+
+
+async def _fleet_whole(
+    session: aiohttp.ClientSession, gateways: list[str], shims: set[str], registry: RedisRegistry
+) -> bool:
+    """Every shim is registered in Redis (after Redis lost its data, the gateways' last view
+    alone would look whole), and every gateway lists exactly `shims` ready, calls its
+    registry and fleet healthy and sees every other gateway in the fleet."""
+    try:
+        registered = {r.url for r in await registry.snapshot()}
+    except RegistryUnavailable:
+        return False
+    if registered != shims:
+        return False
+    for gateway in gateways:
+        try:
+            rows = (await _get_json(session, gateway + "/admin/instances", 2.0))["instances"]
+            health = await _get_json(session, gateway + "/health", 2.0)
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError):
+            return False
+        ready = {r["url"] for r in rows if r.get("state") == "ready"}
+        if ready != shims or health.get("registry") != "ok":
+            return False
+        fleet = health.get("fleet") or {}
+        if fleet.get("degraded") or fleet.get("gateways") != len(gateways):
+            return False
+    return True
+
+
+class _Chaos:
+    def __init__(
+        self,
+        plan: ChaosPlan,
+        redis: SentinelRedis,
+        cluster: DeployedCluster,
+        session: aiohttp.ClientSession,
+        pool: GatewayPool,
+        load: OpenStreamingLoad,
+        origin: float,
+        log: Log,
+    ) -> None:
+        self.plan = plan
+        self.redis = redis
+        self.cluster = cluster
+        self.session = session
+        self.pool = pool
+        self.load = load
+        self.origin = origin
+        self.log = log
+        self.registry = RedisRegistry(redis.url, key_prefix=_PREFIX)
+        self.background: asyncio.Task[None] | None = None  # repairs awaited before the check
+
+    def now(self) -> float:
+        return time.monotonic() - self.origin
+
+    def shim_urls(self) -> set[str]:
+        return {*self.cluster.prefill_urls, *self.cluster.decode_urls}
+
+    async def wait_whole(self, timeout_s: float | None = None) -> float:
+        deadline = time.monotonic() + (timeout_s or self.plan.register_timeout_s)
+        while not await _fleet_whole(self.session, self.pool.urls, self.shim_urls(), self.registry):
+            self.cluster.check_alive()
+            if time.monotonic() > deadline:
+                raise RuntimeError("the fleet did not become whole again")
+            await asyncio.sleep(0.1)
+        return self.now()
+
+    async def busiest(self, role: str, want: int = 0, timeout_s: float = 10.0) -> tuple[int, int]:
+        """(index, used slots) of the `role` server with the most used slots, once one has
+        at least `want` (a decode mid-stream), or the busiest after `timeout_s`."""
+        urls = self.cluster.members(role)[1]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            used = []
+            for url in urls:
+                try:
+                    load = await _get_json(self.session, url + "/load")
+                    used.append(int(load.get("used", 0)))
+                except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                    used.append(-1)
+            best = max(range(len(urls)), key=lambda i: used[i])
+            if used[best] >= want or time.monotonic() > deadline:
+                return best, used[best]
+            await asyncio.sleep(0.02)
+
+    async def quiesce(self, not_before_s: float) -> tuple[float, float, dict[str, float]]:
+        """Pause the arrivals, let the open requests end, read what is held; resume."""
+        if self.background is not None:
+            await self.background
+            self.background = None
+        paused = self.now()
+        self.load.pause()
+        if not await self.load.wait_idle(90.0):
+            self.log(f"  {self.load.in_flight} requests still open after 90 s")
+        await asyncio.sleep(max(0.0, not_before_s - self.now()))
+        await asyncio.sleep(0.5)  # the last release's round trip to Redis
+        taken = self.now()
+        held = await snapshot(self.session, self.cluster, self.pool.urls)
+        self.load.resume()
+        return paused, taken, held
+
+    async def inject(self, fault: str, event: FaultEvent) -> None:
+        """Inject `fault`, make the fleet whole again; fills began/ended/target/note."""
+        cluster = self.cluster
+        if fault in ("kill-prefill", "kill-decode"):
+            role = fault.removeprefix("kill-")
+            index, event.open_at_fault = await self.busiest(role, _MID_STREAM[role])
+            child = cluster.members(role)[0][index]
+            event.target = child.name
+            event.began_s = event.ended_s = self.now()
+            await _kill9(child)
+            await cluster.start_member(role, index)
+        elif fault in ("stop-prefill", "stop-decode"):
+            role = fault.removeprefix("stop-")
+            index, event.open_at_fault = await self.busiest(role, _MID_STREAM[role])
+            child = cluster.members(role)[0][index]
+            event.target = child.name
+            event.began_s = self.now()
+            _signal(child, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(self.plan.stop_s)
+            finally:
+                _signal(child, signal.SIGCONT)
+            event.ended_s = self.now()
+        elif fault == "kill-gateway":
+            index = len(cluster.gateways) - 1
+            child = cluster.gateways[index]
+            event.target = child.name
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                health = await _get_json(self.session, self.pool.urls[index] + "/health", 2.0)
+                event.open_at_fault = int(health["pending"])
+            event.began_s = event.ended_s = self.now()
+            await _kill9(child)
+            # The load balancer keeps the dead address until the new one is up: its
+            # clients are refused and retry on the other gateway.
+            url = await cluster.start_member("gateway", index)
+            await wait_instances(
+                self.session, url, len(self.shim_urls()), self.plan.register_timeout_s
+            )
+            self.pool.add(index, url)
+        elif fault == "kill-redis-primary":
+            event.target = f"redis :{self.redis.primary_port}"
+            event.began_s = self.now()
+            took = await self.redis.kill_primary()
+            event.ended_s = self.now()
+
+            async def rejoin() -> None:
+                rejoined = await self.redis.restart_old_primary()
+                event.note = (
+                    f"promoted {took:.1f} s after the kill; the old primary, restarted empty "
+                    f"at once, rejoined as a replica {rejoined:.1f} s later"
+                )
+
+            self.background = asyncio.create_task(rejoin())
+        elif fault == "redis-empty":
+            event.target = f"redis :{self.redis.primary_port}"
+            event.began_s = event.ended_s = self.now()
+            await self.redis.wipe()
+        else:  # pragma: no cover - the plan checked the names
+            raise ValueError(fault)
+
+    async def fault(self, fault: str) -> FaultEvent:
+        plan = self.plan
+        event = FaultEvent(fault, "", 0.0, 0.0)
+        await self.inject(fault, event)
+        event.ready_s = await self.wait_whole()
+        until = max(event.ended_s + plan.observe_s, event.ready_s + plan.after_ready_s)
+        await asyncio.sleep(max(0.0, until - self.now()))
+        event.paused_s, event.snapshot_s, event.held = await self.quiesce(
+            event.ended_s + plan.hold_check_s
+        )
+        event.resumed_s = self.now()
+        return event
+
+
+async def _probe(session: aiohttp.ClientSession, url: str) -> float:
+    start = time.monotonic()
+    try:
+        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            await r.read()
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        return float("nan")
+    return time.monotonic() - start
+
+
+async def _overload(
+    chaos: _Chaos,
+    prompts: Prompts,
+    capacity_rps: float,
+    log: Log,
+    gateway: str,
+    child: Child,
+    label: str,
+) -> OverloadResult:
+    """One gateway under `overload_factor` x the fleet's capacity, open loop, for
+    `overload_s`: its answers (how fast it sheds, with which status and Retry-After), its
+    /health latency every `probe_period_s` (from outside: the gateway exports no event-loop
+    lag) and its RSS."""
+    plan, session = chaos.plan, chaos.session
+    idle = [await _probe(session, gateway) for _ in range(20)]
+    idle_probe = sorted(idle)[len(idle) // 2]
+    rate = plan.overload_rps or plan.overload_factor * capacity_rps
+    # A connector of its own: the overload's thousands of connections do not queue the
+    # probe's behind them.
+    probes: list[tuple[float, float]] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as own:
+        load = OpenStreamingLoad(
+            own, GatewayPool([gateway]), prompts, rate, _MODEL, origin=chaos.origin,
+            seed=plan.seed + 1000, min_tokens=plan.min_tokens, max_in_flight=4096,
+            max_attempts=1,
+        )  # fmt: skip
+        rss = RssSampler(child.pid, 0.5, lambda: load.issued)
+        log(f"overload: {rate:.1f} req/s into one gateway ({label}; {plan.overload_factor:g}x "
+            f"{capacity_rps:.2f} req/s) for {plan.overload_s:g} s")  # fmt: skip
+        began = chaos.now()
+        rss.start()
+        load.start()
+        end = time.monotonic() + plan.overload_s
+        async with aiohttp.ClientSession() as probe:
+            while time.monotonic() < end:
+                at = chaos.now()
+                probes.append((at, await _probe(probe, gateway)))
+                await asyncio.sleep(max(0.0, plan.probe_period_s - (chaos.now() - at)))
+            ended = chaos.now()
+            load.pause()
+            # The backlog drains; the probe goes on, so the series shows the way down.
+            drain_end = time.monotonic() + 60.0
+            while load.in_flight and time.monotonic() < drain_end:
+                at = chaos.now()
+                probes.append((at, await _probe(probe, gateway)))
+                await asyncio.sleep(max(0.0, plan.probe_period_s - (chaos.now() - at)))
+        await load.stop(5.0)
+        await asyncio.sleep(1.0)
+        rss.take()
+        await rss.stop()
+    odd = [r for r in load.records if r.status not in (200, 429, 503) and r.failed]
+    if odd:
+        log(f"  {len(odd)} answers besides 429/503: "
+            f"{sorted({(r.error_label(), r.message) for r in odd})}; the gateway's last "
+            f"lines:\n{child.output_tail(30)}")  # fmt: skip
+    held = await snapshot(session, chaos.cluster, [gateway])
+    return OverloadResult(label, capacity_rps, rate, began, ended, load.records, probes, idle_probe,
+                          rss.samples, held)  # fmt: skip
+
+
+async def _extra_gateway(
+    cluster: DeployedCluster, settings: Mapping[str, Any]
+) -> tuple[Child, str]:
+    """A gateway beside the fleet's, with the fleet's settings and `settings` over them, on
+    the same registry; (its process, its URL). The caller stops it."""
+    d = cluster.deployment
+    env = {
+        "PDGATE_REGISTRY_URL": cluster.redis_url,
+        "PDGATE_REGISTRY_KEY_PREFIX": d.key_prefix,
+        **settings_env("gateway", {**d.gateway_settings, "host": "127.0.0.1", "port": 0,
+                                   **settings}),
+    }  # fmt: skip
+    argv = [sys.executable, "-m", "pdgate.config.cli", "--log-level", d.log_level, "gateway"]
+    child = Child("gateway-overload", argv, env)
+    try:
+        url = (await child.start(_GATEWAY_READY, 60.0)).group(1)
+    except BaseException:
+        await child.stop()
+        raise
+    return child, url
+
+
+def capacity_of(plan: ChaosPlan, records: list[StreamRecord]) -> float:
+    """Streams per second the fleet's decode slots sustain at the steady streams' mean
+    duration (every decode slot busy, back to back)."""
+    durations = [r.ended_s - r.issued_s for r in records if r.completed]
+    mean = sum(durations) / len(durations) if durations else 1.0
+    return plan.decodes * plan.decode_capacity / mean
+
+
+async def run_chaos(plan: ChaosPlan, log: Log = to_stderr) -> ChaosResult:
+    began = time.monotonic()
+    load0 = os.getloadavg()[0]
+    shim: Mapping[str, Any] = {
+        "model": _MODEL,
+        "sim_profile": plan.sim_profile,
+        "sim_prefix_cache_blocks": 0,
+        "sim_kv_wire_fraction": 1 / 131072,
+    }
+    deployment = Deployment(
+        prefills=plan.prefills,
+        decodes=plan.decodes,
+        gateways=plan.gateways,
+        prefill_settings={**shim, "capacity": plan.prefill_capacity},
+        decode_settings={**shim, "capacity": plan.decode_capacity},
+        gateway_settings={"prefill_policy": "least_sse"},
+        key_prefix=_PREFIX,
+    )
+    prompts = Prompts((plan.scenario(),), seed=plan.seed)
+    faults: list[FaultEvent] = []
+    overloads: list[OverloadResult] = []
+    async with (
+        SentinelRedis(down_after_ms=plan.down_after_ms) as redis,
+        ChaosCluster(deployment, redis.url) as cluster,
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session,
+    ):
+        pool = GatewayPool(cluster.gateway_urls)
+        origin = time.monotonic()
+        load = OpenStreamingLoad(
+            session, pool, prompts, plan.rate_rps, _MODEL, origin=origin, seed=plan.seed,
+            min_tokens=plan.min_tokens,
+        )  # fmt: skip
+        chaos = _Chaos(plan, redis, cluster, session, pool, load, origin, log)
+        try:
+            await chaos.wait_whole()
+            log(f"chaos: {plan.rate_rps:g} req/s (Poisson) of {plan.min_tokens}-{plan.max_tokens}"
+                f"-token streams through {plan.gateways} gateways; {plan.prefills} prefills, "
+                f"{plan.decodes} decodes; registry {redis.url}")  # fmt: skip
+            load.start()
+            try:
+                await asyncio.sleep(plan.steady_s)
+                steady = (0.0, chaos.now())
+                _, _, baseline = await chaos.quiesce(0.0)
+                failed = sum(r.failed for r in load.records)
+                log(f"  steady: {len(load.records)} requests, {failed} failed")
+                await asyncio.sleep(plan.settle_s)
+                for fault in plan.faults:
+                    event = await chaos.fault(fault)
+                    faults.append(event)
+                    bad = [
+                        r
+                        for r in load.records
+                        if r.failed and r.ended_s >= event.began_s and r.issued_s < event.paused_s
+                    ]
+                    failed = len(bad)
+                    for r in bad:
+                        log(f"    failed: {r.error_label()} at {r.ended_s - event.began_s:+.2f} s "
+                            f"(gateway {r.gateway}): {r.message}")  # fmt: skip
+                    held = {k: v for k, v in event.held.items() if v}
+                    log(f"  {fault} ({event.target}): whole after "
+                        f"{event.ready_s - event.began_s:.1f} s; {failed} failed; "
+                        f"held after: {held or 'nothing'} {event.note}")  # fmt: skip
+                    await asyncio.sleep(plan.settle_s)
+            finally:
+                await load.stop(30.0)
+            records = sorted(load.records, key=lambda r: r.issued_s)
+            steady_records = [r for r in records if r.issued_s < steady[1]]
+            if plan.overload_s > 0:
+                capacity = capacity_of(plan, steady_records)
+                gateway, child = chaos.pool.urls[0], cluster.gateways[0]
+                overloads.append(
+                    await _overload(chaos, prompts, capacity, log, gateway, child, "defaults")
+                )
+                if plan.overload_queue_size is not None:
+                    label = f"queue_size={plan.overload_queue_size}"
+                    child, gateway = await _extra_gateway(
+                        cluster, {"queue_size": plan.overload_queue_size}
+                    )
+                    try:
+                        await wait_instances(session, gateway, len(chaos.shim_urls()))
+                        overloads.append(
+                            await _overload(chaos, prompts, capacity, log, gateway, child, label)
+                        )
+                    finally:
+                        await child.stop()
+        finally:
+            if chaos.background is not None:
+                chaos.background.cancel()
+                await asyncio.gather(chaos.background, return_exceptions=True)
+            await chaos.registry.aclose()
+    return ChaosResult(plan, records, faults, baseline, steady, overloads,
+                       time.monotonic() - began, (load0, os.getloadavg()[0]))  # fmt: skip

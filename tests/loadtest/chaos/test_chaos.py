@@ -1,0 +1,229 @@
+"""``pdgate bench chaos``: the pure parts (a stream's stall, recovery, the rows and their
+spread over runs, the SSE reader), and a short real run of two faults and the overload."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from pdgate.loadtest.chaos.load import DROPPED, StreamRecord, read_stream
+from pdgate.loadtest.chaos.report import (
+    codes_cell,
+    fault_rows,
+    held_cell,
+    longest_stall,
+    markdown,
+    overload_row,
+    recovery_s,
+    spread_cell,
+    ttft_limit,
+)
+from pdgate.loadtest.chaos.run import ChaosPlan, ChaosResult, FaultEvent, OverloadResult
+from pdgate.loadtest.lib.rss import RssSample
+from tests.loadtest._procs import RunBench
+
+
+def _rec(issued: float, ended: float, *, status: int = 200, done: bool = True,
+         ttft: float | None = 0.1, gaps: list[tuple[float, float]] | None = None,
+         last: float | None = None, code: str = "", gateway: int = 0) -> StreamRecord:  # fmt: skip
+    return StreamRecord(issued_s=issued, ended_s=ended, status=status, done=done, ttft_s=ttft,
+                        gaps=gaps or [], last_event_s=last, code=code, gateway=gateway,
+                        errored=bool(code) and status == 200)  # fmt: skip
+
+
+def test_the_longest_stall_is_the_longest_gap_overlapping_the_window() -> None:
+    records = [
+        _rec(0, 10, gaps=[(1.0, 1.5), (6.0, 9.0)]),  # 3 s gap, after the window
+        _rec(0, 10, gaps=[(3.0, 4.2)]),  # 1.2 s inside
+        _rec(0, 10, gaps=[(1.0, 2.5)]),  # 1.5 s: starts before, ends inside
+    ]
+    assert longest_stall(records, 2.0, 5.0) == pytest.approx(1.5)
+    assert longest_stall(records, 5.5, 5.9) == 0.0  # nothing overlaps: ordinary decoding
+    # A stream that broke stalled from its last event to its end.
+    broken = _rec(0, 8.0, done=False, last=3.0)
+    assert longest_stall([broken], 4.0, 5.0) == pytest.approx(5.0)
+    # A refused request never streamed: no stall.
+    assert longest_stall([_rec(0, 8.0, status=503, done=False, last=None)], 0, 9) == 0.0
+
+
+def test_recovery_ends_at_the_last_bad_request_after_the_fault() -> None:
+    records = [
+        _rec(1.0, 2.0, ttft=5.0),  # before the fault: not counted
+        _rec(10.5, 12.0, ttft=0.1),
+        _rec(11.0, 14.0, status=503, done=False, ttft=None),  # failed
+        _rec(12.5, 15.0, ttft=0.9),  # slow first token
+        _rec(14.0, 16.0, ttft=0.1),
+    ]
+    took, proven = recovery_s(records, 10.0, 20.0, 0.5)
+    assert took == pytest.approx(2.5) and proven
+    took, proven = recovery_s(records, 10.0, 13.0, 0.5)
+    assert took == pytest.approx(2.5) and not proven  # too close to the pause: not shown
+    assert recovery_s(records[3:], 13.0, 20.0, 0.5) == (0.0, True)
+    steady = [_rec(i, i + 1, ttft=0.1 + i / 100) for i in range(10)]
+    assert ttft_limit(steady) == pytest.approx(0.1891 + 0.25, abs=1e-3)
+
+
+def test_error_labels_name_status_and_code() -> None:
+    assert _rec(0, 1).error_label() == ""
+    assert _rec(0, 1, status=503, done=False, code="gateway_overloaded").error_label() == (
+        "503 gateway_overloaded"
+    )
+    assert _rec(0, 1, status=0, done=False).error_label() == "0"
+    assert _rec(0, 1, done=False).error_label() == "200 broken"
+    assert _rec(0, 1, code="upstream_error").error_label() == "200 upstream_error"
+    assert _rec(0, 0, status=DROPPED, done=False).error_label() == "dropped"
+
+
+def test_spread_cells_show_median_and_range() -> None:
+    assert spread_cell([1.0, 3.0, 2.0]) == "2.0 (1.0-3.0)"
+    assert spread_cell([2.0, 2.0, 2.0]) == "2.0"
+    assert spread_cell([0, 1, 0], 0) == "0 (0-1)"
+    assert spread_cell([math.nan, 4.0]) == "4.0"
+    assert spread_cell([math.nan]) == "n/a"
+    assert codes_cell([{"200 broken": 1}, {}, {"200 broken": 2, "0": 1}]) == ("200 broken x3, 0 x1")
+    assert codes_cell([{}, {}]) == "-"
+    assert held_cell([{}, {}]) == "0"
+    assert held_cell([{}, {"gw_pending": 1.0}]) == "run 1: 0; run 2: gw_pending=1"
+
+
+def _result(seed: int) -> ChaosResult:
+    plan = ChaosPlan(faults=("kill-decode", "kill-gateway"), seed=seed)
+    steady = [_rec(i * 0.5, i * 0.5 + 3, ttft=0.1) for i in range(20)]
+    records = [
+        *steady,
+        # kill-decode at 20: one stream stalls 1.2 s (migrated), one request slow.
+        _rec(19.0, 24.0, gaps=[(20.1, 21.3)]),
+        _rec(20.5, 23.0, ttft=1.5),
+        _rec(22.0, 25.0),
+        # kill-gateway (slot 1) at 40: the stream open on it breaks; a refused one retried.
+        _rec(39.0, 40.0, done=False, last=39.9, gateway=1),
+        _rec(41.0, 44.0, status=503, done=False, ttft=None, code="gateway_overloaded"),
+    ]
+    faults = [
+        FaultEvent("kill-decode", "decode-0", 20.0, 20.0, 23.0, 32.0, 37.0, 37.5),
+        FaultEvent(
+            "kill-gateway",
+            "gateway-1",
+            40.0,
+            40.0,
+            41.0,
+            52.0,
+            53.0,
+            53.5,
+            held={"gw_pending": 0.0, "redis_slot_leases": float(seed)},
+            open_at_fault=3,
+        ),
+    ]
+    shed = [_rec(61 + i / 10, 61.1 + i / 10, status=503, done=False, ttft=None,
+                 code="gateway_overloaded") for i in range(9)]  # fmt: skip
+    shed[0].retry_after = None
+    for r in shed[1:]:
+        r.retry_after = "1"
+    overload = OverloadResult(
+        label="defaults",
+        capacity_rps=5.0, rate_rps=50.0, began_s=60.0, ended_s=80.0,
+        records=[*shed, _rec(60.5, 64.0)], probes=[(60.0 + i, 0.001 * (i + 1)) for i in range(10)],
+        idle_probe_s=0.0005, rss=[RssSample(0, 70 * 1024, 0), RssSample(1, 90 * 1024, 5),
+                                  RssSample(2, 80 * 1024, 10)],
+    )  # fmt: skip
+    return ChaosResult(plan, records, faults, {}, (0.0, 15.0), [overload], 300.0, (0.5, 1.5))
+
+
+def test_rows_count_errors_stalls_recovery_and_what_is_held() -> None:
+    decode, gateway = fault_rows(_result(0))
+    assert (decode.errors, decode.unexpected) == (0, 0) and decode.stall_s == pytest.approx(1.2)
+    assert decode.recover_s == pytest.approx(0.5) and decode.recover_proven
+    assert decode.whole_s == pytest.approx(3.0) and decode.held_ok
+    # The stream open on the killed gateway may fail; the 503 after it may not.
+    assert (gateway.errors, gateway.unexpected) == (2, 1)
+    assert gateway.codes == {"200 broken": 1, "503 gateway_overloaded": 1}
+    assert gateway.held_ok and gateway.open_at_fault == 3
+    assert not fault_rows(_result(2))[1].held_ok
+    o = overload_row(_result(0).overloads[0])
+    assert (o.requests, o.ok, o.shed, o.shed_with_retry_after) == (10, 1, 9, 8)
+    assert o.first_shed_s == pytest.approx(1.1) and o.shed_p50_s == pytest.approx(0.1)
+    assert (o.rss_start_mib, o.rss_peak_mib, o.rss_end_mib) == (70, 90, 80)
+    assert o.probe_p99_ms == pytest.approx(9.91)
+
+
+def test_the_markdown_has_a_row_per_fault_and_the_overload_with_spreads() -> None:
+    text = markdown([_result(0), _result(1), _result(2)], "pdgate bench chaos",
+                    date="2026-11-26", machine="2 cores, 24 GiB, CPU, sim engine")  # fmt: skip
+    assert text.startswith("`pdgate bench chaos` — 2026-11-26; 2 cores, 24 GiB, CPU, sim engine")
+    assert "| 1. kill -9 a decode mid-stream, start a replacement | 3 | 0 | 0 | - | 1.20 |" in text
+    assert "| 2. kill -9 a gateway, restart it | 2 | 2 | 1 |" in text
+    assert "| 200 broken x3, 503 gateway_overloaded x3 |" in text
+    assert "run 1: 0; run 2: redis_slot_leases=1; run 3: redis_slot_leases=2" in text
+    assert "| 10x capacity, defaults | 50.0 | 5.0 | 10 | 1 | 90.0 | 88.9 |" in text
+    assert "| 70.0 / 90.0 / 80.0 |" in text
+
+
+async def test_the_reader_keeps_gaps_ttft_and_the_in_band_error_code() -> None:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"id":"1","choices":[{"text":"a"}]}\n\n')
+        await resp.write(b'data: {"id":"1","choices":[{"text":"b"}]}\n\nda')
+        await asyncio.sleep(0.4)  # a stall, and a "data:" split over two reads
+        await resp.write(b'ta: {"id":"1","choices":[{"text":"c"}]}\n\n')
+        error = {"error": {"message": "x", "type": "api_error", "code": "upstream_error"}}
+        await resp.write(b"data: " + orjson.dumps(error) + b"\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        record = StreamRecord(issued_s=0.0, status=200)
+        origin = start = time.monotonic()
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{port}/") as resp,
+        ):
+            await read_stream(resp, record, origin, start)
+    finally:
+        await runner.cleanup()
+    assert record.events == 4 and record.errored and record.code == "upstream_error"
+    assert not record.done and record.error_label() == "200 upstream_error"
+    assert len(record.gaps) == 1 and 0.35 < record.gaps[0][1] - record.gaps[0][0] < 2.0
+    assert record.ttft_s is not None and record.ttft_s < 0.35
+
+
+def test_a_plan_refuses_unknown_faults_and_a_fleet_without_spares() -> None:
+    with pytest.raises(ValueError, match="unknown faults"):
+        ChaosPlan(faults=("kill-router",))
+    with pytest.raises(ValueError, match="two of each"):
+        ChaosPlan(decodes=1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_short_chaos_run(tmp_path: Path, run_bench: RunBench) -> None:
+    """Two faults and a short overload, for real: no request may fail but those open on
+    the killed gateway, nothing may stay held, and the overload is shed with Retry-After."""
+    doc = tmp_path / "chaos.md"
+    doc.write_text("# Chaos\n\n<!-- chaos:t:begin -->\nOLD\n<!-- chaos:t:end -->\nkept\n")
+    lines = run_bench(
+        ["chaos", "--quick", "--faults=kill-decode,kill-gateway", "--overload-s=3",
+         f"--out={tmp_path}", f"--doc={doc}", "--kind=t"]
+    )  # fmt: skip
+    data = orjson.loads(lines[-1])
+    decode, gateway = data["faults"]["kill-decode"][0], data["faults"]["kill-gateway"][0]
+    assert decode["unexpected"] == 0 and gateway["unexpected"] == 0, data
+    assert decode["held"] == {} and gateway["held"] == {}, data
+    overload = data["overload"][0]
+    assert overload["shed"] > 0 and overload["retry_after"] == overload["shed"], overload
+    text = doc.read_text()
+    assert "OLD" not in text and text.endswith("kept\n") and "| 1. kill -9 a decode" in text
+    assert (tmp_path / "t.csv").exists() and (tmp_path / "t.md").exists()
