@@ -22,6 +22,8 @@ from types import TracebackType
 import redis
 from redis.exceptions import RedisError
 
+from pdgate.loadtest.lib.redis import sentinel_conf
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ENV_URL = "PDGATE_TEST_REDIS_URL"
 
@@ -257,11 +259,14 @@ class SentinelGroup:
             port = free_port()
             conf = self._dir / f"sentinel{i}.conf"
             conf.write_text(
-                f"port {port}\nbind 127.0.0.1\ndir {self._dir}\n"
-                f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.primary.port} 2\n"
-                f"sentinel down-after-milliseconds {self.SERVICE} {self._down_after_ms}\n"
-                f"sentinel failover-timeout {self.SERVICE} 5000\n"
-                f"sentinel parallel-syncs {self.SERVICE} 1\n"
+                sentinel_conf(
+                    port,
+                    str(self._dir),
+                    self.SERVICE,
+                    self.primary.port,
+                    down_after_ms=self._down_after_ms,
+                    failover_timeout_ms=5000,
+                )
             )
             log = self._dir / f"sentinel{i}.log"
             proc = subprocess.Popen(

@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,8 +35,13 @@ import aiohttp
 
 from pdgate.loadtest.chaos.load import OpenStreamingLoad, StreamRecord
 from pdgate.loadtest.chaos.sentinel import SentinelRedis
-from pdgate.loadtest.lib.children import Child, start_all
-from pdgate.loadtest.lib.deployed import DeployedCluster, Deployment, settings_env
+from pdgate.loadtest.lib.children import Child
+from pdgate.loadtest.lib.deployed import (
+    GATEWAY_READY,
+    DeployedCluster,
+    Deployment,
+    settings_env,
+)
 from pdgate.loadtest.lib.log import Log, to_stderr
 from pdgate.loadtest.lib.probes import wait_instances
 from pdgate.loadtest.lib.rss import RssSample, RssSampler
@@ -60,8 +64,6 @@ __all__ = [
 
 _MODEL = "sim-llama-3.1-8b"
 _PREFIX = "pdgate-bench-chaos"
-_SHIM_READY = r"pdgate shim\b.*?(http://[\w.:\[\]-]+)"
-_GATEWAY_READY = r"pdgate gateway\b.*?(http://[\w.:\[\]-]+)"
 
 FAULTS = (
     "kill-prefill",
@@ -173,38 +175,6 @@ class ChaosResult:
     wall_s: float = 0.0
     load_avg: tuple[float, float] = (0.0, 0.0)
     notes: list[str] = field(default_factory=list)
-
-
-class ChaosCluster(DeployedCluster):
-    """`DeployedCluster` whose registry is a given URL (the Sentinel group's) rather than a
-    private Redis of its own; everything else (settings by environment, start, replace,
-    stop order) is the parent's."""
-
-    def __init__(self, deployment: Deployment, redis_url: str) -> None:
-        super().__init__(deployment)
-        self._given_url = redis_url
-
-    async def _start(self) -> None:
-        d = self.deployment
-        self.redis_url = self._given_url
-        local = {"host": "127.0.0.1", "port": 0}
-        shim = {"drain_timeout_s": 0, **local}
-        for role, count, settings, into in (
-            ("prefill", d.prefills, d.prefill_settings, self.prefills),
-            ("decode", d.decodes, d.decode_settings, self.decodes),
-        ):
-            env = self._envs[role] = settings_env("shim", {**shim, **settings, "role": role})
-            into.extend(self._child(f"{role}-{i}", "shim", env) for i in range(count))
-        env = self._envs["gateway"] = settings_env("gateway", {**d.gateway_settings, **local})
-        self.gateways = [self._child(f"gateway-{i}", "gateway", env) for i in range(d.gateways)]
-        self._started = d.prefills + d.decodes + d.gateways
-        self._stack.push_async_callback(self._stop_all)
-        starts = [(c, _SHIM_READY) for c in (*self.prefills, *self.decodes)]
-        starts += [(c, _GATEWAY_READY) for c in self.gateways]
-        urls = [m.group(1) for m in await start_all(starts, 90.0)]
-        self.prefill_urls = urls[: d.prefills]
-        self.decode_urls = urls[d.prefills : d.prefills + d.decodes]
-        self.gateway_urls = urls[d.prefills + d.decodes :]
 
 
 async def _kill9(child: Child) -> None:
@@ -532,16 +502,11 @@ async def _extra_gateway(
     """A gateway beside the fleet's, with the fleet's settings and `settings` over them, on
     the same registry; (its process, its URL). The caller stops it."""
     d = cluster.deployment
-    env = {
-        "PDGATE_REGISTRY_URL": cluster.redis_url,
-        "PDGATE_REGISTRY_KEY_PREFIX": d.key_prefix,
-        **settings_env("gateway", {**d.gateway_settings, "host": "127.0.0.1", "port": 0,
-                                   **settings}),
-    }  # fmt: skip
-    argv = [sys.executable, "-m", "pdgate.config.cli", "--log-level", d.log_level, "gateway"]
-    child = Child("gateway-overload", argv, env)
+    local = {"host": "127.0.0.1", "port": 0}
+    env = settings_env("gateway", {**d.gateway_settings, **local, **settings})
+    child = cluster.child("gateway-overload", "gateway", env)
     try:
-        url = (await child.start(_GATEWAY_READY, 60.0)).group(1)
+        url = (await child.start(GATEWAY_READY, 60.0)).group(1)
     except BaseException:
         await child.stop()
         raise
@@ -579,7 +544,7 @@ async def run_chaos(plan: ChaosPlan, log: Log = to_stderr) -> ChaosResult:
     overloads: list[OverloadResult] = []
     async with (
         SentinelRedis(down_after_ms=plan.down_after_ms) as redis,
-        ChaosCluster(deployment, redis.url) as cluster,
+        DeployedCluster(deployment, redis.url) as cluster,
         aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session,
     ):
         pool = GatewayPool(cluster.gateway_urls)

@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from pdgate.loadtest.lib.children import Child, free_port
-from pdgate.loadtest.lib.redis import INSTALL_HINT, redis_binary
+from pdgate.loadtest.lib.redis import INSTALL_HINT, redis_binary, sentinel_conf, server_argv
 
 __all__ = ["SentinelRedis"]
 
@@ -64,11 +64,7 @@ class SentinelRedis:
     async def _node(self, port: int, *extra: str) -> None:
         work = self._dir / f"node-{port}"
         work.mkdir(exist_ok=True)
-        child = Child(
-            f"redis-{port}",
-            [self._binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(work), "--daemonize", "no", *extra],
-        )  # fmt: skip
+        child = Child(f"redis-{port}", server_argv(self._binary, port, str(work), *extra))
         self._nodes[port] = child
         await child.start(_READY, timeout_s=10)
 
@@ -89,13 +85,16 @@ class SentinelRedis:
         await self._node(self.replica_port, "--replicaof", "127.0.0.1", str(self.primary_port))
         for i in range(3):
             port = free_port()
-            conf = self._dir / f"sentinel{i}.conf"  # a sentinel rewrites its config file
+            conf = self._dir / f"sentinel{i}.conf"
             conf.write_text(
-                f"port {port}\nbind 127.0.0.1\ndir {self._dir}\n"
-                f"sentinel monitor {SERVICE} 127.0.0.1 {self.primary_port} 2\n"
-                f"sentinel down-after-milliseconds {SERVICE} {self._down_after_ms}\n"
-                f"sentinel failover-timeout {SERVICE} {self._failover_timeout_ms}\n"
-                f"sentinel parallel-syncs {SERVICE} 1\n"
+                sentinel_conf(
+                    port,
+                    str(self._dir),
+                    SERVICE,
+                    self.primary_port,
+                    down_after_ms=self._down_after_ms,
+                    failover_timeout_ms=self._failover_timeout_ms,
+                )
             )
             child = Child(f"sentinel-{i}", [self._binary, str(conf), "--sentinel"])
             self._sentinels.append((port, child))

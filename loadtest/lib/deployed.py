@@ -25,13 +25,20 @@ import orjson
 from pdgate.loadtest.lib.children import Child, start_all
 from pdgate.loadtest.lib.redis import private_redis
 
-__all__ = ["ROLES", "DeployedCluster", "Deployment", "settings_env"]
+__all__ = [
+    "GATEWAY_READY",
+    "ROLES",
+    "SHIM_READY",
+    "DeployedCluster",
+    "Deployment",
+    "settings_env",
+]
 
 ROLES = ("prefill", "decode", "gateway")  # the kinds of server, for replacing one
 
 # The servers' start-up lines (engine_shim/cli.py, gateway/cli.py), loosely: only the URL.
-_SHIM_READY = r"pdgate shim\b.*?(http://[\w.:\[\]-]+)"
-_GATEWAY_READY = r"pdgate gateway\b.*?(http://[\w.:\[\]-]+)"
+SHIM_READY = r"pdgate shim\b.*?(http://[\w.:\[\]-]+)"
+GATEWAY_READY = r"pdgate gateway\b.*?(http://[\w.:\[\]-]+)"
 _START_TIMEOUT_S = 60.0  # ten processes importing at once on two cores take a while
 
 
@@ -61,10 +68,13 @@ class Deployment:
 
 class DeployedCluster:
     """``async with DeployedCluster(d) as c:`` starts Redis, then every shim and gateway at
-    once; on exit stops the gateways first (no new work), then the shims, then Redis."""
+    once; on exit stops the gateways first (no new work), then the shims, then Redis.
+    `redis_url`: register in that Redis instead (the caller runs it), e.g. a Sentinel
+    group's."""
 
-    def __init__(self, deployment: Deployment) -> None:
+    def __init__(self, deployment: Deployment, redis_url: str | None = None) -> None:
         self.deployment = deployment
+        self._given_redis_url = redis_url
         self.prefills: list[Child] = []
         self.decodes: list[Child] = []
         self.gateways: list[Child] = []
@@ -85,7 +95,8 @@ class DeployedCluster:
             if not child.running:
                 raise RuntimeError(f"{child.name} exited:\n{child.output_tail()}")
 
-    def _child(self, name: str, command: str, env: Mapping[str, str]) -> Child:
+    def child(self, name: str, command: str, env: Mapping[str, str]) -> Child:
+        """A `pdgate COMMAND` process of this cluster (not started), registered in its Redis."""
         argv = [sys.executable, "-m", "pdgate.config.cli", "--log-level",
                 self.deployment.log_level, command]  # fmt: skip
         registry = {"PDGATE_REGISTRY_URL": self.redis_url,
@@ -102,7 +113,10 @@ class DeployedCluster:
 
     async def _start(self) -> None:
         d = self.deployment
-        self.redis_url = await self._stack.enter_async_context(private_redis())
+        if self._given_redis_url is None:
+            self.redis_url = await self._stack.enter_async_context(private_redis())
+        else:
+            self.redis_url = self._given_redis_url
         local = {"host": "127.0.0.1", "port": 0}
         shim = {"drain_timeout_s": 0, **local}  # the benchmark waited for its requests already
         for role, count, settings, into in (
@@ -110,15 +124,15 @@ class DeployedCluster:
             ("decode", d.decodes, d.decode_settings, self.decodes),
         ):
             env = self._envs[role] = settings_env("shim", {**shim, **settings, "role": role})
-            into.extend(self._child(f"{role}-{i}", "shim", env) for i in range(count))
+            into.extend(self.child(f"{role}-{i}", "shim", env) for i in range(count))
         env = self._envs["gateway"] = settings_env("gateway", {**d.gateway_settings, **local})
-        self.gateways = [self._child(f"gateway-{i}", "gateway", env) for i in range(d.gateways)]
+        self.gateways = [self.child(f"gateway-{i}", "gateway", env) for i in range(d.gateways)]
         self._started = d.prefills + d.decodes + d.gateways
         # Registered before starting, so a failed start stops whatever did start; the
         # gateways first (no new work), then the shims, each kind in parallel.
         self._stack.push_async_callback(self._stop_all)
-        starts = [(c, _SHIM_READY) for c in (*self.prefills, *self.decodes)]
-        starts += [(c, _GATEWAY_READY) for c in self.gateways]
+        starts = [(c, SHIM_READY) for c in (*self.prefills, *self.decodes)]
+        starts += [(c, GATEWAY_READY) for c in self.gateways]
         urls = [m.group(1) for m in await start_all(starts, _START_TIMEOUT_S)]
         self.prefill_urls = urls[: d.prefills]
         self.decode_urls = urls[d.prefills : d.prefills + d.decodes]
@@ -152,8 +166,8 @@ class DeployedCluster:
             raise RuntimeError(f"{old.name} is still running: stop it first")
         name = f"{role}-{self._started}"
         self._started += 1
-        command, ready = ("gateway", _GATEWAY_READY) if role == "gateway" else ("shim", _SHIM_READY)
-        child = children[index] = self._child(name, command, self._envs[role])
+        command, ready = ("gateway", GATEWAY_READY) if role == "gateway" else ("shim", SHIM_READY)
+        child = children[index] = self.child(name, command, self._envs[role])
         url = (await child.start(ready, timeout_s)).group(1)
         urls[index] = url
         return url

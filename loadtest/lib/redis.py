@@ -9,7 +9,13 @@ from collections.abc import AsyncIterator
 
 from pdgate.loadtest.lib.children import Child, find_binary, free_port
 
-__all__ = ["INSTALL_HINT", "private_redis", "redis_binary"]
+__all__ = [
+    "INSTALL_HINT",
+    "private_redis",
+    "redis_binary",
+    "sentinel_conf",
+    "server_argv",
+]
 
 INSTALL_HINT = "redis-server not found (make redis-server installs Debian's package)"
 _ATTEMPTS = 3  # a port picked free can be taken before redis binds it: pick another
@@ -18,6 +24,32 @@ _ATTEMPTS = 3  # a port picked free can be taken before redis binds it: pick ano
 def redis_binary() -> str | None:
     # Debian installs it in /usr/bin, which a trimmed PATH (cron, systemd) may lack.
     return find_binary("redis-server", "/usr/bin", "/usr/sbin", "/usr/local/bin")
+
+
+def server_argv(binary: str, port: int, workdir: str, *extra: str) -> list[str]:
+    """A redis-server on 127.0.0.1:`port` that keeps nothing on disk, in the foreground."""
+    return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", workdir, "--daemonize", "no", *extra]  # fmt: skip
+
+
+def sentinel_conf(
+    port: int,
+    workdir: str,
+    service: str,
+    primary_port: int,
+    *,
+    down_after_ms: int,
+    failover_timeout_ms: int,
+) -> str:
+    """The config file of one of three sentinels (quorum 2) watching `service`'s primary on
+    127.0.0.1:`primary_port` (a sentinel rewrites its file: one per sentinel)."""
+    return (
+        f"port {port}\nbind 127.0.0.1\ndir {workdir}\n"
+        f"sentinel monitor {service} 127.0.0.1 {primary_port} 2\n"
+        f"sentinel down-after-milliseconds {service} {down_after_ms}\n"
+        f"sentinel failover-timeout {service} {failover_timeout_ms}\n"
+        f"sentinel parallel-syncs {service} 1\n"
+    )
 
 
 @contextlib.asynccontextmanager
@@ -29,11 +61,7 @@ async def private_redis() -> AsyncIterator[str]:
     with tempfile.TemporaryDirectory(prefix="pdgate-bench-redis-") as workdir:
         for attempt in range(_ATTEMPTS):
             port = free_port()
-            redis = Child(
-                "redis",
-                [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                 "--appendonly", "no", "--dir", workdir, "--daemonize", "no"],
-            )  # fmt: skip
+            redis = Child("redis", server_argv(binary, port, workdir))
             try:
                 await redis.start("Ready to accept connections", timeout_s=10)
             except RuntimeError:
