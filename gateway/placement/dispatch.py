@@ -13,7 +13,7 @@ slot frees, and a non-streaming answer is assembled from the stream (gateway/str
 
 Failover of the decode leg: a decode that was never reached (refused, reset, timed out) is
 replaced by the next one with the same ``kv_transfer_params`` (the KV is still at the
-prefill); one that answered with an error status may have consumed the KV, so `place` raises
+prefill); one that answered with an error status may have consumed the KV, so `decode` raises
 `DecodeLost` and the caller places the request again, prefill included (gateway/stream/relay.py).
 Either counts against the retry budget, as prefill failovers do.
 """
@@ -210,26 +210,6 @@ class Dispatcher:
     def queued(self) -> int:
         """Requests waiting at the gateway for a prefill (queued or being tried)."""
         return sum(f.waiting for f in self._forwarders.values())
-
-    async def place(
-        self,
-        info: RequestInfo,
-        forward: dict[str, Any],
-        *,
-        request_id: str,
-        deadline: float,
-        span: Span | None = None,
-        api: Api = Api.COMPLETIONS,
-        avoid: Collection[str] = (),
-        retry: bool = False,
-    ) -> Placement:
-        """Both legs with the request's own body (`prefill`, then `decode`), for a caller that
-        sends the client nothing in between."""
-        prefilled = await self.prefill(
-            info, forward, request_id=request_id, deadline=deadline, span=span, api=api,
-            avoid=avoid, retry=retry,
-        )  # fmt: skip
-        return await self.decode(prefilled, DecodeLeg(forward, api))
 
     async def prefill(
         self,

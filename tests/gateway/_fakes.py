@@ -21,6 +21,7 @@ from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.dispatch import Dispatcher, client_error
 from pdgate.gateway.placement.forwarder import ForwardingOptions, PrefillForwarder, Shared
 from pdgate.gateway.placement.leases import Fleet
+from pdgate.gateway.placement.placed import DecodeLeg, Placement
 from pdgate.gateway.placement.queue import Waiter, WaitQueue
 from pdgate.gateway.stream.relay import Relay, RelayOptions, RelayRequest
 from pdgate.gateway.upstream.mock import Call, MockUpstream, Reply
@@ -169,6 +170,15 @@ def batching_forwarder(
         batch_forwarding=True, batch_endpoint=True, client_error=client_error
     )
     return forwarder(upstream, tracker, options, order=QueueOrder.FIFO)
+
+
+async def place(
+    d: Dispatcher, info: RequestInfo, forward: dict[str, Any], **options: Any
+) -> Placement:
+    """Both legs with the request's own body, as the relay places a request that sends the
+    client nothing between them (`options`: `Dispatcher.prefill`'s)."""
+    prefilled = await d.prefill(info, forward, **options)
+    return await d.decode(prefilled, DecodeLeg(forward, options.get("api", Api.COMPLETIONS)))
 
 
 def dispatcher(

@@ -19,6 +19,9 @@ from tests.gateway._fakes import (
     tracker_for,
     waiter,
 )
+from tests.gateway._fakes import (
+    place as both_legs,
+)
 
 
 async def test_a_mixed_run_is_one_batch_call_per_api() -> None:
@@ -45,7 +48,8 @@ async def test_both_legs_of_a_chat_go_to_the_chat_path() -> None:
     tracker = tracker_for([2], [4])
     d, _ = dispatcher(upstream, tracker)
     for api in (Api.CHAT, Api.COMPLETIONS):
-        placement = await d.place(
+        placement = await both_legs(
+            d,
             info(),
             {"model": "m", "messages": [], "max_tokens": 4, "stream": True},
             request_id=f"r-{api.value}",

@@ -23,6 +23,9 @@ from tests.gateway._fakes import (
     relay,
     tracker_for,
 )
+from tests.gateway._fakes import (
+    place as both_legs,
+)
 
 
 def counts(tracker: Any, instance_id: str) -> tuple[int, int]:
@@ -32,8 +35,8 @@ def counts(tracker: Any, instance_id: str) -> tuple[int, int]:
 
 async def place(d: Any, *, stream: bool = True, deadline_s: float = 2.0) -> Placement:
     forward = {"model": "m", "prompt": "p", "max_tokens": 4, "stream": stream}
-    placement: Placement = await d.place(
-        info(), forward, request_id="req-1", deadline=time.monotonic() + deadline_s
+    placement: Placement = await both_legs(
+        d, info(), forward, request_id="req-1", deadline=time.monotonic() + deadline_s
     )
     return placement
 

@@ -23,6 +23,7 @@ from pdgate.gateway.placement.placed import Placement
 from pdgate.gateway.upstream.mock import Call, MockUpstream, Reply
 from pdgate.registry.base import InstanceRecord
 from tests.gateway._fakes import FakeCluster, dispatcher, eventually, info
+from tests.gateway._fakes import place as both_legs
 
 SHORT = "x" * 50
 LONG = "y" * 300
@@ -52,8 +53,8 @@ def cluster(
 
 async def place(d: Dispatcher, prompt: str, *, stream: bool = True) -> Placement:
     forward = {"model": "m", "prompt": prompt, "max_tokens": 4, "stream": stream}
-    placement: Placement = await d.place(
-        info(prompt), forward, request_id="r", deadline=time.monotonic() + 2
+    placement: Placement = await both_legs(
+        d, info(prompt), forward, request_id="r", deadline=time.monotonic() + 2
     )
     return placement
 
