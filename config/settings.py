@@ -463,6 +463,14 @@ class GatewaySettings(_Settings):
         "(gateway/placement/prefill_time.py, prefill_estimate_quantile): past capacity it "
         "would only occupy a prefill and fail.",
     )
+    drain_admission: bool = Field(
+        default=True,
+        description="dispatch=queue: answer 503 with Retry-After on arrival, instead of "
+        "queueing it, a request that the queue's pace while backlogged (grants per second "
+        "over the last 5 s) would not bring to the front before its deadline, counting only "
+        "the requests sure to go first (gateway/placement/drain.py): past capacity clients "
+        "learn at once, not at their deadline.",
+    )
     prefill_estimate_quantile: float = Field(
         default=0.9,
         ge=0.0,
@@ -730,6 +738,12 @@ class GatewaySettings(_Settings):
         ge=0,
         description="For this long after a prefill slot frees, only the gateway with the "
         "fleet's most urgent queued request may take it (the fleet-wide deadline order).",
+    )
+    loop_lag_interval_s: float = Field(
+        default=0.1,
+        ge=0,
+        description="How often the gateway times its own event loop for "
+        "pdgate_event_loop_lag_seconds (0 = off).",
     )
     workers: int = Field(
         default=1,

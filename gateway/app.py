@@ -35,6 +35,7 @@ from pdgate.gateway.errors import GatewayError
 from pdgate.gateway.instances.affinity import PrefixIndex
 from pdgate.gateway.instances.health import Ejection, Ejector, RetryBudget
 from pdgate.gateway.instances.tracker import InstanceTracker
+from pdgate.gateway.observe.loop_lag import LoopLagMonitor
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.observe.ratio import RatioAdvisor
 from pdgate.gateway.placement.decode_attempt import DecodeAttempts
@@ -190,6 +191,7 @@ def build_dispatcher(
             retry_after_s=settings.retry_after_s,
             client_error=client_error,
             early_drop=settings.early_drop,
+            drain_admission=settings.drain_admission,
             prefill_estimate_quantile=settings.prefill_estimate_quantile,
             try_timeout_s=settings.prefill_try_timeout_s,
         ),
@@ -337,11 +339,20 @@ def build_gateway_app(
             raise
         tracker.update_membership(membership.instances(), set())
         await fleet.start()
+        loop_lag = (
+            LoopLagMonitor(metrics.loop_lag, interval_s=settings.loop_lag_interval_s)
+            if settings.loop_lag_interval_s > 0
+            else None
+        )
+        if loop_lag is not None:
+            loop_lag.start()
         completions.target = endpoint
         try:
             yield gateway.state()
         finally:
             completions.target = None
+            if loop_lag is not None:
+                await loop_lag.stop()
             # In this order: pending KV releases still need the upstream session, and the
             # last slot leases go back to the fleet before it closes.
             await dispatcher.close()

@@ -28,6 +28,10 @@ _ITL_BUCKETS = (
     0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5,
 )  # fmt: skip
 
+# Event-loop lag: a healthy loop runs a timer within a millisecond or two; 50 ms is already
+# felt by every stream the gateway relays.
+_LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
 ANY_GROUP = "*"  # the group label of a request that did not name one
 
 _M = TypeVar("_M", bound=Counter)
@@ -98,6 +102,16 @@ class GatewayMetrics:
         self.decode_attempts = Labelled(
             Counter("pdgate_decode_attempts", "Decode calls by result", ["result"], registry=r)
         )
+        self.queue_sheds = Labelled(
+            Counter(
+                "pdgate_queue_sheds",
+                "Requests refused on arrival at a queue, by reason: full (503), over_share "
+                "(429, the tenant holds its share), drain (503, the queue's recent pace would "
+                "not reach it before its deadline)",
+                ["reason"],
+                registry=r,
+            )
+        )
         self.migrations = Labelled(
             Counter(
                 "pdgate_migrations",
@@ -142,6 +156,13 @@ class GatewayMetrics:
             (0, 1, 2, 4, 8, 16, 32, 64),
         )
         r.register(self.prefill_rejections)
+        self.loop_lag = LoopHistogram(
+            "pdgate_event_loop_lag_seconds",
+            "How much later than asked the gateway's event loop ran a periodic timer "
+            "(loop_lag_interval_s): its saturation as every request feels it",
+            _LOOP_LAG_BUCKETS,
+        )
+        r.register(self.loop_lag)
         Gauge(
             "pdgate_open_streams", "Open client streams (summed over instances)", registry=r
         ).set_function(lambda: float(totals()[0]))

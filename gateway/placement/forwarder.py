@@ -66,6 +66,7 @@ from pdgate.gateway.instances.tracker import InstanceTracker, Lease
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.observe.ratio import RatioAdvisor
 from pdgate.gateway.placement.batching import BatchForming, batch_size
+from pdgate.gateway.placement.drain import QueueDrain
 from pdgate.gateway.placement.leases import Fleet, SlotLease, monotonic_ms_left
 from pdgate.gateway.placement.placed import PrefillGrant
 from pdgate.gateway.placement.prefill_time import PrefillTimes, TokenRatio, uncached_chars
@@ -127,6 +128,8 @@ class ForwardingOptions:
     early_drop: bool = True
     # The quantile of recent prefill rates behind the early-drop estimate.
     prefill_estimate_quantile: float = 0.9
+    # Answer 503 on arrival for a request the queue's recent pace cannot reach in time.
+    drain_admission: bool = True
     # Longest one prefill call may take before the request moves on (a prefill that accepted
     # the connection and hangs); None: adaptive, from recent prefill times.
     try_timeout_s: float | None = None
@@ -175,6 +178,7 @@ class PrefillForwarder:
         # says): the expected prefill times the hold-or-go choice compares.
         self.compute_times = PrefillTimes()
         self.token_ratio = TokenRatio()
+        self._drain = QueueDrain()
         self._forming = BatchForming(
             queue,
             policy,
@@ -198,6 +202,13 @@ class PrefillForwarder:
         estimate = self.prefill_times.upper_bound_s(waiter.info.prompt_chars, _GUARD_QUANTILE)
         if estimate is not None:
             waiter.latest_start = waiter.deadline - estimate
+        if self._options.drain_admission and self._too_late(waiter):
+            self._shared.metrics.queue_sheds.labels("drain").inc()
+            raise Overloaded(
+                "the gateway's queue for this model and group would not reach this request "
+                "before its TTFT deadline",
+                retry_after=self._options.retry_after_s,
+            )
         admission = self.queue.push(waiter)
         if admission is Admission.FULL:
             # Under its tenant's share: it takes the place of an over-share tenant's newest
@@ -208,8 +219,10 @@ class PrefillForwarder:
                     displaced.future.set_exception(self._over_share(displaced))
                 admission = self.queue.push(waiter)
         if admission is Admission.FULL:
+            self._shared.metrics.queue_sheds.labels("full").inc()
             raise _queue_full(self._options.retry_after_s)
         if admission is Admission.OVER_SHARE:
+            self._shared.metrics.queue_sheds.labels("over_share").inc()
             raise self._over_share(waiter)
         self.waiting += 1
         self._forming.remember(waiter)
@@ -224,6 +237,7 @@ class PrefillForwarder:
         try:
             grant: PrefillGrant = await waiter.future
             returned = True
+            self._drain.granted(time.monotonic())
             return grant
         finally:
             expiry.cancel()
@@ -234,6 +248,19 @@ class PrefillForwarder:
                 wait.set_attribute("pdgate.granted", returned)
                 wait.set_attribute("pdgate.prefill_attempts", waiter.attempts)
             wait.end()
+
+    def _too_late(self, waiter: Waiter) -> bool:
+        """Would the requests ahead, drained at the queue's pace while backlogged, hold
+        `waiter` past its deadline? (drain.py; the exact count only past the cheap bound.)"""
+        queued = len(self.queue)
+        if not queued:
+            return False
+        now = time.monotonic()
+        rate = self._drain.rate(now, self.queue.backlog_since)
+        if rate is None:
+            return False
+        reachable = rate * (waiter.deadline - now)
+        return queued > reachable and self.queue.ahead(waiter) > reachable
 
     def _expire(self, future: asyncio.Future[PrefillGrant]) -> None:
         if not future.done():

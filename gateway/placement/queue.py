@@ -149,6 +149,7 @@ class WaitQueue:
         self._counters: dict[str, float] = {}  # tenant -> tokens charged (insertion = LRU)
         self._deadlines = _Heap()  # every queued waiter by deadline (fleet heads)
         self._live = 0
+        self.backlog_since: float | None = None  # monotonic: nonempty since (drain.py)
         self._seq = itertools.count()
         self._nonempty = asyncio.Event()
         self._arrived = asyncio.Event()  # replaced (after being set) on every insertion
@@ -254,6 +255,8 @@ class WaitQueue:
             cls.latest_start.push((waiter.latest_start, waiter.key[1]), waiter)
         cls.queued += 1
         self._deadlines.push((waiter.deadline, waiter.key[1]), waiter)
+        if not self._live:
+            self.backlog_since = time.monotonic()
         self._live += 1
         self._nonempty.set()
         arrived, self._arrived = self._arrived, asyncio.Event()
@@ -293,7 +296,27 @@ class WaitQueue:
             cls.latest_start.compact(cls.queued)
         self._deadlines.compact(self._live)
         if not self._live:
+            self.backlog_since = None
             self._nonempty.clear()
+
+    def ahead(self, waiter: Waiter) -> int:
+        """A lower bound of the queued requests that would go before `waiter` were it queued
+        now: every request of a more urgent class, and those of its own tenant and class
+        that its order puts first (all of them in FIFO; in EDF those due no later). Other
+        tenants' are not counted: fair sharing may let it pass them. O(its tenant's queued)
+        in EDF."""
+        priority = waiter.info.priority
+        n = sum(c.queued for p, c in self._classes.items() if p < priority)
+        cls = self._classes.get(priority)
+        tenant = None if cls is None else cls.tenants.get(waiter.tenant)
+        if tenant is None:
+            return n
+        if self._order is not QueueOrder.EDF:
+            return n + tenant.queued
+        due = waiter.deadline
+        return n + sum(
+            1 for _, w in tenant.heap.entries if w.state is WaiterState.QUEUED and w.deadline <= due
+        )
 
     def peek(self) -> Waiter | None:
         """The waiter that goes next (see the module docstring)."""

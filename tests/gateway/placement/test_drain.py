@@ -1,0 +1,147 @@
+"""Drain admission: a request the queue's recent pace cannot reach before its deadline is
+refused on arrival (503, Retry-After), not after waiting out its deadline; one the pace can
+reach, or one that goes first, is queued as before."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+import pytest
+
+from pdgate.config import QueueOrder
+from pdgate.config.aio import Background
+from pdgate.gateway.errors import DeadlineExceeded, Overloaded
+from pdgate.gateway.observe.metrics import GatewayMetrics
+from pdgate.gateway.placement.dispatch import client_error
+from pdgate.gateway.placement.drain import QueueDrain
+from pdgate.gateway.placement.forwarder import ForwardingOptions, PrefillForwarder
+from pdgate.gateway.placement.queue import Waiter, WaitQueue
+from pdgate.gateway.upstream.mock import MockUpstream
+from tests.gateway._fakes import FakeCluster, eventually, forwarder, info, tracker_for, waiter
+
+
+def test_no_rate_without_a_backlog_long_enough_and_grants_enough() -> None:
+    drain = QueueDrain(window_s=5.0, min_span_s=1.0, min_grants=4)
+    for t in (10.1, 10.2, 10.3, 10.4, 10.5):
+        drain.granted(t)
+    assert drain.rate(10.6, None) is None  # no backlog
+    assert drain.rate(10.6, 10.0) is None  # a backlog of 0.6 s: too short to say
+    assert drain.rate(11.0, 10.0) == pytest.approx(5.0)  # 5 grants in its 1 s
+    assert drain.rate(11.0, 10.35) is None  # 2 grants since this backlog began
+
+
+def test_the_rate_counts_the_backlogs_last_window_only() -> None:
+    drain = QueueDrain(window_s=2.0, min_span_s=0.5, min_grants=1)
+    for i in range(400):  # 10 a second for 40 s, then 40 a second for 2 s
+        drain.granted(i / 10)
+    for i in range(80):
+        drain.granted(40 + i / 40)
+    assert drain.rate(42.0, 0.0) == pytest.approx(40.0)
+    assert len(drain._grants) < 200  # the old grants are dropped as the window moves
+
+
+async def test_ahead_counts_what_surely_goes_first() -> None:
+    def w(deadline: float, tenant: str = "a", priority: int = 1) -> Waiter:
+        return Waiter(
+            info=replace(info("p"), tenant=tenant, priority=priority),
+            body={},
+            request_id="r",
+            deadline=deadline,
+            future=asyncio.get_running_loop().create_future(),
+        )
+
+    edf = WaitQueue(100, QueueOrder.EDF)
+    for d in (1, 2, 3, 4):
+        edf.push(w(d))
+    edf.push(w(5, tenant="b"))  # another tenant: fair sharing may let "a" pass it
+    edf.push(w(9, priority=0))  # a more urgent class: always first
+    assert edf.ahead(w(2.5)) == 1 + 2
+    assert edf.ahead(w(0.5)) == 1
+    assert edf.ahead(w(10)) == 1 + 4
+    assert edf.ahead(w(10, priority=0)) == 1
+    assert edf.ahead(w(10, tenant="c")) == 1
+    fifo = WaitQueue(100, QueueOrder.FIFO)
+    for d in (4, 3, 2, 1):
+        fifo.push(w(d))
+    assert fifo.ahead(w(0.5)) == 4
+
+
+def _paced(
+    order: QueueOrder, drain: bool
+) -> tuple[PrefillForwarder, MockUpstream, GatewayMetrics, Background]:
+    """One prefill of one slot, 0.05 s a prompt: about 20 grants a second."""
+    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.05))
+    fwd, metrics, background = forwarder(
+        upstream,
+        tracker_for([1]),
+        ForwardingOptions(client_error=client_error, drain_admission=drain),
+        order=order,
+    )
+    return fwd, upstream, metrics, background
+
+
+async def _take(fwd: PrefillForwarder, w: Waiter) -> float:
+    (await fwd.acquire(w)).close()
+    return time.monotonic()
+
+
+async def _backlog(fwd: PrefillForwarder, n: int) -> list[asyncio.Task[float]]:
+    tasks = [asyncio.create_task(_take(fwd, waiter(i, deadline_s=30))) for i in range(n)]
+    await asyncio.sleep(1.3)  # a second of backlog: the pace is known
+    assert len(fwd.queue) > 40
+    return tasks
+
+
+async def test_a_request_the_pace_cannot_reach_in_time_is_refused_at_once() -> None:
+    fwd, upstream, metrics, background = _paced(QueueOrder.FIFO, drain=True)
+    tasks = await _backlog(fwd, 80)
+    calls = len(upstream.calls)
+    began = time.monotonic()
+    with pytest.raises(Overloaded, match="would not reach this request") as refused:
+        await fwd.acquire(waiter(100, deadline_s=1.0))
+    assert time.monotonic() - began < 0.05
+    assert refused.value.retry_after is not None
+    assert metrics.registry.get_sample_value("pdgate_queue_sheds_total", {"reason": "drain"}) == 1
+    # One the pace reaches in time is queued and served.
+    await _take(fwd, waiter(101, deadline_s=20.0))
+    assert len(upstream.calls) > calls
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await fwd.close()
+    await background.aclose()
+
+
+async def test_without_drain_admission_it_waits_out_its_deadline() -> None:
+    fwd, _, metrics, background = _paced(QueueOrder.FIFO, drain=False)
+    tasks = await _backlog(fwd, 80)
+    began = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        await fwd.acquire(waiter(100, deadline_s=1.0))
+    assert time.monotonic() - began >= 0.95
+    assert metrics.registry.get_sample_value("pdgate_queue_sheds_total", {"reason": "drain"}) in (
+        None,
+        0,
+    )
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await fwd.close()
+    await background.aclose()
+
+
+async def test_an_urgent_request_goes_first_however_long_the_queue() -> None:
+    """EDF: a request due before everything queued has nobody ahead of it; it is admitted
+    and served in time, where counting the whole queue would have refused it."""
+    fwd, _, _, background = _paced(QueueOrder.EDF, drain=True)
+    tasks = await _backlog(fwd, 80)
+    await _take(fwd, waiter(100, deadline_s=1.0))
+    assert len(fwd.queue) > 20  # it passed the backlog
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await eventually(lambda: fwd.waiting == 0)
+    await fwd.close()
+    await background.aclose()
