@@ -36,6 +36,7 @@ from pdgate.loadtest.lib.stats import percentile
 __all__ = [
     "FaultRow",
     "OverloadRow",
+    "bucket_quantile",
     "fault_rows",
     "longest_stall",
     "markdown",
@@ -168,10 +169,20 @@ class OverloadRow:
     probe_p99_ms: float
     probe_max_ms: float
     probe_failed: int
+    loop_lag_p99_ms: float  # the bucket bound holding the p99 of the gateway's own histogram
     rss_start_mib: float
     rss_peak_mib: float
     rss_end_mib: float
     held: Mapping[str, float] = field(default_factory=dict)
+
+
+def bucket_quantile(buckets: Sequence[tuple[float, float]], q: float) -> float:
+    """The smallest bucket bound holding the `q` quantile of a histogram given as cumulative
+    (le, count) pairs (inf: above every finite bound; NaN: no observations)."""
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return math.nan
+    return next(le for le, n in buckets if n >= q * total)
 
 
 def overload_row(o: OverloadResult) -> OverloadRow:
@@ -197,6 +208,7 @@ def overload_row(o: OverloadResult) -> OverloadRow:
         probe_p99_ms=1000 * percentile(lat, 99),
         probe_max_ms=1000 * max(lat, default=math.nan),
         probe_failed=sum(math.isnan(p) for _, p in o.probes),
+        loop_lag_p99_ms=1000 * bucket_quantile(o.loop_lag, 0.99),
         rss_start_mib=rss[0],
         rss_peak_mib=max(rss),
         rss_end_mib=rss[-1],
@@ -281,9 +293,10 @@ def overload_table(runs: Sequence[Sequence[OverloadRow]]) -> list[str]:
     lines = [
         "| overload (one gateway, open loop) | offered, req/s | capacity, req/s | requests "
         "| completed | shed 429/503, % | with Retry-After, % | status / code | first shed, s "
-        "| shed answered p50 / p99, s | /health p99 (idle), ms | /health max, ms "
+        "| shed answered p50 / p99, s | loop lag p99, ms (its own, at most) "
+        "| /health p99 (idle), ms | /health max, ms "
         "| RSS start / peak / end, MiB | held after (idle) |",
-        "|---|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|--:|--:|---|",
+        "|---|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|---|",
     ]
     for i, first in enumerate(runs[0]):
         lines.append(_overload_line([run[i] for run in runs if i < len(run)], first))
@@ -302,7 +315,7 @@ def _overload_line(rows: Sequence[OverloadRow], first: OverloadRow) -> str:
         f"| {cell('capacity_rps')} | {cell('requests', 0)} | {cell('ok', 0)} "
         f"| {spread_cell(shed_pct)} | {spread_cell(ra_pct)} "
         f"| {codes_cell(r.codes for r in rows)} | {cell('first_shed_s', 2)} "
-        f"| {cell('shed_p50_s', 2)} / {cell('shed_p99_s', 2)} "
+        f"| {cell('shed_p50_s', 2)} / {cell('shed_p99_s', 2)} | {cell('loop_lag_p99_ms')} "
         f"| {cell('probe_p99_ms')} ({cell('probe_idle_ms', 2)}) | {cell('probe_max_ms')} "
         f"| {cell('rss_start_mib')} / {cell('rss_peak_mib')} / {cell('rss_end_mib')} "
         f"| {held_cell(r.held for r in rows)} |"
@@ -375,6 +388,7 @@ def summary_json(results: Sequence[ChaosResult]) -> dict[str, Any]:
                     "requests": o.requests,
                     "retry_after": o.shed_with_retry_after,
                     "probe_p99_ms": round(o.probe_p99_ms, 1),
+                    "loop_lag_p99_ms": round(o.loop_lag_p99_ms, 1),
                     "rss_mib": [
                         round(o.rss_start_mib, 1),
                         round(o.rss_peak_mib, 1),

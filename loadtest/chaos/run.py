@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdgate.loadtest.chaos.load import OpenStreamingLoad, StreamRecord
 from pdgate.loadtest.chaos.sentinel import SentinelRedis
@@ -162,6 +163,9 @@ class OverloadResult:
     idle_probe_s: float  # the /health latency before the overload (median)
     rss: list[RssSample]
     held: dict[str, float] = field(default_factory=dict)  # after it, once idle
+    # The gateway's own pdgate_event_loop_lag_seconds over the overload: (le, count) pairs,
+    # cumulative as exposed; empty if its /metrics could not be read.
+    loop_lag: list[tuple[float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -436,6 +440,22 @@ async def _probe(session: aiohttp.ClientSession, url: str) -> float:
     return time.monotonic() - start
 
 
+async def _loop_lag(session: aiohttp.ClientSession, url: str) -> dict[float, float]:
+    """The gateway's event-loop lag histogram now: cumulative count by bucket bound."""
+    try:
+        async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            text = await r.text()
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        return {}
+    out: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "pdgate_event_loop_lag_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    out[float(sample.labels["le"])] = sample.value
+    return out
+
+
 async def _overload(
     chaos: _Chaos,
     prompts: Prompts,
@@ -447,8 +467,8 @@ async def _overload(
 ) -> OverloadResult:
     """One gateway under `overload_factor` x the fleet's capacity, open loop, for
     `overload_s`: its answers (how fast it sheds, with which status and Retry-After), its
-    /health latency every `probe_period_s` (from outside: the gateway exports no event-loop
-    lag) and its RSS."""
+    event-loop lag (its own histogram, and its /health latency every `probe_period_s` from
+    outside) and its RSS."""
     plan, session = chaos.plan, chaos.session
     idle = [await _probe(session, gateway) for _ in range(20)]
     idle_probe = sorted(idle)[len(idle) // 2]
@@ -465,6 +485,7 @@ async def _overload(
         rss = RssSampler(child.pid, 0.5, lambda: load.issued)
         log(f"overload: {rate:.1f} req/s into one gateway ({label}; {plan.overload_factor:g}x "
             f"{capacity_rps:.2f} req/s) for {plan.overload_s:g} s")  # fmt: skip
+        lag_before = await _loop_lag(session, gateway)
         began = chaos.now()
         rss.start()
         load.start()
@@ -475,6 +496,7 @@ async def _overload(
                 probes.append((at, await _probe(probe, gateway)))
                 await asyncio.sleep(max(0.0, plan.probe_period_s - (chaos.now() - at)))
             ended = chaos.now()
+            lag_after = await _loop_lag(session, gateway)
             load.pause()
             # The backlog drains; the probe goes on, so the series shows the way down.
             drain_end = time.monotonic() + 60.0
@@ -492,8 +514,9 @@ async def _overload(
             f"{sorted({(r.error_label(), r.message) for r in odd})}; the gateway's last "
             f"lines:\n{child.output_tail(30)}")  # fmt: skip
     held = await snapshot(session, chaos.cluster, [gateway])
+    lag = [(le, n - lag_before.get(le, 0.0)) for le, n in sorted(lag_after.items())]
     return OverloadResult(label, capacity_rps, rate, began, ended, load.records, probes, idle_probe,
-                          rss.samples, held)  # fmt: skip
+                          rss.samples, held, lag)  # fmt: skip
 
 
 async def _extra_gateway(

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from pdgate.loadtest.chaos.load import DROPPED, StreamRecord, read_stream
 from pdgate.loadtest.chaos.report import (
+    bucket_quantile,
     codes_cell,
     fault_rows,
     held_cell,
@@ -132,6 +133,8 @@ def _result(seed: int) -> ChaosResult:
         records=[*shed, _rec(60.5, 64.0)], probes=[(60.0 + i, 0.001 * (i + 1)) for i in range(10)],
         idle_probe_s=0.0005, rss=[RssSample(0, 70 * 1024, 0), RssSample(1, 90 * 1024, 5),
                                   RssSample(2, 80 * 1024, 10)],
+        loop_lag=[(0.001, 150.0), (0.01, 190.0), (0.025, 198.0), (0.05, 200.0),
+                  (float("inf"), 200.0)],
     )  # fmt: skip
     return ChaosResult(plan, records, faults, {}, (0.0, 15.0), [overload], 300.0, (0.5, 1.5))
 
@@ -151,6 +154,16 @@ def test_rows_count_errors_stalls_recovery_and_what_is_held() -> None:
     assert o.first_shed_s == pytest.approx(1.1) and o.shed_p50_s == pytest.approx(0.1)
     assert (o.rss_start_mib, o.rss_peak_mib, o.rss_end_mib) == (70, 90, 80)
     assert o.probe_p99_ms == pytest.approx(9.91)
+    assert o.loop_lag_p99_ms == 25.0  # 198 of 200 within 25 ms: the 99th is in that bucket
+
+
+def test_the_loop_lag_quantile_is_the_bound_of_its_bucket() -> None:
+    buckets = [(0.005, 90.0), (0.1, 99.0), (float("inf"), 100.0)]
+    assert bucket_quantile(buckets, 0.5) == 0.005
+    assert bucket_quantile(buckets, 0.99) == 0.1
+    assert bucket_quantile(buckets, 0.999) == float("inf")
+    assert math.isnan(bucket_quantile([], 0.99))
+    assert math.isnan(bucket_quantile([(float("inf"), 0.0)], 0.99))
 
 
 def test_the_markdown_has_a_row_per_fault_and_the_overload_with_spreads() -> None:
@@ -162,6 +175,7 @@ def test_the_markdown_has_a_row_per_fault_and_the_overload_with_spreads() -> Non
     assert "| 200 broken x3, 503 gateway_overloaded x3 |" in text
     assert "run 1: 0; run 2: redis_slot_leases=1; run 3: redis_slot_leases=2" in text
     assert "| 10x capacity, defaults | 50.0 | 5.0 | 10 | 1 | 90.0 | 88.9 |" in text
+    assert "| 0.10 / 0.10 | 25.0 |" in text  # shed answered p50 / p99, then the loop lag
     assert "| 70.0 / 90.0 / 80.0 |" in text
 
 
