@@ -102,6 +102,12 @@ class GatewayMetrics:
         self.decode_attempts = Labelled(
             Counter("pdgate_decode_attempts", "Decode calls by result", ["result"], registry=r)
         )
+        self.fleet_yields = Counter(
+            "pdgate_fleet_yields",
+            "Times this gateway left a freed prefill slot to a more urgent request queued at "
+            "another gateway (the fleet's deadline order, fleet_window_s)",
+            registry=r,
+        )
         self.queue_sheds = Labelled(
             Counter(
                 "pdgate_queue_sheds",

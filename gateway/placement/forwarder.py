@@ -366,6 +366,8 @@ class PrefillForwarder:
                 # somewhere (the likeliest moment a prefill accepts again) or a back-off. A
                 # gateway that yielded to a more urgent one elsewhere retries after the
                 # fleet's priority window.
+                if slots.yielded:
+                    self._shared.metrics.fleet_yields.inc()
                 wait = (
                     self._shared.fleet.window_s
                     if slots.yielded

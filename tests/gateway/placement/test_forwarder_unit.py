@@ -4,14 +4,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import pytest
 
 from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER
 from pdgate.gateway.errors import DeadlineExceeded
+from pdgate.gateway.instances.tracker import InstanceTracker
+from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.dispatch import client_error
-from pdgate.gateway.placement.forwarder import ForwardingOptions
+from pdgate.gateway.placement.forwarder import ForwardingOptions, PrefillForwarder
 from pdgate.gateway.placement.leases import Fleet
 from pdgate.gateway.upstream.mock import MockUpstream, Reply
 from pdgate.policies import load_policy
@@ -329,32 +334,79 @@ async def test_every_prefill_call_says_what_its_decode_leg_will_ask_for() -> Non
     await background.aclose()
 
 
+@dataclass
+class _TwoGateways:
+    """Gateway a's forwarder on a fleet in Redis shared with gateway b (b: its store only)."""
+
+    tracker: InstanceTracker
+    upstream: MockUpstream
+    fwd: PrefillForwarder
+    metrics: GatewayMetrics
+    there: RedisFleet
+
+
+@contextlib.asynccontextmanager
+async def _two_gateways(
+    redis_url: str,
+    prefix: str,
+    slots: int,
+    upstream: MockUpstream,
+    options: ForwardingOptions | None = None,
+    window_s: float = 0.02,
+) -> AsyncIterator[_TwoGateways]:
+    tracker = tracker_for([slots])
+    here = Fleet(
+        RedisFleet(redis_url, key_prefix=prefix, gateway_id="a", window_s=window_s), tracker
+    )
+    here.gateways = 2  # b shares the fleet: every slot through Redis
+    there = RedisFleet(redis_url, key_prefix=prefix, gateway_id="b", window_s=window_s)
+    fwd, metrics, background = forwarder(upstream, tracker, options, fleet=here)
+    try:
+        yield _TwoGateways(tracker, upstream, fwd, metrics, there)
+    finally:
+        await fwd.close()
+        await background.aclose()
+        await here.aclose()
+        await there.aclose()
+
+
 async def test_a_batch_takes_no_request_due_after_one_waiting_at_another_gateway(
     redis_url: str, registry_prefix: str
 ) -> None:
     """Batches in the fleet's deadline order: gateway b waits with a request due in a
     second, so gateway a's run stops before its own request due in five; that one goes in
     a run of its own (to the next idle prefill, here the same one once it answered)."""
-    tracker = tracker_for([4])
-    here = Fleet(RedisFleet(redis_url, key_prefix=registry_prefix, gateway_id="a"), tracker)
-    here.gateways = 2  # b shares the fleet: every slot through Redis
-    there = RedisFleet(redis_url, key_prefix=registry_prefix, gateway_id="b")
-    await there.sync({}, {}, {"m|": 1000.0}, [])  # b's queue head: due in 1 s
     upstream = MockUpstream(FakeCluster(prefill_delay_s=0.05))
     options = ForwardingOptions(batch_forwarding=True, batch_endpoint=True, admit_idle=True,
                                 client_error=client_error)  # fmt: skip
-    fwd, _, background = forwarder(upstream, tracker, options, fleet=here)
-    try:
+    async with _two_gateways(redis_url, registry_prefix, 4, upstream, options) as g:
+        await g.there.sync({}, {}, {"m|": 1000.0}, [])  # b's queue head: due in 1 s
         grants = await asyncio.gather(
-            fwd.acquire(waiter(0, deadline_s=0.5)), fwd.acquire(waiter(1, deadline_s=5.0))
+            g.fwd.acquire(waiter(0, deadline_s=0.5)), g.fwd.acquire(waiter(1, deadline_s=5.0))
         )
         assert upstream.batches == []  # never the two in one batch call
         assert [c.request_id for c in upstream.calls if c.leg == "prefill"] == ["r0", "r1"]
-        for g in grants:
-            g.close()
-        await eventually(lambda: tracker.totals() == (0, 0))
-    finally:
-        await fwd.close()
-        await background.aclose()
-        await here.aclose()
-        await there.aclose()
+        for grant in grants:
+            grant.close()
+        await eventually(lambda: g.tracker.totals() == (0, 0))
+
+
+async def test_a_freed_slot_is_left_to_a_more_urgent_gateway_and_counted(
+    redis_url: str, registry_prefix: str
+) -> None:
+    """Gateway b waits with a request due in 2 s; a frees its prefill's one slot and has a
+    request due in 5 s: a leaves the slot to b for the fleet's window (counted in
+    pdgate_fleet_yields_total), then takes it when b does not come."""
+    upstream = MockUpstream(FakeCluster())
+    async with _two_gateways(redis_url, registry_prefix, 1, upstream, window_s=0.3) as g:
+        first = await g.fwd.acquire(waiter(0, deadline_s=5.0))
+        await g.there.sync({}, {}, {"m|": 2000.0}, [])  # b's queue head: due in 2 s
+        began = time.monotonic()
+        second = asyncio.create_task(g.fwd.acquire(waiter(1, deadline_s=5.0)))
+        await asyncio.sleep(0.05)
+        first.close()  # the slot frees: b's request is more urgent
+        (await second).close()
+        assert time.monotonic() - began >= 0.3  # it waited out the window
+        yields = g.metrics.registry.get_sample_value("pdgate_fleet_yields_total")
+        assert yields is not None and yields >= 1
+        await eventually(lambda: g.tracker.totals() == (0, 0))
