@@ -9,8 +9,11 @@ and waiting until a server answers or a gateway sees its instances.
   cumulative) and ``kv_held`` (held now). Older shims and other servers lack the hold keys:
   they read as NaN ("not reported"), never as 0;
 * gateway ``/metrics``: ``pdgate_prefill_attempts_total{result}`` (accepted, rejected,
-  failed), ``pdgate_prefill_rejections`` (429s per placed request) and
-  ``pdgate_requests_total{outcome}``.
+  failed), ``pdgate_prefill_rejections`` (429s per placed request),
+  ``pdgate_requests_total{outcome}``, the fleet's calls, and what tells one gateway's lot
+  from another's: ``pdgate_early_drops_total``, ``pdgate_fleet_yields_total`` and
+  ``pdgate_queue_sheds_total{reason}``, summed and also kept per gateway (``gwI_...``, I
+  the gateway's place in the list read).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = [
     "ATTEMPT_KEYS",
+    "PER_GATEWAY",
     "Counters",
     "HoldSnapshot",
     "delta",
@@ -65,7 +69,15 @@ def parse_gateway_metrics(text: str) -> Counters:
             elif sample.name in ("pdgate_fleet_calls_total", "pdgate_fleet_call_seconds_total"):
                 kind = "calls" if sample.name == "pdgate_fleet_calls_total" else "seconds"
                 out[f"fleet_{kind}_{sample.labels['op']}"] = sample.value
+            elif sample.name in ("pdgate_early_drops_total", "pdgate_fleet_yields_total"):
+                out[sample.name.removeprefix("pdgate_").removesuffix("_total")] = sample.value
+            elif sample.name == "pdgate_queue_sheds_total":
+                out[f"queue_sheds_{sample.labels['reason']}"] = sample.value
     return out
+
+
+# Counters also kept per gateway by `read_counters` (the rest are only summed).
+PER_GATEWAY = ("early_drops", "fleet_yields", "queue_sheds_drain", "queue_sheds_full")
 
 
 async def _get(session: aiohttp.ClientSession, url: str) -> Any:
@@ -87,9 +99,11 @@ async def read_counters(
     )
     # A counter that never moved has no sample yet: 0, not absent (absent = no gateway read).
     out: Counters = dict.fromkeys(ATTEMPT_KEYS, 0.0) if gateway_urls else {}
-    for text in replies[: len(gateway_urls)]:
+    for i, text in enumerate(replies[: len(gateway_urls)]):
         for key, value in parse_gateway_metrics(str(text)).items():
             out[key] = out.get(key, 0.0) + value
+            if key in PER_GATEWAY:
+                out[f"gw{i}_{key}"] = value
     loads = replies[len(gateway_urls) :]
     for name in _LOAD_FIELDS:
         out[f"shim_{name}"] = float(sum(load.get(name, 0) for load in loads))

@@ -254,6 +254,11 @@ def _describe_point(name: str, point: Point) -> str:
     extra = ""
     if len(s.success_by_gateway) > 1:
         extra += " per-gateway=" + "/".join(f"{v:.0%}" for v in s.success_by_gateway.values())
+        own = point.per_gateway()
+        for counter, label in (("early_drops", "drops"), ("fleet_yields", "yields")):
+            values = [v for k, v in own.items() if k.startswith(counter + "_gateway")]
+            if values:
+                extra += f" {label}=" + "/".join(f"{v:.0f}" for v in values)
     if not math.isnan(point.fleet_calls_per_request):
         extra += (
             f" redis={point.fleet_calls_per_request:.2f}/req"

@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 
 from pdgate.loadtest.lib.probes import (
+    PER_GATEWAY,
     Counters,
     HoldSnapshot,
     delta,
@@ -162,7 +163,19 @@ class Point:
                 if len(s.success_by_gateway) > 1
                 else {}
             ),
+            **self.per_gateway(),
         }
+
+    def per_gateway(self) -> dict[str, float]:
+        """With several gateways, each one's early drops, fleet yields and drain sheds in the
+        window (``early_drops_gateway0``, ...): what tells a gateway left behind from bad
+        luck."""
+        out: dict[str, float] = {}
+        for key, value in sorted(self.counters.items()):
+            name, _, counter = key.partition("_")
+            if name.startswith("gw") and name[2:].isdigit() and counter in PER_GATEWAY:
+                out[f"{counter}_gateway{name[2:]}"] = value
+        return out if len({k.rsplit("_gateway", 1)[1] for k in out}) > 1 else {}
 
 
 async def run_point(

@@ -29,6 +29,15 @@ pdgate_prefill_rejections_bucket{le="0.0"} 100.0
 pdgate_prefill_rejections_bucket{le="+Inf"} 120.0
 pdgate_prefill_rejections_count 120.0
 pdgate_prefill_rejections_sum 33.0
+# HELP pdgate_early_drops_total Queued requests answered 503 before any prefill call
+# TYPE pdgate_early_drops_total counter
+pdgate_early_drops_total 4.0
+# HELP pdgate_fleet_yields_total Freed slots left to another gateway
+# TYPE pdgate_fleet_yields_total counter
+pdgate_fleet_yields_total 7.0
+# HELP pdgate_queue_sheds_total Requests refused on arrival
+# TYPE pdgate_queue_sheds_total counter
+pdgate_queue_sheds_total{reason="drain"} 3.0
 # HELP pdgate_ttft_seconds Request arrival to first byte relayed
 # TYPE pdgate_ttft_seconds histogram
 pdgate_ttft_seconds_count 118.0
@@ -45,6 +54,9 @@ def test_parse_gateway_metrics_picks_the_counters_of_interest() -> None:
         "outcome_deadline_exceeded": 2.0,
         "prefill_rejections_count": 120.0,
         "prefill_rejections_sum": 33.0,
+        "early_drops": 4.0,
+        "fleet_yields": 7.0,
+        "queue_sheds_drain": 3.0,
     }
 
 
@@ -94,3 +106,26 @@ def test_a_points_holds_are_the_growth_over_the_point() -> None:
     before = HoldSnapshot(max_s=0.5, over_5s=3.0, held=0.0)
     after = HoldSnapshot(max_s=30.1, over_5s=5.0, held=2.0)
     assert Holds.between(before, after) == Holds(max_s=30.1, over_5s=2.0, stranded=2.0)
+
+
+def test_each_gateways_drops_and_yields_are_kept_apart() -> None:
+    """Summed for the run, and per gateway where there are several: a gateway left behind
+    shows in its own counters."""
+    ok = RequestResult("chat", 1.0, 200, 0.1, 0.5, True)
+    counters = {
+        "early_drops": 9.0,
+        "gw0_early_drops": 1.0,
+        "gw1_early_drops": 8.0,
+        "gw0_fleet_yields": 2.0,
+        "gw1_fleet_yields": 30.0,
+        "gw1_attempts_x": 5.0,  # not a per-gateway counter
+    }
+    point = Point("m", 2, summarize([ok], 1.0), counters, 0.0, 0.0, 0.0, {}, 1.0)
+    assert point.per_gateway() == {
+        "early_drops_gateway0": 1.0,
+        "early_drops_gateway1": 8.0,
+        "fleet_yields_gateway0": 2.0,
+        "fleet_yields_gateway1": 30.0,
+    }
+    alone = Point("m", 1, summarize([ok], 1.0), {"gw0_early_drops": 1.0}, 0.0, 0.0, 0.0, {}, 1.0)
+    assert alone.per_gateway() == {}

@@ -36,6 +36,10 @@ def test_processes_one_and_two_gateways_two_seeds(tmp_path: Path, run_bench: Run
     assert len(per_gateway) == 2 and all(r > 0 for r in per_gateway)
     csv = (tmp_path / "p.csv").read_text().splitlines()
     assert len(csv) == 1 + 2 * 2  # a header, one row per series and seed
+    # Each gateway's own early drops and fleet yields, where there are several.
+    header = csv[0].split(",")
+    for column in ("early_drops_gateway0", "early_drops_gateway1", "fleet_yields_gateway1"):
+        assert column in header
     table = (tmp_path / "p.md").read_text()
     assert "every shim and gateway its own process" in table and "Spread over seeds" in table
     assert "1, 2 gateways (rows /gN)" in table and "| least_sse/g2 | 1A |" in table
