@@ -339,12 +339,9 @@ def build_gateway_app(
             raise
         tracker.update_membership(membership.instances(), set())
         await fleet.start()
-        loop_lag = (
-            LoopLagMonitor(metrics.loop_lag, interval_s=settings.loop_lag_interval_s)
-            if settings.loop_lag_interval_s > 0
-            else None
-        )
-        if loop_lag is not None:
+        loop_lag = None
+        if settings.loop_lag_interval_s > 0:
+            loop_lag = LoopLagMonitor(metrics.loop_lag.observe, settings.loop_lag_interval_s)
             loop_lag.start()
         completions.target = endpoint
         try:

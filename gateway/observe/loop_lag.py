@@ -3,29 +3,29 @@
 CPU time says how busy the process is; loop lag says what a request feels. A gateway whose
 loop is saturated, or blocked by one long callback, answers everything late, health probes
 included. The monitor sleeps `interval_s` in a loop and observes how much later than asked it
-woke, into a histogram (``pdgate_event_loop_lag_seconds``), so a scrape gives its quantiles.
+woke: into a histogram (``pdgate_event_loop_lag_seconds``) in the gateway, so a scrape gives
+its quantiles; into a list of samples in the benchmarks' in-process cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-
-from pdgate.gateway.observe.metrics import LoopHistogram
+from collections.abc import Callable
 
 __all__ = ["LoopLagMonitor"]
 
 
 class LoopLagMonitor:
-    """Observe the event loop's lateness every `interval_s` until stopped.
+    """Pass the event loop's lateness (seconds) to `observe` every `interval_s` until stopped.
 
     One timer and one observation per interval: at the default 0.1 s, ten wake-ups a second,
     nothing next to a request's cost."""
 
-    def __init__(self, histogram: LoopHistogram, *, interval_s: float) -> None:
+    def __init__(self, observe: Callable[[float], None], interval_s: float) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
-        self._histogram = histogram
+        self._observe = observe
         self._interval = interval_s
         self._task: asyncio.Task[None] | None = None
 
@@ -43,7 +43,7 @@ class LoopLagMonitor:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         interval = self._interval
-        observe = self._histogram.observe
+        observe = self._observe
         while True:
             asked = loop.time() + interval
             await asyncio.sleep(interval)

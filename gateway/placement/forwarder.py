@@ -368,11 +368,9 @@ class PrefillForwarder:
                 # fleet's priority window.
                 if slots.yielded:
                     self._shared.metrics.fleet_yields.inc()
-                wait = (
-                    self._shared.fleet.window_s
-                    if slots.yielded
-                    else self._shared.backoff.delay(round_no)
-                )
+                    wait = self._shared.fleet.window_s
+                else:
+                    wait = self._shared.backoff.delay(round_no)
                 await self._sleep(wait, arrivals=False)
                 round_no += 1
                 continue

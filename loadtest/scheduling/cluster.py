@@ -33,6 +33,7 @@ from pdgate.config import GatewaySettings, RegistrySettings, Role, ShimSettings
 from pdgate.config.server import bind_socket, bound_port, run, serving
 from pdgate.engine_shim.app import build_shim_app
 from pdgate.gateway.app import build_gateway_app
+from pdgate.gateway.observe.loop_lag import LoopLagMonitor
 from pdgate.loadtest.lib.procfs import own_cpu_s
 from pdgate.loadtest.scheduling.clusters import INPROCESS_FLEET
 from pdgate.loadtest.scheduling.modes import ClusterSpec, Mode, gateway_fields, shim_fields
@@ -44,30 +45,23 @@ _HOST = "127.0.0.1"
 
 
 class LoopLag:
-    """How late the event loop wakes a 10 ms sleeper: a CPU-saturation signal that, unlike
-    CPU time, also shows a loop blocked by one long callback."""
+    """How late the event loop wakes a 10 ms sleeper (the gateway's own `LoopLagMonitor`,
+    kept as samples for exact percentiles): a CPU-saturation signal that, unlike CPU time,
+    also shows a loop blocked by one long callback."""
 
     def __init__(self, period_s: float = 0.01) -> None:
-        self._period = period_s
         self._samples: list[float] = []
-        self._task: asyncio.Task[None] | None = None
+        self._monitor = LoopLagMonitor(self._add, period_s)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+        self._monitor.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._monitor.stop()
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            t = loop.time()
-            await asyncio.sleep(self._period)
-            if len(self._samples) < 100_000:  # bounded between two reads
-                self._samples.append(loop.time() - t - self._period)
+    def _add(self, lag_s: float) -> None:
+        if len(self._samples) < 100_000:  # bounded between two reads
+            self._samples.append(lag_s)
 
     def take(self) -> dict[str, float]:
         """Lag percentiles (ms) since the previous call."""

@@ -25,7 +25,7 @@ def _lag_buckets(text: str) -> dict[str, float]:
 
 async def test_a_blocked_loop_is_observed_as_late_as_it_was_blocked() -> None:
     histogram = LoopHistogram("lag_seconds", "Lag", (0.01, 0.1, 1))
-    monitor = LoopLagMonitor(histogram, interval_s=0.02)
+    monitor = LoopLagMonitor(histogram.observe, 0.02)
     monitor.start()
     await asyncio.sleep(0.1)  # a few timely wake-ups
     time.sleep(0.3)  # noqa: ASYNC251 (one callback holding the loop is the point)
@@ -39,12 +39,12 @@ async def test_a_blocked_loop_is_observed_as_late_as_it_was_blocked() -> None:
 
 
 async def test_stopping_twice_and_a_zero_interval() -> None:
-    monitor = LoopLagMonitor(LoopHistogram("lag_seconds", "Lag", (0.1,)), interval_s=0.01)
+    monitor = LoopLagMonitor(LoopHistogram("lag_seconds", "Lag", (0.1,)).observe, 0.01)
     monitor.start()
     await monitor.stop()
     await monitor.stop()
     with pytest.raises(ValueError, match="interval_s"):
-        LoopLagMonitor(LoopHistogram("lag_seconds", "Lag", (0.1,)), interval_s=0)
+        LoopLagMonitor(LoopHistogram("lag_seconds", "Lag", (0.1,)).observe, 0)
 
 
 def test_a_gateway_process_stopped_for_a_while_reports_it(processes: Processes) -> None:
