@@ -22,7 +22,7 @@ from types import TracebackType
 import redis
 from redis.exceptions import RedisError
 
-from pdgate.loadtest.lib.redis import sentinel_conf
+from pdgate.loadtest.lib.redis import sentinel_conf, server_argv
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ENV_URL = "PDGATE_TEST_REDIS_URL"
@@ -167,26 +167,19 @@ class RedisServer:
 
     def _spawn(self, exe: str) -> None:
         log = self._dir / "redis.log"
-        args = [exe, "--bind", "127.0.0.1"]
-        if self.tls is None:
-            args += ["--port", str(self.port)]
-        else:
+        extra = ["--logfile", str(log)]
+        if self.tls is not None:
             cert, key = self.tls
-            args += [
-                "--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(cert),
+            extra += [
+                "--tls-port", str(self.port), "--tls-cert-file", str(cert),
                 "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
                 "--tls-auth-clients", "no",
             ]  # fmt: skip
         if self.password:
-            args += ["--requirepass", self.password]
-        args += [
-            *self._args,
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", str(self._dir),
-            "--logfile", str(log),
-            "--daemonize", "no",
-        ]  # fmt: skip
+            extra += ["--requirepass", self.password]
+        # With TLS the plain port is off (0) and `port` is the TLS one.
+        port = self.port if self.tls is None else 0
+        args = server_argv(exe, port, str(self._dir), *extra, *self._args)
         proc = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdgate.loadtest.chaos.load import OpenStreamingLoad, StreamRecord
 from pdgate.loadtest.chaos.sentinel import SentinelRedis
@@ -44,7 +43,7 @@ from pdgate.loadtest.lib.deployed import (
     settings_env,
 )
 from pdgate.loadtest.lib.log import Log, to_stderr
-from pdgate.loadtest.lib.probes import wait_instances
+from pdgate.loadtest.lib.probes import read_histogram, wait_instances
 from pdgate.loadtest.lib.rss import RssSample, RssSampler
 from pdgate.loadtest.scheduling.workload import Scenario
 from pdgate.loadtest.scheduling.workload import Workload as Prompts
@@ -441,19 +440,11 @@ async def _probe(session: aiohttp.ClientSession, url: str) -> float:
 
 
 async def _loop_lag(session: aiohttp.ClientSession, url: str) -> dict[float, float]:
-    """The gateway's event-loop lag histogram now: cumulative count by bucket bound."""
+    """The gateway's event-loop lag histogram now (empty if its /metrics could not be read)."""
     try:
-        async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
-            text = await r.text()
+        return await read_histogram(session, url, "pdgate_event_loop_lag_seconds")
     except (aiohttp.ClientError, OSError, TimeoutError):
         return {}
-    out: dict[float, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name == "pdgate_event_loop_lag_seconds":
-            for sample in family.samples:
-                if sample.name.endswith("_bucket"):
-                    out[float(sample.labels["le"])] = sample.value
-    return out
 
 
 async def _overload(

@@ -35,9 +35,11 @@ __all__ = [
     "Counters",
     "HoldSnapshot",
     "delta",
+    "histogram_buckets",
     "holds_of",
     "parse_gateway_metrics",
     "read_counters",
+    "read_histogram",
     "read_holds",
     "wait_http",
     "wait_instances",
@@ -74,6 +76,23 @@ def parse_gateway_metrics(text: str) -> Counters:
             elif sample.name == "pdgate_queue_sheds_total":
                 out[f"queue_sheds_{sample.labels['reason']}"] = sample.value
     return out
+
+
+def histogram_buckets(text: str, name: str) -> dict[float, float]:
+    """The unlabelled histogram `name` in a Prometheus exposition: cumulative count by bucket
+    bound (inf last); empty if it is not there."""
+    out: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == name:
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    out[float(sample.labels["le"])] = sample.value
+    return out
+
+
+async def read_histogram(session: aiohttp.ClientSession, url: str, name: str) -> dict[float, float]:
+    """`histogram_buckets` of the server at `url`'s ``/metrics`` now."""
+    return histogram_buckets(str(await _get(session, url + "/metrics")), name)
 
 
 # Counters also kept per gateway by `read_counters` (the rest are only summed).

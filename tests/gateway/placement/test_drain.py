@@ -5,13 +5,14 @@ reach, or one that goes first, is queued as before."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from dataclasses import replace
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 
 import pytest
 
 from pdgate.config import QueueOrder
-from pdgate.config.aio import Background
 from pdgate.gateway.errors import DeadlineExceeded, Overloaded
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.dispatch import client_error
@@ -68,10 +69,18 @@ async def test_ahead_counts_what_surely_goes_first() -> None:
     assert fifo.ahead(w(0.5)) == 4
 
 
-def _paced(
-    order: QueueOrder, drain: bool
-) -> tuple[PrefillForwarder, MockUpstream, GatewayMetrics, Background]:
-    """One prefill of one slot, 0.05 s a prompt: about 20 grants a second."""
+@dataclass
+class _Paced:
+    fwd: PrefillForwarder
+    upstream: MockUpstream
+    metrics: GatewayMetrics
+
+
+@contextlib.asynccontextmanager
+async def _paced_backlog(order: QueueOrder, *, drain: bool) -> AsyncIterator[_Paced]:
+    """One prefill of one slot, 0.05 s a prompt (about 20 grants a second), and 80 requests
+    due in 30 s queued for over a second, so the pace is known; all of it cancelled and
+    closed on exit."""
     upstream = MockUpstream(FakeCluster(prefill_delay_s=0.05))
     fwd, metrics, background = forwarder(
         upstream,
@@ -79,69 +88,52 @@ def _paced(
         ForwardingOptions(client_error=client_error, drain_admission=drain),
         order=order,
     )
-    return fwd, upstream, metrics, background
+    tasks = [asyncio.create_task(_take(fwd, waiter(i, deadline_s=30))) for i in range(80)]
+    try:
+        await asyncio.sleep(1.3)  # a second of backlog: the pace is known
+        assert len(fwd.queue) > 40
+        yield _Paced(fwd, upstream, metrics)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await eventually(lambda: fwd.waiting == 0)
+        await fwd.close()
+        await background.aclose()
 
 
-async def _take(fwd: PrefillForwarder, w: Waiter) -> float:
+async def _take(fwd: PrefillForwarder, w: Waiter) -> None:
     (await fwd.acquire(w)).close()
-    return time.monotonic()
-
-
-async def _backlog(fwd: PrefillForwarder, n: int) -> list[asyncio.Task[float]]:
-    tasks = [asyncio.create_task(_take(fwd, waiter(i, deadline_s=30))) for i in range(n)]
-    await asyncio.sleep(1.3)  # a second of backlog: the pace is known
-    assert len(fwd.queue) > 40
-    return tasks
 
 
 async def test_a_request_the_pace_cannot_reach_in_time_is_refused_at_once() -> None:
-    fwd, upstream, metrics, background = _paced(QueueOrder.FIFO, drain=True)
-    tasks = await _backlog(fwd, 80)
-    calls = len(upstream.calls)
-    began = time.monotonic()
-    with pytest.raises(Overloaded, match="would not reach this request") as refused:
-        await fwd.acquire(waiter(100, deadline_s=1.0))
-    assert time.monotonic() - began < 0.05
-    assert refused.value.retry_after is not None
-    assert metrics.registry.get_sample_value("pdgate_queue_sheds_total", {"reason": "drain"}) == 1
-    # One the pace reaches in time is queued and served.
-    await _take(fwd, waiter(101, deadline_s=20.0))
-    assert len(upstream.calls) > calls
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await fwd.close()
-    await background.aclose()
+    async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
+        calls = len(p.upstream.calls)
+        began = time.monotonic()
+        with pytest.raises(Overloaded, match="would not reach this request") as refused:
+            await p.fwd.acquire(waiter(100, deadline_s=1.0))
+        assert time.monotonic() - began < 0.05
+        assert refused.value.retry_after is not None
+        sheds = p.metrics.registry.get_sample_value("pdgate_queue_sheds_total", {"reason": "drain"})
+        assert sheds == 1
+        # One the pace reaches in time is queued and served.
+        await _take(p.fwd, waiter(101, deadline_s=20.0))
+        assert len(p.upstream.calls) > calls
 
 
 async def test_without_drain_admission_it_waits_out_its_deadline() -> None:
-    fwd, _, metrics, background = _paced(QueueOrder.FIFO, drain=False)
-    tasks = await _backlog(fwd, 80)
-    began = time.monotonic()
-    with pytest.raises(DeadlineExceeded):
-        await fwd.acquire(waiter(100, deadline_s=1.0))
-    assert time.monotonic() - began >= 0.95
-    assert metrics.registry.get_sample_value("pdgate_queue_sheds_total", {"reason": "drain"}) in (
-        None,
-        0,
-    )
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await fwd.close()
-    await background.aclose()
+    async with _paced_backlog(QueueOrder.FIFO, drain=False) as p:
+        began = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            await p.fwd.acquire(waiter(100, deadline_s=1.0))
+        assert time.monotonic() - began >= 0.95
+        sheds = p.metrics.registry.get_sample_value("pdgate_queue_sheds_total", {"reason": "drain"})
+        assert sheds in (None, 0)
 
 
 async def test_an_urgent_request_goes_first_however_long_the_queue() -> None:
     """EDF: a request due before everything queued has nobody ahead of it; it is admitted
     and served in time, where counting the whole queue would have refused it."""
-    fwd, _, _, background = _paced(QueueOrder.EDF, drain=True)
-    tasks = await _backlog(fwd, 80)
-    await _take(fwd, waiter(100, deadline_s=1.0))
-    assert len(fwd.queue) > 20  # it passed the backlog
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await eventually(lambda: fwd.waiting == 0)
-    await fwd.close()
-    await background.aclose()
+    async with _paced_backlog(QueueOrder.EDF, drain=True) as p:
+        await _take(p.fwd, waiter(100, deadline_s=1.0))
+        assert len(p.fwd.queue) > 20  # it passed the backlog

@@ -8,6 +8,7 @@ from pdgate.loadtest.lib.probes import (
     ATTEMPT_KEYS,
     HoldSnapshot,
     delta,
+    histogram_buckets,
     holds_of,
     parse_gateway_metrics,
 )
@@ -129,3 +130,11 @@ def test_each_gateways_drops_and_yields_are_kept_apart() -> None:
     }
     alone = Point("m", 1, summarize([ok], 1.0), {"gw0_early_drops": 1.0}, 0.0, 0.0, 0.0, {}, 1.0)
     assert alone.per_gateway() == {}
+
+
+def test_histogram_buckets_reads_one_histogram_cumulatively() -> None:
+    assert histogram_buckets(_EXPOSITION, "pdgate_prefill_rejections") == {
+        0.0: 100.0,
+        math.inf: 120.0,
+    }
+    assert histogram_buckets(_EXPOSITION, "pdgate_event_loop_lag_seconds") == {}
