@@ -21,7 +21,8 @@ one (P/D-Serve runs many gateways in front of one pool):
 * **Gossiped counts (every `sync_interval_s`).** Open streams and prompt tokens in flight
   per instance, summed over the fleet, for ranking; eventually consistent, off the request
   path. The same sync carries prefill-time samples (one stream for the fleet): every
-  gateway estimates from every gateway's calls.
+  gateway estimates from every gateway's calls; and each gateway's queue lengths, so that
+  drain admission judges a queue by its share of the fleet's pace.
 * **Freed-slot and idle notifications** over pub/sub wake every gateway's forwarders at
   once.
 
@@ -119,6 +120,8 @@ class FleetView:
     computing: Mapping[str, int] = field(default_factory=dict)
     # queue -> the other gateways' prefill-time samples published since the last sync
     samples: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    # queue -> requests queued at the other live gateways, as they last synced
+    queued: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,12 +182,14 @@ class FleetStore(Protocol):
         instances: Sequence[str],
         samples: Mapping[str, str] | None = None,
         leases: HeldLeases | None = None,
+        queued: Mapping[str, int] | None = None,
     ) -> FleetView:
         """Publish this gateway's counts (absolute, per instance), queue heads (queue -> ms
         to the most urgent deadline, None = empty) and new prefill-time samples (queue ->
         one packed string), make its leases on `instances` agree with `leases`, renew its
-        liveness, and read the fleet's sums for `instances` and the other gateways'
-        samples. Raises `RegistryUnavailable`."""
+        liveness, and read the fleet's sums for `instances`, the other gateways' samples
+        and how many requests they hold queued (`queued`: this gateway's, per queue).
+        Raises `RegistryUnavailable`."""
         ...
 
     def lease_cutoff(self) -> int:
@@ -287,6 +292,7 @@ class LocalFleet:
         instances: Sequence[str],
         samples: Mapping[str, str] | None = None,
         leases: HeldLeases | None = None,
+        queued: Mapping[str, int] | None = None,
     ) -> FleetView:
         return FleetView(
             1,
@@ -469,20 +475,24 @@ return 0
 # Prefill-time samples go into one stream, an entry per gateway, queue and sync, capped (a
 # few seconds of the fleet's samples): each gateway reads the others' entries, every queue's,
 # after its cursor.
+# Each queue's lengths are a hash gateway -> requests queued there; an entry of a gateway no
+# longer live is dropped by the next sync that reads it.
 # KEYS: gw, sums (hash instance -> "streams tokens"), mine (hash, same), samples stream, then
-# per queue: heads key, then per instance read: its slots key, its computing key.
+# per queue: heads key, then per instance read: its slots key, its computing key, then per
+# queue: its lengths key.
 # ARGV: me, ttl_ms, prefix of the per-gateway hashes, n_queues, n_read, n_counts, then per
 # queue: ms to its head (-1: empty); per read instance: its id; per count: instance, streams,
 # tokens; then the samples cursor ("-": from the start), then per queue: its name, its new
-# samples ("": none); then the lease cutoff, then per read instance: n_live, n_live (lease
-# id, computing 0/1), n_keep, n_keep lease ids.
+# samples ("": none), its length here; then the lease cutoff, then per read instance: n_live,
+# n_live (lease id, computing 0/1), n_keep, n_keep lease ids.
 # This gateway's leases are made to agree with what it holds (`_reconcile`): a live one Redis
 # lost (a failover to a replica that had not received it, a Redis back empty) is written
 # again, one of its own that it no longer holds and that is not being given back (a release
 # the old primary took with it) is removed. Only leases of acquires answered before this
 # sync was built (sequence <= the cutoff) can be judged so.
 # Returns {live gateways, then per read instance: streams, tokens, slots, computing, then the
-# new cursor, n, and n (queue, samples) pairs of the other gateways}.
+# new cursor, n, and n (queue, samples) pairs of the other gateways, then per queue: the
+# requests queued at the other live gateways}.
 _SYNC = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -543,7 +553,7 @@ for q = 1, nq do
   end
   redis.call('PEXPIRE', KEYS[4 + q], ttl * 4)
 end
-local b = a + 1 + 2 * nq
+local b = a + 1 + 3 * nq
 local cutoff = tonumber(ARGV[b]); b = b + 1
 local mine_prefix = me .. ':'
 local function stale_own(id, held)
@@ -580,7 +590,7 @@ end
 local stream, cursor = KEYS[4], ARGV[a]
 local last = cursor
 for q = 1, nq do
-  local name, new = ARGV[a + 2 * q - 1], ARGV[a + 2 * q]
+  local name, new = ARGV[a + 3 * q - 2], ARGV[a + 3 * q - 1]
   if new ~= '' then
     last = redis.call('XADD', stream, 'MAXLEN', '~', 1024, '*', 'g', me, 'q', name, 's', new)
   end
@@ -601,6 +611,23 @@ end
 out[#out + 1] = last
 out[#out + 1] = #theirs / 2
 for _, x in ipairs(theirs) do out[#out + 1] = x end
+for q = 1, nq do
+  local key, n = KEYS[4 + nq + 2 * nr + q], tonumber(ARGV[a + 3 * q])
+  if n > 0 then redis.call('HSET', key, me, n) else redis.call('HDEL', key, me) end
+  redis.call('PEXPIRE', key, ttl * 4)
+  local elsewhere, rows = 0, redis.call('HGETALL', key)
+  for i = 1, #rows, 2 do
+    if rows[i] ~= me then
+      local alive = redis.call('ZSCORE', gw, rows[i])
+      if alive and tonumber(alive) > now then
+        elsewhere = elsewhere + tonumber(rows[i + 1])
+      else
+        redis.call('HDEL', key, rows[i])
+      end
+    end
+  end
+  out[#out + 1] = elsewhere
+end
 return out
 """
 
@@ -668,6 +695,9 @@ class RedisFleet:
 
     def _heads(self, queue: str) -> str:
         return f"{self._base}heads:{queue}"
+
+    def _queued(self, queue: str) -> str:
+        return f"{self._base}queued:{queue}"
 
     def _unavailable(self, op: str, exc: BaseException) -> RegistryUnavailable:
         return redis_unavailable(f"fleet state {self._safe_url}", op, exc)
@@ -788,6 +818,7 @@ class RedisFleet:
         instances: Sequence[str],
         samples: Mapping[str, str] | None = None,
         leases: HeldLeases | None = None,
+        queued: Mapping[str, int] | None = None,
     ) -> FleetView:
         queues = list(heads)
         counts = sorted(set(streams) | set(tokens))
@@ -798,6 +829,7 @@ class RedisFleet:
             self._samples,
             *(self._heads(q) for q in queues),
             *(k for i in instances for k in (self._slots(i), self._computing(i))),
+            *(self._queued(q) for q in queues),
         ]
         args: list[Any] = [
             self.gateway_id,
@@ -815,7 +847,7 @@ class RedisFleet:
             args += [i, int(streams.get(i, 0)), int(tokens.get(i, 0))]
         args.append(self._cursor)
         for q in queues:
-            args += [q, (samples or {}).get(q, "")]
+            args += [q, (samples or {}).get(q, ""), max(0, int((queued or {}).get(q, 0)))]
         held = leases or HeldLeases()
         args.append(held.cutoff)
         for i in instances:
@@ -842,10 +874,15 @@ class RedisFleet:
         theirs: dict[str, list[str]] = {}
         at = 1 + 4 * len(instances)
         self._cursor = _text(out[at])
-        for k in range(int(out[at + 1])):
+        n_theirs = int(out[at + 1])
+        for k in range(n_theirs):
             queue, packed = _text(out[at + 2 + 2 * k]), _text(out[at + 3 + 2 * k])
             theirs.setdefault(queue, []).append(packed)
-        return FleetView(int(out[0]), view_streams, view_tokens, view_slots, view_computing, theirs)
+        at += 2 + 2 * n_theirs
+        elsewhere = {q: int(out[at + k]) for k, q in enumerate(queues)}
+        return FleetView(
+            int(out[0]), view_streams, view_tokens, view_slots, view_computing, theirs, elsewhere
+        )
 
     async def freed(self) -> AsyncIterator[Freed]:
         pubsub = self._sub_client.pubsub()

@@ -24,7 +24,7 @@ import asyncio
 import secrets
 import time
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,6 +194,15 @@ class Dispatcher:
         while len(self._early_samples) > _MAX_QUEUES:
             del self._early_samples[next(iter(self._early_samples))]
 
+    def queue_lengths(self) -> dict[str, int]:
+        """Per queue, the requests queued here (`FleetEstimates`)."""
+        return {f.key: len(f.queue) for f in self._forwarders.values()}
+
+    def queued_elsewhere(self, lengths: Mapping[str, int]) -> None:
+        """Per queue, the requests queued at the other gateways (`FleetEstimates`)."""
+        for f in self._forwarders.values():
+            f.queued_elsewhere = lengths.get(f.key, 0)
+
     def describe_queues(self) -> list[dict[str, object]]:
         """Rows for ``GET /admin/queues``."""
         return [
@@ -328,7 +337,7 @@ class Dispatcher:
                 self._shared,
             )
             # What the fleet measured for this queue before we had one (a warm start).
-            fwd.samples_in(self._early_samples.pop(fwd.key, ()))
+            fwd.samples_in(self._early_samples.pop(fwd.key, ()), fresh=False)
         return fwd
 
     async def _prefill_direct(self, req: _Request, body: dict[str, Any], path: str) -> PrefillGrant:

@@ -8,14 +8,19 @@ deadline:
 
     ahead / rate > time left
 
-``rate`` is the queue's grants per second **while it had a backlog** (a queue that is often
-empty drains as fast as requests arrive, which says nothing about capacity), over the last
-`window_s`, and only once the backlog has lasted `min_span_s` with at least `min_grants`
-grants: below that there is no evidence and the request is queued as before. ``ahead`` is a
-lower bound of the requests that go before it (queue.py, `WaitQueue.ahead`): more urgent
-classes, and its own tenant's requests due before it. Other tenants' requests are not
-counted (fair sharing may let it pass them), so the estimate errs toward admitting; early
-drop at the head (forwarder.py) still catches what slips through.
+``rate`` is the fleet's grants per second for this queue (this gateway's and, as each sync
+brings them, the other gateways') **while this gateway's queue had a backlog** (a queue that
+is often empty drains as fast as requests arrive, which says nothing about capacity), over
+the last `window_s`, and only once the backlog has lasted `min_span_s` with at least
+`min_grants` grants: below that there is no evidence and the request is queued as before.
+The gateways serve one deadline order, so a gateway's queue drains at its share of the
+fleet's rate: its share of the requests the fleet holds queued (forwarder.py, `_too_late`).
+A gateway that judged by its own grants alone would refuse what the fleet would serve when
+its grants lag (its queue backlogged longer than the others'). ``ahead`` is a lower bound
+of the requests that go before it (queue.py, `WaitQueue.ahead`): more urgent classes, and
+its own tenant's requests due before it. Other tenants' requests are not counted (fair
+sharing may let it pass them), so the estimate errs toward admitting; early drop at the
+head (forwarder.py) still catches what slips through.
 """
 
 from __future__ import annotations
@@ -26,10 +31,10 @@ __all__ = ["QueueDrain"]
 
 
 class QueueDrain:
-    """A queue's grant rate while backlogged: `granted(now)` for every request a prefill
-    accepted; the backlog's start is the queue's own (`WaitQueue.backlog_since`)."""
+    """A queue's grant rate while backlogged: `granted(now, n)` for every `n` requests a
+    prefill accepted; the backlog's start is the queue's own (`WaitQueue.backlog_since`)."""
 
-    __slots__ = ("_grants", "_head", "_min_grants", "_min_span", "_window")
+    __slots__ = ("_counted", "_head", "_min_grants", "_min_span", "_times", "_window")
 
     def __init__(
         self, *, window_s: float = 5.0, min_span_s: float = 1.0, min_grants: int = 4
@@ -39,28 +44,38 @@ class QueueDrain:
         self._window = window_s
         self._min_span = min_span_s
         self._min_grants = min_grants
-        # Grant times, ascending; those before `_head` are out of the window. Bounded by
-        # what the prefills can grant in one window (compacted as the head moves on).
-        self._grants: list[float] = []
+        # When grants came, ascending, and the grants counted up to and including each;
+        # those before `_head` are out of the window. Bounded by the calls to `granted` in
+        # one window (compacted as the head moves on).
+        self._times: list[float] = []
+        self._counted: list[int] = []
         self._head = 0
 
-    def granted(self, now: float) -> None:
-        grants = self._grants
-        grants.append(now)
-        if grants[self._head] < now - self._window:
-            self._head = bisect_left(grants, now - self._window, self._head)
-            if self._head > 64 and self._head * 2 > len(grants):
-                del grants[: self._head]
+    def granted(self, now: float, n: int = 1) -> None:
+        if n <= 0:
+            return
+        times = self._times
+        if times and now < times[-1]:
+            now = times[-1]  # kept ascending
+        times.append(now)
+        self._counted.append((self._counted[-1] if self._counted else 0) + n)
+        if times[self._head] < now - self._window:
+            self._head = bisect_left(times, now - self._window, self._head)
+            if self._head > 64 and self._head * 2 > len(times):
+                del times[: self._head]
+                del self._counted[: self._head]
                 self._head = 0
 
     def rate(self, now: float, backlog_since: float | None) -> float | None:
         """Grants per second over the current backlog's last `window_s` (None: no backlog,
         or too short or too few grants to say)."""
-        if backlog_since is None:
+        if backlog_since is None or not self._times:
             return None
         start = max(backlog_since, now - self._window)
         span = now - start
         if span < self._min_span:
             return None
-        grants = len(self._grants) - bisect_left(self._grants, start, self._head)
+        first = bisect_left(self._times, start, self._head)
+        before = self._counted[first - 1] if first else 0
+        grants = self._counted[-1] - before
         return grants / span if grants >= self._min_grants else None

@@ -178,7 +178,10 @@ class PrefillForwarder:
         # says): the expected prefill times the hold-or-go choice compares.
         self.compute_times = PrefillTimes()
         self.token_ratio = TokenRatio()
-        self._drain = QueueDrain()
+        self._drain = QueueDrain()  # the fleet's grants: ours and the other gateways'
+        self._grants_new = 0  # ours since the last `samples_out`
+        # Requests queued for this queue at the other gateways, as of the last sync.
+        self.queued_elsewhere = 0
         self._forming = BatchForming(
             queue,
             policy,
@@ -238,6 +241,7 @@ class PrefillForwarder:
             grant: PrefillGrant = await waiter.future
             returned = True
             self._drain.granted(time.monotonic())
+            self._grants_new += 1
             return grant
         finally:
             expiry.cancel()
@@ -250,8 +254,9 @@ class PrefillForwarder:
             wait.end()
 
     def _too_late(self, waiter: Waiter) -> bool:
-        """Would the requests ahead, drained at the queue's pace while backlogged, hold
-        `waiter` past its deadline? (drain.py; the exact count only past the cheap bound.)"""
+        """Would the requests ahead, drained at this queue's share of the fleet's pace while
+        backlogged, hold `waiter` past its deadline? (drain.py; the exact count only past
+        the cheap bound.)"""
         queued = len(self.queue)
         if not queued:
             return False
@@ -259,7 +264,8 @@ class PrefillForwarder:
         rate = self._drain.rate(now, self.queue.backlog_since)
         if rate is None:
             return False
-        reachable = rate * (waiter.deadline - now)
+        share = queued / (queued + self.queued_elsewhere)
+        reachable = rate * share * (waiter.deadline - now)
         return queued > reachable and self.queue.ahead(waiter) > reachable
 
     def _expire(self, future: asyncio.Future[PrefillGrant]) -> None:
@@ -306,18 +312,28 @@ class PrefillForwarder:
                 await self._task
 
     def samples_out(self) -> str:
-        """This queue's new prefill-time samples for the fleet, packed ("": none)."""
+        """This queue's new prefill-time samples and grants for the fleet, packed ("":
+        none)."""
         parts = [f"p {c} {t:.6g}" for c, t in self.prefill_times.take_new()]
         parts += [f"c {c} {t:.6g}" for c, t in self.compute_times.take_new()]
+        if self._grants_new:
+            parts.append(f"g {self._grants_new}")
+            self._grants_new = 0
         return ";".join(parts)
 
-    def samples_in(self, packed: Sequence[str]) -> None:
-        """The other gateways' samples for this queue (`samples_out` there). Malformed
+    def samples_in(self, packed: Sequence[str], *, fresh: bool = True) -> None:
+        """The other gateways' samples and grants for this queue (`samples_out` there);
+        grants count only when `fresh` (just synced: they give the pace now). Malformed
         entries are skipped: another gateway's version may pack more."""
         targets = {"p": self.prefill_times, "c": self.compute_times}
+        granted = 0
         for entry in packed:
             for item in entry.split(";"):
                 kind, _, rest = item.partition(" ")
+                if kind == "g":
+                    with contextlib.suppress(ValueError):
+                        granted += max(0, int(rest))
+                    continue
                 chars, _, secs = rest.partition(" ")
                 target = targets.get(kind)
                 try:
@@ -326,6 +342,8 @@ class PrefillForwarder:
                     continue
                 if target is not None and n >= 0 and t >= 0:
                     target.add_shared(n, t)
+        if granted and fresh:
+            self._drain.granted(time.monotonic(), granted)
 
     def head_in_ms(self) -> float | None:
         """Milliseconds to the deadline of this queue's most urgent request (None: empty)."""

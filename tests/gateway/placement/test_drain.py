@@ -40,7 +40,20 @@ def test_the_rate_counts_the_backlogs_last_window_only() -> None:
     for i in range(80):
         drain.granted(40 + i / 40)
     assert drain.rate(42.0, 0.0) == pytest.approx(40.0)
-    assert len(drain._grants) < 200  # the old grants are dropped as the window moves
+    assert len(drain._times) < 200  # the old grants are dropped as the window moves
+
+
+def test_grants_counted_together_count_as_many() -> None:
+    """The other gateways' grants arrive with each sync, several at once."""
+    drain = QueueDrain(window_s=5.0, min_span_s=1.0, min_grants=4)
+    drain.granted(10.2, 3)
+    assert drain.rate(11.0, 10.0) is None  # 3 grants: too few to say
+    drain.granted(10.5)
+    drain.granted(10.9, 6)
+    drain.granted(10.8, 0)  # nothing, and never out of order
+    assert drain.rate(11.0, 10.0) == pytest.approx(10.0)
+    assert drain.rate(11.0, 10.3) is None  # 7 grants since, in 0.7 s: too short
+    assert drain.rate(11.5, 10.3) == pytest.approx(7 / 1.2)
 
 
 async def test_ahead_counts_what_surely_goes_first() -> None:
@@ -137,3 +150,22 @@ async def test_an_urgent_request_goes_first_however_long_the_queue() -> None:
     async with _paced_backlog(QueueOrder.EDF, drain=True) as p:
         await _take(p.fwd, waiter(100, deadline_s=1.0))
         assert len(p.fwd.queue) > 20  # it passed the backlog
+
+
+async def test_a_gateway_judges_by_its_share_of_the_fleets_pace() -> None:
+    """The request refused by this gateway's own pace is admitted when the other gateways'
+    grants (as a sync brings them) show the fleet drains this gateway's share in time; and
+    refused again when the others hold most of the fleet's queue."""
+    async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
+        with pytest.raises(Overloaded):
+            await p.fwd.acquire(waiter(100, deadline_s=1.0))
+        p.fwd.samples_in(["p 100 0.05;g 400", "g 400"])  # 800 grants in the last second
+        assert p.fwd.samples_out().count("g ") == 1  # its own grants go out, not theirs
+        admitted = asyncio.create_task(_take(p.fwd, waiter(101, deadline_s=1.0)))
+        await asyncio.sleep(0.05)
+        assert not admitted.done()  # queued, not refused
+        admitted.cancel()
+        await asyncio.gather(admitted, return_exceptions=True)
+        p.fwd.queued_elsewhere = 100 * len(p.fwd.queue)
+        with pytest.raises(Overloaded):
+            await p.fwd.acquire(waiter(102, deadline_s=1.0))
