@@ -10,6 +10,7 @@ from pdgate.config.settings import (
     QueueOrder,
     RegistrySettings,
     ScenarioGroup,
+    ServingStrategy,
     ShimSettings,
 )
 from pdgate.config.wire import Role
@@ -23,5 +24,6 @@ __all__ = [
     "RegistrySettings",
     "Role",
     "ScenarioGroup",
+    "ServingStrategy",
     "ShimSettings",
 ]

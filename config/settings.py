@@ -113,7 +113,9 @@ class ShimSettings(_Settings):
     _table: ClassVar[str] = "shim"
 
     role: Role = Field(
-        default=Role.PREFILL, description="prefill (queue-less, holds KV) or decode."
+        default=Role.PREFILL,
+        description="prefill (queue-less, holds KV), decode, or aggregated (computes prompts "
+        "and decodes them: a group of these is served aggregated).",
     )
     engine: str = Field(
         default="sim",
@@ -163,6 +165,21 @@ class ShimSettings(_Settings):
         "here, in the running batch (chunked prefill); declared in the registry record so "
         "gateways with local_prefill_max_uncached_chars set send it short or cached prompts.",
     )
+    phases: bool = Field(
+        default=False,
+        description="Aggregated: temporal disaggregation (EcoServe's partial strategy): "
+        "prompts enter the engine in prefill phases only, when the running decodes' saved "
+        "TPOT covers them (docs/strategies.md); declared in the registry record.",
+    )
+    tpot_slo_s: float = Field(
+        default=0.1, gt=0, description="With phases: the TPOT SLO the decodes are held to."
+    )
+    ttft_slo_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="With phases: a waiting prompt goes in at the latest when it could still "
+        "make this TTFT.",
+    )
     sim_profile: str = Field(
         default="llama-3.1-8b-h100", description="Timing profile of the sim engine."
     )
@@ -173,6 +190,12 @@ class ShimSettings(_Settings):
         description="Fraction of the profile's real KV bytes actually sent over the wire "
         "(CPU boxes cannot move 128 KiB/token at test scale); transfer time is still "
         "modelled at full size.",
+    )
+    sim_kv_bandwidth_gbps: float | None = Field(
+        default=None,
+        gt=0,
+        description="KV transfer bandwidth the sim models between instances, in Gb/s (e.g. 25 "
+        "for commodity Ethernet, 400 for an RDMA NIC per GPU); default: the profile's.",
     )
     sim_prefix_cache_blocks: int | None = Field(
         default=None,
@@ -425,6 +448,12 @@ class GatewaySettings(_Settings):
         default=False,
         description="Answer 400 to a request that no group rule matches (instead of "
         "default_group).",
+    )
+    tpot_slo_s: float = Field(
+        default=0.1,
+        gt=0,
+        description="TPOT SLO of a partial group's streams: rolling activation sends a "
+        "prompt to an instance only while its decodes' saved TPOT covers the prefill.",
     )
     group_ttft_timeout_s: dict[str, float] = Field(
         default_factory=dict,
@@ -779,6 +808,12 @@ class GatewaySettings(_Settings):
         description="Decode servers fronted by URL (--decode), as static_prefills; capacity "
         f"defaults to {STATIC_DECODE_CAPACITY}.",
     )
+    static_aggregated: _StaticList = Field(
+        default_factory=list,
+        description="Servers that compute prompts and decode them (plain vllm serve), fronted "
+        "by URL (--aggregated), as static_prefills: a group of these is served aggregated; "
+        f"capacity defaults to {STATIC_DECODE_CAPACITY}.",
+    )
     static_probe_interval_s: float = Field(
         default=2.0, gt=0, description="How often static instances are probed (GET /health)."
     )
@@ -793,6 +828,14 @@ class GatewaySettings(_Settings):
     )
 
 
+class ServingStrategy(StrEnum):
+    """How a scenario group's instances serve it (docs/strategies.md)."""
+
+    DISAGGREGATED = "disaggregated"  # prefills, then decodes that pull the KV (P/D-Serve)
+    AGGREGATED = "aggregated"  # each instance computes prompts and decodes them
+    PARTIAL = "partial"  # aggregated instances alternating phases, rolling activation
+
+
 class ClusterSettings(_Settings):
     """``pdgate up``: the embedded cluster."""
 
@@ -801,4 +844,10 @@ class ClusterSettings(_Settings):
 
     prefills: int = Field(default=2, ge=1, le=64, description="Prefill shims started by pdgate up.")
     decodes: int = Field(default=2, ge=1, le=64, description="Decode workers started by pdgate up.")
+    strategy: ServingStrategy = Field(
+        default=ServingStrategy.DISAGGREGATED,
+        description="disaggregated: prefill shims and decode workers; aggregated: as many "
+        "instances that compute prompts and decode them (prefills + decodes of them); "
+        "partial: those, alternating prefill and decode phases (EcoServe).",
+    )
     shim_base_port: int = Field(default=0, ge=0, le=65535, description="0 = pick free ports.")

@@ -29,6 +29,9 @@ from typing import Any
 class Role(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
+    # Computes prompts and decodes them: a group of these is served aggregated (NoDG), the
+    # whole request to one instance (a plain vLLM server, or a shim over one).
+    AGGREGATED = "aggregated"
 
 
 # -- paths ---------------------------------------------------------------------------------
@@ -62,6 +65,9 @@ EXT_CONTINUATION = "continuation"
 # locally instead of leasing each one through Redis. One that queues (stock vLLM, or
 # admission=queue) must be leased: only the gateways can keep it queue-less.
 EXT_QUEUELESS = "queueless"
+# An aggregated instance that alternates prefill and decode phases (EcoServe's temporal
+# disaggregation): its group is served partially disaggregated (rolling activation).
+EXT_PHASES = "phases"
 MAX_EXTENSIONS = 16
 MAX_EXTENSION_CHARS = 64
 

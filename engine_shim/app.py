@@ -40,6 +40,7 @@ from pdgate.config.wire import (
     EXT_BATCH_PREFILL,
     EXT_CONTINUATION,
     EXT_LOCAL_PREFILL,
+    EXT_PHASES,
     EXT_QUEUELESS,
     HEALTH_PATH,
     LOAD_PATH,
@@ -48,7 +49,7 @@ from pdgate.engine_shim._http import ApiError, ClusterAuth, json_response
 from pdgate.engine_shim._kv_sources import KvSources
 from pdgate.engine_shim._metrics import metrics_registry
 from pdgate.engine_shim.backend import DecodeBackend, PrefillBackend
-from pdgate.engine_shim.decode import DecodeWorker, local_prefill
+from pdgate.engine_shim.decode import AggregatedWorker, DecodeWorker, local_prefill
 from pdgate.engine_shim.prefill import PrefillShim
 from pdgate.registry.base import InstanceRecord, InstanceState, Registry
 from pdgate.registry.heartbeat import Heartbeat
@@ -105,6 +106,8 @@ def _extensions(settings: ShimSettings, backend: PrefillBackend | DecodeBackend)
             return (EXT_BATCH_PREFILL, EXT_QUEUELESS)
         return (EXT_BATCH_PREFILL,)
     if isinstance(backend, DecodeBackend) and local_prefill(settings, backend) is not None:
+        if settings.role is Role.AGGREGATED and settings.phases:
+            return (EXT_CONTINUATION, EXT_LOCAL_PREFILL, EXT_PHASES)
         return (EXT_CONTINUATION, EXT_LOCAL_PREFILL)
     return (EXT_CONTINUATION,)
 
@@ -290,7 +293,8 @@ def build_shim_app(
             max_instances=registry_settings.max_instances,
             hold_s=registry_settings.ttl_s,
         )
-        service = DecodeWorker(
+        worker = AggregatedWorker if settings.role is Role.AGGREGATED else DecodeWorker
+        service = worker(
             settings,
             backend,
             instance_id=record.id,

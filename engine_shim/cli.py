@@ -1,4 +1,4 @@
-"""``pdgate shim``: run one prefill shim or decode worker."""
+"""``pdgate shim``: run one prefill shim, decode worker or aggregated instance."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import asyncio
 
 from pdgate.config.cli import overrides, registry_settings, serve_until_signalled
 from pdgate.config.settings import ShimSettings
+from pdgate.config.wire import Role
 
-HELP = "run one prefill shim or decode worker"
+HELP = "run one prefill shim, decode worker or aggregated instance"
 _FLAGS = [
     "role",
     "engine",
@@ -25,7 +26,7 @@ _FLAGS = [
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--role", choices=["prefill", "decode"])
+    p.add_argument("--role", choices=[r.value for r in Role])
     p.add_argument("--engine", help="engine backend by name (sim, vllm) or module:factory")
     p.add_argument("--host")
     p.add_argument("--port", type=int)

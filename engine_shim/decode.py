@@ -25,6 +25,7 @@ for prompts with few uncached tokens). Otherwise it gets 400 as before.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
@@ -49,6 +50,7 @@ from pdgate.engine_shim._http import (
 )
 from pdgate.engine_shim._kv_pull import KvRetriever, KvTransferError, PullJob
 from pdgate.engine_shim._kv_sources import KvSources
+from pdgate.engine_shim._phases import PhaseGate
 from pdgate.engine_shim._service import ShimService, caller_request_id, end_span
 from pdgate.engine_shim._slots import SlotPool
 from pdgate.engine_shim._sse import EventStream
@@ -62,7 +64,7 @@ from pdgate.engine_shim.backend import (
     TokenLogprobs,
 )
 
-__all__ = ["DecodeWorker"]
+__all__ = ["AggregatedWorker", "DecodeWorker"]
 
 log = logging.getLogger("pdgate.shim.decode")
 
@@ -135,6 +137,16 @@ class DecodeWorker(ShimService[DecodeBackend]):
         # None only for a worker built without a registry to check against (unit tests).
         self._sources = sources
         self._local = local_prefill(settings, backend)
+        if self.role is Role.AGGREGATED and self._local is None:
+            raise ValueError(
+                "an aggregated instance computes prompts itself: it needs local_prefill on and "
+                "an engine that takes plain requests"
+            )
+        # Temporal disaggregation (aggregated instances with `phases`): None otherwise.
+        self._gate: PhaseGate | None = None
+        if self.role is Role.AGGREGATED and settings.phases:
+            self._gate = PhaseGate(tpot_slo_s=settings.tpot_slo_s, ttft_slo_s=settings.ttft_slo_s)
+        self._seq = itertools.count()
         self._retriever = KvRetriever(
             backend,
             queue_size=settings.kv_retrieval_queue,
@@ -145,7 +157,12 @@ class DecodeWorker(ShimService[DecodeBackend]):
         )
 
     def _load(self) -> Mapping[str, Any]:
-        return {"queued": self._retriever.queued, "retrieving": self._retriever.retrieving}
+        phases = self._gate.load() if self._gate is not None else {}
+        return {
+            "queued": self._retriever.queued,
+            "retrieving": self._retriever.retrieving,
+            **phases,
+        }
 
     def start(self, session: aiohttp.ClientSession) -> None:
         self._retriever.start(session)
@@ -280,11 +297,17 @@ class DecodeWorker(ShimService[DecodeBackend]):
             ids.clear()
             return out
 
+        gate = self._gate if decoding.job.url == "" else None
+        seq = next(self._seq)
         try:
+            if gate is not None:  # a prompt computed here waits for a prefill phase
+                await gate.admit(seq, len(decoding.prompt))
             job = DecodeJob(decoding.prompt, max_tokens, sink, req.sampling())
             generate = self._backend.generate(job)
             async with aclosing(generate) as generated:
                 async for token in generated:
+                    if gate is not None:
+                        gate.token(seq)
                     decoding.generated += 1
                     if want_logprobs:
                         if token.logprobs is None:
@@ -308,6 +331,8 @@ class DecodeWorker(ShimService[DecodeBackend]):
             decoding.finish_reason = "stop"
             yield piece(matcher.flush(), "stop")
         finally:
+            if gate is not None:
+                gate.finished(seq)
             if span.is_recording():
                 span.set_attribute("pdgate.completion_tokens", decoding.generated)
                 span.set_attribute("pdgate.finish_reason", decoding.finish_reason)
@@ -369,3 +394,11 @@ class DecodeWorker(ShimService[DecodeBackend]):
         if isinstance(exc, InvalidRequest):
             return bad_request(str(exc))
         return _kv_error(exc)
+
+
+class AggregatedWorker(DecodeWorker):
+    """An instance of an aggregated group: every request comes whole (no KV from a prefill)
+    and is prefilled in the running batch, as a decode's local prefill is; with ``phases``,
+    only in prefill phases (engine_shim/_phases.py)."""
+
+    role = Role.AGGREGATED

@@ -84,6 +84,10 @@ def make_backend(settings: ShimSettings) -> SimPrefillEngine | SimDecodeEngine:
     profile = get_profile(settings.sim_profile)
     if settings.sim_prefix_cache_blocks is not None:
         profile = dataclasses.replace(profile, prefix_cache_blocks=settings.sim_prefix_cache_blocks)
+    if settings.sim_kv_bandwidth_gbps is not None:
+        profile = dataclasses.replace(
+            profile, kv_bandwidth_bytes_s=settings.sim_kv_bandwidth_gbps * 1e9 / 8
+        )
     if settings.role == Role.PREFILL:
         return SimPrefillEngine(
             profile, max_batch=settings.capacity, kv_wire_fraction=settings.sim_kv_wire_fraction

@@ -211,6 +211,7 @@ def build_dispatcher(
             admit_idle(prefill_policy) if settings.prefill_admit == "idle" else prefill_policy
         ),
         decode_policy=decode_policy,
+        aggregated_policy=prefill_policy,
         groups=groups or GroupResolver(settings, tracker),
         decodes=decodes,
         # Conditional disaggregation (gateway/placement/local_prefill.py).

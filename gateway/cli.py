@@ -29,6 +29,7 @@ _FLAGS = [
     "workers",
     "static_prefills",
     "static_decodes",
+    "static_aggregated",
 ]
 _STATIC_HELP = (
     "a {role} server fronted by URL, without registration (stock vLLM, any OpenAI server "
@@ -61,6 +62,15 @@ def configure(p: argparse.ArgumentParser) -> None:
             metavar="'URL [capacity=N] ...'",
             help=_STATIC_HELP.format(role=role, capacity=capacity),
         )
+    p.add_argument(
+        "--aggregated",
+        dest="static_aggregated",
+        action="append",
+        metavar="'URL [capacity=N] ...'",
+        help=f"a server that computes prompts and decodes them (plain vllm serve), fronted by "
+        f"URL: its group is served aggregated; as --decode, capacity default "
+        f"{STATIC_DECODE_CAPACITY}. Replaces static_aggregated of the config file",
+    )
     # Internal: a --workers supervisor hands each worker its listening socket.
     p.add_argument("--listen-fd", dest="listen_fd", type=int, help=argparse.SUPPRESS)
 

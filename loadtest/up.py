@@ -1,4 +1,5 @@
-"""``pdgate up``, the embedded cluster: a gateway plus prefill and decode shims, one process.
+"""``pdgate up``, the embedded cluster: a gateway plus prefill and decode shims (or, with
+``--strategy aggregated``, instances that serve whole requests), one process.
 
 It lives here, with the other harnesses that run whole clusters, because it depends on both
 the gateway and the shim packages (which never import each other).
@@ -24,7 +25,14 @@ from pathlib import Path
 from pydantic import SecretStr
 from starlette.applications import Starlette
 
-from pdgate.config import ClusterSettings, GatewaySettings, RegistrySettings, Role, ShimSettings
+from pdgate.config import (
+    ClusterSettings,
+    GatewaySettings,
+    RegistrySettings,
+    Role,
+    ServingStrategy,
+    ShimSettings,
+)
 from pdgate.config.cli import overrides, registry_settings, serve_until_signalled
 from pdgate.config.server import bind_socket, bound_port, serving
 from pdgate.engine_shim.app import ENGINES, build_shim_app, drain_shim
@@ -39,6 +47,7 @@ class ClusterInfo:
     prefill_urls: list[str] = field(default_factory=list)
     decode_urls: list[str] = field(default_factory=list)
     registry: str = "memory"
+    aggregated_urls: list[str] = field(default_factory=list)
 
 
 def _shim_port(cluster: ClusterSettings, index: int) -> int:
@@ -59,13 +68,21 @@ async def embedded_cluster(
         if registry is None:
             registry = open_registry(registry_settings)
             stack.push_async_callback(registry.aclose)
-        urls: dict[Role, list[str]] = {Role.PREFILL: [], Role.DECODE: []}
+        urls: dict[Role, list[str]] = {role: [] for role in Role}
         shim_apps: list[Starlette] = []
         roles = [Role.PREFILL] * cluster.prefills + [Role.DECODE] * cluster.decodes
+        if cluster.strategy is not ServingStrategy.DISAGGREGATED:
+            roles = [Role.AGGREGATED] * len(roles)  # as many GPUs, each doing both
+        phases = cluster.strategy is ServingStrategy.PARTIAL
         for index, role in enumerate(roles):
             sock = bind_socket(shim.host, _shim_port(cluster, index))
             settings = shim.model_copy(
-                update={"role": role, "port": bound_port(sock), "instance_id": None}
+                update={
+                    "role": role,
+                    "port": bound_port(sock),
+                    "instance_id": None,
+                    "phases": phases or shim.phases,
+                }
             )
             app = build_shim_app(settings, registry, registry_settings)
             await stack.enter_async_context(serving(app, sock))
@@ -86,6 +103,7 @@ async def embedded_cluster(
             prefill_urls=urls[Role.PREFILL],
             decode_urls=urls[Role.DECODE],
             registry="memory" if registry_settings.url is None else "redis",
+            aggregated_urls=urls[Role.AGGREGATED],
         )
 
 
@@ -230,6 +248,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int)
     p.add_argument("--prefills", type=int)
     p.add_argument("--decodes", type=int)
+    p.add_argument(
+        "--strategy",
+        choices=[s.value for s in ServingStrategy],
+        help="disaggregated (prefills + decodes), aggregated (as many instances, each "
+        "computing prompts and decoding them) or partial (those alternating prefill and "
+        "decode phases, EcoServe)",
+    )
     p.add_argument("--capacity", type=int, help="slots per shim")
     p.add_argument("--engine", help="engine backend by name (sim, vllm) or module:factory")
     p.add_argument("--model", help="served model; with --engine vllm, the model directory")
@@ -255,7 +280,9 @@ async def _up(args: argparse.Namespace, stop: asyncio.Event) -> None:
     shim = ShimSettings.load(
         args.config, **overrides(args, ["capacity", "sim_profile", "engine", "model"])
     )
-    cluster = ClusterSettings.load(args.config, **overrides(args, ["prefills", "decodes"]))
+    cluster = ClusterSettings.load(
+        args.config, **overrides(args, ["prefills", "decodes", "strategy"])
+    )
     engines = cluster.prefills + cluster.decodes
     # Without vLLM installed, building the first shim says how to install it.
     if engines and importlib.util.find_spec("vllm") is not None:
@@ -267,12 +294,18 @@ async def _up(args: argparse.Namespace, stop: asyncio.Event) -> None:
     async with embedded_cluster(gateway, registry, shim, cluster) as info:
         print(
             f"pdgate up: send OpenAI requests to {info.gateway_url}/v1 "
-            f"({len(info.prefill_urls)} prefill, {len(info.decode_urls)} decode, "
-            f"{shim.engine} engine, {info.registry} registry); Ctrl-C stops",
+            f"({_instances(info)}, {shim.engine} engine, {info.registry} registry); "
+            "Ctrl-C stops",
             flush=True,
         )
         await stop.wait()
     print("pdgate up: stopped", flush=True)
+
+
+def _instances(info: ClusterInfo) -> str:
+    if info.aggregated_urls:
+        return f"{len(info.aggregated_urls)} aggregated"
+    return f"{len(info.prefill_urls)} prefill, {len(info.decode_urls)} decode"
 
 
 def main(args: argparse.Namespace) -> int:

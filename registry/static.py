@@ -1,5 +1,6 @@
 """Instances given by URL instead of registering themselves: ``pdgate gateway --prefill URL
---decode URL`` (settings ``static_prefills``/``static_decodes``), e.g. stock ``vllm serve``.
+--decode URL`` (settings ``static_prefills``/``static_decodes``), e.g. stock ``vllm serve``,
+and ``--aggregated URL`` (``static_aggregated``) for servers that serve whole requests.
 
 `StaticRegistry` is a read-only `Registry` over those servers. A background task probes each
 one every ``probe_interval_s`` (``GET /health``, and ``GET /v1/models`` for the served model
@@ -124,7 +125,7 @@ def static_api_keys(
     environment once, at start-up. Raises `ValueError` naming the variable (never a value)
     when it is unset or empty, so a typo fails the start rather than every request."""
     keys: dict[str, str] = {}
-    for spec in (*settings.static_prefills, *settings.static_decodes):
+    for spec in (*settings.static_prefills, *settings.static_decodes, *settings.static_aggregated):
         if spec.api_key_env is None:
             continue
         key = environ.get(spec.api_key_env, "").strip()
@@ -221,6 +222,7 @@ class StaticRegistry:
         self,
         prefills: Sequence[StaticInstance] = (),
         decodes: Sequence[StaticInstance] = (),
+        aggregated: Sequence[StaticInstance] = (),
         *,
         probe_interval_s: float = 2.0,
         probe_timeout_s: float = 1.0,
@@ -235,7 +237,11 @@ class StaticRegistry:
         common = dict(headers or {})
         keys = dict(api_keys or {})
         self._targets: list[_Target] = []
-        for role, specs in ((Role.PREFILL, prefills), (Role.DECODE, decodes)):
+        for role, specs in (
+            (Role.PREFILL, prefills),
+            (Role.DECODE, decodes),
+            (Role.AGGREGATED, aggregated),
+        ):
             for spec in specs:
                 self._targets.append(
                     _Target(
@@ -507,11 +513,12 @@ def with_static_instances(
     """`registry`, plus the static instances `settings` declare (if any). `headers` go with
     the probes (the upstream bearer token: stock vLLM with ``--api-key`` guards /v1/models),
     except that a server with its own ``api_key_env`` gets its own key."""
-    if not settings.static_prefills and not settings.static_decodes:
+    if not (settings.static_prefills or settings.static_decodes or settings.static_aggregated):
         return registry
     static = StaticRegistry(
         settings.static_prefills,
         settings.static_decodes,
+        settings.static_aggregated,
         probe_interval_s=settings.static_probe_interval_s,
         probe_timeout_s=settings.static_probe_timeout_s,
         down_after=settings.static_down_after,

@@ -22,7 +22,13 @@ from typing import Any
 
 import httpx
 
-from pdgate.config import ClusterSettings, GatewaySettings, RegistrySettings, ShimSettings
+from pdgate.config import (
+    ClusterSettings,
+    GatewaySettings,
+    RegistrySettings,
+    ServingStrategy,
+    ShimSettings,
+)
 from pdgate.loadtest.up import ClusterInfo, embedded_cluster
 
 SIM_MODEL = "sim-llama-3.1-8b"  # what a sim shim serves unless told otherwise
@@ -37,10 +43,13 @@ class ThreadedCluster:
         prefills: int = 2,
         decodes: int = 2,
         registry: dict[str, Any] | None = None,
+        strategy: str = "disaggregated",
     ) -> None:
         self.gateway_settings = GatewaySettings(port=0, **(gateway or {}))
         self.shim_settings = ShimSettings(port=0, **(shim or {}))
-        self.cluster_settings = ClusterSettings(prefills=prefills, decodes=decodes)
+        self.cluster_settings = ClusterSettings(
+            prefills=prefills, decodes=decodes, strategy=ServingStrategy(strategy)
+        )
         self.registry_settings = RegistrySettings(**(registry or {}))
         self._thread = threading.Thread(target=self._main, name="pdgate-cluster", daemon=True)
         self._ready = threading.Event()

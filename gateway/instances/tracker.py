@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from pdgate.config.wire import Role
+from pdgate.config.wire import EXT_PHASES, Role
 from pdgate.policies.base import InstanceLoad
 from pdgate.registry.base import InstanceRecord, InstanceState
 
@@ -114,6 +114,11 @@ class InstanceTracker:
     _ready: dict[tuple[Role, str], list[tuple[InstanceRecord, _Counters]]] = field(
         default_factory=dict
     )
+    # (model, group) keys (group None: any) served aggregated: ready aggregated instances
+    # and no ready prefill (see `aggregated`).
+    _aggregated: set[tuple[str, str | None]] = field(default_factory=set)
+    # Of those, the ones whose every ready aggregated instance alternates phases (partial).
+    _partial: set[tuple[str, str | None]] = field(default_factory=set)
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
     _sleepers: int = 0  # in `wait_freed` now: a pulse with none wakes nobody
     _work_ids: Iterator[int] = field(default_factory=itertools.count)
@@ -132,6 +137,22 @@ class InstanceTracker:
                 ready.setdefault((rec.role, rec.model), []).append((rec, counters))
         self._ready = ready
         self._models = tuple(sorted({model for _, model in ready}))
+        keys: dict[Role, set[tuple[str, str | None]]] = {
+            Role.PREFILL: set(),
+            Role.AGGREGATED: set(),
+        }
+        for (role, model), xs in ready.items():
+            if role in keys:
+                keys[role].add((model, None))
+                keys[role].update((model, rec.group) for rec, _ in xs)
+        self._aggregated = keys[Role.AGGREGATED] - keys[Role.PREFILL]
+        steady: set[tuple[str, str | None]] = set()  # an instance there does not alternate
+        for (role, model), xs in ready.items():
+            if role is Role.AGGREGATED:
+                for rec, _ in xs:
+                    if EXT_PHASES not in rec.extensions:
+                        steady.update(((model, None), (model, rec.group)))
+        self._partial = self._aggregated - steady
         self.pulse()  # a new instance is new capacity
 
     def _for(self, instance_id: str) -> _Counters:
@@ -179,6 +200,17 @@ class InstanceTracker:
                 )
             )
         return out
+
+    def aggregated(self, model: str, group: str | None) -> bool:
+        """Whether `model`'s requests in `group` (None: any group) are served aggregated:
+        its ready instances there compute prompts and decode them, and no prefill is ready
+        (a group's strategy is what its instances are)."""
+        return (model, group) in self._aggregated
+
+    def partial(self, model: str, group: str | None) -> bool:
+        """Whether an aggregated group is served partially disaggregated: its every ready
+        instance alternates prefill and decode phases (``EXT_PHASES``)."""
+        return (model, group) in self._partial
 
     def has_room(self, instance_id: str, capacity: int) -> bool:
         """Worth a try: not recently rejected and fewer requests in flight (this gateway's

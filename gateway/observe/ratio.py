@@ -162,7 +162,8 @@ class RatioAdvisor:
     def advise(self, records: Mapping[str, InstanceRecord]) -> Iterator[Advice]:
         by_group: dict[str, dict[Role, list[InstanceRecord]]] = {}
         for r in records.values():
-            if r.state is InstanceState.READY:
+            # The ratio is of a disaggregated group's two roles: aggregated instances do both.
+            if r.state is InstanceState.READY and r.role is not Role.AGGREGATED:
                 by_group.setdefault(r.group, {Role.PREFILL: [], Role.DECODE: []})[r.role].append(r)
         for name in sorted(set(by_group) | set(self._groups)):
             yield self._advise(name, by_group.get(name, {Role.PREFILL: [], Role.DECODE: []}))

@@ -24,8 +24,9 @@ import asyncio
 import secrets
 import time
 from collections import deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from pdgate.config.aio import shielded
@@ -57,7 +58,8 @@ from pdgate.gateway.placement.forwarder import (
     Shared,
 )
 from pdgate.gateway.placement.local_prefill import LocalPlan, LocalPrefill
-from pdgate.gateway.placement.placed import DecodeLeg, Placement, PrefillGrant
+from pdgate.gateway.placement.partial import PhaseView, RollingActivation
+from pdgate.gateway.placement.placed import DecodeLeg, Placement, PrefillGrant, release_counts
 from pdgate.gateway.placement.queue import Waiter, WaitQueue
 from pdgate.gateway.upstream.base import (
     DecodeStream,
@@ -133,8 +135,12 @@ class Dispatcher:
         groups: GroupResolver,
         decodes: DecodeAttempts,
         local: LocalPrefill,
+        aggregated_policy: Ranker | None = None,
     ) -> None:
+        """`aggregated_policy` ranks an aggregated group's instances (default: the prefill
+        policy; never with the `idle` filter: they always compute)."""
         self._settings = settings
+        self._aggregated_policy = aggregated_policy or prefill_policy
         self._shared = shared
         self._tracing = shared.tracing
         self._tracker = shared.tracker
@@ -148,7 +154,8 @@ class Dispatcher:
         self._groups = groups
         self._decodes = decodes
         self._local = local
-        self._forwarders: dict[tuple[str, str | None], PrefillForwarder] = {}
+        self._forwarders: dict[tuple[str, str | None, str], PrefillForwarder] = {}
+        self._phase_views: dict[tuple[str, str | None], PhaseView] = {}
         # Queue -> the fleet's recent samples for a queue with no forwarder here yet.
         self._early_samples: dict[str, deque[str]] = {}
         # KV releases and batch calls outlive the requests that started them; `close` waits
@@ -182,7 +189,7 @@ class Dispatcher:
         """The other gateways' samples for `queue` (`FleetEstimates`); kept for a queue this
         gateway has not served yet, so its first request is judged on the fleet's figures."""
         model, _, group = queue.partition("|")
-        fwd = self._forwarders.get((model, group or None))
+        fwd = self._forwarders.get((model, group or None, Role.PREFILL.value))
         if fwd is None or fwd.key != queue:  # a model name with "|" in it
             fwd = next((f for f in self._forwarders.values() if f.key == queue), None)
         if fwd is not None:
@@ -209,6 +216,7 @@ class Dispatcher:
             {
                 "model": f.model,
                 "group": f.group,
+                "role": f.role.value,
                 "queued": len(f.queue),
                 "waiting": f.waiting,
                 "head_ms": f.head_in_ms(),
@@ -242,6 +250,8 @@ class Dispatcher:
         if not retry:
             self.budget.deposit()
         req = _Request(info, request_id, deadline, span)
+        if self._tracker.aggregated(info.model, info.group):
+            return Prefilled(req, avoid, placement=await self._whole(req, forward, api.path))
         local = self._local.plan(info, avoid)
         if local is not None and (
             placed := await local.place(
@@ -296,13 +306,110 @@ class Dispatcher:
         return placement
 
     def decodes_declare(self, info: RequestInfo, extension: str) -> bool:
-        """Whether a ready decode for `info` declares `extension`."""
+        """Whether a ready instance that would stream `info` (a decode; an aggregated
+        instance, for an aggregated group) declares `extension`."""
+        if self._tracker.aggregated(info.model, info.group):
+            return bool(self._declaring(Role.AGGREGATED, info, extension))
         return bool(self._decode_candidates(info, extension))
 
     def extensions(self, instance_id: str) -> tuple[str, ...]:
         """What the instance's registry record declares (nothing once it left)."""
         record = self._tracker.records().get(instance_id)
         return () if record is None else record.extensions
+
+    async def _whole(self, req: _Request, forward: dict[str, Any], path: str) -> Placement:
+        """Aggregated serving: an instance that computes the prompt and decodes it takes the
+        whole request. The request waits in the gateway's queue for a slot there, as for a
+        prefill (deadline order, fleet slot leases, drain admission); a 429 or a failure
+        gives the slot back and it queues again, until its deadline."""
+        info = req.info
+        # As the decode leg of a disaggregated request: always a stream (see above).
+        body = {**forward, "stream": True}
+        if not forward.get("stream"):
+            body["stream_options"] = {"include_usage": True}
+        view: PhaseView | None = None
+        if self._tracker.partial(info.model, info.group):
+            view = self._phase_view(info)
+        fwd = self._forwarder(info, Role.AGGREGATED, view)
+        while True:
+            waiter = Waiter(
+                info=info,
+                body={},
+                request_id=req.request_id,
+                deadline=req.deadline,
+                future=asyncio.get_running_loop().create_future(),
+                span=req.span,
+                path=path,
+            )
+            slot = await fwd.acquire(waiter)
+            inst = slot.instance
+            slot.take()  # its two leases are the stream's now
+            try:
+                response, stream, inflight = await self._decodes.open(
+                    inst,
+                    body,
+                    path,
+                    request_id=req.request_id,
+                    deadline=req.deadline,
+                    parent=req.span,
+                    local=True,
+                    held=(slot.stream, slot.inflight),
+                )
+            except UpstreamRejected:
+                continue  # marked busy: the queue tries the others first
+            except UpstreamStatus as exc:
+                if exc.is_client_error:
+                    raise client_error(exc) from exc
+                self._retry_or_fail(exc, "the aggregated instances are failing")
+                continue
+            except UpstreamError as exc:
+                if out_of_time(req.deadline):
+                    raise DeadlineExceeded(
+                        "no instance answered before the TTFT deadline",
+                        retry_after=self._settings.retry_after_s,
+                    ) from exc
+                self._retry_or_fail(exc, "the aggregated instances are failing")
+                continue
+            # The prompt's work on the instance, until the first byte says it is computed.
+            tokens = info.prompt_chars // 4 + 1
+            work = self._tracker.work(inst.id, tokens)
+            grant = PrefillGrant(
+                inst,
+                {},
+                stream,
+                work,
+                release_counts,
+                attempts=slot.attempts,
+                rejections=slot.rejections,
+            )
+            on_first_byte = partial(self.ejector.success, inst.id)
+            if view is not None:
+                on_first_byte = partial(_prefilled, view, tokens, slot.answered_at, on_first_byte)
+            placement = Placement(response, grant, inst, [inflight], on_first_byte=on_first_byte)
+            if view is not None:
+                view.routed(inst.id, placement)
+            return placement
+
+    def _policy_for(self, info: RequestInfo, role: Role, phases: PhaseView | None) -> Ranker:
+        if phases is not None:
+            return RollingActivation(phases, ttft_slo_s=self._groups.ttft_timeout_s(info.group))
+        return self._prefill_policy if role is Role.PREFILL else self._aggregated_policy
+
+    def _phase_view(self, info: RequestInfo) -> PhaseView:
+        key = (info.model, info.group)
+        view = self._phase_views.get(key)
+        if view is None:
+            if len(self._phase_views) >= _MAX_QUEUES:
+                del self._phase_views[next(iter(self._phase_views))]
+            view = self._phase_views[key] = PhaseView(tpot_slo_s=self._settings.tpot_slo_s)
+        return view
+
+    def _retry_or_fail(self, exc: UpstreamError, what: str) -> None:
+        """Another try after a failed one, if the retry budget allows."""
+        if not self.budget.withdraw():
+            # A fleet-wide failure must not multiply the load on what is left.
+            self._metrics.retry_budget_exhausted.inc()
+            raise BadGateway(f"{what}; not retried") from exc
 
     async def _prefill(self, req: _Request, body: dict[str, Any], path: str) -> PrefillGrant:
         if self._settings.dispatch is DispatchMode.DIRECT:
@@ -318,8 +425,12 @@ class Dispatcher:
         )
         return await self._forwarder(req.info).acquire(waiter)
 
-    def _forwarder(self, info: RequestInfo) -> PrefillForwarder:
-        key = (info.model, info.group)
+    def _forwarder(
+        self, info: RequestInfo, role: Role = Role.PREFILL, phases: PhaseView | None = None
+    ) -> PrefillForwarder:
+        """The queue of `info`'s model and group towards instances of `role`; with `phases`,
+        a partial group's, ranked by rolling activation."""
+        key = (info.model, info.group, role.value + ("+phases" if phases else ""))
         fwd = self._forwarders.get(key)
         if fwd is None:
             if len(self._forwarders) >= _MAX_QUEUES:
@@ -333,8 +444,9 @@ class Dispatcher:
                     self._settings.queue_order,
                     guard_s=self._settings.queue_guard_s,
                 ),
-                self._prefill_policy,
+                self._policy_for(info, role, phases),
                 self._shared,
+                role=role,
             )
             # What the fleet measured for this queue before we had one (a warm start).
             fwd.samples_in(self._early_samples.pop(fwd.key, ()), fresh=False)
@@ -482,10 +594,7 @@ class Dispatcher:
                             retry_after=self._settings.retry_after_s,
                         ) from exc
                     failures.append(str(exc))
-                    if not self.budget.withdraw():
-                        # A fleet-wide failure must not multiply the load on what is left.
-                        self._metrics.retry_budget_exhausted.inc()
-                        raise BadGateway("the decode instances are failing; not retried") from exc
+                    self._retry_or_fail(exc, "the decode instances are failing")
                     continue  # never reached it: the KV is still at the prefill
                 return inst, response, [stream, inflight]
             remaining = deadline - time.monotonic()
@@ -502,7 +611,12 @@ class Dispatcher:
             round_no += 1
 
     def _decode_candidates(self, info: RequestInfo, extension: str | None) -> list[InstanceLoad]:
-        loads = self._tracker.loads(Role.DECODE, info.model, info.group)
+        return self._declaring(Role.DECODE, info, extension)
+
+    def _declaring(
+        self, role: Role, info: RequestInfo, extension: str | None
+    ) -> list[InstanceLoad]:
+        loads = self._tracker.loads(role, info.model, info.group)
         if extension is None:
             return loads
         records = self._tracker.records()
@@ -519,3 +633,9 @@ def client_error(exc: UpstreamStatus) -> GatewayError:
     if exc.status == 413:
         return PayloadTooLarge(message)
     return BadRequest(message, param=upstream_error_param(exc))
+
+
+def _prefilled(view: PhaseView, tokens: int, granted_at: float, then: Callable[[], None]) -> None:
+    """A partial group's first byte: the view learns how long the prompt took."""
+    view.prefilled(time.monotonic() - granted_at, tokens)
+    then()

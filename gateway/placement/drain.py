@@ -21,6 +21,11 @@ of the requests that go before it (queue.py, `WaitQueue.ahead`): more urgent cla
 its own tenant's requests due before it. Other tenants' requests are not counted (fair
 sharing may let it pass them), so the estimate errs toward admitting; early drop at the
 head (forwarder.py) still catches what slips through.
+
+Requests queued before the pace was known (the backlog's first second) are judged the same
+way later: at most twice a second, as requests arrive, the queue is swept for those the pace
+cannot reach (`WaitQueue.beyond_reach`) and they are refused too, where they would wait out
+their deadlines.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ from pdgate.gateway.observe.ratio import RatioAdvisor
 from pdgate.gateway.placement.batching import BatchForming, batch_size
 from pdgate.gateway.placement.drain import QueueDrain
 from pdgate.gateway.placement.leases import Fleet, SlotLease, monotonic_ms_left
-from pdgate.gateway.placement.placed import PrefillGrant
+from pdgate.gateway.placement.placed import PrefillGrant, release_counts
 from pdgate.gateway.placement.prefill_time import PrefillTimes, TokenRatio, uncached_chars
 from pdgate.gateway.placement.queue import Admission, Waiter, WaiterState, WaitQueue
 from pdgate.gateway.upstream.base import Upstream
@@ -79,6 +79,9 @@ log = logging.getLogger("pdgate.forwarder")
 _MAX_REMEMBERED = 4096
 # The prefill-time quantile behind a request's latest start (the queue's start guard).
 _GUARD_QUANTILE = 0.9
+# How often drain admission looks through the whole queue (O(n log n)) for requests the pace
+# cannot reach: often enough that none waits long for a 503 it will get anyway.
+_SWEEP_S = 0.5
 
 
 @dataclass
@@ -158,11 +161,23 @@ class Shared:
 
 class PrefillForwarder:
     def __init__(
-        self, model: str, group: str | None, queue: WaitQueue, policy: Ranker, shared: Shared
+        self,
+        model: str,
+        group: str | None,
+        queue: WaitQueue,
+        policy: Ranker,
+        shared: Shared,
+        *,
+        role: Role = Role.PREFILL,
     ) -> None:
+        """`role`: the instances the queue's requests go to: prefills, or aggregated
+        instances (the whole request: a grant is a slot there, no call is made)."""
         self.model = model
         self.group = group
+        self.role = role
         self.key = f"{model}|{group or ''}"  # this queue's name in the fleet
+        if role is not Role.PREFILL:
+            self.key += f"|{role.value}"
         self.queue = queue
         self._policy = policy
         self._shared = shared
@@ -182,6 +197,7 @@ class PrefillForwarder:
         self._grants_new = 0  # ours since the last `samples_out`
         # Requests queued for this queue at the other gateways, as of the last sync.
         self.queued_elsewhere = 0
+        self._next_sweep = 0.0  # monotonic: when drain admission may sweep the queue next
         self._forming = BatchForming(
             queue,
             policy,
@@ -207,11 +223,7 @@ class PrefillForwarder:
             waiter.latest_start = waiter.deadline - estimate
         if self._options.drain_admission and self._too_late(waiter):
             self._shared.metrics.queue_sheds.labels("drain").inc()
-            raise Overloaded(
-                "the gateway's queue for this model and group would not reach this request "
-                "before its TTFT deadline",
-                retry_after=self._options.retry_after_s,
-            )
+            raise self._out_of_reach()
         admission = self.queue.push(waiter)
         if admission is Admission.FULL:
             # Under its tenant's share: it takes the place of an over-share tenant's newest
@@ -256,7 +268,8 @@ class PrefillForwarder:
     def _too_late(self, waiter: Waiter) -> bool:
         """Would the requests ahead, drained at this queue's share of the fleet's pace while
         backlogged, hold `waiter` past its deadline? (drain.py; the exact count only past
-        the cheap bound.)"""
+        the cheap bound.) At most every `_SWEEP_S`, the queued requests the pace cannot
+        reach either are refused too: those that came before the pace was known."""
         queued = len(self.queue)
         if not queued:
             return False
@@ -264,9 +277,26 @@ class PrefillForwarder:
         rate = self._drain.rate(now, self.queue.backlog_since)
         if rate is None:
             return False
-        share = queued / (queued + self.queued_elsewhere)
-        reachable = rate * share * (waiter.deadline - now)
-        return queued > reachable and self.queue.ahead(waiter) > reachable
+        rate *= queued / (queued + self.queued_elsewhere)
+        if now >= self._next_sweep:
+            self._next_sweep = now + _SWEEP_S
+            self._sweep(rate, now)
+        reachable = rate * (waiter.deadline - now)
+        return len(self.queue) > reachable and self.queue.ahead(waiter) > reachable
+
+    def _sweep(self, rate: float, now: float) -> None:
+        for late in self.queue.beyond_reach(rate, now):
+            self.queue.remove(late)
+            self._shared.metrics.queue_sheds.labels("drain").inc()
+            if not late.future.done():
+                late.future.set_exception(self._out_of_reach())
+
+    def _out_of_reach(self) -> Overloaded:
+        return Overloaded(
+            "the gateway's queue for this model and group would not reach this request "
+            "before its TTFT deadline",
+            retry_after=self._options.retry_after_s,
+        )
 
     def _expire(self, future: asyncio.Future[PrefillGrant]) -> None:
         if not future.done():
@@ -377,7 +407,7 @@ class PrefillForwarder:
                 want,
                 head_in_ms=monotonic_ms_left(first.deadline),
                 next_head_in_ms=self._next_head_ms(want),
-                idle=self._options.admit_idle,
+                idle=self._options.admit_idle and self.role is Role.PREFILL,
             )
             if slots.instance is None:
                 # Everyone is full or just rejected: wait for a request to free a slot
@@ -404,6 +434,10 @@ class PrefillForwarder:
             for unused in leases:
                 unused.release()
             if not sent:
+                continue
+            if self.role is Role.AGGREGATED:
+                for call in sent:
+                    self._hand_out(call, target)
                 continue
             run_chars = sum(c.waiter.info.prompt_chars for c in sent)
             for call in sent:
@@ -461,7 +495,7 @@ class PrefillForwarder:
         return True
 
     def _candidates(self) -> list[InstanceLoad]:
-        return self._tracker.loads(Role.PREFILL, self.model, self.group)
+        return self._tracker.loads(self.role, self.model, self.group)
 
     def _next_head_ms(self, placing: int) -> float | None:
         """Ms to the deadline of the request that will head the queue once `placing` requests
@@ -588,6 +622,32 @@ class PrefillForwarder:
             return self._options.try_timeout_s
         slow = self.prefill_times.upper_bound_s(max(call.run_chars, call.waiter.info.prompt_chars))
         return float("inf") if slow is None else max(2.0, 4 * slow)
+
+    def _hand_out(self, call: _Call, inst: InstanceLoad) -> None:
+        """An aggregated instance's slot for the waiter: its caller sends it the whole
+        request (dispatch.py). The grant holds the open stream and the slot (its fleet lease
+        with it) until the caller's stream ends."""
+        call.work.release()
+        call.computing.release(slot_freed=False)
+        _end(call.span, "granted")
+        waiter = call.waiter
+        if waiter.future.done():
+            call.release(slot_freed=True)
+            return
+        hashes = self._forming.hashes(waiter)
+        if self._index is not None and hashes:
+            self._index.record(hashes, inst.id)
+        waiter.future.set_result(
+            PrefillGrant(
+                inst,
+                {},
+                call.stream,
+                call.inflight,
+                release_counts,
+                waiter.attempts,
+                waiter.rejections,
+            )
+        )
 
     def _speaks_batch(self, inst: InstanceLoad) -> bool:
         """Whether `inst` registered the batch endpoint (pdgate shims do; stock servers get

@@ -30,7 +30,7 @@ Stock decodes never get plain requests: they do not declare the extension.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import replace
 from typing import Any
 
@@ -42,10 +42,10 @@ from pdgate.config.wire import EXT_LOCAL_PREFILL, Role
 from pdgate.gateway.errors import UpstreamError
 from pdgate.gateway.instances.affinity import PrefixIndex
 from pdgate.gateway.instances.health import Ejector
-from pdgate.gateway.instances.tracker import InstanceTracker, Lease
+from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.decode_attempt import PREFILL_PATH, DecodeAttempts
-from pdgate.gateway.placement.placed import Placement, PrefillGrant
+from pdgate.gateway.placement.placed import Placement, PrefillGrant, release_counts
 from pdgate.policies.base import InstanceLoad, Ranker, RequestInfo
 
 __all__ = ["LocalPlan", "LocalPrefill"]
@@ -161,7 +161,7 @@ class LocalPrefill:
             {},
             stream,
             work,
-            _release,
+            release_counts,
             attempts=0,
             rejections=0,
         )
@@ -229,12 +229,6 @@ class LocalPlan:
     def served_by(self, decode_id: str) -> None:
         """A disaggregated placement: its decode received the prompt's KV."""
         self._hook.record(self._hashes, decode_id)
-
-
-def _release(leases: Sequence[Lease]) -> None:
-    """A local placement's release: there is no KV at a prefill to free first."""
-    for lease in leases:
-        lease.release()
 
 
 def _mark(span: Span | None, path: str) -> None:

@@ -19,7 +19,7 @@ from pdgate.gateway.instances.tracker import Lease
 from pdgate.gateway.upstream.base import DecodeStream
 from pdgate.policies.base import InstanceLoad
 
-__all__ = ["DecodeLeg", "Placement", "PrefillGrant"]
+__all__ = ["DecodeLeg", "Placement", "PrefillGrant", "release_counts"]
 
 
 class PrefillGrant:
@@ -88,6 +88,13 @@ class PrefillGrant:
             self._release([self.stream, self.inflight])
 
 
+def release_counts(leases: Sequence[Lease]) -> None:
+    """The release of a grant with no KV at a prefill behind it (a local prefill, an
+    aggregated instance's slot): its counts only."""
+    for lease in leases:
+        lease.release()
+
+
 class Placement:
     """A request placed on a prefill and a decode; the decode's stream is open.
 
@@ -121,6 +128,10 @@ class Placement:
         self._leases = [grant.stream, *decode_leases]
         self._kv_taken = False
         self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def first_byte(self) -> None:
         """The decode sent its first event: it holds the KV, the prefill's slot is free."""

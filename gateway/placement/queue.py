@@ -318,6 +318,25 @@ class WaitQueue:
             1 for _, w in tenant.heap.entries if w.state is WaiterState.QUEUED and w.deadline <= due
         )
 
+    def beyond_reach(self, rate: float, now: float) -> list[Waiter]:
+        """The queued waiters that `rate` grants a second cannot reach before their
+        deadlines: more requests surely ahead of each (as `ahead` counts them) than the rate
+        grants in its time left. O(n log n)."""
+        out: list[Waiter] = []
+        before = 0  # queued in more urgent classes
+        for priority in sorted(self._classes):
+            cls = self._classes[priority]
+            for tenant in cls.tenants.values():
+                live = sorted(
+                    (e for e in tenant.heap.entries if e[1].state is WaiterState.QUEUED),
+                    key=lambda e: e[0],
+                )
+                out += [
+                    w for i, (_, w) in enumerate(live) if before + i > rate * (w.deadline - now)
+                ]
+            before += cls.queued
+        return out
+
     def peek(self) -> Waiter | None:
         """The waiter that goes next (see the module docstring)."""
         if not self._live:

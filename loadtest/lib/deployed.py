@@ -62,6 +62,10 @@ class Deployment:
     prefill_settings: Mapping[str, Any] = field(default_factory=dict)
     decode_settings: Mapping[str, Any] = field(default_factory=dict)
     gateway_settings: Mapping[str, Any] = field(default_factory=dict)
+    # The role the prefill and decode places start in (both "aggregated": an aggregated
+    # cluster of as many instances).
+    prefill_role: str = "prefill"
+    decode_role: str = "decode"
     key_prefix: str = "pdgate-bench"
     log_level: str = "WARNING"
 
@@ -119,11 +123,11 @@ class DeployedCluster:
             self.redis_url = self._given_redis_url
         local = {"host": "127.0.0.1", "port": 0}
         shim = {"drain_timeout_s": 0, **local}  # the benchmark waited for its requests already
-        for role, count, settings, into in (
-            ("prefill", d.prefills, d.prefill_settings, self.prefills),
-            ("decode", d.decodes, d.decode_settings, self.decodes),
+        for role, count, settings, into, starts_as in (
+            ("prefill", d.prefills, d.prefill_settings, self.prefills, d.prefill_role),
+            ("decode", d.decodes, d.decode_settings, self.decodes, d.decode_role),
         ):
-            env = self._envs[role] = settings_env("shim", {**shim, **settings, "role": role})
+            env = self._envs[role] = settings_env("shim", {**shim, **settings, "role": starts_as})
             into.extend(self.child(f"{role}-{i}", "shim", env) for i in range(count))
         env = self._envs["gateway"] = settings_env("gateway", {**d.gateway_settings, **local})
         self.gateways = [self.child(f"gateway-{i}", "gateway", env) for i in range(d.gateways)]

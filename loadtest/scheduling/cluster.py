@@ -36,7 +36,13 @@ from pdgate.gateway.app import build_gateway_app
 from pdgate.gateway.observe.loop_lag import LoopLagMonitor
 from pdgate.loadtest.lib.procfs import own_cpu_s
 from pdgate.loadtest.scheduling.clusters import INPROCESS_FLEET
-from pdgate.loadtest.scheduling.modes import ClusterSpec, Mode, gateway_fields, shim_fields
+from pdgate.loadtest.scheduling.modes import (
+    ClusterSpec,
+    Mode,
+    gateway_fields,
+    shim_fields,
+    shim_role,
+)
 from pdgate.registry import open_registry
 
 __all__ = ["LoopLag", "serve_cluster"]
@@ -91,7 +97,11 @@ async def serve_cluster(spec: ClusterSpec, mode: Mode) -> AsyncIterator[dict[str
                 sock = bind_socket(_HOST, 0)
                 fields = shim_fields(spec, mode, role.value)
                 settings = ShimSettings(
-                    host=_HOST, port=bound_port(sock), role=role, drain_timeout_s=0, **fields
+                    host=_HOST,
+                    port=bound_port(sock),
+                    role=Role(shim_role(mode, role.value)),
+                    drain_timeout_s=0,
+                    **fields,
                 )
                 app = build_shim_app(settings, registry, registry_settings)
                 await stack.enter_async_context(serving(app, sock))

@@ -24,7 +24,13 @@ import orjson
 from pdgate.loadtest.lib.children import Child
 from pdgate.loadtest.lib.deployed import DeployedCluster, Deployment
 from pdgate.loadtest.lib.probes import wait_instances
-from pdgate.loadtest.scheduling.modes import ClusterSpec, Mode, gateway_fields, shim_fields
+from pdgate.loadtest.scheduling.modes import (
+    ClusterSpec,
+    Mode,
+    gateway_fields,
+    shim_fields,
+    shim_role,
+)
 
 __all__ = [
     "DEPLOYS",
@@ -131,6 +137,8 @@ class ProcessCluster(Cluster):
                 prefill_settings=shim_fields(spec, mode, "prefill"),
                 decode_settings=shim_fields(spec, mode, "decode"),
                 gateway_settings=gateway_fields(spec, mode),
+                prefill_role=shim_role(mode, "prefill"),
+                decode_role=shim_role(mode, "decode"),
                 key_prefix=f"pdgate-bench-{mode.name}",
                 log_level=log_level,
             )

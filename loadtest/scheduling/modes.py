@@ -43,6 +43,7 @@ __all__ = [
     "gateway_fields",
     "mode_named",
     "shim_fields",
+    "shim_role",
 ]
 
 
@@ -62,6 +63,10 @@ class Mode:
     gateway: Mapping[str, Any] = field(default_factory=dict)
     prefill: Mapping[str, Any] = field(default_factory=dict)
     decode: Mapping[str, Any] = field(default_factory=dict)
+    # "aggregated": the cluster's prefills and decodes all start as aggregated instances (as
+    # many, each computing prompts and decoding them, with the decodes' slots): the same
+    # hardware served the other way; "partial": those, alternating phases (docs/strategies.md).
+    strategy: str = "disaggregated"
 
     @property
     def queued(self) -> bool:
@@ -118,6 +123,23 @@ FEATURE_MODES: tuple[Mode, ...] = (
     # (`prefill_admit = room`, the former default): with several slots a prefill,
     # requests then wait inside busy prefills, out of the gateway's deadline order.
     _on_demand("least_sse_room", prefill_admit="room"),
+    # The same instances aggregated: each request whole to one instance, from the queue.
+    Mode(
+        "aggregated",
+        admission="reject",
+        dispatch="queue",
+        prefill_policy="least_sse",
+        strategy="aggregated",
+    ),
+    Mode(
+        "partial",
+        admission="reject",
+        dispatch="queue",
+        prefill_policy="least_sse",
+        prefill={"phases": True},
+        decode={"phases": True},
+        strategy="partial",
+    ),
 )
 
 
@@ -184,12 +206,19 @@ class ClusterSpec:
         return cls(**data)
 
 
+def shim_role(mode: Mode, role: str) -> str:
+    """The role a `role` ("prefill" or "decode") place of the cluster starts in under `mode`."""
+    return role if mode.strategy == "disaggregated" else "aggregated"
+
+
 def shim_fields(spec: ClusterSpec, mode: Mode, role: str) -> dict[str, Any]:
-    """ShimSettings fields of a `role` ("prefill" or "decode") instance, role itself aside."""
+    """ShimSettings fields of a `role` ("prefill" or "decode") instance, role itself aside
+    (`shim_role`)."""
+    decodes = role == "decode" or mode.strategy != "disaggregated"
     fields: dict[str, Any] = {
         "model": spec.model,
         "sim_profile": spec.sim_profile,
-        "capacity": spec.prefill_capacity if role == "prefill" else spec.decode_capacity,
+        "capacity": spec.decode_capacity if decodes else spec.prefill_capacity,
         "admission": mode.admission,
         "local_queue_size": spec.local_queue_size,
         "sim_kv_wire_fraction": spec.kv_wire_fraction,
@@ -217,7 +246,7 @@ def check_settings(spec: ClusterSpec, mode: Mode) -> None:
     try:
         gateway = GatewaySettings(**gateway_fields(spec, mode))
         for role in (Role.PREFILL, Role.DECODE):
-            ShimSettings(role=role, **shim_fields(spec, mode, role.value))
+            ShimSettings(role=shim_role(mode, role.value), **shim_fields(spec, mode, role.value))
         load_policy(gateway.prefill_policy, gateway.prefill_policy_options)
         load_policy(gateway.decode_policy, gateway.decode_policy_options)
     except ValueError as exc:  # pydantic's ValidationError is one

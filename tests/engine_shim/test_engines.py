@@ -25,6 +25,23 @@ def test_built_in_engines_by_name() -> None:
     assert isinstance(decode, SimDecodeEngine)
 
 
+def test_the_sim_models_the_kv_bandwidth_it_is_given() -> None:
+    """25 Gb/s Ethernet against a 400 Gb/s RDMA NIC: the same KV takes 16 times as long
+    (beyond the fixed metadata exchange)."""
+    times = {}
+    for gbps in (25.0, 400.0):
+        engine = make_backend(ShimSettings(role=Role.PREFILL, sim_kv_bandwidth_gbps=gbps))
+        assert isinstance(engine, SimPrefillEngine)
+        profile = engine._profile
+        assert profile.kv_bandwidth_bytes_s == gbps * 1e9 / 8
+        times[gbps] = profile.kv_transfer_s(4096) - profile.kv_transfer_latency_s
+    assert times[25.0] == pytest.approx(16 * times[400.0])
+    assert times[25.0] == pytest.approx(4096 * 131_072 / 3.125e9)  # Llama-3.1-8B, bf16
+    default = make_backend(ShimSettings(role=Role.PREFILL))
+    assert isinstance(default, SimPrefillEngine)
+    assert default._profile.kv_bandwidth_bytes_s == 25e9  # the profile's own
+
+
 @pytest.mark.parametrize(
     ("engine", "message"),
     [

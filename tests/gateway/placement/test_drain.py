@@ -169,3 +169,51 @@ async def test_a_gateway_judges_by_its_share_of_the_fleets_pace() -> None:
         p.fwd.queued_elsewhere = 100 * len(p.fwd.queue)
         with pytest.raises(Overloaded):
             await p.fwd.acquire(waiter(102, deadline_s=1.0))
+
+
+async def test_requests_queued_before_the_pace_was_known_are_refused_once_it_is() -> None:
+    """A request queued when nothing could be judged (here: drain admission off as it came)
+    that the pace shows out of reach is told 503 at the next arrival's sweep, not at its
+    deadline."""
+    async with _paced_backlog(QueueOrder.FIFO, drain=False) as p:
+        doomed = asyncio.create_task(_take(p.fwd, waiter(100, deadline_s=1.5)))
+        await asyncio.sleep(0.01)
+        assert not doomed.done()  # queued behind some forty requests, 20 served a second
+        p.fwd._options = replace(p.fwd._options, drain_admission=True)
+        began = time.monotonic()
+        reached = asyncio.create_task(_take(p.fwd, waiter(101, deadline_s=20.0)))
+        with pytest.raises(Overloaded, match="would not reach this request"):
+            await doomed
+        assert time.monotonic() - began < 0.5  # long before its deadline
+        await reached  # the arrival itself is queued and served
+        sheds = p.metrics.registry.get_sample_value("pdgate_queue_sheds_total", {"reason": "drain"})
+        assert sheds == 1
+
+
+def test_beyond_reach_counts_each_waiter_as_ahead_does() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+
+        def w(deadline: float, tenant: str = "a", priority: int = 1) -> Waiter:
+            return Waiter(
+                info=replace(info("p"), tenant=tenant, priority=priority),
+                body={},
+                request_id=f"{tenant}{deadline}",
+                deadline=deadline,
+                future=loop.create_future(),
+            )
+
+        q = WaitQueue(100, QueueOrder.EDF)
+        urgent = [w(50, priority=0) for _ in range(3)]
+        late = [w(d) for d in (1.0, 2.0, 3.0, 4.0)]
+        other = w(1.0, tenant="b")
+        for x in (*urgent, *late, other):
+            q.push(x)
+        # 2 grants a second from t=0: the urgent three are reached; of tenant a's, the one
+        # due at 1.0 has 3 ahead (2 reachable), at 2.0 4 ahead (4: reached), at 3.0 5 (6),
+        # at 4.0 6 (8); b's has the 3 urgent ahead only, with 2 reachable.
+        assert set(map(id, q.beyond_reach(2.0, 0.0))) == {id(late[0]), id(other)}
+        q.remove(late[0])
+        assert set(map(id, q.beyond_reach(2.0, 0.0))) == {id(other)}
+    finally:
+        loop.close()

@@ -21,6 +21,7 @@ from pdgate.loadtest.scheduling.modes import (
     gateway_fields,
     mode_named,
     shim_fields,
+    shim_role,
 )
 from pdgate.loadtest.scheduling.open_loop import Arrivals
 
@@ -48,6 +49,13 @@ def test_feature_modes_are_one_line_overrides() -> None:
     assert gateway_fields(spec, mode)["batch_forwarding"] is False
     assert shim_fields(spec, mode, "prefill")["capacity"] == 3
     assert shim_fields(spec, mode, "decode")["capacity"] == 7
+    # The aggregated mode starts every place as an aggregated instance with a decode's
+    # slots; the others keep the roles.
+    agg = mode_named("aggregated")
+    assert [shim_role(agg, r) for r in ("prefill", "decode")] == ["aggregated", "aggregated"]
+    assert shim_fields(spec, agg, "prefill")["capacity"] == spec.decode_capacity
+    assert shim_role(mode, "prefill") == "prefill"
+    check_settings(ClusterSpec(), agg)
     # The in-process cluster gets the mode itself, overrides included.
     assert Mode.from_json(mode.to_json()) == mode
 
