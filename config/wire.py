@@ -83,6 +83,9 @@ KV_ID_HEADER = "x-pdgate-kv-id"
 # the client's number in the message; other servers ignore it. The batch endpoint takes the
 # same per request as ``decode_max_tokens``.
 DECODE_MAX_TOKENS_HEADER = "x-pdgate-decode-max-tokens"
+# Gateway -> an aggregated instance: milliseconds the request has left for its first token.
+# An instance that alternates phases lets a waiting prompt in by then at the latest.
+TTFT_LEFT_HEADER = "x-pdgate-ttft-left-ms"
 # Error code of a decode's 400 for ``kv_transfer_params`` naming no prefill it knows: about
 # its view of the registry, not about the request (the view may lag the gateway's).
 UNKNOWN_KV_SOURCE = "unknown_kv_source"

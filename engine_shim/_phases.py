@@ -10,10 +10,11 @@ decodes can afford it: their mean *saved TPOT*
     L x tpot_slo_s - (now - first token time)      (L: tokens generated so far)
 
 covers the predicted prefill time of the waiting prompts (EcoServe's TPOT constraint), or
-when nothing decodes, or at the latest when the oldest waiting prompt could still make
-its TTFT (`ttft_slo_s` less the predicted prefill time): no prompt waits longer than one
-decode phase. The gate only decides *when* a prompt enters the engine, so it works in front
-of any engine that takes plain requests, a stock vLLM's included.
+when nothing decodes, or at the latest when a waiting prompt could still make its TTFT
+(`ttft_slo_s`, or less when its gateway says how long it has left, less the predicted
+prefill time): no prompt waits longer than one decode phase. The gate only decides *when*
+a prompt enters the engine, so it works in front of any engine that takes plain requests,
+a stock vLLM's included.
 
 Predicted prefill time: seconds per prompt token, learned from the prompts let in (from
 their release to their first token, a running mean), times the waiting prompts' tokens.
@@ -40,6 +41,7 @@ DECODE = "decode"
 class _Waiting:
     tokens: int
     arrived: float
+    ttft_s: float  # its TTFT budget: the gate's SLO, or less if its gateway said so
     released: asyncio.Future[None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -75,12 +77,14 @@ class PhaseGate:
 
     # -- a sequence's life -----------------------------------------------------------------
 
-    async def admit(self, seq: int, tokens: int) -> None:
-        """Wait until `seq` (a prompt of `tokens` tokens) may enter the engine."""
+    async def admit(self, seq: int, tokens: int, ttft_left_s: float | None = None) -> None:
+        """Wait until `seq` (a prompt of `tokens` tokens, `ttft_left_s` left of its TTFT
+        where its gateway said) may enter the engine."""
         if self.phase == PREFILL or not self._first:
             self._let_in(seq, tokens, self._clock())
             return
-        waiting = _Waiting(tokens, self._clock())
+        budget = self._ttft if ttft_left_s is None else min(self._ttft, ttft_left_s)
+        waiting = _Waiting(tokens, self._clock(), budget)
         self._waiting.append(waiting)
         try:
             self._consider()
@@ -142,7 +146,8 @@ class PhaseGate:
         now = self._clock()
         needed = self.pending_prefill_s()
         saved = self.saved_tpot_s(now)
-        latest = self._waiting[0].arrived + max(0.0, self._ttft - needed)
+        # The first to run out of time: its wait plus the whole pending prefill fits its TTFT.
+        latest = min(w.arrived + max(0.0, w.ttft_s - needed) for w in self._waiting)
         if saved is None or saved >= needed or now >= latest:
             self._release(now)
             return

@@ -38,7 +38,13 @@ from starlette.responses import Response
 from pdgate.config import Role, ShimSettings
 from pdgate.config.openai_api import Api, ClientGone
 from pdgate.config.tracing import Span, Tracing
-from pdgate.config.wire import SSE_DONE, UNKNOWN_KV_SOURCE, kv_url, valid_kv_id
+from pdgate.config.wire import (
+    SSE_DONE,
+    TTFT_LEFT_HEADER,
+    UNKNOWN_KV_SOURCE,
+    kv_url,
+    valid_kv_id,
+)
 from pdgate.engine_shim._completion import ApiRequest, Shape, shape_for, usage
 from pdgate.engine_shim._http import (
     ApiError,
@@ -75,7 +81,17 @@ class _Decoding:
     """One admitted request on its way out: what it asked, its KV pull, the shape of its
     answer, its span, and how far it got."""
 
-    __slots__ = ("finish_reason", "generated", "job", "outcome", "prompt", "req", "shape", "span")
+    __slots__ = (
+        "finish_reason",
+        "generated",
+        "job",
+        "outcome",
+        "prompt",
+        "req",
+        "shape",
+        "span",
+        "ttft_left_s",
+    )
 
     def __init__(
         self, req: ApiRequest, prompt: list[int], job: PullJob, shape: Shape, span: Span
@@ -88,6 +104,7 @@ class _Decoding:
         self.generated = 0  # tokens
         self.finish_reason = "length"
         self.outcome = "cancelled"  # until it ends otherwise
+        self.ttft_left_s: float | None = None  # as the gateway said (TTFT_LEFT_HEADER)
 
     def usage(self) -> dict[str, Any]:
         return usage(len(self.prompt), self.generated)
@@ -236,6 +253,7 @@ class DecodeWorker(ShimService[DecodeBackend]):
         self._counts["admitted"] += 1
         shape = shape_for(req, settings.model, caller_request_id(request), tokens)
         decoding = _Decoding(req, tokens, job, shape, span)
+        decoding.ttft_left_s = _ttft_left_s(request)
 
         def close() -> None:
             self._retriever.abandon(job)
@@ -301,7 +319,7 @@ class DecodeWorker(ShimService[DecodeBackend]):
         seq = next(self._seq)
         try:
             if gate is not None:  # a prompt computed here waits for a prefill phase
-                await gate.admit(seq, len(decoding.prompt))
+                await gate.admit(seq, len(decoding.prompt), decoding.ttft_left_s)
             job = DecodeJob(decoding.prompt, max_tokens, sink, req.sampling())
             generate = self._backend.generate(job)
             async with aclosing(generate) as generated:
@@ -394,6 +412,15 @@ class DecodeWorker(ShimService[DecodeBackend]):
         if isinstance(exc, InvalidRequest):
             return bad_request(str(exc))
         return _kv_error(exc)
+
+
+def _ttft_left_s(request: Request) -> float | None:
+    raw = request.headers.get(TTFT_LEFT_HEADER)
+    try:
+        left = int(raw) / 1000 if raw is not None else None
+    except ValueError:
+        return None  # a header this shim cannot read is no deadline
+    return left if left is not None and left > 0 else None
 
 
 class AggregatedWorker(DecodeWorker):

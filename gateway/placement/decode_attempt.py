@@ -62,19 +62,21 @@ class DecodeAttempts:
         parent: Span | None,
         local: bool = False,
         held: tuple[Lease, Lease] | None = None,
+        headers: dict[str, str] | None = None,
     ) -> tuple[DecodeStream, Lease, Lease]:
         """The decode's open stream with its open-stream and in-flight leases, which the
         caller now owns; a failure raises the `open_decode` error, already accounted for
         (and gives the leases back). The connection must be made by `deadline`
         (``time.monotonic()``). `local`: the body is the whole request (no
         ``kv_transfer_params``). `held`: the open-stream and in-flight leases the caller
-        already holds on `inst` (a queue's grant), used instead of new ones."""
+        already holds on `inst` (a queue's grant), used instead of new ones. `headers`: more
+        to send."""
         if held is not None:
             stream, inflight = held
         else:
             stream, inflight = self._tracker.open_stream(inst.id), self._tracker.begin(inst.id)
         span = self._tracing.start("pdgate.decode_attempt", parent=parent)
-        headers: dict[str, str] = {}
+        headers = dict(headers or {})
         self._tracing.inject(span, headers)
         if span.is_recording():
             span.set_attribute("pdgate.instance", inst.id)

@@ -35,6 +35,7 @@ from pdgate.config.settings import DispatchMode, GatewaySettings
 from pdgate.config.tracing import Span
 from pdgate.config.wire import (
     DECODE_MAX_TOKENS_HEADER,
+    TTFT_LEFT_HEADER,
     UNKNOWN_KV_SOURCE,
     Role,
     prefill_kv_request,
@@ -217,6 +218,7 @@ class Dispatcher:
                 "model": f.model,
                 "group": f.group,
                 "role": f.role.value,
+                "policy": f.policy_name,
                 "queued": len(f.queue),
                 "waiting": f.waiting,
                 "head_ms": f.head_in_ms(),
@@ -354,6 +356,7 @@ class Dispatcher:
                     parent=req.span,
                     local=True,
                     held=(slot.stream, slot.inflight),
+                    headers={TTFT_LEFT_HEADER: _ms_left(req.deadline)},
                 )
             except UpstreamRejected:
                 continue  # marked busy: the queue tries the others first
@@ -639,3 +642,7 @@ def _prefilled(view: PhaseView, tokens: int, granted_at: float, then: Callable[[
     """A partial group's first byte: the view learns how long the prompt took."""
     view.prefilled(time.monotonic() - granted_at, tokens)
     then()
+
+
+def _ms_left(deadline: float) -> str:
+    return str(max(1, round(1000 * (deadline - time.monotonic()))))

@@ -209,6 +209,10 @@ class PrefillForwarder:
         )
 
     @property
+    def policy_name(self) -> str:
+        return self._policy.name
+
+    @property
     def idle(self) -> bool:
         return not self.waiting and (self._task is None or self._task.done())
 

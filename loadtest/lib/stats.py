@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["DROPPED", "RequestResult", "Spread", "Summary", "percentile", "summarize"]
 
@@ -73,6 +73,9 @@ class Summary:
     success_by_scenario: dict[str, float]
     success_by_gateway: dict[int, float]
     success_by_tenant: dict[str, float]  # empty when no request named a tenant
+    # Requests each gateway's clients issued: with closed-loop users a gateway that answers
+    # failures fast gets more requests, so its success rate alone can mislead.
+    requests_by_gateway: dict[int, int] = field(default_factory=dict)
 
     @property
     def dropped(self) -> int:
@@ -130,6 +133,7 @@ def summarize(results: Iterable[RequestResult], window_s: float) -> Summary:
         success_by_scenario={k: s / n for k, (s, n) in sorted(per_scenario.items())},
         success_by_gateway={k: s / n for k, (s, n) in sorted(per_gateway.items())},
         success_by_tenant={k: s / n for k, (s, n) in sorted(per_tenant.items())},
+        requests_by_gateway={k: n for k, (_, n) in sorted(per_gateway.items())},
     )
 
 

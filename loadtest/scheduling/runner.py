@@ -160,6 +160,7 @@ class Point:
             **{f"success_tenant_{k}": v for k, v in s.success_by_tenant.items()},
             **(
                 {f"success_gateway{k}": v for k, v in s.success_by_gateway.items()}
+                | {f"requests_gateway{k}": v for k, v in s.requests_by_gateway.items()}
                 if len(s.success_by_gateway) > 1
                 else {}
             ),

@@ -106,3 +106,18 @@ async def test_the_prefill_estimate_is_learned_from_the_prompts_let_in() -> None
     assert gate.pending_prefill_s() == pytest.approx(0.5, rel=0.05)
     slow.cancel()
     await asyncio.gather(slow, return_exceptions=True)
+
+
+async def test_a_prompt_with_less_time_left_goes_in_sooner() -> None:
+    """The gateway's TTFT-left header shortens one prompt's bound below the gate's SLO."""
+    clock = Clock()
+    gate = _gate(clock, tpot=0.01, ttft=60.0)
+    await gate.admit(1, 10)
+    gate.token(1)
+    clock.now += 5.0  # nothing saved
+    waiting = asyncio.create_task(gate.admit(2, 100, ttft_left_s=0.3))  # ~0.08 s of prefill
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    clock.now += 0.3
+    await asyncio.wait_for(waiting, 1.0)  # by its own bound, not the gate's 60 s
+    assert gate.phase == "prefill"

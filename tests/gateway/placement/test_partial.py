@@ -9,6 +9,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -96,6 +97,8 @@ def test_a_partial_cluster_serves_the_openai_client_in_phases(cluster: ThreadedC
         stream=True,
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    queues = httpx.get(cluster.url + "/admin/queues", timeout=5).json()["queues"]
+    assert [(q["role"], q["policy"]) for q in queues] == [("aggregated", "rolling_activation")]
     loads: list[dict[str, Any]] = [shim_load(u) for u in urls]
     assert all(x["phase"] in ("prefill", "decode") for x in loads)
     assert sum(x["phase_switches"] for x in loads) >= 1

@@ -146,6 +146,8 @@ async def test_open_loop_serves_at_its_rate_when_the_server_keeps_up(server: _Se
     assert summary.dropped == 0 and summary.success_rate == 1.0
     assert summary.offered_rps == pytest.approx(100.0, rel=0.35)
     assert set(summary.success_by_gateway) == {0, 1}  # arrival i to gateway i mod 2
+    assert sum(summary.requests_by_gateway.values()) == summary.requests
+    assert abs(summary.requests_by_gateway[0] - summary.requests_by_gateway[1]) <= 1
     assert set(summary.success_by_tenant) == {t.name for t in spec.tenants}
     heavy = sum(r.tenant == "heavy" for r in loop.results) / len(loop.results)
     assert heavy == pytest.approx(0.5, abs=0.2)  # 3 of 6 weight units
