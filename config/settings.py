@@ -167,9 +167,8 @@ class ShimSettings(_Settings):
     )
     phases: bool = Field(
         default=False,
-        description="Aggregated: temporal disaggregation (EcoServe's partial strategy): "
-        "prompts enter the engine in prefill phases only, when the running decodes' saved "
-        "TPOT covers them (docs/strategies.md); declared in the registry record.",
+        description="Aggregated: alternate prefill and decode phases (EcoServe's partial "
+        "strategy, docs/strategies.md).",
     )
     tpot_slo_s: float = Field(
         default=0.1, gt=0, description="With phases: the TPOT SLO the decodes are held to."
@@ -452,8 +451,7 @@ class GatewaySettings(_Settings):
     tpot_slo_s: float = Field(
         default=0.1,
         gt=0,
-        description="TPOT SLO of a partial group's streams: rolling activation sends a "
-        "prompt to an instance only while its decodes' saved TPOT covers the prefill.",
+        description="TPOT SLO of a partial group's streams (rolling activation's check).",
     )
     group_ttft_timeout_s: dict[str, float] = Field(
         default_factory=dict,
@@ -499,6 +497,11 @@ class GatewaySettings(_Settings):
         "over the last 5 s) would not bring to the front before its deadline, counting only "
         "the requests sure to go first (gateway/placement/drain.py): past capacity clients "
         "learn at once, not at their deadline.",
+    )
+    drain_sweep: bool = Field(
+        default=False,
+        description="Also refuse queued requests the drain pace cannot reach "
+        "(gateway/placement/drain.py).",
     )
     prefill_estimate_quantile: float = Field(
         default=0.9,

@@ -192,6 +192,7 @@ def build_dispatcher(
             client_error=client_error,
             early_drop=settings.early_drop,
             drain_admission=settings.drain_admission,
+            drain_sweep=settings.drain_sweep,
             prefill_estimate_quantile=settings.prefill_estimate_quantile,
             try_timeout_s=settings.prefill_try_timeout_s,
         ),

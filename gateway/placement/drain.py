@@ -22,10 +22,12 @@ its own tenant's requests due before it. Other tenants' requests are not counted
 sharing may let it pass them), so the estimate errs toward admitting; early drop at the
 head (forwarder.py) still catches what slips through.
 
-Requests queued before the pace was known (the backlog's first second) are judged the same
-way later: at most twice a second, as requests arrive, the queue is swept for those the pace
-cannot reach (`WaitQueue.beyond_reach`) and they are refused too, where they would wait out
-their deadlines.
+With `drain_sweep` (off by default), requests queued before the pace was known (the
+backlog's first second) are judged the same way later: at most twice a second, as requests
+arrive, the queue is swept for those the pace cannot reach (`WaitQueue.beyond_reach`) and
+they are refused too, where they would wait out their deadlines. Off by default: clients
+that resend at once after a 503 turn each early refusal into another request, and the
+gateway that sweeps ends up answering most of the failures.
 """
 
 from __future__ import annotations

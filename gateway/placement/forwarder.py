@@ -133,6 +133,8 @@ class ForwardingOptions:
     prefill_estimate_quantile: float = 0.9
     # Answer 503 on arrival for a request the queue's recent pace cannot reach in time.
     drain_admission: bool = True
+    # ... and refuse the queued requests it cannot reach either (a sweep twice a second).
+    drain_sweep: bool = False
     # Longest one prefill call may take before the request moves on (a prefill that accepted
     # the connection and hangs); None: adaptive, from recent prefill times.
     try_timeout_s: float | None = None
@@ -272,8 +274,9 @@ class PrefillForwarder:
     def _too_late(self, waiter: Waiter) -> bool:
         """Would the requests ahead, drained at this queue's share of the fleet's pace while
         backlogged, hold `waiter` past its deadline? (drain.py; the exact count only past
-        the cheap bound.) At most every `_SWEEP_S`, the queued requests the pace cannot
-        reach either are refused too: those that came before the pace was known."""
+        the cheap bound.) With `drain_sweep`, at most every `_SWEEP_S`, the queued requests
+        the pace cannot reach either are refused too: those that came before the pace was
+        known."""
         queued = len(self.queue)
         if not queued:
             return False
@@ -282,7 +285,7 @@ class PrefillForwarder:
         if rate is None:
             return False
         rate *= queued / (queued + self.queued_elsewhere)
-        if now >= self._next_sweep:
+        if self._options.drain_sweep and now >= self._next_sweep:
             self._next_sweep = now + _SWEEP_S
             self._sweep(rate, now)
         reachable = rate * (waiter.deadline - now)

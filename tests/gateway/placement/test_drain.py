@@ -180,12 +180,17 @@ async def test_requests_queued_before_the_pace_was_known_are_refused_once_it_is(
         await asyncio.sleep(0.01)
         assert not doomed.done()  # queued behind some forty requests, 20 served a second
         p.fwd._options = replace(p.fwd._options, drain_admission=True)
+        first = asyncio.create_task(_take(p.fwd, waiter(99, deadline_s=20.0)))
+        await asyncio.sleep(0.01)
+        assert not doomed.done()  # no sweep unless asked for
+        p.fwd._options = replace(p.fwd._options, drain_sweep=True)
         began = time.monotonic()
         reached = asyncio.create_task(_take(p.fwd, waiter(101, deadline_s=20.0)))
         with pytest.raises(Overloaded, match="would not reach this request"):
             await doomed
         assert time.monotonic() - began < 0.5  # long before its deadline
         await reached  # the arrival itself is queued and served
+        await first
         sheds = p.metrics.registry.get_sample_value("pdgate_queue_sheds_total", {"reason": "drain"})
         assert sheds == 1
 
