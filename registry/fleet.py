@@ -120,8 +120,9 @@ class FleetView:
     computing: Mapping[str, int] = field(default_factory=dict)
     # queue -> the other gateways' prefill-time samples published since the last sync
     samples: Mapping[str, Sequence[str]] = field(default_factory=dict)
-    # queue -> requests queued at the other live gateways, as they last synced
-    queued: Mapping[str, int] = field(default_factory=dict)
+    # queue -> requests queued at the other live gateways, as they last synced: counts in
+    # the buckets the gateways agree on (the gateway's drain.py: by when they are due)
+    queued: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,14 +183,15 @@ class FleetStore(Protocol):
         instances: Sequence[str],
         samples: Mapping[str, str] | None = None,
         leases: HeldLeases | None = None,
-        queued: Mapping[str, int] | None = None,
+        queued: Mapping[str, Sequence[int]] | None = None,
     ) -> FleetView:
         """Publish this gateway's counts (absolute, per instance), queue heads (queue -> ms
         to the most urgent deadline, None = empty) and new prefill-time samples (queue ->
         one packed string), make its leases on `instances` agree with `leases`, renew its
         liveness, and read the fleet's sums for `instances`, the other gateways' samples
-        and how many requests they hold queued (`queued`: this gateway's, per queue).
-        Raises `RegistryUnavailable`."""
+        and the requests they hold queued (`queued`: this gateway's, per queue, as counts
+        in buckets every gateway uses alike; summed bucket by bucket). Raises
+        `RegistryUnavailable`."""
         ...
 
     def lease_cutoff(self) -> int:
@@ -292,7 +294,7 @@ class LocalFleet:
         instances: Sequence[str],
         samples: Mapping[str, str] | None = None,
         leases: HeldLeases | None = None,
-        queued: Mapping[str, int] | None = None,
+        queued: Mapping[str, Sequence[int]] | None = None,
     ) -> FleetView:
         return FleetView(
             1,
@@ -475,16 +477,16 @@ return 0
 # Prefill-time samples go into one stream, an entry per gateway, queue and sync, capped (a
 # few seconds of the fleet's samples): each gateway reads the others' entries, every queue's,
 # after its cursor.
-# Each queue's lengths are a hash gateway -> requests queued there; an entry of a gateway no
-# longer live is dropped by the next sync that reads it.
+# Each queue's lengths are a hash gateway -> "c0 c1 ..." (requests queued there, per bucket);
+# an entry of a gateway no longer live is dropped by the next sync that reads it.
 # KEYS: gw, sums (hash instance -> "streams tokens"), mine (hash, same), samples stream, then
 # per queue: heads key, then per instance read: its slots key, its computing key, then per
 # queue: its lengths key.
 # ARGV: me, ttl_ms, prefix of the per-gateway hashes, n_queues, n_read, n_counts, then per
 # queue: ms to its head (-1: empty); per read instance: its id; per count: instance, streams,
 # tokens; then the samples cursor ("-": from the start), then per queue: its name, its new
-# samples ("": none), its length here; then the lease cutoff, then per read instance: n_live,
-# n_live (lease id, computing 0/1), n_keep, n_keep lease ids.
+# samples ("": none), its counts here ("": none queued); then the lease cutoff, then per
+# read instance: n_live, n_live (lease id, computing 0/1), n_keep, n_keep lease ids.
 # This gateway's leases are made to agree with what it holds (`_reconcile`): a live one Redis
 # lost (a failover to a replica that had not received it, a Redis back empty) is written
 # again, one of its own that it no longer holds and that is not being given back (a release
@@ -492,7 +494,7 @@ return 0
 # sync was built (sequence <= the cutoff) can be judged so.
 # Returns {live gateways, then per read instance: streams, tokens, slots, computing, then the
 # new cursor, n, and n (queue, samples) pairs of the other gateways, then per queue: the
-# requests queued at the other live gateways}.
+# other live gateways' counts, summed bucket by bucket ("c0 c1 ...", "" for none)}.
 _SYNC = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -612,21 +614,25 @@ out[#out + 1] = last
 out[#out + 1] = #theirs / 2
 for _, x in ipairs(theirs) do out[#out + 1] = x end
 for q = 1, nq do
-  local key, n = KEYS[4 + nq + 2 * nr + q], tonumber(ARGV[a + 3 * q])
-  if n > 0 then redis.call('HSET', key, me, n) else redis.call('HDEL', key, me) end
+  local key, mine = KEYS[4 + nq + 2 * nr + q], ARGV[a + 3 * q]
+  if mine ~= '' then redis.call('HSET', key, me, mine) else redis.call('HDEL', key, me) end
   redis.call('PEXPIRE', key, ttl * 4)
-  local elsewhere, rows = 0, redis.call('HGETALL', key)
+  local sums, rows = {}, redis.call('HGETALL', key)
   for i = 1, #rows, 2 do
     if rows[i] ~= me then
       local alive = redis.call('ZSCORE', gw, rows[i])
       if alive and tonumber(alive) > now then
-        elsewhere = elsewhere + tonumber(rows[i + 1])
+        local k = 0
+        for c in string.gmatch(rows[i + 1], '%d+') do
+          k = k + 1
+          sums[k] = (sums[k] or 0) + tonumber(c)
+        end
       else
         redis.call('HDEL', key, rows[i])
       end
     end
   end
-  out[#out + 1] = elsewhere
+  out[#out + 1] = table.concat(sums, ' ')
 end
 return out
 """
@@ -818,7 +824,7 @@ class RedisFleet:
         instances: Sequence[str],
         samples: Mapping[str, str] | None = None,
         leases: HeldLeases | None = None,
-        queued: Mapping[str, int] | None = None,
+        queued: Mapping[str, Sequence[int]] | None = None,
     ) -> FleetView:
         queues = list(heads)
         counts = sorted(set(streams) | set(tokens))
@@ -847,7 +853,9 @@ class RedisFleet:
             args += [i, int(streams.get(i, 0)), int(tokens.get(i, 0))]
         args.append(self._cursor)
         for q in queues:
-            args += [q, (samples or {}).get(q, ""), max(0, int((queued or {}).get(q, 0)))]
+            mine = (queued or {}).get(q, ())
+            packed = " ".join(str(max(0, int(c))) for c in mine) if any(mine) else ""
+            args += [q, (samples or {}).get(q, ""), packed]
         held = leases or HeldLeases()
         args.append(held.cutoff)
         for i in instances:
@@ -879,7 +887,9 @@ class RedisFleet:
             queue, packed = _text(out[at + 2 + 2 * k]), _text(out[at + 3 + 2 * k])
             theirs.setdefault(queue, []).append(packed)
         at += 2 + 2 * n_theirs
-        elsewhere = {q: int(out[at + k]) for k, q in enumerate(queues)}
+        elsewhere = {
+            q: tuple(int(c) for c in _text(out[at + k]).split()) for k, q in enumerate(queues)
+        }
         return FleetView(
             int(out[0]), view_streams, view_tokens, view_slots, view_computing, theirs, elsewhere
         )

@@ -202,14 +202,14 @@ class Dispatcher:
         while len(self._early_samples) > _MAX_QUEUES:
             del self._early_samples[next(iter(self._early_samples))]
 
-    def queue_lengths(self) -> dict[str, int]:
-        """Per queue, the requests queued here (`FleetEstimates`)."""
-        return {f.key: len(f.queue) for f in self._forwarders.values()}
+    def queued_here(self) -> dict[str, list[int]]:
+        """Per queue, the requests queued here by when they are due (`FleetEstimates`)."""
+        return {f.key: f.due_counts() for f in self._forwarders.values()}
 
-    def queued_elsewhere(self, lengths: Mapping[str, int]) -> None:
+    def queued_elsewhere(self, counts: Mapping[str, Sequence[int]]) -> None:
         """Per queue, the requests queued at the other gateways (`FleetEstimates`)."""
         for f in self._forwarders.values():
-            f.queued_elsewhere = lengths.get(f.key, 0)
+            f.queued_elsewhere(counts.get(f.key, ()))
 
     def describe_queues(self) -> list[dict[str, object]]:
         """Rows for ``GET /admin/queues``."""

@@ -13,14 +13,14 @@ brings them, the other gateways') **while this gateway's queue had a backlog** (
 is often empty drains as fast as requests arrive, which says nothing about capacity), over
 the last `window_s`, and only once the backlog has lasted `min_span_s` with at least
 `min_grants` grants: below that there is no evidence and the request is queued as before.
-The gateways serve one deadline order, so a gateway's queue drains at its share of the
-fleet's rate: its share of the requests the fleet holds queued (forwarder.py, `_too_late`).
-A gateway that judged by its own grants alone would refuse what the fleet would serve when
-its grants lag (its queue backlogged longer than the others'). ``ahead`` is a lower bound
-of the requests that go before it (queue.py, `WaitQueue.ahead`): more urgent classes, and
-its own tenant's requests due before it. Other tenants' requests are not counted (fair
-sharing may let it pass them), so the estimate errs toward admitting; early drop at the
-head (forwarder.py) still catches what slips through.
+``ahead`` is a lower bound of the requests the fleet serves before it, in its one deadline
+order: here (queue.py, `WaitQueue.ahead`), the more urgent classes and its own tenant's
+requests due before it (other tenants' are not counted: fair sharing may let it pass
+them); at the other gateways, the requests their last sync said are due before it
+(`DUE_EDGES_S` buckets, whole buckets only). So the estimate errs toward admitting; early
+drop at the head (forwarder.py) still catches what slips through. (Its own grants alone
+would refuse what the fleet serves whenever this gateway's share of them lags; the fleet's
+rate scaled by its share of the queue would refuse ever more as its queue shrinks.)
 
 With `drain_sweep` (off by default), requests queued before the pace was known (the
 backlog's first second) are judged the same way later: at most twice a second, as requests
@@ -33,8 +33,20 @@ gateway that sweeps ends up answering most of the failures.
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Sequence
 
-__all__ = ["QueueDrain"]
+__all__ = ["DUE_EDGES_S", "QueueDrain", "due_before"]
+
+# How the fleet's gateways tell each other what their queues hold: counts of requests due
+# within each of these seconds (and later), as of each sync. Coarse on purpose: a count per
+# bucket a sync is cheap, and a bucket only counts once all of it is due first.
+DUE_EDGES_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+
+
+def due_before(counts: Sequence[int], within_s: float) -> int:
+    """Of `counts` (per `DUE_EDGES_S` bucket, the last one later than all), the requests
+    surely due within `within_s`: whole buckets only, a lower bound."""
+    return sum(c for edge, c in zip(DUE_EDGES_S, counts, strict=False) if edge <= within_s)
 
 
 class QueueDrain:

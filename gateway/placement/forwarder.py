@@ -66,7 +66,7 @@ from pdgate.gateway.instances.tracker import InstanceTracker, Lease
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.observe.ratio import RatioAdvisor
 from pdgate.gateway.placement.batching import BatchForming, batch_size
-from pdgate.gateway.placement.drain import QueueDrain
+from pdgate.gateway.placement.drain import DUE_EDGES_S, QueueDrain, due_before
 from pdgate.gateway.placement.leases import Fleet, SlotLease, monotonic_ms_left
 from pdgate.gateway.placement.placed import PrefillGrant, release_counts
 from pdgate.gateway.placement.prefill_time import PrefillTimes, TokenRatio, uncached_chars
@@ -197,8 +197,9 @@ class PrefillForwarder:
         self.token_ratio = TokenRatio()
         self._drain = QueueDrain()  # the fleet's grants: ours and the other gateways'
         self._grants_new = 0  # ours since the last `samples_out`
-        # Requests queued for this queue at the other gateways, as of the last sync.
-        self.queued_elsewhere = 0
+        # Requests queued for this queue at the other gateways, per `DUE_EDGES_S` bucket, and
+        # when (monotonic) the sync said so.
+        self._elsewhere: tuple[Sequence[int], float] = ((), 0.0)
         self._next_sweep = 0.0  # monotonic: when drain admission may sweep the queue next
         self._forming = BatchForming(
             queue,
@@ -284,15 +285,34 @@ class PrefillForwarder:
         rate = self._drain.rate(now, self.queue.backlog_since)
         if rate is None:
             return False
-        rate *= queued / (queued + self.queued_elsewhere)
         if self._options.drain_sweep and now >= self._next_sweep:
             self._next_sweep = now + _SWEEP_S
             self._sweep(rate, now)
-        reachable = rate * (waiter.deadline - now)
-        return len(self.queue) > reachable and self.queue.ahead(waiter) > reachable
+        left = waiter.deadline - now
+        reachable = rate * left
+        counts, _ = self._elsewhere
+        if len(self.queue) + sum(counts) <= reachable:
+            return False
+        return self.queue.ahead(waiter) + self._ahead_elsewhere(left) > reachable
+
+    def queued_elsewhere(self, counts: Sequence[int]) -> None:
+        """The other gateways' queued requests for this queue, per `DUE_EDGES_S` bucket, as
+        a sync just said (empty: none, or not known)."""
+        self._elsewhere = (tuple(counts), time.monotonic())
+
+    def due_counts(self) -> list[int]:
+        """This queue's requests per `DUE_EDGES_S` bucket, for the fleet."""
+        return self.queue.due_counts(time.monotonic(), DUE_EDGES_S)
+
+    def _ahead_elsewhere(self, left_s: float) -> int:
+        """Requests queued at the other gateways surely due within `left_s` from now."""
+        counts, at = self._elsewhere
+        if not counts:
+            return 0
+        return due_before(counts, left_s + (time.monotonic() - at))
 
     def _sweep(self, rate: float, now: float) -> None:
-        for late in self.queue.beyond_reach(rate, now):
+        for late in self.queue.beyond_reach(rate, now, self._ahead_elsewhere):
             self.queue.remove(late)
             self._shared.metrics.queue_sheds.labels("drain").inc()
             if not late.future.done():

@@ -81,13 +81,13 @@ class FleetEstimates(Protocol):
         """The other gateways' samples for `queue`, as they packed them."""
         ...
 
-    def queue_lengths(self) -> dict[str, int]:
-        """Queue -> requests queued at this gateway."""
+    def queued_here(self) -> dict[str, list[int]]:
+        """Queue -> requests queued at this gateway, per due bucket (drain.py, `DUE_EDGES_S`)."""
         ...
 
-    def queued_elsewhere(self, lengths: Mapping[str, int]) -> None:
-        """Queue -> requests queued at the other live gateways (empty: none known, as when
-        the fleet's state cannot be reached)."""
+    def queued_elsewhere(self, counts: Mapping[str, Sequence[int]]) -> None:
+        """Queue -> requests queued at the other live gateways, per due bucket (empty: none
+        known, as when the fleet's state cannot be reached)."""
         ...
 
 
@@ -372,7 +372,7 @@ class Fleet:
         heads = self._heads()
         estimates = self._estimates
         samples = estimates.outgoing() if estimates is not None else None
-        queued = estimates.queue_lengths() if estimates is not None else None
+        queued = estimates.queued_here() if estimates is not None else None
         started = time.perf_counter()
         view = await self.store.sync(
             streams, tokens, heads, instances, samples, self._held_leases(), queued

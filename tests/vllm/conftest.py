@@ -59,6 +59,7 @@ class Proc:
 
     def __init__(self, args: list[str], env: dict[str, str], name: str) -> None:
         self.name = name
+        self.env = env  # the settings it was given (beside the inherited environment)
         self.proc = subprocess.Popen(
             [sys.executable, *args],
             stdout=subprocess.PIPE,

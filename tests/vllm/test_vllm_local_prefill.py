@@ -1,19 +1,29 @@
 """The vLLM decode shim takes a plain request (no kv_transfer_params) and prefills it itself.
 
 Its greedy output equals, token for token, the same prompt's output through prefill and
-decode (and the aggregated engine's), and the prefill is never involved.
+decode (and the aggregated engine's), and the prefill is never involved. So does an
+aggregated vLLM shim that alternates phases (the partial strategy) behind a gateway.
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import httpx
 import orjson
 import pytest
 
-from tests._cluster import shim_load
-from tests.vllm.conftest import MODEL, PROMPTS, REFERENCE_TOKENS, VllmCluster
+from tests._cluster import get_instances, shim_load, wait_for
+from tests.vllm.conftest import (
+    MODEL,
+    PROMPTS,
+    REFERENCE_TOKENS,
+    START_TIMEOUT_S,
+    Proc,
+    VllmCluster,
+    _url,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -54,3 +64,46 @@ def test_plain_request_on_the_decode_equals_the_disaggregated_output(
     assert local == vllm_cluster.reference[prompt]["text"]
     assert local == _greedy_text(vllm_cluster.gateway_url, prompt)  # prefill + decode
     assert shim_load(vllm_cluster.prefill_url)["kv_fetched"] == prefill0["kv_fetched"] + 1
+
+
+def test_the_partial_strategy_in_front_of_vllm_gives_the_same_greedy_output(
+    vllm_cluster: VllmCluster, redis_url: str
+) -> None:
+    """An aggregated vLLM shim that alternates phases, behind its own gateway (a registry
+    of their own): every prompt's greedy output equals the aggregated engine's, the phases
+    show in /load, and no prompt is left waiting at the gate."""
+    registry = {
+        "PDGATE_REGISTRY_URL": redis_url,
+        "PDGATE_REGISTRY_KEY_PREFIX": f"pdgate-test:partial-{uuid.uuid4().hex}",
+    }
+    # The cluster's decode settings (same engine and model), as an aggregated instance.
+    shim_env = {
+        k: v for k, v in vllm_cluster.procs["decode"].env.items() if k.startswith("PDGATE_SHIM_")
+    }
+    cli = ["-m", "pdgate.config.cli"]
+    procs = {
+        "shim": Proc(
+            [*cli, "shim", "--role", "aggregated", "--capacity", "4"],
+            {**shim_env, **registry, "PDGATE_SHIM_PHASES": "1"},
+            "partial-shim",
+        ),
+        "gateway": Proc(
+            [*cli, "gateway", "--port", "0"],
+            {**registry, "PDGATE_GATEWAY_TTFT_TIMEOUT_S": "20"},
+            "partial-gateway",
+        ),
+    }
+    try:
+        gateway = _url(procs["gateway"].wait_line("pdgate gateway", 60))
+        shim = _url(procs["shim"].wait_line("pdgate shim", START_TIMEOUT_S))
+        wait_for(lambda: len(get_instances(gateway)) == 1, timeout=15, what="shim registered")
+        for prompt in PROMPTS:
+            assert _greedy_text(gateway, prompt) == vllm_cluster.reference[prompt]["text"]
+        load = shim_load(shim)
+        assert load["role"] == "aggregated"
+        assert load["local_prefills"] == len(PROMPTS)
+        assert load["phase_switches"] >= 1 and load["pending_prefills"] == 0
+        assert load["phase"] in ("prefill", "decode")
+    finally:
+        for proc in procs.values():
+            proc.stop()

@@ -16,7 +16,7 @@ from pdgate.config import QueueOrder
 from pdgate.gateway.errors import DeadlineExceeded, Overloaded
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.dispatch import client_error
-from pdgate.gateway.placement.drain import QueueDrain
+from pdgate.gateway.placement.drain import DUE_EDGES_S, QueueDrain, due_before
 from pdgate.gateway.placement.forwarder import ForwardingOptions, PrefillForwarder
 from pdgate.gateway.placement.queue import Waiter, WaitQueue
 from pdgate.gateway.upstream.mock import MockUpstream
@@ -152,10 +152,10 @@ async def test_an_urgent_request_goes_first_however_long_the_queue() -> None:
         assert len(p.fwd.queue) > 20  # it passed the backlog
 
 
-async def test_a_gateway_judges_by_its_share_of_the_fleets_pace() -> None:
+async def test_a_gateway_judges_by_the_fleets_pace_and_queue() -> None:
     """The request refused by this gateway's own pace is admitted when the other gateways'
-    grants (as a sync brings them) show the fleet drains this gateway's share in time; and
-    refused again when the others hold most of the fleet's queue."""
+    grants (as a sync brings them) show the fleet would reach it in time; and refused again
+    when the others hold enough requests due before it."""
     async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
         with pytest.raises(Overloaded):
             await p.fwd.acquire(waiter(100, deadline_s=1.0))
@@ -166,9 +166,39 @@ async def test_a_gateway_judges_by_its_share_of_the_fleets_pace() -> None:
         assert not admitted.done()  # queued, not refused
         admitted.cancel()
         await asyncio.gather(admitted, return_exceptions=True)
-        p.fwd.queued_elsewhere = 100 * len(p.fwd.queue)
+        # Due within 0.5 s elsewhere: ahead of a request due in 1 s; the later ones are not.
+        p.fwd.queued_elsewhere([0, 2000, 0, 5000])
         with pytest.raises(Overloaded):
             await p.fwd.acquire(waiter(102, deadline_s=1.0))
+        p.fwd.queued_elsewhere([0, 0, 0, 5000])
+        later = asyncio.create_task(_take(p.fwd, waiter(103, deadline_s=1.0)))
+        await asyncio.sleep(0.05)
+        assert not later.done()
+        later.cancel()
+        await asyncio.gather(later, return_exceptions=True)
+
+
+def test_due_counts_and_whole_buckets() -> None:
+    assert due_before([1, 2, 4, 8, 16, 32, 64, 128, 256], 1.0) == 1 + 2 + 4
+    assert due_before([1, 2, 4], 0.9) == 1 + 2  # the (0.5, 1] bucket is not all due by 0.9
+    assert due_before([1, 2, 4], 100.0) == 7
+    assert due_before([], 5.0) == 0
+    loop = asyncio.new_event_loop()
+    try:
+        q = WaitQueue(100, QueueOrder.EDF)
+        for d in (0.1, 0.3, 0.3, 0.9, 50.0):
+            q.push(
+                Waiter(
+                    info=info("p"),
+                    body={},
+                    request_id="r",
+                    deadline=10.0 + d,
+                    future=loop.create_future(),
+                )
+            )
+        assert q.due_counts(10.0, DUE_EDGES_S) == [1, 2, 1, 0, 0, 0, 0, 0, 1]
+    finally:
+        loop.close()
 
 
 async def test_requests_queued_before_the_pace_was_known_are_refused_once_it_is() -> None:
