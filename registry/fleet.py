@@ -21,8 +21,7 @@ one (P/D-Serve runs many gateways in front of one pool):
 * **Gossiped counts (every `sync_interval_s`).** Open streams and prompt tokens in flight
   per instance, summed over the fleet, for ranking; eventually consistent, off the request
   path. The same sync carries prefill-time samples (one stream for the fleet): every
-  gateway estimates from every gateway's calls; and each gateway's queue lengths, so that
-  drain admission judges a queue by its share of the fleet's pace.
+  gateway estimates from every gateway's calls.
 * **Freed-slot and idle notifications** over pub/sub wake every gateway's forwarders at
   once.
 
@@ -120,9 +119,6 @@ class FleetView:
     computing: Mapping[str, int] = field(default_factory=dict)
     # queue -> the other gateways' prefill-time samples published since the last sync
     samples: Mapping[str, Sequence[str]] = field(default_factory=dict)
-    # queue -> requests queued at the other live gateways, as they last synced: counts in
-    # the buckets the gateways agree on (the gateway's drain.py: by when they are due)
-    queued: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,15 +179,12 @@ class FleetStore(Protocol):
         instances: Sequence[str],
         samples: Mapping[str, str] | None = None,
         leases: HeldLeases | None = None,
-        queued: Mapping[str, Sequence[int]] | None = None,
     ) -> FleetView:
         """Publish this gateway's counts (absolute, per instance), queue heads (queue -> ms
         to the most urgent deadline, None = empty) and new prefill-time samples (queue ->
         one packed string), make its leases on `instances` agree with `leases`, renew its
-        liveness, and read the fleet's sums for `instances`, the other gateways' samples
-        and the requests they hold queued (`queued`: this gateway's, per queue, as counts
-        in buckets every gateway uses alike; summed bucket by bucket). Raises
-        `RegistryUnavailable`."""
+        liveness, and read the fleet's sums for `instances` and the other gateways'
+        samples. Raises `RegistryUnavailable`."""
         ...
 
     def lease_cutoff(self) -> int:
@@ -294,7 +287,6 @@ class LocalFleet:
         instances: Sequence[str],
         samples: Mapping[str, str] | None = None,
         leases: HeldLeases | None = None,
-        queued: Mapping[str, Sequence[int]] | None = None,
     ) -> FleetView:
         return FleetView(
             1,
@@ -477,24 +469,20 @@ return 0
 # Prefill-time samples go into one stream, an entry per gateway, queue and sync, capped (a
 # few seconds of the fleet's samples): each gateway reads the others' entries, every queue's,
 # after its cursor.
-# Each queue's lengths are a hash gateway -> "c0 c1 ..." (requests queued there, per bucket);
-# an entry of a gateway no longer live is dropped by the next sync that reads it.
 # KEYS: gw, sums (hash instance -> "streams tokens"), mine (hash, same), samples stream, then
-# per queue: heads key, then per instance read: its slots key, its computing key, then per
-# queue: its lengths key.
+# per queue: heads key, then per instance read: its slots key, its computing key.
 # ARGV: me, ttl_ms, prefix of the per-gateway hashes, n_queues, n_read, n_counts, then per
 # queue: ms to its head (-1: empty); per read instance: its id; per count: instance, streams,
 # tokens; then the samples cursor ("-": from the start), then per queue: its name, its new
-# samples ("": none), its counts here ("": none queued); then the lease cutoff, then per
-# read instance: n_live, n_live (lease id, computing 0/1), n_keep, n_keep lease ids.
+# samples ("": none); then the lease cutoff, then per read instance: n_live, n_live (lease
+# id, computing 0/1), n_keep, n_keep lease ids.
 # This gateway's leases are made to agree with what it holds (`_reconcile`): a live one Redis
 # lost (a failover to a replica that had not received it, a Redis back empty) is written
 # again, one of its own that it no longer holds and that is not being given back (a release
 # the old primary took with it) is removed. Only leases of acquires answered before this
 # sync was built (sequence <= the cutoff) can be judged so.
 # Returns {live gateways, then per read instance: streams, tokens, slots, computing, then the
-# new cursor, n, and n (queue, samples) pairs of the other gateways, then per queue: the
-# other live gateways' counts, summed bucket by bucket ("c0 c1 ...", "" for none)}.
+# new cursor, n, and n (queue, samples) pairs of the other gateways}.
 _SYNC = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -555,7 +543,7 @@ for q = 1, nq do
   end
   redis.call('PEXPIRE', KEYS[4 + q], ttl * 4)
 end
-local b = a + 1 + 3 * nq
+local b = a + 1 + 2 * nq
 local cutoff = tonumber(ARGV[b]); b = b + 1
 local mine_prefix = me .. ':'
 local function stale_own(id, held)
@@ -592,7 +580,7 @@ end
 local stream, cursor = KEYS[4], ARGV[a]
 local last = cursor
 for q = 1, nq do
-  local name, new = ARGV[a + 3 * q - 2], ARGV[a + 3 * q - 1]
+  local name, new = ARGV[a + 2 * q - 1], ARGV[a + 2 * q]
   if new ~= '' then
     last = redis.call('XADD', stream, 'MAXLEN', '~', 1024, '*', 'g', me, 'q', name, 's', new)
   end
@@ -613,27 +601,6 @@ end
 out[#out + 1] = last
 out[#out + 1] = #theirs / 2
 for _, x in ipairs(theirs) do out[#out + 1] = x end
-for q = 1, nq do
-  local key, mine = KEYS[4 + nq + 2 * nr + q], ARGV[a + 3 * q]
-  if mine ~= '' then redis.call('HSET', key, me, mine) else redis.call('HDEL', key, me) end
-  redis.call('PEXPIRE', key, ttl * 4)
-  local sums, rows = {}, redis.call('HGETALL', key)
-  for i = 1, #rows, 2 do
-    if rows[i] ~= me then
-      local alive = redis.call('ZSCORE', gw, rows[i])
-      if alive and tonumber(alive) > now then
-        local k = 0
-        for c in string.gmatch(rows[i + 1], '%d+') do
-          k = k + 1
-          sums[k] = (sums[k] or 0) + tonumber(c)
-        end
-      else
-        redis.call('HDEL', key, rows[i])
-      end
-    end
-  end
-  out[#out + 1] = table.concat(sums, ' ')
-end
 return out
 """
 
@@ -701,9 +668,6 @@ class RedisFleet:
 
     def _heads(self, queue: str) -> str:
         return f"{self._base}heads:{queue}"
-
-    def _queued(self, queue: str) -> str:
-        return f"{self._base}queued:{queue}"
 
     def _unavailable(self, op: str, exc: BaseException) -> RegistryUnavailable:
         return redis_unavailable(f"fleet state {self._safe_url}", op, exc)
@@ -824,7 +788,6 @@ class RedisFleet:
         instances: Sequence[str],
         samples: Mapping[str, str] | None = None,
         leases: HeldLeases | None = None,
-        queued: Mapping[str, Sequence[int]] | None = None,
     ) -> FleetView:
         queues = list(heads)
         counts = sorted(set(streams) | set(tokens))
@@ -835,7 +798,6 @@ class RedisFleet:
             self._samples,
             *(self._heads(q) for q in queues),
             *(k for i in instances for k in (self._slots(i), self._computing(i))),
-            *(self._queued(q) for q in queues),
         ]
         args: list[Any] = [
             self.gateway_id,
@@ -853,9 +815,7 @@ class RedisFleet:
             args += [i, int(streams.get(i, 0)), int(tokens.get(i, 0))]
         args.append(self._cursor)
         for q in queues:
-            mine = (queued or {}).get(q, ())
-            packed = " ".join(str(max(0, int(c))) for c in mine) if any(mine) else ""
-            args += [q, (samples or {}).get(q, ""), packed]
+            args += [q, (samples or {}).get(q, "")]
         held = leases or HeldLeases()
         args.append(held.cutoff)
         for i in instances:
@@ -882,17 +842,10 @@ class RedisFleet:
         theirs: dict[str, list[str]] = {}
         at = 1 + 4 * len(instances)
         self._cursor = _text(out[at])
-        n_theirs = int(out[at + 1])
-        for k in range(n_theirs):
+        for k in range(int(out[at + 1])):
             queue, packed = _text(out[at + 2 + 2 * k]), _text(out[at + 3 + 2 * k])
             theirs.setdefault(queue, []).append(packed)
-        at += 2 + 2 * n_theirs
-        elsewhere = {
-            q: tuple(int(c) for c in _text(out[at + k]).split()) for k, q in enumerate(queues)
-        }
-        return FleetView(
-            int(out[0]), view_streams, view_tokens, view_slots, view_computing, theirs, elsewhere
-        )
+        return FleetView(int(out[0]), view_streams, view_tokens, view_slots, view_computing, theirs)
 
     async def freed(self) -> AsyncIterator[Freed]:
         pubsub = self._sub_client.pubsub()

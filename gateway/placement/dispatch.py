@@ -24,7 +24,7 @@ import asyncio
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -201,15 +201,6 @@ class Dispatcher:
         self._early_samples[queue] = kept  # the most recently heard queues last
         while len(self._early_samples) > _MAX_QUEUES:
             del self._early_samples[next(iter(self._early_samples))]
-
-    def queued_here(self) -> dict[str, list[int]]:
-        """Per queue, the requests queued here by when they are due (`FleetEstimates`)."""
-        return {f.key: f.due_counts() for f in self._forwarders.values()}
-
-    def queued_elsewhere(self, counts: Mapping[str, Sequence[int]]) -> None:
-        """Per queue, the requests queued at the other gateways (`FleetEstimates`)."""
-        for f in self._forwarders.values():
-            f.queued_elsewhere(counts.get(f.key, ()))
 
     def describe_queues(self) -> list[dict[str, object]]:
         """Rows for ``GET /admin/queues``."""
@@ -452,7 +443,7 @@ class Dispatcher:
                 role=role,
             )
             # What the fleet measured for this queue before we had one (a warm start).
-            fwd.samples_in(self._early_samples.pop(fwd.key, ()), fresh=False)
+            fwd.samples_in(self._early_samples.pop(fwd.key, ()))
         return fwd
 
     async def _prefill_direct(self, req: _Request, body: dict[str, Any], path: str) -> PrefillGrant:

@@ -66,7 +66,7 @@ from pdgate.gateway.instances.tracker import InstanceTracker, Lease
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.observe.ratio import RatioAdvisor
 from pdgate.gateway.placement.batching import BatchForming, batch_size
-from pdgate.gateway.placement.drain import DUE_EDGES_S, QueueDrain, due_before
+from pdgate.gateway.placement.drain import QueueDrain
 from pdgate.gateway.placement.leases import Fleet, SlotLease, monotonic_ms_left
 from pdgate.gateway.placement.placed import PrefillGrant, release_counts
 from pdgate.gateway.placement.prefill_time import PrefillTimes, TokenRatio, uncached_chars
@@ -195,11 +195,7 @@ class PrefillForwarder:
         # says): the expected prefill times the hold-or-go choice compares.
         self.compute_times = PrefillTimes()
         self.token_ratio = TokenRatio()
-        self._drain = QueueDrain()  # the fleet's grants: ours and the other gateways'
-        self._grants_new = 0  # ours since the last `samples_out`
-        # Requests queued for this queue at the other gateways, per `DUE_EDGES_S` bucket, and
-        # when (monotonic) the sync said so.
-        self._elsewhere: tuple[Sequence[int], float] = ((), 0.0)
+        self._drain = QueueDrain()
         self._next_sweep = 0.0  # monotonic: when drain admission may sweep the queue next
         self._forming = BatchForming(
             queue,
@@ -260,7 +256,6 @@ class PrefillForwarder:
             grant: PrefillGrant = await waiter.future
             returned = True
             self._drain.granted(time.monotonic())
-            self._grants_new += 1
             return grant
         finally:
             expiry.cancel()
@@ -273,8 +268,8 @@ class PrefillForwarder:
             wait.end()
 
     def _too_late(self, waiter: Waiter) -> bool:
-        """Would the requests ahead, drained at this queue's share of the fleet's pace while
-        backlogged, hold `waiter` past its deadline? (drain.py; the exact count only past
+        """Would the requests ahead, drained at the queue's pace while backlogged, hold
+        `waiter` past its deadline? (drain.py; the exact count only past
         the cheap bound.) With `drain_sweep`, at most every `_SWEEP_S`, the queued requests
         the pace cannot reach either are refused too: those that came before the pace was
         known."""
@@ -288,31 +283,11 @@ class PrefillForwarder:
         if self._options.drain_sweep and now >= self._next_sweep:
             self._next_sweep = now + _SWEEP_S
             self._sweep(rate, now)
-        left = waiter.deadline - now
-        reachable = rate * left
-        counts, _ = self._elsewhere
-        if len(self.queue) + sum(counts) <= reachable:
-            return False
-        return self.queue.ahead(waiter) + self._ahead_elsewhere(left) > reachable
-
-    def queued_elsewhere(self, counts: Sequence[int]) -> None:
-        """The other gateways' queued requests for this queue, per `DUE_EDGES_S` bucket, as
-        a sync just said (empty: none, or not known)."""
-        self._elsewhere = (tuple(counts), time.monotonic())
-
-    def due_counts(self) -> list[int]:
-        """This queue's requests per `DUE_EDGES_S` bucket, for the fleet."""
-        return self.queue.due_counts(time.monotonic(), DUE_EDGES_S)
-
-    def _ahead_elsewhere(self, left_s: float) -> int:
-        """Requests queued at the other gateways surely due within `left_s` from now."""
-        counts, at = self._elsewhere
-        if not counts:
-            return 0
-        return due_before(counts, left_s + (time.monotonic() - at))
+        reachable = rate * (waiter.deadline - now)
+        return len(self.queue) > reachable and self.queue.ahead(waiter) > reachable
 
     def _sweep(self, rate: float, now: float) -> None:
-        for late in self.queue.beyond_reach(rate, now, self._ahead_elsewhere):
+        for late in self.queue.beyond_reach(rate, now):
             self.queue.remove(late)
             self._shared.metrics.queue_sheds.labels("drain").inc()
             if not late.future.done():
@@ -369,28 +344,18 @@ class PrefillForwarder:
                 await self._task
 
     def samples_out(self) -> str:
-        """This queue's new prefill-time samples and grants for the fleet, packed ("":
-        none)."""
+        """This queue's new prefill-time samples for the fleet, packed ("": none)."""
         parts = [f"p {c} {t:.6g}" for c, t in self.prefill_times.take_new()]
         parts += [f"c {c} {t:.6g}" for c, t in self.compute_times.take_new()]
-        if self._grants_new:
-            parts.append(f"g {self._grants_new}")
-            self._grants_new = 0
         return ";".join(parts)
 
-    def samples_in(self, packed: Sequence[str], *, fresh: bool = True) -> None:
-        """The other gateways' samples and grants for this queue (`samples_out` there);
-        grants count only when `fresh` (just synced: they give the pace now). Malformed
+    def samples_in(self, packed: Sequence[str]) -> None:
+        """The other gateways' samples for this queue (`samples_out` there). Malformed
         entries are skipped: another gateway's version may pack more."""
         targets = {"p": self.prefill_times, "c": self.compute_times}
-        granted = 0
         for entry in packed:
             for item in entry.split(";"):
                 kind, _, rest = item.partition(" ")
-                if kind == "g":
-                    with contextlib.suppress(ValueError):
-                        granted += max(0, int(rest))
-                    continue
                 chars, _, secs = rest.partition(" ")
                 target = targets.get(kind)
                 try:
@@ -399,8 +364,6 @@ class PrefillForwarder:
                     continue
                 if target is not None and n >= 0 and t >= 0:
                     target.add_shared(n, t)
-        if granted and fresh:
-            self._drain.granted(time.monotonic(), granted)
 
     def head_in_ms(self) -> float | None:
         """Milliseconds to the deadline of this queue's most urgent request (None: empty)."""

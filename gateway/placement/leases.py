@@ -6,10 +6,9 @@ any gateway). A lease counts as computing until the prefill answers (`SlotLease.
 and is given back with the request's in-flight count (`SlotLease.release`); both are
 coalesced: all of one event-loop iteration go to Redis in one call each. Three background
 tasks keep the rest up to date: a sync every `sync_interval_s` (this gateway's counts,
-queue heads and lengths and new prefill-time samples out; the fleet's sums and the other
-gateways' samples and queue lengths in), lease renewal (every third of the lease TTL), and
-a subscription that wakes the forwarders whenever another gateway frees a slot or a
-prefill stops computing.
+queue heads and new prefill-time samples out; the fleet's sums and the other gateways'
+samples in), lease renewal (every third of the lease TTL), and a subscription that wakes
+the forwarders whenever another gateway frees a slot or a prefill stops computing.
 
 When Redis cannot be reached the fleet degrades to this gateway's own view (it keeps
 serving: leases are then counted locally, against each instance's whole capacity) and
@@ -23,7 +22,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -79,15 +78,6 @@ class FleetEstimates(Protocol):
 
     def incoming(self, queue: str, packed: Sequence[str]) -> None:
         """The other gateways' samples for `queue`, as they packed them."""
-        ...
-
-    def queued_here(self) -> dict[str, list[int]]:
-        """Queue -> requests queued at this gateway, per due bucket (drain.py, `DUE_EDGES_S`)."""
-        ...
-
-    def queued_elsewhere(self, counts: Mapping[str, Sequence[int]]) -> None:
-        """Queue -> requests queued at the other live gateways, per due bucket (empty: none
-        known, as when the fleet's state cannot be reached)."""
         ...
 
 
@@ -344,8 +334,6 @@ class Fleet:
     def _degrade(self, exc: BaseException) -> None:
         if not self._degraded:
             log.warning("fleet state unreachable (%s): serving from this gateway's own counts", exc)
-            if self._estimates is not None:
-                self._estimates.queued_elsewhere({})  # no longer known
         self._degraded = True
 
     def _recover(self) -> None:
@@ -370,19 +358,16 @@ class Fleet:
         streams, tokens = self._tracker.own_counts()
         instances = list(self._tracker.records())
         heads = self._heads()
-        estimates = self._estimates
-        samples = estimates.outgoing() if estimates is not None else None
-        queued = estimates.queued_here() if estimates is not None else None
+        samples = self._estimates.outgoing() if self._estimates is not None else None
         started = time.perf_counter()
         view = await self.store.sync(
-            streams, tokens, heads, instances, samples, self._held_leases(), queued
+            streams, tokens, heads, instances, samples, self._held_leases()
         )
         self._count("sync", started)
         self._recover()
-        if estimates is not None:
+        if self._estimates is not None:
             for queue, theirs in view.samples.items():
-                estimates.incoming(queue, theirs)
-            estimates.queued_elsewhere(view.queued)
+                self._estimates.incoming(queue, theirs)
         self._own_freed.clear()  # the counts below are fresh
         self.gateways = view.gateways
         # Subtract exactly what is ours: the rest is the other gateways' share. Our leases

@@ -36,11 +36,10 @@ filling the queue first.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -319,13 +318,10 @@ class WaitQueue:
             1 for _, w in tenant.heap.entries if w.state is WaiterState.QUEUED and w.deadline <= due
         )
 
-    def beyond_reach(
-        self, rate: float, now: float, elsewhere: Callable[[float], int] = lambda left: 0
-    ) -> list[Waiter]:
+    def beyond_reach(self, rate: float, now: float) -> list[Waiter]:
         """The queued waiters that `rate` grants a second cannot reach before their
-        deadlines: more requests surely ahead of each (as `ahead` counts them, plus
-        `elsewhere(time left)` queued at other gateways) than the rate grants in its time
-        left. O(n log n)."""
+        deadlines: more requests surely ahead of each (as `ahead` counts them) than the rate
+        grants in its time left. O(n log n)."""
         out: list[Waiter] = []
         before = 0  # queued in more urgent classes
         for priority in sorted(self._classes):
@@ -336,9 +332,7 @@ class WaitQueue:
                     key=lambda e: e[0],
                 )
                 out += [
-                    w
-                    for i, (_, w) in enumerate(live)
-                    if before + i + elsewhere(w.deadline - now) > rate * (w.deadline - now)
+                    w for i, (_, w) in enumerate(live) if before + i > rate * (w.deadline - now)
                 ]
             before += cls.queued
         return out
@@ -421,15 +415,6 @@ class WaitQueue:
             if len(out) >= limit:
                 break
         return out
-
-    def due_counts(self, now: float, edges_s: Sequence[float]) -> list[int]:
-        """How many queued requests are due within each of `edges_s` (ascending) from `now`
-        and not within the edge before it; the last count is those due later. O(n)."""
-        counts = [0] * (len(edges_s) + 1)
-        for _, waiter in self._deadlines.entries:
-            if waiter.state is WaiterState.QUEUED:
-                counts[bisect.bisect_left(edges_s, waiter.deadline - now)] += 1
-        return counts
 
     def deadline_after(self, skip: int) -> float | None:
         """The `skip`-th earliest deadline of the queued waiters (0 = the earliest), None if

@@ -109,9 +109,13 @@ class ChaosPlan:
     overload_s: float = 20.0
     overload_rps: float | None = None  # default: overload_factor x the measured capacity
     probe_period_s: float = 0.1  # the /health probe of the overloaded gateway
-    # A second overload, of an extra gateway whose queue per (model, group) is this short
-    # (queue_size; the default is 1024): None = only the fleet's gateway, as deployed.
-    overload_queue_size: int | None = 32
+    # More overloads, each of an extra gateway with these settings besides the defaults: a
+    # short queue per (model, group) (the default is 1024), and drain admission that also
+    # sweeps its queue. Empty: only the fleet's gateway, as deployed.
+    overload_variants: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = (
+        ("queue_size=32", (("queue_size", 32),)),
+        ("drain_sweep", (("drain_sweep", True),)),
+    )
     seed: int = 0
     register_timeout_s: float = 60.0
 
@@ -608,11 +612,8 @@ async def run_chaos(plan: ChaosPlan, log: Log = to_stderr) -> ChaosResult:
                 overloads.append(
                     await _overload(chaos, prompts, capacity, log, gateway, child, "defaults")
                 )
-                if plan.overload_queue_size is not None:
-                    label = f"queue_size={plan.overload_queue_size}"
-                    child, gateway = await _extra_gateway(
-                        cluster, {"queue_size": plan.overload_queue_size}
-                    )
+                for label, settings in plan.overload_variants:
+                    child, gateway = await _extra_gateway(cluster, dict(settings))
                     try:
                         await wait_instances(session, gateway, len(chaos.shim_urls()))
                         overloads.append(

@@ -131,25 +131,6 @@ async def test_prefill_time_samples_reach_the_other_gateways_once(fleet) -> None
     assert (await c.sync({}, {}, heads, [])).samples == {}
 
 
-async def test_each_gateway_reads_what_the_live_others_hold_queued(fleet) -> None:  # type: ignore[no-untyped-def]
-    """Per queue, the other live gateways' counts by due bucket, summed bucket by bucket."""
-    a = fleet(gateway_id="a", ttl_s=0.3)
-    b = fleet(gateway_id="b", ttl_s=0.3)
-    c = fleet(gateway_id="c", ttl_s=0.3)
-    heads = {"m|": 100.0, "n|": None}
-    await a.sync({}, {}, heads, [], queued={"m|": [1, 0, 6], "n|": [0, 0, 0]})
-    await b.sync({}, {}, heads, [], queued={"m|": [0, 3], "n|": [2, 0, 0]})
-    view = await c.sync({}, {}, heads, [], queued={"m|": [1]})
-    assert view.queued == {"m|": (1, 3, 6), "n|": (2, 0, 0)}  # the others' only, per queue
-    view = await a.sync({}, {}, heads, [], queued={"m|": [0, 0, 0]})  # a's queue emptied
-    assert view.queued == {"m|": (1, 3), "n|": (2, 0, 0)}
-    view = await b.sync({}, {}, heads, [], queued={"m|": [0, 3], "n|": [2]})
-    assert view.queued == {"m|": (1,), "n|": ()}
-    # b and c stop syncing (as after kill -9): past their ttl their queues count no more.
-    await asyncio.sleep(0.45)
-    assert (await a.sync({}, {}, heads, [], queued={"m|": [5]})).queued == {"m|": (), "n|": ()}
-
-
 async def test_a_dead_gateways_leases_and_counts_vanish_within_its_ttl(fleet) -> None:  # type: ignore[no-untyped-def]
     dead = fleet(gateway_id="dead", ttl_s=0.3)
     live = fleet(gateway_id="live", ttl_s=0.3)
