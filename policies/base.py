@@ -85,6 +85,7 @@ class RequestInfo:
     tenant: str = "anonymous"  # whose request: the API key's name (fairness, metrics)
     priority: int = 1  # priority class: 0 most urgent (high), 1 normal, 2 low
     weight: float = 1.0  # the tenant's share weight in the queue's fairness
+    ttft_s: float | None = None  # its TTFT budget from arrival (group's, or shorter by header)
 
 
 Candidates = Sequence[InstanceLoad]

@@ -150,7 +150,7 @@ class CompletionsEndpoint:
             req, forward = self._parse(body, api)
             info = self._request_info(req, forward, key, headers)
             group = info.group or ANY_GROUP
-            deadline = arrived + self._ttft_timeout(headers, info.group)
+            deadline = arrived + (info.ttft_s or self._settings.ttft_timeout_s)
             watcher = asyncio.ensure_future(wait_disconnect(receive))
             if span.is_recording():
                 span.set_attribute("pdgate.request_id", request_id)
@@ -273,7 +273,8 @@ class CompletionsEndpoint:
         headers: Mapping[str, str],
     ) -> RequestInfo:
         """What the policies and the queue know of the request: its model, group, prompt,
-        tenant, priority class and share weight (gateway/admission/tenancy.py)."""
+        tenant, priority class and share weight (gateway/admission/tenancy.py), and its TTFT
+        budget."""
         models = self._tracker.models()
         model = req.model
         if model is None:
@@ -306,6 +307,7 @@ class CompletionsEndpoint:
             tenant=who.tenant,
             priority=who.priority,
             weight=who.weight,
+            ttft_s=self._ttft_timeout(headers, group),
         )
 
     def _ttft_timeout(self, headers: Mapping[str, str], group: str | None) -> float:

@@ -10,10 +10,11 @@ next instance in the macro instance's order (by id) that passes, then the rest i
 order. The check (EcoServe Algorithm 2), per instance:
 
 * **TTFT**: the predicted prefill time of the prompts it has not answered yet, this one
-  included, is within the group's TTFT SLO. Pending prompt tokens are the fleet's token
-  work on the instance (`InstanceLoad.inflight_tokens`, held from the grant to the first
-  byte); seconds per token are learned from this gateway's requests there (grant to first
-  byte over the prompt's tokens, the wait for a prefill phase included: it errs long).
+  included, is within the request's TTFT budget (the group's, or shorter by header).
+  Pending prompt tokens are the fleet's token work on the instance
+  (`InstanceLoad.inflight_tokens`, held from the grant to the first byte); seconds per token
+  are learned from this gateway's requests there (grant to first byte over the prompt's
+  tokens, the wait for a prefill phase included: it errs long).
 * **TPOT**: the mean saved TPOT of its decoding streams (L x tpot_slo_s - time since the
   stream's first token, L its tokens so far) covers that prefill time. The streams are this
   gateway's own (it relays them; with several gateways each judges by its share).
@@ -96,13 +97,14 @@ class RollingActivation:
         cycle = order[start:] + order[:start]
         usable = [c for c in cycle if not (c.busy or c.ejected) and c.inflight < c.capacity]
         tokens = request.prompt_chars // _CHARS_PER_TOKEN + 1
-        fits = [c for c in usable if self.fits(c, tokens)]
+        ttft = request.ttft_s or self._ttft
+        fits = [c for c in usable if self.fits(c, tokens, ttft)]
         return fits + [c for c in usable if c not in fits]
 
-    def fits(self, inst: InstanceLoad, tokens: int) -> bool:
+    def fits(self, inst: InstanceLoad, tokens: int, ttft_s: float) -> bool:
         """EcoServe's check: TTFT, then TPOT (memory: the slot filter in `rank`)."""
         needed = self._view.prefill_s(inst, tokens)
-        if needed > self._ttft:
+        if needed > ttft_s:
             return False
         saved = self._view.saved_tpot_s(inst.id)
         return saved is None or saved >= needed
