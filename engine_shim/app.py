@@ -106,8 +106,10 @@ def _extensions(settings: ShimSettings, backend: PrefillBackend | DecodeBackend)
             return (EXT_BATCH_PREFILL, EXT_QUEUELESS)
         return (EXT_BATCH_PREFILL,)
     if isinstance(backend, DecodeBackend) and local_prefill(settings, backend) is not None:
-        if settings.role is Role.AGGREGATED and settings.phases:
-            return (EXT_CONTINUATION, EXT_LOCAL_PREFILL, EXT_PHASES)
+        if settings.role is Role.AGGREGATED:
+            # It answers 429 itself when its slots are full: a lone gateway may count them.
+            phases = (EXT_PHASES,) if settings.phases else ()
+            return (EXT_CONTINUATION, EXT_LOCAL_PREFILL, EXT_QUEUELESS, *phases)
         return (EXT_CONTINUATION, EXT_LOCAL_PREFILL)
     return (EXT_CONTINUATION,)
 

@@ -192,3 +192,22 @@ def test_losing_an_aggregated_instance_mid_stream_goes_unnoticed(processes: Proc
     results, victim = asyncio.run(migration.stream_and_break(url, instances))
     assert instances[victim].proc.wait(5) == -signal.SIGKILL
     migration.assert_unnoticed(url, results, expected)
+
+
+def test_a_lone_gateway_counts_aggregated_slots_itself(processes: Processes) -> None:
+    """Aggregated shims answer 429 themselves when full (queue-less): a gateway alone in its
+    fleet counts their slots without a Redis round trip per request."""
+    processes.shim("aggregated", "--capacity", "2")
+    url = processes.gateway()
+    wait_instances(url, 1)
+    client = _client(url)
+    for _ in range(3):
+        out = client.completions.create(model=SIM_MODEL, prompt=PROMPT, max_tokens=3)
+        assert out.usage is not None and out.usage.completion_tokens == 3
+    metrics = httpx.get(url + "/metrics", timeout=5).text
+    acquires = [
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith('pdgate_fleet_calls_total{op="acquire"}')
+    ]
+    assert acquires in ([], [0.0]), acquires
