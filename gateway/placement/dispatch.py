@@ -16,6 +16,11 @@ replaced by the next one with the same ``kv_transfer_params`` (the KV is still a
 prefill); one that answered with an error status may have consumed the KV, so `decode` raises
 `DecodeLost` and the caller places the request again, prefill included (gateway/stream/relay.py).
 Either counts against the retry budget, as prefill failovers do.
+
+An aggregated group (its instances compute prompts and decode them: docs/strategies.md) has
+one leg: the request waits in the same kind of queue for a slot on one instance (`_whole`),
+ranked by the prefill policy, or by rolling activation for a partial group (partial.py),
+and that instance streams the whole answer.
 """
 
 from __future__ import annotations

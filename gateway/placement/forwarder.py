@@ -1,5 +1,8 @@
 """On-demand forwarding of queued requests to idle prefills (P/D-Serve section 3.5).
 
+(The same queue serves an aggregated group, ``role = AGGREGATED``: there a grant is a slot
+on an instance and no call is made; the caller sends the whole request, dispatch.py.)
+
 One `PrefillForwarder` per (model, group) owns that queue. It looks at the head request,
 asks the policy to rank the prefills that may take it (not recently rejected, fewer requests
 in flight than their slots), sends the head to the best one and, with batch forwarding, keeps

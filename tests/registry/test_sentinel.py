@@ -125,7 +125,10 @@ def test_a_gateway_and_its_shims_keep_serving_through_a_failover(
     new = RedisRegistry(sentinel_group.url, key_prefix="pdgate-sentinel")
 
     def registered() -> int:
-        return len(asyncio.run(new.snapshot()))
+        try:
+            return len(asyncio.run(new.snapshot()))
+        except RegistryUnavailable:
+            return -1  # this fresh client's sentinels may still be agreeing on the primary
 
     wait_for(lambda: registered() == 2, timeout=10, what="the shims registered on the new primary")
     assert complete("after") == 200
