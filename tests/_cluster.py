@@ -146,6 +146,11 @@ def get_instances(gateway_url: str, admin_token: str | None = None) -> list[dict
     return rows
 
 
+def counts_released(gateway_url: str) -> bool:
+    """No open stream and no request in flight left at any instance, as the gateway counts."""
+    return all(r["open_streams"] == 0 and r["inflight"] == 0 for r in get_instances(gateway_url))
+
+
 def shim_load(url: str) -> dict[str, Any]:
     resp = httpx.get(url + "/load", timeout=5)
     resp.raise_for_status()

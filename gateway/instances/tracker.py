@@ -137,21 +137,19 @@ class InstanceTracker:
                 ready.setdefault((rec.role, rec.model), []).append((rec, counters))
         self._ready = ready
         self._models = tuple(sorted({model for _, model in ready}))
-        keys: dict[Role, set[tuple[str, str | None]]] = {
-            Role.PREFILL: set(),
-            Role.AGGREGATED: set(),
-        }
+        prefilled: set[tuple[str, str | None]] = set()
+        aggregated: set[tuple[str, str | None]] = set()
+        steady: set[tuple[str, str | None]] = set()  # an aggregated one there does not alternate
         for (role, model), xs in ready.items():
-            if role in keys:
-                keys[role].add((model, None))
-                keys[role].update((model, rec.group) for rec, _ in xs)
-        self._aggregated = keys[Role.AGGREGATED] - keys[Role.PREFILL]
-        steady: set[tuple[str, str | None]] = set()  # an instance there does not alternate
-        for (role, model), xs in ready.items():
-            if role is Role.AGGREGATED:
-                for rec, _ in xs:
+            for rec, _ in xs:
+                keys = ((model, None), (model, rec.group))
+                if role is Role.PREFILL:
+                    prefilled.update(keys)
+                elif role is Role.AGGREGATED:
+                    aggregated.update(keys)
                     if EXT_PHASES not in rec.extensions:
-                        steady.update(((model, None), (model, rec.group)))
+                        steady.update(keys)
+        self._aggregated = aggregated - prefilled
         self._partial = self._aggregated - steady
         self.pulse()  # a new instance is new capacity
 

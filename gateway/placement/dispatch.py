@@ -65,7 +65,13 @@ from pdgate.gateway.placement.forwarder import (
 )
 from pdgate.gateway.placement.local_prefill import LocalPlan, LocalPrefill
 from pdgate.gateway.placement.partial import PhaseView, RollingActivation
-from pdgate.gateway.placement.placed import DecodeLeg, Placement, PrefillGrant, release_counts
+from pdgate.gateway.placement.placed import (
+    DecodeLeg,
+    Placement,
+    PrefillGrant,
+    as_stream,
+    whole,
+)
 from pdgate.gateway.placement.queue import Waiter, WaitQueue
 from pdgate.gateway.upstream.base import (
     DecodeStream,
@@ -278,12 +284,9 @@ class Dispatcher:
         grant = prefilled.grant
         assert grant is not None
         try:
-            decode_body = {**leg.body, "kv_transfer_params": grant.kv_params, "stream": True}
-            if not leg.body.get("stream"):
-                decode_body["stream_options"] = {"include_usage": True}
             decode, stream, decode_leases = await self._decode(
                 prefilled.request,
-                decode_body,
+                as_stream({**leg.body, "kv_transfer_params": grant.kv_params}),
                 leg.api.path,
                 extension=leg.extension,
                 avoid=prefilled.avoid,
@@ -321,10 +324,7 @@ class Dispatcher:
         prefill (deadline order, fleet slot leases, drain admission); a 429 or a failure
         gives the slot back and it queues again, until its deadline."""
         info = req.info
-        # As the decode leg of a disaggregated request: always a stream (see above).
-        body = {**forward, "stream": True}
-        if not forward.get("stream"):
-            body["stream_options"] = {"include_usage": True}
+        body = as_stream(forward)  # as the decode leg of a disaggregated request
         view: PhaseView | None = None
         if self._tracker.partial(info.model, info.group):
             view = self._phase_view(info)
@@ -371,20 +371,19 @@ class Dispatcher:
                 continue
             # The prompt's work on the instance, until the first byte says it is computed.
             tokens = info.prompt_chars // 4 + 1
-            work = self._tracker.work(inst.id, tokens)
-            grant = PrefillGrant(
-                inst,
-                {},
-                stream,
-                work,
-                release_counts,
-                attempts=slot.attempts,
-                rejections=slot.rejections,
-            )
             on_first_byte = partial(self.ejector.success, inst.id)
             if view is not None:
                 on_first_byte = partial(_prefilled, view, tokens, slot.answered_at, on_first_byte)
-            placement = Placement(response, grant, inst, [inflight], on_first_byte=on_first_byte)
+            placement = whole(
+                response,
+                inst,
+                stream,
+                inflight,
+                self._tracker.work(inst.id, tokens),
+                on_first_byte=on_first_byte,
+                attempts=slot.attempts,
+                rejections=slot.rejections,
+            )
             if view is not None:
                 view.routed(inst.id, placement)
             return placement

@@ -627,9 +627,7 @@ class PrefillForwarder:
         if waiter.future.done():
             call.release(slot_freed=True)
             return
-        hashes = self._forming.hashes(waiter)
-        if self._index is not None and hashes:
-            self._index.record(hashes, inst.id)
+        self._remember_prefix(waiter, inst)
         waiter.future.set_result(
             PrefillGrant(
                 inst,
@@ -641,6 +639,12 @@ class PrefillForwarder:
                 waiter.rejections,
             )
         )
+
+    def _remember_prefix(self, waiter: Waiter, inst: InstanceLoad) -> None:
+        """`inst` computes the waiter's prompt: the affinity index learns it holds it."""
+        hashes = self._forming.hashes(waiter)
+        if self._index is not None and hashes:
+            self._index.record(hashes, inst.id)
 
     def _speaks_batch(self, inst: InstanceLoad) -> bool:
         """Whether `inst` registered the batch endpoint (pdgate shims do; stock servers get
@@ -732,9 +736,7 @@ class PrefillForwarder:
             self.token_ratio.observe(chars, usage)
             self.compute_times.record(max(1, uncached_chars(chars, usage)), own)
             self._shared.advisor.prefill(inst.group, own)
-            hashes = self._forming.hashes(waiter)
-            if self._index is not None and hashes:
-                self._index.record(hashes, inst.id)
+            self._remember_prefix(waiter, inst)
             request_id, kv_id = waiter.request_id, call.kv_id
             waiter.future.set_result(
                 PrefillGrant(

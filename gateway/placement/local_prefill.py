@@ -45,7 +45,7 @@ from pdgate.gateway.instances.health import Ejector
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.decode_attempt import PREFILL_PATH, DecodeAttempts
-from pdgate.gateway.placement.placed import Placement, PrefillGrant, release_counts
+from pdgate.gateway.placement.placed import Placement, as_stream, whole
 from pdgate.policies.base import InstanceLoad, Ranker, RequestInfo
 
 __all__ = ["LocalPlan", "LocalPrefill"]
@@ -156,20 +156,12 @@ class LocalPrefill:
             return None
         # The prompt's work on the decode, until the first byte says it is computed.
         work = self._tracker.work(inst.id, uncached_chars // 4 + 1)
-        grant = PrefillGrant(
-            inst,
-            {},
-            stream,
-            work,
-            release_counts,
-            attempts=0,
-            rejections=0,
-        )
-        return Placement(
+        return whole(
             response,
-            grant,
             inst,
-            [inflight],
+            stream,
+            inflight,
+            work,
             on_first_byte=lambda: self._ejector.success(inst.id),
         )
 
@@ -203,10 +195,7 @@ class LocalPlan:
         """A decode that took the whole request, or None: go through a prefill."""
         hook = self._hook
         candidates = hook.eligible(self._info, self._hashes, self._avoid)
-        # As the decode leg of a disaggregated request: always a stream (see dispatch.py).
-        body = {**forward, "stream": True}
-        if not forward.get("stream"):
-            body["stream_options"] = {"include_usage": True}
+        body = as_stream(forward)  # as the decode leg of a disaggregated request
         for inst, uncached in candidates:
             placement = await hook.attempt(
                 inst,

@@ -45,11 +45,14 @@ class PhaseView:
         self.seconds_per_token = seconds_per_token
         self.last: str | None = None  # the instance that took the previous request
         # Instance -> its streams through this gateway; bounded by the open streams (a
-        # placement leaves when it is collected, and closed ones are skipped).
+        # placement leaves when it is collected, closed ones are skipped, and an instance
+        # with none left is dropped at the next routing).
         self._streams: dict[str, weakref.WeakSet[Placement]] = {}
 
     def routed(self, instance_id: str, placement: Placement) -> None:
         self.last = instance_id
+        for gone in [i for i, streams in self._streams.items() if not streams]:
+            del self._streams[gone]
         self._streams.setdefault(instance_id, weakref.WeakSet()).add(placement)
 
     def prefilled(self, seconds: float, tokens: int) -> None:

@@ -19,7 +19,7 @@ from pdgate.gateway.instances.tracker import Lease
 from pdgate.gateway.upstream.base import DecodeStream
 from pdgate.policies.base import InstanceLoad
 
-__all__ = ["DecodeLeg", "Placement", "PrefillGrant", "release_counts"]
+__all__ = ["DecodeLeg", "Placement", "PrefillGrant", "as_stream", "release_counts", "whole"]
 
 
 class PrefillGrant:
@@ -158,6 +158,33 @@ class Placement:
         if not self._kv_taken:
             self._kv_taken = True
             self._grant.release_kv_then([self._grant.inflight])
+
+
+def whole(
+    response: DecodeStream,
+    instance: InstanceLoad,
+    stream: Lease,
+    inflight: Lease,
+    work: Lease,
+    *,
+    on_first_byte: Callable[[], None],
+    attempts: int = 0,
+    rejections: int = 0,
+) -> Placement:
+    """A request one instance computes and streams (a decode's local prefill, an aggregated
+    instance): no KV at a prefill behind it, the prompt's `work` counted until the first
+    byte, the open `stream` and the slot (`inflight`) until the stream ends."""
+    grant = PrefillGrant(instance, {}, stream, work, release_counts, attempts, rejections)
+    return Placement(response, grant, instance, [inflight], on_first_byte=on_first_byte)
+
+
+def as_stream(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` for a leg that always streams, whatever the client asked (its end is what
+    frees the slot; a non-streaming answer is assembled from the stream, with its usage)."""
+    out = {**body, "stream": True}
+    if not body.get("stream"):
+        out["stream_options"] = {"include_usage": True}
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from tests._cluster import (
     SIM_MODEL,
     Processes,
     ThreadedCluster,
+    counts_released,
     get_instances,
     shim_load,
     wait_for,
@@ -39,10 +40,6 @@ def cluster() -> Iterator[ThreadedCluster]:
 
 def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
-
-
-def _idle(gateway_url: str) -> bool:
-    return all(i["open_streams"] == 0 and i["inflight"] == 0 for i in get_instances(gateway_url))
 
 
 def test_every_api_is_served_whole_by_the_aggregated_instances(cluster: ThreadedCluster) -> None:
@@ -70,7 +67,7 @@ def test_every_api_is_served_whole_by_the_aggregated_instances(cluster: Threaded
     loads = [shim_load(u) for u in cluster.info.aggregated_urls]
     assert sum(x["local_prefills"] for x in loads) == 4
     assert all(x["role"] == "aggregated" for x in loads)
-    cluster.wait_for(lambda: _idle(cluster.url), what="every count back to zero")
+    cluster.wait_for(lambda: counts_released(cluster.url), what="every count back to zero")
 
 
 def test_requests_beyond_the_slots_wait_at_the_gateway_not_429(cluster: ThreadedCluster) -> None:
@@ -96,7 +93,7 @@ def test_requests_beyond_the_slots_wait_at_the_gateway_not_429(cluster: Threaded
     assert not errors and results == [40, 40, 40]
     rejected = [shim_load(u)["rejected"] for u in cluster.info.aggregated_urls]  # type: ignore[union-attr]
     assert sum(rejected) == 0  # the gateway kept within the slots: nothing was sent to a full one
-    cluster.wait_for(lambda: _idle(cluster.url), what="every count back to zero")
+    cluster.wait_for(lambda: counts_released(cluster.url), what="every count back to zero")
 
 
 def test_a_request_no_slot_frees_for_in_time_gets_503_at_its_deadline(
@@ -129,7 +126,7 @@ def test_a_request_no_slot_frees_for_in_time_gets_503_at_its_deadline(
         finally:
             for h in holders:
                 h.__exit__(None, None, None)
-    cluster.wait_for(lambda: _idle(cluster.url), what="every count back to zero")
+    cluster.wait_for(lambda: counts_released(cluster.url), what="every count back to zero")
 
 
 def test_separate_processes_on_redis_serve_aggregated(processes: Processes) -> None:
@@ -151,7 +148,7 @@ def test_separate_processes_on_redis_serve_aggregated(processes: Processes) -> N
         )
         assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
     for url in urls:
-        wait_for(lambda u=url: _idle(u), what="every count back to zero")  # type: ignore[misc]
+        wait_for(lambda u=url: counts_released(u), what="every count back to zero")  # type: ignore[misc]
 
 
 def test_a_plain_server_given_by_url_is_served_aggregated(processes: Processes) -> None:
@@ -172,7 +169,7 @@ def test_a_plain_server_given_by_url_is_served_aggregated(processes: Processes) 
         stats = server.stats()
         assert stats["decode_legs"] == 2 and stats["prefill_legs"] == 0
         assert stats["decode_with_kv"] == 0
-        wait_for(lambda: _idle(url), what="every count back to zero")
+        wait_for(lambda: counts_released(url), what="every count back to zero")
     finally:
         server.kill()
 

@@ -16,7 +16,7 @@ import pytest
 from pdgate.config.wire import Role
 from pdgate.gateway.placement.partial import PhaseView, RollingActivation
 from pdgate.policies.base import InstanceLoad
-from tests._cluster import SIM_MODEL, ThreadedCluster, get_instances, shim_load
+from tests._cluster import SIM_MODEL, ThreadedCluster, counts_released, shim_load
 from tests.gateway._fakes import info
 
 
@@ -103,9 +103,4 @@ def test_a_partial_cluster_serves_the_openai_client_in_phases(cluster: ThreadedC
     assert all(x["phase"] in ("prefill", "decode") for x in loads)
     assert sum(x["phase_switches"] for x in loads) >= 1
     assert all(x["pending_prefills"] == 0 for x in loads)
-    cluster.wait_for(
-        lambda: all(
-            i["open_streams"] == 0 and i["inflight"] == 0 for i in get_instances(cluster.url)
-        ),
-        what="every count back to zero",
-    )
+    cluster.wait_for(lambda: counts_released(cluster.url), what="every count back to zero")
