@@ -30,6 +30,8 @@ _COUNTERS = frozenset(
         "cancelled",
         "failed",
         "local_prefills",
+        "phase_switch_waits",
+        "phase_switch_wait_s",
         "kv_fetched",
         "kv_lost",
         "kv_released",

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any
@@ -82,6 +83,7 @@ class _Decoding:
     answer, its span, and how far it got."""
 
     __slots__ = (
+        "admitted",
         "finish_reason",
         "generated",
         "job",
@@ -105,6 +107,7 @@ class _Decoding:
         self.finish_reason = "length"
         self.outcome = "cancelled"  # until it ends otherwise
         self.ttft_left_s: float | None = None  # as the gateway said (TTFT_LEFT_HEADER)
+        self.admitted = time.monotonic()
 
     def usage(self) -> dict[str, Any]:
         return usage(len(self.prompt), self.generated)
@@ -164,6 +167,9 @@ class DecodeWorker(ShimService[DecodeBackend]):
         if self.role is Role.AGGREGATED and settings.phases:
             self._gate = PhaseGate(tpot_slo_s=settings.tpot_slo_s, ttft_slo_s=settings.ttft_slo_s)
         self._seq = itertools.count()
+        # Phase-switching waits (`_pieces`): how many, and their seconds in all.
+        self._switch_waits = 0
+        self._switch_wait_s = 0.0
         self._retriever = KvRetriever(
             backend,
             queue_size=settings.kv_retrieval_queue,
@@ -178,6 +184,8 @@ class DecodeWorker(ShimService[DecodeBackend]):
         return {
             "queued": self._retriever.queued,
             "retrieving": self._retriever.retrieving,
+            "phase_switch_waits": self._switch_waits,
+            "phase_switch_wait_s": round(self._switch_wait_s, 6),
             **phases,
         }
 
@@ -315,8 +323,15 @@ class DecodeWorker(ShimService[DecodeBackend]):
             ids.clear()
             return out
 
-        gate = self._gate if decoding.job.url == "" else None
+        local = decoding.job.url == ""
+        gate = self._gate if local else None
         seq = next(self._seq)
+        # The phase-switching wait (EcoServe 4.2.2): from the end of the prompt's prefill to
+        # its first decode step, whatever the strategy. A prompt prefilled elsewhere had
+        # finished before it arrived: it waits from admission (its KV pull, then a place in
+        # the batch) to its first token here. One computed here ends its prefill with its
+        # first token and waits until its second (other prompts' chunks, other phases).
+        switch_from, switch_at = decoding.admitted, 2 if local else 1
         try:
             if gate is not None:  # a prompt computed here waits for a prefill phase
                 await gate.admit(seq, len(decoding.prompt), decoding.ttft_left_s)
@@ -327,6 +342,12 @@ class DecodeWorker(ShimService[DecodeBackend]):
                     if gate is not None:
                         gate.token(seq)
                     decoding.generated += 1
+                    if decoding.generated <= switch_at:
+                        now = time.monotonic()
+                        if decoding.generated == switch_at:
+                            self._switch_waits += 1
+                            self._switch_wait_s += now - switch_from
+                        switch_from = now
                     if want_logprobs:
                         if token.logprobs is None:
                             raise InvalidRequest("this engine does not produce logprobs")

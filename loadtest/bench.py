@@ -1,7 +1,8 @@
-"""``pdgate bench scheduling|gateway|profile|compare|hotpath|soak|ratio|upgrade|chaos``: the CLI.
+"""``pdgate bench scheduling|gateway|profile|compare|hotpath|soak|ratio|upgrade|chaos|strategies``:
+the CLI.
 
 Each benchmark is its own suite (loadtest/scheduling, loadtest/gateway_cost, loadtest/soak,
-loadtest/ratio, loadtest/upgrade, loadtest/chaos);
+loadtest/ratio, loadtest/upgrade, loadtest/chaos, loadtest/strategies);
 this module only dispatches. Progress goes to stderr; stdout gets the benchmark's one JSON
 line (``profile``: its report). Every server a benchmark starts is stopped on every path,
 Ctrl-C and SIGTERM included.
@@ -19,6 +20,7 @@ from pdgate.loadtest.gateway_cost import command as gateway_cost
 from pdgate.loadtest.ratio import command as ratio
 from pdgate.loadtest.scheduling import command as scheduling
 from pdgate.loadtest.soak import command as soak
+from pdgate.loadtest.strategies import command as strategies
 from pdgate.loadtest.upgrade import command as upgrade
 
 __all__ = ["HELP", "configure", "main"]
@@ -46,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     ratio.configure(sub.add_parser("ratio", help=ratio.HELP, description=ratio.__doc__))
     upgrade.configure(sub.add_parser("upgrade", help=upgrade.HELP, description=upgrade.__doc__))
     chaos.configure(sub.add_parser("chaos", help=chaos.HELP, description=chaos.__doc__))
+    strategies.configure(
+        sub.add_parser("strategies", help=strategies.HELP, description=strategies.__doc__)
+    )
     return p
 
 
@@ -59,11 +64,12 @@ _MAINS: dict[str, Callable[[argparse.Namespace, str], int]] = {
     "ratio": ratio.main,
     "upgrade": upgrade.main,
     "chaos": chaos.main,
+    "strategies": strategies.main,
 }
 
 HELP = (
     "benchmarks: `pdgate bench scheduling|gateway|profile|compare|hotpath|soak|ratio|upgrade"
-    "|chaos --help`"
+    "|chaos|strategies --help`"
 )
 
 

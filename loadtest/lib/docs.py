@@ -1,14 +1,17 @@
 """Generated blocks of the docs: the text between ``<!-- NAME:begin -->`` and
 ``<!-- NAME:end -->`` is a benchmark's output, the prose around it is kept; and what every
-benchmark command does with its result (`save_run`, `publish`)."""
+benchmark command does with its result (`save_run`, `publish`, `write_rows`)."""
 
 from __future__ import annotations
 
+import csv
+import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["publish", "save_run", "update_block"]
+__all__ = ["publish", "save_run", "update_block", "write_rows"]
 
 
 def update_block(doc: Path, name: str, block: str, *, append: bool = False) -> bool:
@@ -59,3 +62,19 @@ def publish(block: str, out: Path, kind: str, doc: Path | None, bench: str) -> N
     (out / f"{kind}.md").write_text(block)
     if doc is not None and doc.exists() and not update_block(doc, f"{bench}:{kind}", block):
         print(f"{doc}: no {bench}:{kind} markers; see {out}/{kind}.md", file=sys.stderr)
+
+
+def write_rows(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    """`rows` as CSV: the columns of every row, in the order first seen; floats to 5 places."""
+    fields: list[str] = []
+    for row in rows:
+        fields.extend(k for k in row if k not in fields)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _fmt(v) for k, v in row.items()})
+
+
+def _fmt(value: Any) -> Any:
+    return round(value, 5) if isinstance(value, float) and not math.isnan(value) else value

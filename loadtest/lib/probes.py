@@ -107,14 +107,22 @@ async def _get(session: aiohttp.ClientSession, url: str) -> Any:
         return await resp.text()
 
 
+# /load fields summed over every instance (`read_counters`' `instance_urls`), not only the
+# prefills: the phase-switching waits are recorded where the decode steps run.
+_INSTANCE_FIELDS = ("phase_switch_waits", "phase_switch_wait_s")
+
+
 async def read_counters(
-    session: aiohttp.ClientSession, gateway_urls: Sequence[str], prefill_urls: Sequence[str]
+    session: aiohttp.ClientSession,
+    gateway_urls: Sequence[str],
+    prefill_urls: Sequence[str],
+    instance_urls: Sequence[str] = (),
 ) -> Counters:
     """One snapshot of every counter (cumulative since the cluster started), gateways' and
-    prefills' each summed."""
+    prefills' each summed; with `instance_urls` (every shim) also `_INSTANCE_FIELDS`."""
     replies = await asyncio.gather(
         *(_get(session, url + "/metrics") for url in gateway_urls),
-        *(_get(session, url + "/load") for url in prefill_urls),
+        *(_get(session, url + "/load") for url in (*prefill_urls, *instance_urls)),
     )
     # A counter that never moved has no sample yet: 0, not absent (absent = no gateway read).
     out: Counters = dict.fromkeys(ATTEMPT_KEYS, 0.0) if gateway_urls else {}
@@ -123,9 +131,13 @@ async def read_counters(
             out[key] = out.get(key, 0.0) + value
             if key in PER_GATEWAY:
                 out[f"gw{i}_{key}"] = value
-    loads = replies[len(gateway_urls) :]
+    loads = replies[len(gateway_urls) : len(gateway_urls) + len(prefill_urls)]
     for name in _LOAD_FIELDS:
         out[f"shim_{name}"] = float(sum(load.get(name, 0) for load in loads))
+    if instance_urls:
+        everyone = replies[len(gateway_urls) + len(prefill_urls) :]
+        for name in _INSTANCE_FIELDS:
+            out[f"shim_{name}"] = float(sum(load.get(name, 0) for load in everyone))
     return out
 
 

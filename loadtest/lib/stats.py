@@ -1,8 +1,10 @@
-"""Per-request outcomes and their summary: success rate, goodput, TTFT and E2E percentiles;
-and the spread of a figure over repeated runs (min / median / max over seeds).
+"""Per-request outcomes and their summary: success rate, goodput, TTFT, TPOT and E2E
+percentiles; and the spread of a figure over repeated runs (min / median / max over seeds).
 
 Success is judged on the client, by one rule for every mode: the first token arrived within
-the request's TTFT deadline *and* the stream completed (``[DONE]``, no in-band error). A
+the request's TTFT deadline *and* the stream completed (``[DONE]``, no in-band error), and,
+where the request has a TPOT SLO, its mean time per output token after the first (TPOT =
+(E2E - TTFT) / (tokens - 1)) was within it, as DistServe and EcoServe judge TPOT. A
 request the gateway ended early (503 after waiting out its deadline in the gateway queue,
 or a prefill call aborted at the deadline in the baseline) counts as a failure, as does one
 whose first token came late: the denominator is every request issued in the window. An
@@ -32,15 +34,28 @@ class RequestResult:
     completed: bool  # saw [DONE] and no in-band error
     gateway: int = 0  # index of the gateway (of a fleet) the request went to
     tenant: str = ""  # the tenant it was sent for ("": the workload has no tenants)
+    tpot_s: float | None = None  # None: fewer than two tokens came
+    tpot_slo_s: float | None = None  # None: TPOT is not judged
 
     @property
-    def success(self) -> bool:
+    def ttft_met(self) -> bool:
         return (
             self.status == 200
             and self.completed
             and self.ttft_s is not None
             and self.ttft_s <= self.deadline_s
         )
+
+    @property
+    def tpot_met(self) -> bool:
+        """Completed, and within its TPOT SLO (if it has one: one token has no TPOT)."""
+        if self.status != 200 or not self.completed:
+            return False
+        return self.tpot_slo_s is None or self.tpot_s is None or self.tpot_s <= self.tpot_slo_s
+
+    @property
+    def success(self) -> bool:
+        return self.ttft_met and self.tpot_met
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -76,6 +91,11 @@ class Summary:
     # Requests each gateway's clients issued: with closed-loop users a gateway that answers
     # failures fast gets more requests, so its success rate alone can mislead.
     requests_by_gateway: dict[int, int] = field(default_factory=dict)
+    tpot_p50_s: float = math.nan  # over requests that got two tokens or more
+    tpot_p99_s: float = math.nan
+    # Shares of the requests issued that met each SLO on its own (success needs both).
+    ttft_attainment: float = math.nan
+    tpot_attainment: float = math.nan
 
     @property
     def dropped(self) -> int:
@@ -102,6 +122,7 @@ def summarize(results: Iterable[RequestResult], window_s: float) -> Summary:
     rows = list(results)
     ok = [r for r in rows if r.success]
     ttfts = [r.ttft_s for r in rows if r.ttft_s is not None]
+    tpots = [r.tpot_s for r in rows if r.tpot_s is not None]
     e2es = [r.e2e_s for r in rows if r.completed]
     statuses: dict[int, int] = {}
     per_scenario: dict[str, list[int]] = {}
@@ -134,6 +155,10 @@ def summarize(results: Iterable[RequestResult], window_s: float) -> Summary:
         success_by_gateway={k: s / n for k, (s, n) in sorted(per_gateway.items())},
         success_by_tenant={k: s / n for k, (s, n) in sorted(per_tenant.items())},
         requests_by_gateway={k: n for k, (_, n) in sorted(per_gateway.items())},
+        tpot_p50_s=percentile(tpots, 50),
+        tpot_p99_s=percentile(tpots, 99),
+        ttft_attainment=sum(r.ttft_met for r in rows) / len(rows) if rows else math.nan,
+        tpot_attainment=sum(r.tpot_met for r in rows) / len(rows) if rows else math.nan,
     )
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import orjson
 
+from pdgate.loadtest.lib.args import positive_int
 from pdgate.loadtest.lib.children import run_main
 from pdgate.loadtest.lib.docs import publish, save_run
 from pdgate.loadtest.ratio.experiment import Plan, Result, Split, run_experiment
@@ -43,13 +44,6 @@ def _splits(text: str) -> tuple[Split, ...]:
     return tuple(out)
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
-
-
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quick", action="store_true",
@@ -70,10 +64,10 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=(),
         help="more splits to run whatever the advice (a sweep)",
     )
-    p.add_argument("--instances", type=_positive, help="prefills + decodes (default 8)")
-    p.add_argument("--gateways", type=_positive, help="gateways (default 1)")
+    p.add_argument("--instances", type=positive_int, help="prefills + decodes (default 8)")
+    p.add_argument("--gateways", type=positive_int, help="gateways (default 1)")
     p.add_argument("--seed", type=int, default=0, help="the first seed")
-    p.add_argument("--seeds", type=_positive, help="runs per split, seeds SEED.. (default 3)")
+    p.add_argument("--seeds", type=positive_int, help="runs per split, seeds SEED.. (default 3)")
     p.add_argument("--warmup-s", type=float, help="warm-up per run (default 8)")
     p.add_argument("--measure-s", type=float, help="window per run (default 15)")
     p.add_argument("--users-scale", type=float, help="multiply the workloads' users")

@@ -62,15 +62,23 @@ async def send_completion(
         headers=headers,
         client_timeout=aiohttp.ClientTimeout(total=scenario.ttft_deadline_s + slack_s),
     )
+    e2e = out.end - start
+    # Token events after the first, over the time they took (the stream is not parsed: each
+    # data event but [DONE] carries one piece of text).
+    tpot = (
+        (e2e - out.ttft_s) / (out.events - 1) if out.ttft_s is not None and out.events > 1 else None
+    )
     return RequestResult(
         scenario=scenario.name,
         deadline_s=scenario.ttft_deadline_s,
         status=out.status,
         ttft_s=out.ttft_s,
-        e2e_s=out.end - start,
+        e2e_s=e2e,
         completed=out.completed,
         gateway=gateway,
         tenant="" if tenant is None else tenant.name,
+        tpot_s=tpot,
+        tpot_slo_s=scenario.tpot_slo_s,
     )
 
 

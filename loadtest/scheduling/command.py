@@ -25,6 +25,7 @@ from pathlib import Path
 
 import orjson
 
+from pdgate.loadtest.lib.args import positive_int, some_of
 from pdgate.loadtest.lib.children import run_main
 from pdgate.loadtest.lib.docs import publish, save_run
 from pdgate.loadtest.scheduling.capacity import Capacity, CapacityPlan
@@ -66,24 +67,9 @@ FULL_SEEDS = 5
 _BATCH_FORWARDING = {"on": (True,), "off": (False,), "both": (True, False)}
 
 
-def _deploys(text: str) -> tuple[str, ...]:
-    names = tuple(d.strip() for d in text.split(",") if d.strip())
-    unknown = [d for d in names if d not in DEPLOYS]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"expected some of {', '.join(DEPLOYS)}")
-    return names
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
-
-
 def _positives(text: str) -> tuple[int, ...]:
     try:
-        values = tuple(_positive(v) for v in text.split(",") if v.strip())
+        values = tuple(positive_int(v) for v in text.split(",") if v.strip())
     except ValueError:
         values = ()
     if not values:
@@ -132,7 +118,7 @@ def configure(s: argparse.ArgumentParser) -> None:
     s.add_argument("--seed", type=int, default=0, help="the first seed")
     s.add_argument(
         "--seeds",
-        type=_positive,
+        type=positive_int,
         help="runs per point, seeds SEED..SEED+N-1 (fresh cluster and prompts each); "
         f"reports min / median / max; default {FULL_SEEDS} (full), 1 (quick)",
     )
@@ -195,7 +181,7 @@ def configure(s: argparse.ArgumentParser) -> None:
     )
     load.add_argument(
         "--max-in-flight",
-        type=_positive,
+        type=positive_int,
         help="open loop: the client's in-flight bound (default 4 x the level's "
         "users, at least 16); arrivals beyond it fail as dropped",
     )
@@ -227,7 +213,7 @@ def configure(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument(
         "--deploy",
-        type=_deploys,
+        type=some_of(DEPLOYS),
         default=("inprocess",),
         help="inprocess (default: gateways and shims on one event loop in one child "
         "process), processes (every shim and gateway its own pdgate process, a private "

@@ -10,7 +10,6 @@ With a capacity (capacity.py), each level is also a fraction of it and each good
 
 from __future__ import annotations
 
-import csv
 import logging
 import math
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdgate.loadtest.lib.docs import write_rows
 from pdgate.loadtest.lib.stats import Spread
 from pdgate.loadtest.scheduling.experiment import Result
 from pdgate.loadtest.scheduling.runner import Point
@@ -154,19 +154,7 @@ def _rows(result: Result) -> list[dict[str, Any]]:
 
 
 def write_csv(result: Result, path: Path) -> None:
-    rows = _rows(result)
-    fields: list[str] = []
-    for row in rows:
-        fields.extend(k for k in row if k not in fields)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _fmt_csv(v) for k, v in row.items()})
-
-
-def _fmt_csv(value: Any) -> Any:
-    return round(value, 5) if isinstance(value, float) and not math.isnan(value) else value
+    write_rows(path, _rows(result))
 
 
 def write_plot(result: Result, path: Path, title: str) -> None:

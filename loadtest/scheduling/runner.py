@@ -92,6 +92,13 @@ class Point:
         return self.counters.get("shim_prefix_cache_hit_tokens", 0.0) / total if total else math.nan
 
     @property
+    def phase_switch_wait_s(self) -> float:
+        """Mean phase-switching wait of the window's requests (the shims' own measure: end
+        of a prefill to the first decode step); NaN where none was recorded."""
+        n = self.counters.get("shim_phase_switch_waits", 0.0)
+        return self.counters.get("shim_phase_switch_wait_s", 0.0) / n if n else math.nan
+
+    @property
     def rejections_429(self) -> float:
         """429s answered by prefills (every one is a retry for on-demand forwarding and a
         failed request for the baseline, whose prefills only reject when their queue is full)."""
@@ -140,6 +147,11 @@ class Point:
             "client_dropped": s.dropped,
             "max_in_flight": self.max_in_flight,
             **s.headline(),
+            "tpot_p50_s": s.tpot_p50_s,
+            "tpot_p99_s": s.tpot_p99_s,
+            "ttft_attainment": s.ttft_attainment,
+            "tpot_attainment": s.tpot_attainment,
+            "phase_switch_wait_s": self.phase_switch_wait_s,
             "prefix_hit_rate": self.prefix_hit_rate,
             "prefill_429s": self.rejections_429,
             "prefill_429s_per_request": self.rejections_per_request,
@@ -202,6 +214,7 @@ async def run_point(
     `rate_rps` instead, and `users` only sizes the client's in-flight bound."""
     urls = cluster.urls
     metrics_from = urls.gateways if fronts is None else []
+    shims = [*urls.prefills, *urls.decodes]
     began = time.monotonic()
     holds0 = await read_holds(session, urls.prefills)
     targets = [url + "/v1/completions" for url in (urls.gateways if fronts is None else fronts)]
@@ -223,14 +236,14 @@ async def run_point(
     try:
         await asyncio.sleep(timing.warmup_s)
         before, child0 = await asyncio.gather(
-            read_counters(session, metrics_from, urls.prefills), cluster.stats()
+            read_counters(session, metrics_from, urls.prefills, shims), cluster.stats()
         )
         own0, host0 = own_cpu_s(), host_busy_s()
         loop.open_window()
         await asyncio.sleep(timing.measure_s)
         window = loop.close_window()
         after, child1 = await asyncio.gather(
-            read_counters(session, metrics_from, urls.prefills), cluster.stats()
+            read_counters(session, metrics_from, urls.prefills, shims), cluster.stats()
         )
         own1, host1 = own_cpu_s(), host_busy_s()
         cancelled = await loop.stop(timing.drain_s)

@@ -15,7 +15,7 @@ the load generator spends its CPU on requests, not on building text.
 `WORKLOADS` names the workloads ``pdgate bench scheduling --workload`` offers: the mix
 above (``mix``, the default) and variants that each bring out one effect a policy should
 handle (shared prefixes that are most of the prompt, no shared prefix at all, widely mixed
-lengths, several tenants).
+lengths, long documents only, several tenants).
 A workload with tenants tags each request with one (`Tenant`): the closed loop gives each
 user one tenant for good (`Workload.tenant_for`), the open loop draws one per arrival by
 weight; the client sends the tenant's name and priority class as headers.
@@ -56,12 +56,15 @@ class Scenario:
     max_tokens: int
     ttft_deadline_s: float  # the scenario's TTFT threshold (the paper: differs by scenario)
     weight: float = 1.0
+    tpot_slo_s: float | None = None  # judged by the client where set (lib/stats.py)
 
     def __post_init__(self) -> None:
         if not 0 < self.body_min <= self.body_max or self.prefix_tokens < 0:
             raise ValueError(f"scenario {self.name}: bad lengths")
         if self.max_tokens <= 0 or self.ttft_deadline_s <= 0 or self.weight <= 0:
             raise ValueError(f"scenario {self.name}: bad max_tokens, deadline or weight")
+        if self.tpot_slo_s is not None and not self.tpot_slo_s > 0:
+            raise ValueError(f"scenario {self.name}: the TPOT SLO must be positive")
 
 
 # Short interactive scenarios with 1-1.5 s TTFT thresholds next to a long-document scenario
@@ -133,6 +136,14 @@ _MIXED_LENGTHS = (
              ttft_deadline_s=4.0, weight=0.1),
 )  # fmt: skip
 
+# Long documents with short answers and nothing shared (summaries, questions over a long
+# context): the prompt is most of the work, where the serving strategies part most
+# (docs/strategies.md).
+_LONG_PROMPT = (
+    Scenario("long", prefix_tokens=0, body_min=3072, body_max=8192, max_tokens=128,
+             ttft_deadline_s=4.0),
+)  # fmt: skip
+
 # One heavy tenant sending 3x what each of three light ones sends (half of all requests),
 # all in the same priority class: what fairness must protect.
 _TENANTS = (
@@ -153,6 +164,8 @@ WORKLOADS: Mapping[str, WorkloadSpec] = MappingProxyType({
                      tuple(_no_prefix(s) for s in SCENARIOS)),
         WorkloadSpec("mixed-lengths", "short / medium / long prompts (60/30/10%), no shared "
                      "prefix", _MIXED_LENGTHS),
+        WorkloadSpec("long-prompt", "3,072-8,192-token documents, 128-token answers, no "
+                     "shared prefix", _LONG_PROMPT),
         WorkloadSpec("tenants", "the mix, sent for a heavy tenant (3x a light one's "
                      "requests) and three light ones", SCENARIOS, _TENANTS),
     )

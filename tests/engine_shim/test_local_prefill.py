@@ -120,6 +120,27 @@ async def test_local_prefill_holds_a_slot_until_the_client_leaves(start_shim: St
     assert await _text(decode, _plain()) != ""
 
 
+async def test_phase_switch_waits_run_from_the_end_of_each_prefill(start_shim: StartShim) -> None:
+    """A prompt prefilled elsewhere waits from its arrival (its KV pull, here 1 Gb/s) to its
+    first token; one computed here waits from its first token to its second (a decode step)."""
+    link = {"sim_kv_bandwidth_gbps": 1.0, "capacity": 2}
+    prefill, decode = await start_shim(Role.PREFILL, **link), await start_shim(Role.DECODE, **link)
+    profile = dataclasses.replace(
+        get_profile(decode.settings.sim_profile), kv_bandwidth_bytes_s=1e9 / 8
+    )
+    tokens = tokenizer.count(PROMPT)
+    await _disaggregated_text(prefill, decode)
+    load = await wait_load(decode, "used", 0)
+    assert load["phase_switch_waits"] == 1
+    remote = load["phase_switch_wait_s"]
+    assert remote >= profile.kv_transfer_s(tokens)
+    await _text(decode, _plain())
+    load = await wait_load(decode, "used", 0)
+    assert load["phase_switch_waits"] == 2
+    local = load["phase_switch_wait_s"] - remote
+    assert profile.decode_step_s(1, tokens) * 0.9 <= local < remote
+
+
 async def test_local_prefill_reuses_the_decodes_prefix_cache(pair: tuple[Shim, Shim]) -> None:
     prefill, decode = pair
     # The KV of a disaggregated request stays in the decode's blocks: a later plain request

@@ -36,6 +36,23 @@ def test_percentile_edges() -> None:
         percentile([1.0], 101)
 
 
+def test_a_tpot_slo_is_judged_beside_the_ttft_deadline() -> None:
+    """TPOT = (E2E - TTFT) / (tokens - 1) within the request's SLO, where it has one; a request
+    of one token has no TPOT to judge."""
+    slow = RequestResult("chat", 1.0, 200, 0.1, 2.0, True, tpot_s=0.15, tpot_slo_s=0.1)
+    assert slow.ttft_met and not slow.tpot_met and not slow.success
+    fast = RequestResult("chat", 1.0, 200, 0.1, 2.0, True, tpot_s=0.05, tpot_slo_s=0.1)
+    assert fast.success
+    assert RequestResult("chat", 1.0, 200, 0.1, 0.2, True, tpot_slo_s=0.1).success
+    assert RequestResult("chat", 1.0, 200, 0.1, 2.0, True, tpot_s=0.15).success  # not judged
+    late = RequestResult("chat", 1.0, 200, 1.5, 2.0, True, tpot_s=0.05, tpot_slo_s=0.1)
+    assert late.tpot_met and not late.success
+    s = summarize([slow, fast, late, _result(status=503, ttft=None, completed=False)], 1.0)
+    assert s.success_rate == 0.25
+    assert (s.ttft_attainment, s.tpot_attainment) == (0.5, 0.5)
+    assert s.tpot_p50_s == pytest.approx(0.05) and s.tpot_p99_s == pytest.approx(0.148)
+
+
 def test_success_needs_status_first_token_in_time_and_completion() -> None:
     assert _result().success
     assert _result(ttft=1.0, deadline=1.0).success  # "TTFT <= deadline"

@@ -1,0 +1,1 @@
+"""``pdgate bench strategies``: aggregated, disaggregated and partial serving side by side."""
