@@ -453,6 +453,18 @@ class GatewaySettings(_Settings):
         gt=0,
         description="TPOT SLO of a partial group's streams (rolling activation's check).",
     )
+    macro_min_instances: int = Field(
+        default=4,
+        ge=1,
+        description="Mitosis: the fewest instances of a macro instance a partial group splits "
+        "into (docs/strategies.md).",
+    )
+    macro_max_instances: int = Field(
+        default=8,
+        ge=1,
+        description="Mitosis: a partial group with more ready instances is several macro "
+        "instances; at least 2 x macro_min_instances - 1.",
+    )
     group_ttft_timeout_s: dict[str, float] = Field(
         default_factory=dict,
         description="Per-group deadline overriding ttft_timeout_s, e.g. {chat = 2.0, batch = 30}.",
@@ -829,6 +841,13 @@ class GatewaySettings(_Settings):
         description="Failed probes in a row after which a static instance is marked draining "
         "(no new requests) until it answers again.",
     )
+
+    @model_validator(mode="after")
+    def _macro_bounds_split(self) -> Self:
+        # A macro instance one over the upper bound splits into two of at least the lower.
+        if self.macro_max_instances < 2 * self.macro_min_instances - 1:
+            raise ValueError("macro_max_instances must be at least 2 x macro_min_instances - 1")
+        return self
 
 
 class ServingStrategy(StrEnum):

@@ -199,6 +199,17 @@ class InstanceTracker:
             )
         return out
 
+    def members(self, role: Role, model: str, group: str | None) -> list[str]:
+        """Ids of the ready instances of `role` serving `model` in `group` (None: any), in the
+        order they started (the record's ``started_at``, then the id): the same list on
+        every gateway that reads the same registry."""
+        ready = [
+            rec
+            for rec, _ in self._ready.get((role, model), [])
+            if group is None or rec.group == group
+        ]
+        return [rec.id for rec in sorted(ready, key=lambda r: (r.started_at, r.id))]
+
     def aggregated(self, model: str, group: str | None) -> bool:
         """Whether `model`'s requests in `group` (None: any group) are served aggregated:
         its ready instances there compute prompts and decode them, and no prefill is ready

@@ -64,7 +64,7 @@ from pdgate.gateway.placement.forwarder import (
     Shared,
 )
 from pdgate.gateway.placement.local_prefill import LocalPlan, LocalPrefill
-from pdgate.gateway.placement.partial import PhaseView, RollingActivation
+from pdgate.gateway.placement.partial import Mitosis, PhaseView, RollingActivation
 from pdgate.gateway.placement.placed import (
     DecodeLeg,
     Placement,
@@ -214,9 +214,10 @@ class Dispatcher:
             del self._early_samples[next(iter(self._early_samples))]
 
     def describe_queues(self) -> list[dict[str, object]]:
-        """Rows for ``GET /admin/queues``."""
-        return [
-            {
+        """Rows for ``GET /admin/queues``; a partial group's with its macro instances."""
+        rows: list[dict[str, object]] = []
+        for f in self._forwarders.values():
+            row: dict[str, object] = {
                 "model": f.model,
                 "group": f.group,
                 "role": f.role.value,
@@ -225,8 +226,12 @@ class Dispatcher:
                 "waiting": f.waiting,
                 "head_ms": f.head_in_ms(),
             }
-            for f in self._forwarders.values()
-        ]
+            view = self._phase_views.get((f.model, f.group))
+            if f.role is Role.AGGREGATED and view is not None:
+                members = self._tracker.members(Role.AGGREGATED, f.model, f.group)
+                row["macro_instances"] = [list(m) for m in view.arrange(members)]
+            rows.append(row)
+        return rows
 
     def queued(self) -> int:
         """Requests waiting at the gateway for a prefill (queued or being tried)."""
@@ -390,7 +395,11 @@ class Dispatcher:
 
     def _policy_for(self, info: RequestInfo, role: Role, phases: PhaseView | None) -> Ranker:
         if phases is not None:
-            return RollingActivation(phases, ttft_slo_s=self._groups.ttft_timeout_s(info.group))
+            return RollingActivation(
+                phases,
+                ttft_slo_s=self._groups.ttft_timeout_s(info.group),
+                members=partial(self._tracker.members, Role.AGGREGATED, info.model, info.group),
+            )
         return self._prefill_policy if role is Role.PREFILL else self._aggregated_policy
 
     def _phase_view(self, info: RequestInfo) -> PhaseView:
@@ -399,7 +408,11 @@ class Dispatcher:
         if view is None:
             if len(self._phase_views) >= _MAX_QUEUES:
                 del self._phase_views[next(iter(self._phase_views))]
-            view = self._phase_views[key] = PhaseView(tpot_slo_s=self._settings.tpot_slo_s)
+            settings = self._settings
+            view = self._phase_views[key] = PhaseView(
+                tpot_slo_s=settings.tpot_slo_s,
+                mitosis=Mitosis(settings.macro_min_instances, settings.macro_max_instances),
+            )
         return view
 
     def _retry_or_fail(self, exc: UpstreamError, what: str) -> None:

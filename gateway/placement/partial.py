@@ -20,37 +20,109 @@ order. The check (EcoServe Algorithm 2), per instance:
   gateway's own (it relays them; with several gateways each judges by its share).
 * **Memory**: a free slot (the candidates' filter): the instance's declared capacity stands
   for the KV it can hold.
+
+**Mitosis** (EcoServe section 4.2.4, `Mitosis`): a group larger than ``upper`` instances is
+several macro instances, each with its own rolling activation. The split is a function of
+the group's ready instances in the order they started (the registry's ``started_at``), so
+every gateway reading the same registry agrees without talking: growing past ``upper``
+splits the newest ``lower`` instances off into a new macro instance; further instances
+fill the first one up to ``upper``, then the new one; shrinking takes from the full one
+while the smallest stays at ``lower``, and two that fit in ``upper`` merge. Macro
+instances only steer where new requests go: an instance that moves between them keeps its
+running streams. A request tries the macro instance with the most free slots first, the
+others after it.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable, Sequence
 
 from pdgate.gateway.placement.placed import Placement
 from pdgate.policies.base import NO_NEEDS, Candidates, Holder, InstanceLoad, RequestInfo
 
-__all__ = ["PhaseView", "RollingActivation"]
+__all__ = ["Mitosis", "PhaseView", "RollingActivation", "macro_sizes"]
 
 _CHARS_PER_TOKEN = 4  # the gateway's prompt-size estimate before the engine's count
 
 
-class PhaseView:
-    """A partial group's instances as this gateway sees them through its own streams."""
+def macro_sizes(n: int, lower: int, upper: int) -> list[int]:
+    """Sizes of the macro instances of `n` instances, oldest first: as many full (`upper`)
+    as fit, the rest in one more if it has `lower`, else the last full one lends it some."""
+    if n <= upper:
+        return [n] if n else []
+    full, rest = divmod(n, upper)
+    if rest == 0:
+        return [upper] * full
+    if rest >= lower:
+        return [upper] * full + [rest]
+    return [upper] * (full - 1) + [upper + rest - lower, lower]
 
-    def __init__(self, *, tpot_slo_s: float, seconds_per_token: float = 1e-4) -> None:
+
+class Mitosis:
+    """Splits a partial group's instances into macro instances (module docstring)."""
+
+    def __init__(self, lower: int, upper: int) -> None:
+        if lower < 1 or upper < 2 * lower - 1:
+            raise ValueError("macro instance bounds: lower >= 1 and upper >= 2 x lower - 1")
+        self.lower = lower
+        self.upper = upper
+
+    def split(self, members: Sequence[str]) -> list[tuple[str, ...]]:
+        """`members` (instance ids, oldest first) as macro instances."""
+        out: list[tuple[str, ...]] = []
+        start = 0
+        for size in macro_sizes(len(members), self.lower, self.upper):
+            out.append(tuple(members[start : start + size]))
+            start += size
+        return out
+
+
+class PhaseView:
+    """A partial group's instances as this gateway sees them through its own streams, and
+    its macro instances."""
+
+    def __init__(
+        self,
+        *,
+        tpot_slo_s: float,
+        seconds_per_token: float = 1e-4,
+        mitosis: Mitosis | None = None,
+    ) -> None:
         if tpot_slo_s <= 0 or seconds_per_token <= 0:
             raise ValueError("tpot_slo_s and seconds_per_token must be positive")
         self.tpot_slo_s = tpot_slo_s
         self.seconds_per_token = seconds_per_token
-        self.last: str | None = None  # the instance that took the previous request
+        self.mitosis = mitosis or Mitosis(1, 1 << 30)  # one macro instance
+        # Per macro instance (by its oldest member): the instance that took its previous
+        # request. Bounded by the macro instances of the last split.
+        self.last: dict[str, str] = {}
+        self.macros: list[tuple[str, ...]] = []
+        self._members: tuple[str, ...] = ()
+        self._macro_of: dict[str, str] = {}
         # Instance -> its streams through this gateway; bounded by the open streams (a
         # placement leaves when it is collected, closed ones are skipped, and an instance
         # with none left is dropped at the next routing).
         self._streams: dict[str, weakref.WeakSet[Placement]] = {}
 
+    def arrange(self, members: Sequence[str]) -> list[tuple[str, ...]]:
+        """The macro instances of `members` (ids, oldest first), split again only when the
+        membership changed."""
+        if tuple(members) != self._members:
+            self._members = tuple(members)
+            self.macros = self.mitosis.split(self._members)
+            self._macro_of = {i: m[0] for m in self.macros for i in m}
+            keys = {m[0] for m in self.macros}
+            self.last = {k: v for k, v in self.last.items() if k in keys}
+        return self.macros
+
+    def macro_of(self, instance_id: str) -> str:
+        """The key (oldest member) of the instance's macro instance; "" for none."""
+        return self._macro_of.get(instance_id, "")
+
     def routed(self, instance_id: str, placement: Placement) -> None:
-        self.last = instance_id
+        self.last[self.macro_of(instance_id)] = instance_id
         for gone in [i for i, streams in self._streams.items() if not streams]:
             del self._streams[gone]
         self._streams.setdefault(instance_id, weakref.WeakSet()).add(placement)
@@ -78,31 +150,63 @@ class PhaseView:
         return (inst.inflight_tokens + tokens) * self.seconds_per_token
 
 
+def _by_id(c: InstanceLoad) -> str:
+    return c.id
+
+
 class RollingActivation:
-    """The ranker of a partial group (module docstring)."""
+    """The ranker of a partial group (module docstring). `members`: the group's ready
+    instances, oldest first (the macro instances are split from them)."""
 
     name = "rolling_activation"
     needs = NO_NEEDS
     hold: Holder | None = None
 
-    def __init__(self, view: PhaseView, *, ttft_slo_s: float) -> None:
+    def __init__(
+        self,
+        view: PhaseView,
+        *,
+        ttft_slo_s: float,
+        members: Callable[[], Sequence[str]] | None = None,
+    ) -> None:
         self._view = view
         self._ttft = ttft_slo_s
+        self._members = members
 
     def describe(self) -> dict[str, object]:
-        return {"name": self.name, "ttft_slo_s": self._ttft, "tpot_slo_s": self._view.tpot_slo_s}
+        return {
+            "name": self.name,
+            "ttft_slo_s": self._ttft,
+            "tpot_slo_s": self._view.tpot_slo_s,
+            "macro_instances": [list(m) for m in self._view.macros],
+        }
 
     def rank(self, request: RequestInfo, candidates: Candidates) -> list[InstanceLoad]:
-        order = sorted(candidates, key=lambda c: c.id)
-        last = self._view.last
-        # From the previous request's instance (or the first after it, if it is gone).
-        start = next((i for i, c in enumerate(order) if last is None or c.id >= last), 0)
-        cycle = order[start:] + order[:start]
-        usable = [c for c in cycle if not (c.busy or c.ejected) and c.inflight < c.capacity]
+        view = self._view
+        members = list(self._members()) if self._members is not None else []
+        by_id = {c.id: c for c in candidates}
+        known = set(members)
+        # An instance the registry view does not list yet joins after the others.
+        members += sorted(i for i in by_id if i not in known)
+        macros = view.arrange(members)
+
+        def room(macro: tuple[str, ...]) -> int:
+            return sum(c.capacity - c.inflight for i in macro if (c := by_id.get(i)) is not None)
+
         tokens = request.prompt_chars // _CHARS_PER_TOKEN + 1
         ttft = request.ttft_s or self._ttft
-        fits = [c for c in usable if self.fits(c, tokens, ttft)]
-        return fits + [c for c in usable if c not in fits]
+        fits: list[InstanceLoad] = []
+        rest: list[InstanceLoad] = []
+        for macro in sorted(macros, key=room, reverse=True):  # stable: oldest first on ties
+            order = sorted((c for i in macro if (c := by_id.get(i)) is not None), key=_by_id)
+            last = view.last.get(macro[0])
+            # From the previous request's instance (or the first after it, if it is gone).
+            start = next((n for n, c in enumerate(order) if last is None or c.id >= last), 0)
+            for c in order[start:] + order[:start]:
+                if c.busy or c.ejected or c.inflight >= c.capacity:
+                    continue
+                (fits if self.fits(c, tokens, ttft) else rest).append(c)
+        return fits + rest
 
     def fits(self, inst: InstanceLoad, tokens: int, ttft_s: float) -> bool:
         """EcoServe's check: TTFT, then TPOT (memory: the slot filter in `rank`)."""
