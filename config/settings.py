@@ -401,6 +401,7 @@ class ScenarioGroup(BaseModel):
     min_prompt_chars: int | None = Field(default=None, ge=0)
     max_prompt_chars: int | None = Field(default=None, ge=0)
     ttft_timeout_s: float | None = Field(default=None, gt=0, le=600)
+    tpot_slo_s: float | None = Field(default=None, gt=0, le=60)
     queue_size: int | None = Field(default=None, gt=0)
     priority: Literal["high", "normal", "low"] | None = Field(
         default=None, description="Default priority class of the group's requests."
@@ -451,7 +452,12 @@ class GatewaySettings(_Settings):
     tpot_slo_s: float = Field(
         default=0.1,
         gt=0,
-        description="TPOT SLO of a partial group's streams (rolling activation's check).",
+        description="TPOT SLO of a partial group's streams (rolling activation's check; a "
+        "request may tighten it with x-pdgate-tpot-slo-ms).",
+    )
+    group_tpot_slo_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="Per-group TPOT SLO overriding tpot_slo_s, e.g. {chat = 0.05}.",
     )
     macro_min_instances: int = Field(
         default=4,

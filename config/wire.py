@@ -86,6 +86,9 @@ DECODE_MAX_TOKENS_HEADER = "x-pdgate-decode-max-tokens"
 # Gateway -> an aggregated instance: milliseconds the request has left for its first token.
 # An instance that alternates phases lets a waiting prompt in by then at the latest.
 TTFT_LEFT_HEADER = "x-pdgate-ttft-left-ms"
+# Client -> gateway: a tighter TPOT SLO for this request, milliseconds; gateway -> an
+# aggregated instance: the request's TPOT SLO (the phases hold its decode to it).
+TPOT_SLO_HEADER = "x-pdgate-tpot-slo-ms"
 # Error code of a decode's 400 for ``kv_transfer_params`` naming no prefill it knows: about
 # its view of the registry, not about the request (the view may lag the gateway's).
 UNKNOWN_KV_SOURCE = "unknown_kv_source"

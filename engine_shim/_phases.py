@@ -12,7 +12,8 @@ decodes can afford it: their mean *saved TPOT*
 covers the predicted prefill time of the waiting prompts (EcoServe's TPOT constraint), or
 when nothing decodes, or at the latest when a waiting prompt could still make its TTFT
 (`ttft_slo_s`, or less when its gateway says how long it has left, less the predicted
-prefill time): no prompt waits longer than one decode phase. The gate only decides *when*
+prefill time): no prompt waits longer than one decode phase. A sequence whose gateway sent
+a tighter TPOT SLO is held to it in the saved-TPOT mean. The gate only decides *when*
 a prompt enters the engine, so it works in front of any engine that takes plain requests,
 a stock vLLM's included.
 
@@ -68,18 +69,28 @@ class PhaseGate:
         self._waiting: deque[_Waiting] = deque()
         # Let in during the current prefill phase, no first token yet: id -> (tokens, released)
         self._prefilling: dict[int, tuple[int, float]] = {}
-        # Decoding: id -> first token time; with the sums the mean saved TPOT needs in O(1).
+        # Decoding: id -> first token time; with the sums the mean saved TPOT needs in O(1)
+        # (`_sum_budget`: L x its TPOT SLO, summed over the decoding sequences).
         self._first: dict[int, float] = {}
         self._tokens: dict[int, int] = {}
+        self._slo: dict[int, float] = {}  # a sequence's own TPOT SLO, where tighter
         self._sum_first = 0.0
-        self._sum_tokens = 0
+        self._sum_budget = 0.0
         self._timer: asyncio.TimerHandle | None = None
 
     # -- a sequence's life -----------------------------------------------------------------
 
-    async def admit(self, seq: int, tokens: int, ttft_left_s: float | None = None) -> None:
+    async def admit(
+        self,
+        seq: int,
+        tokens: int,
+        ttft_left_s: float | None = None,
+        tpot_slo_s: float | None = None,
+    ) -> None:
         """Wait until `seq` (a prompt of `tokens` tokens, `ttft_left_s` left of its TTFT
-        where its gateway said) may enter the engine."""
+        and its own TPOT SLO where its gateway said) may enter the engine."""
+        if tpot_slo_s is not None:
+            self._slo[seq] = min(tpot_slo_s, self._tpot)
         if self.phase == PREFILL or not self._first:
             self._let_in(seq, tokens, self._clock())
             return
@@ -92,6 +103,7 @@ class PhaseGate:
         except BaseException:
             if waiting in self._waiting:
                 self._waiting.remove(waiting)
+            self._slo.pop(seq, None)
             raise
         self._let_in(seq, tokens, self._clock())
 
@@ -106,12 +118,12 @@ class PhaseGate:
             self._first[seq] = now
             self._tokens[seq] = 1
             self._sum_first += now
-            self._sum_tokens += 1
+            self._sum_budget += self._slo.get(seq, self._tpot)
             if not self._prefilling:
                 self._start(DECODE, now)
         elif seq in self._tokens:
             self._tokens[seq] += 1
-            self._sum_tokens += 1
+            self._sum_budget += self._slo.get(seq, self._tpot)
         if self._waiting:
             self._consider()
 
@@ -120,9 +132,12 @@ class PhaseGate:
         if self._prefilling.pop(seq, None) is not None and not self._prefilling:
             self._start(DECODE, self._clock())
         first = self._first.pop(seq, None)
+        slo = self._slo.pop(seq, self._tpot)
         if first is not None:
             self._sum_first -= first
-            self._sum_tokens -= self._tokens.pop(seq)
+            self._sum_budget -= self._tokens.pop(seq) * slo
+            if not self._first:  # no rounding left over from the sums
+                self._sum_first = self._sum_budget = 0.0
         if self._waiting:
             self._consider()
 
@@ -134,7 +149,7 @@ class PhaseGate:
         if not n:
             return None
         now = self._clock() if now is None else now
-        return (self._tpot * self._sum_tokens - n * now + self._sum_first) / n
+        return (self._sum_budget - n * now + self._sum_first) / n
 
     def pending_prefill_s(self) -> float:
         """Predicted prefill time of the prompts waiting here."""

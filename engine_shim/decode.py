@@ -41,6 +41,7 @@ from pdgate.config.openai_api import Api, ClientGone
 from pdgate.config.tracing import Span, Tracing
 from pdgate.config.wire import (
     SSE_DONE,
+    TPOT_SLO_HEADER,
     TTFT_LEFT_HEADER,
     UNKNOWN_KV_SOURCE,
     kv_url,
@@ -92,6 +93,7 @@ class _Decoding:
         "req",
         "shape",
         "span",
+        "tpot_slo_s",
         "ttft_left_s",
     )
 
@@ -107,6 +109,7 @@ class _Decoding:
         self.finish_reason = "length"
         self.outcome = "cancelled"  # until it ends otherwise
         self.ttft_left_s: float | None = None  # as the gateway said (TTFT_LEFT_HEADER)
+        self.tpot_slo_s: float | None = None  # as the gateway said (TPOT_SLO_HEADER)
         self.admitted = time.monotonic()
 
     def usage(self) -> dict[str, Any]:
@@ -261,7 +264,8 @@ class DecodeWorker(ShimService[DecodeBackend]):
         self._counts["admitted"] += 1
         shape = shape_for(req, settings.model, caller_request_id(request), tokens)
         decoding = _Decoding(req, tokens, job, shape, span)
-        decoding.ttft_left_s = _ttft_left_s(request)
+        decoding.ttft_left_s = _ms_header(request, TTFT_LEFT_HEADER)
+        decoding.tpot_slo_s = _ms_header(request, TPOT_SLO_HEADER)
 
         def close() -> None:
             self._retriever.abandon(job)
@@ -334,7 +338,9 @@ class DecodeWorker(ShimService[DecodeBackend]):
         switch_from, switch_at = decoding.admitted, 2 if local else 1
         try:
             if gate is not None:  # a prompt computed here waits for a prefill phase
-                await gate.admit(seq, len(decoding.prompt), decoding.ttft_left_s)
+                await gate.admit(
+                    seq, len(decoding.prompt), decoding.ttft_left_s, decoding.tpot_slo_s
+                )
             job = DecodeJob(decoding.prompt, max_tokens, sink, req.sampling())
             generate = self._backend.generate(job)
             async with aclosing(generate) as generated:
@@ -435,13 +441,14 @@ class DecodeWorker(ShimService[DecodeBackend]):
         return _kv_error(exc)
 
 
-def _ttft_left_s(request: Request) -> float | None:
-    raw = request.headers.get(TTFT_LEFT_HEADER)
+def _ms_header(request: Request, name: str) -> float | None:
+    """Seconds from the gateway's header `name` (milliseconds); None if absent or bad."""
+    raw = request.headers.get(name)
     try:
-        left = int(raw) / 1000 if raw is not None else None
+        value = int(raw) / 1000 if raw is not None else None
     except ValueError:
-        return None  # a header this shim cannot read is no deadline
-    return left if left is not None and left > 0 else None
+        return None  # a header this shim cannot read sets nothing
+    return value if value is not None and value > 0 else None
 
 
 class AggregatedWorker(DecodeWorker):

@@ -86,6 +86,7 @@ class RequestInfo:
     priority: int = 1  # priority class: 0 most urgent (high), 1 normal, 2 low
     weight: float = 1.0  # the tenant's share weight in the queue's fairness
     ttft_s: float | None = None  # its TTFT budget from arrival (group's, or shorter by header)
+    tpot_s: float | None = None  # its TPOT SLO (the group's, or tighter by header)
 
 
 Candidates = Sequence[InstanceLoad]

@@ -66,6 +66,12 @@ class GroupResolver:
             return rule.ttft_timeout_s
         return self._settings.group_ttft_timeout_s.get(group or "", self._settings.ttft_timeout_s)
 
+    def tpot_slo_s(self, group: str | None) -> float:
+        rule = self._rules.get(group or "")
+        if rule is not None and rule.tpot_slo_s is not None:
+            return rule.tpot_slo_s
+        return self._settings.group_tpot_slo_s.get(group or "", self._settings.tpot_slo_s)
+
     def queue_size(self, group: str | None) -> int:
         rule = self._rules.get(group or "")
         if rule is not None and rule.queue_size is not None:

@@ -58,7 +58,7 @@ from pdgate.config.openai_api import (
 )
 from pdgate.config.settings import GatewaySettings
 from pdgate.config.tracing import SpanKind, Tracing
-from pdgate.config.wire import REQUEST_ID_HEADER, valid_request_id
+from pdgate.config.wire import REQUEST_ID_HEADER, TPOT_SLO_HEADER, valid_request_id
 from pdgate.gateway.admission.auth import PRIORITIES, ApiKey, KeyRing
 from pdgate.gateway.admission.groups import GROUP_HEADER, GroupResolver
 from pdgate.gateway.admission.tenancy import resolve_tenancy
@@ -307,24 +307,24 @@ class CompletionsEndpoint:
             tenant=who.tenant,
             priority=who.priority,
             weight=who.weight,
-            ttft_s=self._ttft_timeout(headers, group),
+            ttft_s=_tighter(self._groups.ttft_timeout_s(group), headers, TTFT_HEADER),
+            tpot_s=_tighter(self._groups.tpot_slo_s(group), headers, TPOT_SLO_HEADER),
         )
 
-    def _ttft_timeout(self, headers: Mapping[str, str], group: str | None) -> float:
-        timeout = self._groups.ttft_timeout_s(group)
-        raw = headers.get(TTFT_HEADER)
-        if raw is not None:
-            try:
-                asked = int(raw) / 1000
-            except ValueError as exc:
-                raise BadRequest(
-                    f"{TTFT_HEADER} must be an integer number of milliseconds"
-                ) from exc
-            if asked <= 0:
-                raise BadRequest(f"{TTFT_HEADER} must be positive")
-            # A client may only shorten the deadline: the gateway's own bound protects the fleet.
-            timeout = min(timeout, asked)
-        return timeout
+
+def _tighter(bound: float, headers: Mapping[str, str], name: str) -> float:
+    """The group's `bound` (seconds), or less where header `name` asks (milliseconds)."""
+    raw = headers.get(name)
+    if raw is None:
+        return bound
+    try:
+        asked = int(raw) / 1000
+    except ValueError as exc:
+        raise BadRequest(f"{name} must be an integer number of milliseconds") from exc
+    if asked <= 0:
+        raise BadRequest(f"{name} must be positive")
+    # A client may only tighten it: the gateway's own bound protects the fleet.
+    return min(bound, asked)
 
 
 def _header_map(scope: Scope) -> dict[str, str]:

@@ -40,6 +40,7 @@ from pdgate.config.settings import DispatchMode, GatewaySettings
 from pdgate.config.tracing import Span
 from pdgate.config.wire import (
     DECODE_MAX_TOKENS_HEADER,
+    TPOT_SLO_HEADER,
     TTFT_LEFT_HEADER,
     UNKNOWN_KV_SOURCE,
     Role,
@@ -357,7 +358,7 @@ class Dispatcher:
                     parent=req.span,
                     local=True,
                     held=(slot.stream, slot.inflight),
-                    headers={TTFT_LEFT_HEADER: _ms_left(req.deadline)},
+                    headers=_whole_headers(req),
                 )
             except UpstreamRejected:
                 continue  # marked busy: the queue tries the others first
@@ -390,7 +391,7 @@ class Dispatcher:
                 rejections=slot.rejections,
             )
             if view is not None:
-                view.routed(inst.id, placement)
+                view.routed(inst.id, placement, info.tpot_s)
             return placement
 
     def _policy_for(self, info: RequestInfo, role: Role, phases: PhaseView | None) -> Ranker:
@@ -410,7 +411,7 @@ class Dispatcher:
                 del self._phase_views[next(iter(self._phase_views))]
             settings = self._settings
             view = self._phase_views[key] = PhaseView(
-                tpot_slo_s=settings.tpot_slo_s,
+                tpot_slo_s=self._groups.tpot_slo_s(info.group),
                 mitosis=Mitosis(settings.macro_min_instances, settings.macro_max_instances),
             )
         return view
@@ -650,6 +651,14 @@ def _prefilled(view: PhaseView, tokens: int, granted_at: float, then: Callable[[
     """A partial group's first byte: the view learns how long the prompt took."""
     view.prefilled(time.monotonic() - granted_at, tokens)
     then()
+
+
+def _whole_headers(req: _Request) -> dict[str, str]:
+    """What an aggregated instance is told of a request's SLOs (its phases hold to them)."""
+    headers = {TTFT_LEFT_HEADER: _ms_left(req.deadline)}
+    if req.info.tpot_s is not None:
+        headers[TPOT_SLO_HEADER] = str(max(1, round(1000 * req.info.tpot_s)))
+    return headers
 
 
 def _ms_left(deadline: float) -> str:

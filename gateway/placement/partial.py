@@ -105,6 +105,8 @@ class PhaseView:
         # placement leaves when it is collected, closed ones are skipped, and an instance
         # with none left is dropped at the next routing).
         self._streams: dict[str, weakref.WeakSet[Placement]] = {}
+        # A stream's own TPOT SLO where its request tightened the group's.
+        self._slo: weakref.WeakKeyDictionary[Placement, float] = weakref.WeakKeyDictionary()
 
     def arrange(self, members: Sequence[str]) -> list[tuple[str, ...]]:
         """The macro instances of `members` (ids, oldest first), split again only when the
@@ -121,8 +123,12 @@ class PhaseView:
         """The key (oldest member) of the instance's macro instance; "" for none."""
         return self._macro_of.get(instance_id, "")
 
-    def routed(self, instance_id: str, placement: Placement) -> None:
+    def routed(
+        self, instance_id: str, placement: Placement, tpot_slo_s: float | None = None
+    ) -> None:
         self.last[self.macro_of(instance_id)] = instance_id
+        if tpot_slo_s is not None and tpot_slo_s != self.tpot_slo_s:
+            self._slo[placement] = tpot_slo_s
         for gone in [i for i, streams in self._streams.items() if not streams]:
             del self._streams[gone]
         self._streams.setdefault(instance_id, weakref.WeakSet()).add(placement)
@@ -139,7 +145,7 @@ class PhaseView:
             return None
         now = time.monotonic() if now is None else now
         saved = [
-            p.tokens * self.tpot_slo_s - (now - p.first_token_at)
+            p.tokens * self._slo.get(p, self.tpot_slo_s) - (now - p.first_token_at)
             for p in streams
             if p.first_token_at is not None and not p.closed
         ]

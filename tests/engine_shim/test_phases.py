@@ -121,3 +121,20 @@ async def test_a_prompt_with_less_time_left_goes_in_sooner() -> None:
     clock.now += 0.3
     await asyncio.wait_for(waiting, 1.0)  # by its own bound, not the gate's 60 s
     assert gate.phase == "prefill"
+
+
+async def test_a_sequence_with_a_tighter_tpot_slo_saves_less() -> None:
+    """Its gateway's TPOT SLO counts for that sequence alone in the saved-TPOT mean."""
+    clock = Clock()
+    gate = _gate(clock, tpot=0.1)
+    await gate.admit(1, 10)
+    await gate.admit(2, 10, tpot_slo_s=0.02)
+    gate.token(1)
+    gate.token(2)
+    clock.now += 0.01
+    # (1 x 0.1 - 0.01 + 1 x 0.02 - 0.01) / 2
+    assert gate.saved_tpot_s() == pytest.approx(0.05)
+    gate.finished(2)
+    assert gate.saved_tpot_s() == pytest.approx(0.09)
+    gate.finished(1)
+    assert gate.saved_tpot_s() is None

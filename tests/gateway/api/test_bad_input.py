@@ -73,13 +73,14 @@ def test_unknown_route_and_wrong_method_are_openai_errors(gateway: str) -> None:
     assert_openai_error(httpx.get(gateway + "/v1/completions"), 405)
 
 
-def test_bad_ttft_header_is_400(gateway: str) -> None:
-    resp = httpx.post(
-        gateway + "/v1/completions",
-        json={"prompt": "x"},
-        headers={"x-pdgate-ttft-timeout-ms": "soon"},
-    )
-    assert_openai_error(resp, 400)
+@pytest.mark.parametrize(
+    "header", [{"x-pdgate-ttft-timeout-ms": "soon"}, {"x-pdgate-tpot-slo-ms": "0"},
+               {"x-pdgate-tpot-slo-ms": "fast"}],
+)  # fmt: skip
+def test_bad_slo_headers_are_400(gateway: str, header: dict[str, str]) -> None:
+    resp = httpx.post(gateway + "/v1/completions", json={"prompt": "x"}, headers=header)
+    err = assert_openai_error(resp, 400)
+    assert next(iter(header)) in str(err["message"])
 
 
 def test_gateway_still_serves_after_bad_input(gateway: str) -> None:

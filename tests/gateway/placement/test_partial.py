@@ -77,6 +77,10 @@ def test_an_instance_whose_decodes_cannot_afford_the_prefill_is_passed_over() ->
     assert [x.id for x in rolling.rank(info("p", 400), [a, b])] == ["a", "b"]
     del behind, ahead  # gone streams leave the view with their placements
     assert view.saved_tpot_s("a") is None
+    # A request that tightened its TPOT SLO is held to its own in the mean.
+    strict = _Stream(tokens=10, first_token_at=now - 0.1)
+    view.routed("a", strict, 0.02)  # type: ignore[arg-type]
+    assert view.saved_tpot_s("a", now) == pytest.approx(10 * 0.02 - 0.1)
 
 
 @pytest.fixture(scope="module")
