@@ -38,6 +38,7 @@ COMMANDS: dict[str, str] = {
     "keys": "pdgate.gateway.keys",
     "up": "pdgate.loadtest.up",
     "bench": "pdgate.loadtest.bench",
+    "plan": "pdgate.loadtest.plan.command",
 }
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 

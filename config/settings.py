@@ -180,7 +180,9 @@ class ShimSettings(_Settings):
         "make this TTFT.",
     )
     sim_profile: str = Field(
-        default="llama-3.1-8b-h100", description="Timing profile of the sim engine."
+        default="llama-3.1-8b-h100",
+        description="Timing profile of the sim engine, or MODEL@GPU[/tpN][/ppN] from the "
+        "roofline (engine_shim/hardware.py).",
     )
     sim_kv_wire_fraction: float = Field(
         default=1 / 64,

@@ -208,8 +208,16 @@ PROFILES: Mapping[str, SimProfile] = MappingProxyType(
 
 
 def get_profile(name: str) -> SimProfile:
-    try:
+    """A named profile, or one the roofline builds for ``MODEL@GPU[/tpN][/ppN]``
+    (engine_shim/hardware.py)."""
+    if name in PROFILES:
         return PROFILES[name]
-    except KeyError:
+    from pdgate.engine_shim.hardware import parse_hardware  # it builds on this module
+
+    built = parse_hardware(name)
+    if built is None:
         known = ", ".join(sorted(PROFILES))
-        raise ValueError(f"unknown sim profile {name!r}; known profiles: {known}") from None
+        raise ValueError(
+            f"unknown sim profile {name!r}; known profiles: {known}, or MODEL@GPU[/tpN][/ppN]"
+        )
+    return built
