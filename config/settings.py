@@ -179,6 +179,12 @@ class ShimSettings(_Settings):
         description="With phases: a waiting prompt goes in at the latest when it could still "
         "make this TTFT.",
     )
+    hardware: str = Field(
+        default="",
+        max_length=64,
+        pattern=r"^[a-z0-9/._-]*$",
+        description="GPU[/tpN][/ppN] it runs on, in its record (sim: from MODEL@GPU).",
+    )
     sim_profile: str = Field(
         default="llama-3.1-8b-h100",
         description="Timing profile of the sim engine, or MODEL@GPU[/tpN][/ppN] from the "
@@ -284,7 +290,7 @@ class QueueOrder(StrEnum):
 STATIC_PREFILL_CAPACITY = 8
 # Running sequences of a static decode whose capacity is not given.
 STATIC_DECODE_CAPACITY = 64
-_STATIC_KEYS = ("capacity", "group", "model", "id", "api_key_env")
+_STATIC_KEYS = ("capacity", "group", "model", "id", "api_key_env", "hardware")
 _MAX_NAME_CHARS = 128
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
@@ -292,7 +298,7 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 class StaticInstance(BaseModel):
     """A server the gateway fronts by URL, without registration (``--prefill``/``--decode``,
     ``static_prefills``/``static_decodes``). Given as a table or as one string,
-    ``"URL [capacity=N] [group=G] [model=M] [id=ID] [api_key_env=VAR]"``; the model
+    ``"URL [capacity=N] [group=G] [model=M] [id=ID] [api_key_env=VAR] [hardware=GPU]"``; the model
     defaults to the first the server lists at ``GET /v1/models``, the id to one derived from
     role and URL (the same on every gateway, so the fleet shares its slots)."""
 
@@ -307,6 +313,7 @@ class StaticInstance(BaseModel):
     # --api-key), sent to it instead of upstream_api_key / the cluster token: the key itself
     # never appears in flags, config files or the registry.
     api_key_env: str | None = None
+    hardware: str = Field(default="", max_length=64, pattern=r"^[a-z0-9/._-]*$")
 
     @model_validator(mode="before")
     @classmethod

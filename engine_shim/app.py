@@ -131,7 +131,15 @@ def instance_record(
         capacity=settings.capacity,
         version=_version(),
         extensions=_extensions(settings, backend),
+        hardware=settings.hardware or _sim_hardware(settings),
     )
+
+
+def _sim_hardware(settings: ShimSettings) -> str:
+    """The sim's hardware, where its profile names one (``MODEL@GPU[/tpN]``)."""
+    if settings.engine != "sim":
+        return ""
+    return settings.sim_profile.partition("@")[2]
 
 
 def check_exposure(settings: ShimSettings, registry_settings: RegistrySettings) -> str | None:

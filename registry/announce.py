@@ -69,6 +69,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         f"(default {STATIC_DECODE_CAPACITY}); gateways never send more at once",
     )
     p.add_argument("--group", help="scenario group (default: default)")
+    p.add_argument("--hardware", help="what the server runs on, GPU[/tpN][/ppN], e.g. l40s/tp2")
     p.add_argument("--model", help="served model name (default: the first in GET /v1/models)")
     p.add_argument(
         "--instance-id", dest="instance_id", help="default: ROLE@HOST:PORT, as for --prefill"
@@ -119,6 +120,7 @@ def _checked(args: argparse.Namespace, reg: RegistrySettings) -> tuple[StaticIns
             "group": args.group or "default",
             "model": args.model,
             "id": args.instance_id,
+            "hardware": args.hardware or "",
         }
     )
     return spec, Role(args.role)

@@ -8,6 +8,7 @@ to `events()` (join/leave notifications, best effort).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field, replace
@@ -25,6 +26,9 @@ class InstanceState(StrEnum):
     DRAINING = "draining"  # finishing what it has; receives no new requests
 
 
+_HARDWARE = re.compile(r"[a-z0-9/._-]*")
+
+
 @dataclass(frozen=True, slots=True)
 class InstanceRecord:
     id: str
@@ -38,6 +42,8 @@ class InstanceRecord:
     started_at: float = field(default_factory=time.time)
     # pdgate extensions the instance speaks (config/wire.py EXT_*); empty for stock servers.
     extensions: tuple[str, ...] = ()
+    # What it runs on, GPU[/tpN][/ppN] (engine_shim/hardware.py), as declared; "" unknown.
+    hardware: str = ""
     # HMAC of the other fields with the fleet's cluster token (registry/signing.py).
     signature: str = ""
 
@@ -71,8 +77,16 @@ class InstanceRecord:
             version=str(data.get("version", "")),
             started_at=float(data.get("started_at", 0.0)),
             extensions=_extensions(data.get("extensions", ())),
+            hardware=hardware_name(data.get("hardware", "")),
             signature=str(data.get("signature", "")),
         )
+
+
+def hardware_name(raw: object) -> str:
+    """A declared hardware type: at most 64 of a-z, 0-9 and ``/._-`` ("" for none)."""
+    if not isinstance(raw, str) or len(raw) > 64 or not _HARDWARE.fullmatch(raw):
+        raise ValueError("hardware must be at most 64 of a-z, 0-9 and /._- (e.g. l40s/tp2)")
+    return raw
 
 
 def _extensions(raw: object) -> tuple[str, ...]:

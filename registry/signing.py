@@ -37,10 +37,11 @@ class RecordSigner:
     def _mac(self, record: InstanceRecord) -> str:
         fields = asdict(record)
         fields.pop("signature", None)
-        if not fields["extensions"]:
-            # Fields added after v1 enter the signed form only when set, so records written
-            # before they existed still verify.
-            del fields["extensions"]
+        # Fields added after v1 enter the signed form only when set, so records written
+        # before they existed still verify.
+        for later in ("extensions", "hardware"):
+            if not fields[later]:
+                del fields[later]
         payload = orjson.dumps(fields, option=orjson.OPT_SORT_KEYS)
         return hmac.new(self._key, payload, hashlib.sha256).hexdigest()
 

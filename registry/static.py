@@ -172,6 +172,7 @@ class StockInstance:
             state=InstanceState.READY,
             version=version,
             started_at=time.time() if started_at is None else started_at,
+            hardware=self.spec.hardware,
         )
 
 

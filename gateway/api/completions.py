@@ -220,11 +220,13 @@ class CompletionsEndpoint:
         if placement is not None:
             advisor.arrival(placement.prefill_group)
             if outcome == "ok" and first is not None and placement.tokens > 0:
+                rec = self._tracker.records().get(placement.decode_id)
                 advisor.decode(
                     placement.decode_group,
                     first - placement.opened_at,
                     placement.tokens,
                     placement.gaps_s / max(placement.tokens - 1, 1),
+                    rec.hardware if rec else "",
                 )
         elif info is not None:
             # Demand that found no room counts too: it is what the ratio must serve.

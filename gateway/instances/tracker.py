@@ -431,6 +431,7 @@ class InstanceTracker:
                 "failed": c.failed,
                 "version": rec.version,
                 "started_at": rec.started_at,
+                "hardware": rec.hardware,
             }
 
 

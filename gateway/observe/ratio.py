@@ -30,7 +30,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdgate.config.wire import Role
@@ -39,6 +39,7 @@ from pdgate.registry.base import InstanceRecord, InstanceState
 __all__ = ["Advice", "RatioAdvisor"]
 
 _MAX_GROUPS = 256
+_MAX_HARDWARE = 16
 # Time buckets per window: its resolution is window_s / _BUCKETS (1 s at the default 120 s).
 _BUCKETS = 120
 
@@ -90,6 +91,20 @@ class _Group:
     arrivals: _Window
     prefills: _Window  # (seconds,)
     decodes: _Window  # (xi seconds, tokens, mean inter-token seconds)
+    # The same samples by the serving instance's declared hardware (records' `hardware`).
+    prefills_by: dict[str, _Window] = field(default_factory=dict)
+    decodes_by: dict[str, _Window] = field(default_factory=dict)
+
+    def add_to(self, by: dict[str, _Window], hardware: str, width: int, window_s: float,
+               *values: float) -> None:  # fmt: skip
+        if not hardware:
+            return
+        w = by.get(hardware)
+        if w is None:
+            if len(by) >= _MAX_HARDWARE:
+                return  # bounded: hardware types come from the registry, this is a backstop
+            w = by[hardware] = _Window(window_s, width)
+        w.add(*values)
 
 
 @dataclass(frozen=True)
@@ -112,6 +127,9 @@ class Advice:
     desired_decodes: float | None
     bottleneck: str  # prefill | decode | balanced | insufficient_data
     samples: int
+    # Where instances declare their hardware: per role and type, its instances, slots, time
+    # per request and requests/s per instance; and eq. 1's ratio for each pair of types.
+    by_hardware: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -147,13 +165,17 @@ class RatioAdvisor:
         if (g := self._group(group)) is not None:
             g.arrivals.add()
 
-    def prefill(self, group: str, seconds: float) -> None:
+    def prefill(self, group: str, seconds: float, hardware: str = "") -> None:
         if (g := self._group(group)) is not None:
             g.prefills.add(seconds)
+            g.add_to(g.prefills_by, hardware, 1, self._window_s, seconds)
 
-    def decode(self, group: str, xi_s: float, tokens: int, tpot_s: float) -> None:
+    def decode(
+        self, group: str, xi_s: float, tokens: int, tpot_s: float, hardware: str = ""
+    ) -> None:
         if tokens > 0 and (g := self._group(group)) is not None:
             g.decodes.add(xi_s, float(tokens), tpot_s)
+            g.add_to(g.decodes_by, hardware, 3, self._window_s, xi_s, float(tokens), tpot_s)
 
     def forget(self, groups: set[str]) -> None:
         for name in [n for n in self._groups if n not in groups]:
@@ -215,4 +237,42 @@ class RatioAdvisor:
             desired_decodes=want_d,
             bottleneck=bottleneck,
             samples=min(prefills, decodes),
+            by_hardware=self._by_hardware(g, pre, dec),
         )
+
+    def _by_hardware(
+        self, g: _Group | None, pre: list[InstanceRecord], dec: list[InstanceRecord]
+    ) -> dict[str, Any] | None:
+        """Eq. 1 per hardware type of each role, from the samples of that type's instances."""
+        if not any(r.hardware for r in (*pre, *dec)):
+            return None
+        out: dict[str, Any] = {"prefill": {}, "decode": {}, "ratio": {}}
+        for role, records, windows in (
+            ("prefill", pre, g.prefills_by if g else {}),
+            ("decode", dec, g.decodes_by if g else {}),
+        ):
+            types: dict[str, list[InstanceRecord]] = {}
+            for r in records:
+                types.setdefault(r.hardware or "unknown", []).append(r)
+            for hw, rs in sorted(types.items()):
+                slots = sum(r.capacity for r in rs) / len(rs)
+                seconds = None
+                if (w := windows.get(hw)) is not None:
+                    n, sums = w.totals()
+                    if n >= self._min_samples:
+                        seconds = (
+                            sums[0] / n
+                            if role == "prefill"
+                            else (sums[0] + sums[1] * sums[2] / n) / n
+                        )
+                out[role][hw] = {
+                    "instances": len(rs),
+                    "slots": slots,
+                    "seconds_per_request": seconds,
+                    "per_instance_rps": slots / seconds if seconds else None,
+                }
+        for hp, p in out["prefill"].items():
+            for hd, d in out["decode"].items():
+                if p["per_instance_rps"] and d["per_instance_rps"]:
+                    out["ratio"][f"{hp}:{hd}"] = d["per_instance_rps"] / p["per_instance_rps"]
+        return out

@@ -735,7 +735,8 @@ class PrefillForwarder:
             usage = answer.get("usage")
             self.token_ratio.observe(chars, usage)
             self.compute_times.record(max(1, uncached_chars(chars, usage)), own)
-            self._shared.advisor.prefill(inst.group, own)
+            rec = self._shared.tracker.records().get(inst.id)
+            self._shared.advisor.prefill(inst.group, own, rec.hardware if rec else "")
             self._remember_prefix(waiter, inst)
             request_id, kv_id = waiter.request_id, call.kv_id
             waiter.future.set_result(

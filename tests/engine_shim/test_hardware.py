@@ -18,6 +18,7 @@ from pdgate.engine_shim.hardware import (
     profile_for,
 )
 from pdgate.engine_shim.sim_profile import get_profile
+from pdgate.registry.memory import MemoryRegistry
 from tests.engine_shim.conftest import StartShim
 
 _TERMS = (
@@ -85,7 +86,12 @@ def test_roofline_profiles_by_name() -> None:
             get_profile(bad)
 
 
-async def test_a_shim_serves_on_a_roofline_profile(start_shim: StartShim) -> None:
-    shim = await start_shim(Role.PREFILL, sim_profile="llama-3.1-8b@l40s")
+async def test_a_shim_serves_on_a_roofline_profile_and_registers_its_hardware(
+    start_shim: StartShim, registry: MemoryRegistry
+) -> None:
+    shim = await start_shim(Role.PREFILL, sim_profile="llama-3.1-8b@l40s/tp2")
     reply = await shim.prefilled()
     assert reply["kv_transfer_params"]
+    declared = await start_shim(Role.DECODE, hardware="h100")
+    by_url = {r.url: r.hardware for r in await registry.snapshot()}
+    assert by_url[shim.url] == "l40s/tp2" and by_url[declared.url] == "h100"

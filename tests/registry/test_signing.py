@@ -38,6 +38,12 @@ def test_signatures_survive_json_and_catch_any_change() -> None:
     assert shim.extensions == ("batch_prefill",)
     assert signer.verify(InstanceRecord.from_json(shim.to_json()))
     assert not signer.verify(replace(shim, extensions=()))
+    # So is the declared hardware, which the ratio advice trusts; a record without it signs
+    # as records did before the field existed.
+    l40s = signer.sign(replace(RECORD, hardware="l40s/tp2"))
+    assert signer.verify(InstanceRecord.from_json(l40s.to_json()))
+    assert not signer.verify(replace(l40s, hardware="h100"))
+    assert signed.signature == signer.sign(replace(RECORD, hardware="")).signature
 
 
 def test_bad_extension_lists_are_refused() -> None:
@@ -45,6 +51,9 @@ def test_bad_extension_lists_are_refused() -> None:
     for bad in ("batch_prefill", ["x"] * 17, [""], ["y" * 65]):
         with pytest.raises(ValueError, match="extension"):
             InstanceRecord.from_dict({**raw, "extensions": bad})
+    for hardware in ("H100", "a" * 65, "l40s tp2", 3):
+        with pytest.raises(ValueError, match="hardware"):
+            InstanceRecord.from_dict({**raw, "hardware": hardware})
 
 
 async def test_a_reader_with_the_token_drops_records_without_it(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -41,6 +42,32 @@ def test_eq1_on_known_inputs() -> None:
     assert a.desired_prefills == pytest.approx(10 / (4 / 0.5) / 0.8)
     assert a.desired_decodes == pytest.approx(10 / (8 / 2.01) / 0.8)
     assert math.ceil(a.desired_decodes or 0) == 4
+
+
+def test_advice_per_hardware_type_from_each_types_own_samples() -> None:
+    """Prefills on two GPU types, decodes on one: each type's time per request and eq. 1's
+    ratio for every pair of types, from the samples of that type's instances."""
+    records = _records(2, 1, 1, 8)
+    records["prefill0"] = replace(records["prefill0"], hardware="l40s")
+    records["prefill1"] = replace(records["prefill1"], hardware="h100")
+    records["decode0"] = replace(records["decode0"], hardware="h100")
+    advisor = RatioAdvisor(window_s=10, min_samples=5)
+    for _ in range(10):
+        advisor.prefill("default", 0.6, "l40s")
+        advisor.prefill("default", 0.2, "h100")
+        advisor.decode("default", xi_s=0.0, tokens=100, tpot_s=0.02, hardware="h100")  # 2 s
+    (a,) = list(advisor.advise(records))
+    hw = a.by_hardware
+    assert hw is not None
+    assert hw["prefill"]["l40s"]["seconds_per_request"] == pytest.approx(0.6)
+    assert hw["prefill"]["h100"]["per_instance_rps"] == pytest.approx(5.0)
+    assert hw["decode"]["h100"]["per_instance_rps"] == pytest.approx(4.0)  # 8 slots / 2 s
+    # n_p / n_d per pair: an H100 decode needs 0.8 H100 prefills, or 2.4 L40S ones.
+    assert hw["ratio"] == {"h100:h100": pytest.approx(0.8), "l40s:h100": pytest.approx(2.4)}
+    assert a.t_prefill_s == pytest.approx(0.4)  # the group's own figures stay as they were
+    # Without declared hardware there is no breakdown.
+    (plain,) = list(advisor.advise(_records(2, 1, 1, 8)))
+    assert plain.by_hardware is None
 
 
 def test_demand_is_counted_at_any_rate_in_bounded_memory() -> None:
