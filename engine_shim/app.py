@@ -336,6 +336,30 @@ def build_shim_app(
     async def prometheus(request: Request) -> Response:
         return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
 
+    # What vLLM's OpenAI server answers, so that routers which identify a vLLM backend by
+    # these (SMG, vllm-router) can front the shims as they front vLLM.
+    served = {
+        "object": "list",
+        "data": [
+            {
+                "id": settings.model,
+                "object": "model",
+                "created": int(record.started_at),
+                "owned_by": "vllm",
+                "root": settings.model,
+                "parent": None,
+                "max_model_len": settings.max_model_len,
+                "permission": [],
+            }
+        ],
+    }
+
+    async def models(request: Request) -> Response:
+        return json_response(served)
+
+    async def version(request: Request) -> Response:
+        return json_response({"version": record.version or "0"})
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await runtime.startup()
@@ -358,6 +382,8 @@ def build_shim_app(
             Route(HEALTH_PATH, health, methods=["GET"]),
             Route(LOAD_PATH, load, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/version", version, methods=["GET"]),
             *service.routes(),
         ],
         lifespan=lifespan,

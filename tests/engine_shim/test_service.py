@@ -95,3 +95,25 @@ async def test_the_completion_id_is_the_callers_request_id(start_shim: StartShim
         assert len(got) == len("cmpl-") + 32
         async with prefill.http.delete(f"{prefill.url}/v1/kv/{params['remote_request_id']}"):
             pass
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
+async def test_a_shim_answers_what_vllm_answers_for_its_models_and_version(
+    start_shim: StartShim, role: Role
+) -> None:
+    """Routers that identify a vLLM backend by these (SMG, vllm-router) can front a shim."""
+    shim = await start_shim(role, max_model_len=4096)
+    async with shim.http.get(shim.url + "/v1/models") as resp:
+        assert resp.status == 200
+        models = await resp.json()
+    assert models["object"] == "list"
+    (model,) = models["data"]
+    assert (model["id"], model["object"], model["owned_by"]) == (
+        shim.settings.model,
+        "model",
+        "vllm",
+    )
+    assert model["max_model_len"] == 4096 and model["root"] == shim.settings.model
+    async with shim.http.get(shim.url + "/version") as resp:
+        assert resp.status == 200
+        assert isinstance((await resp.json())["version"], str)
