@@ -15,7 +15,7 @@ from pdgate.loadtest.scheduling.workload import Scenario, WorkloadSpec, workload
 from pdgate.loadtest.strategies import command
 from pdgate.loadtest.strategies.experiment import Capacity, Outcome, Result
 from pdgate.loadtest.strategies.plan import StrategiesPlan, advised_split
-from pdgate.loadtest.strategies.report import markdown, summary_json
+from pdgate.loadtest.strategies.report import markdown, summary_json, sustained
 
 
 def _one(name: str, body: int, out: int) -> WorkloadSpec:
@@ -107,9 +107,12 @@ def test_the_json_line_has_each_strategy_by_load_in_every_setting() -> None:
     assert agg["tpot_attainment"]["1"] == pytest.approx(0.9)
     assert agg["phase_switch_wait_s"]["1"] == pytest.approx(0.05)
     assert agg["capacity_per_gpu"] == 1.0 and agg["capacity_probes"][1] == [8.0, 0.95]
+    # The most goodput at a load whose median attainment meets the 90% target.
+    assert agg["sustained"] == {"load": "1", "goodput_per_gpu": pytest.approx(9 / 2.0 / 8)}
+    assert sustained({**agg, "slo_attainment": {"1": 0.85}}, 0.9) == (None, 0.0)
     # The same aggregated run stands in both settings; disaggregation has one per link.
     assert data["settings"]["mix@400Gb/s"]["aggregated"] == agg
     assert data["settings"]["mix@400Gb/s"]["disaggregated"]["instances"] == "7P+1D"
     table = markdown(Result(plan, outcomes))
-    assert "**mix@25Gb/s**" in table and "| partial | 8xpartial | 1.00 |" in table
+    assert "**mix@25Gb/s**" in table and "| partial | 8xpartial | 1.00 | 0.56 (at 1x) |" in table
     assert "80.0% / 90.0% / 100.0%" in table
