@@ -240,10 +240,14 @@ class PrefillShim(ShimService[PrefillBackend]):
         endpoint watches its own request; the batch endpoint cancels its items itself).
         `span` is the request's trace span: admission and compute are its children."""
         params = req.kv_transfer_params
-        if not params or params.get("do_remote_decode") is not True:
+        # A plain one-token request is a prefill leg too: routers that speak vLLM's P/D
+        # (SMG) send the leg so and pass the answer's kv_transfer_params to the decode.
+        implied = params is None and req.max_tokens == 1
+        if not implied and (not params or params.get("do_remote_decode") is not True):
             raise bad_request(
                 "this is a prefill instance of a disaggregated deployment: requests need "
-                "kv_transfer_params with do_remote_decode=true (send them through the gateway)",
+                "kv_transfer_params with do_remote_decode=true, or max_tokens=1 (send them "
+                "through the gateway)",
                 "kv_transfer_params",
             )
         tokens = self._tokens(req, decode_max_tokens)

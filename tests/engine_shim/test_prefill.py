@@ -298,7 +298,11 @@ def _big_body() -> bytes:
         (orjson.dumps(prefill_body(temperature="hot")), 400, "temperature"),
         (orjson.dumps(prefill_body(n=2)), 400, "n"),
         (orjson.dumps(prefill_body(kv_transfer_params="yes")), 400, "kv_transfer_params"),
-        (orjson.dumps({**prefill_body(), "kv_transfer_params": None}), 400, "kv_transfer_params"),
+        (
+            orjson.dumps({**prefill_body(max_tokens=5), "kv_transfer_params": None}),
+            400,
+            "kv_transfer_params",
+        ),
         (orjson.dumps(prefill_body(model="some-other-model")), 404, "model"),
         (orjson.dumps(prefill_body("word " * 600)), 400, "prompt"),  # > max_model_len
         (_big_body(), 413, None),
@@ -488,3 +492,17 @@ def test_hold_times_count_holds_over_five_seconds() -> None:
     assert (expired.count, expired.sum) == (1, 31.0)
     assert expired.cumulative()[-2:] == [("60.0", 1.0), ("+Inf", 1.0)]
     assert expired.cumulative()[0] == ("0.005", 0.0)
+
+
+async def test_a_plain_one_token_request_is_a_prefill_leg(pair: tuple[Shim, Shim]) -> None:
+    """As SMG sends vLLM's P/D: the prefill leg without kv_transfer_params (max_tokens 1),
+    then the decode with the parameters the prefill answered."""
+    prefill, decode = pair
+    body = {k: v for k, v in prefill_body(max_tokens=1).items() if k != "kv_transfer_params"}
+    status, answer, _ = await prefill.post(body)
+    assert status == 200, answer
+    params = answer["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True
+    events = await decode.stream({**body, "max_tokens": 4, "kv_transfer_params": params})
+    assert events[-1] == "[DONE]" and len(events) > 2
+    assert (await wait_load(prefill, "kv_held", 0))["kv_fetched"] == 1
