@@ -26,7 +26,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from pdgate.config._toml import TomlTableSource
-from pdgate.config.wire import Role
+from pdgate.config.wire import HARDWARE_PATTERN, Role
 
 
 class _Settings(BaseSettings):
@@ -181,8 +181,7 @@ class ShimSettings(_Settings):
     )
     hardware: str = Field(
         default="",
-        max_length=64,
-        pattern=r"^[a-z0-9/._-]*$",
+        pattern=HARDWARE_PATTERN,
         description="GPU[/tpN][/ppN] it runs on, in its record (sim: from MODEL@GPU).",
     )
     sim_profile: str = Field(
@@ -313,7 +312,7 @@ class StaticInstance(BaseModel):
     # --api-key), sent to it instead of upstream_api_key / the cluster token: the key itself
     # never appears in flags, config files or the registry.
     api_key_env: str | None = None
-    hardware: str = Field(default="", max_length=64, pattern=r"^[a-z0-9/._-]*$")
+    hardware: str = Field(default="", pattern=HARDWARE_PATTERN)
 
     @model_validator(mode="before")
     @classmethod

@@ -70,6 +70,9 @@ EXT_QUEUELESS = "queueless"
 EXT_PHASES = "phases"
 MAX_EXTENSIONS = 16
 MAX_EXTENSION_CHARS = 64
+# What an instance declares it runs on, GPU[/tpN][/ppN] (engine_shim/hardware.py): the
+# settings and the registry's record check it by the same rule.
+HARDWARE_PATTERN = r"^[a-z0-9/._-]{0,64}$"
 
 # -- headers -------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol, Self, runtime_checkable
 import orjson
 
 from pdgate.config import Role
-from pdgate.config.wire import MAX_EXTENSION_CHARS, MAX_EXTENSIONS
+from pdgate.config.wire import HARDWARE_PATTERN, MAX_EXTENSION_CHARS, MAX_EXTENSIONS
 
 
 class InstanceState(StrEnum):
@@ -26,7 +26,7 @@ class InstanceState(StrEnum):
     DRAINING = "draining"  # finishing what it has; receives no new requests
 
 
-_HARDWARE = re.compile(r"[a-z0-9/._-]*")
+_HARDWARE = re.compile(HARDWARE_PATTERN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +84,7 @@ class InstanceRecord:
 
 def hardware_name(raw: object) -> str:
     """A declared hardware type: at most 64 of a-z, 0-9 and ``/._-`` ("" for none)."""
-    if not isinstance(raw, str) or len(raw) > 64 or not _HARDWARE.fullmatch(raw):
+    if not isinstance(raw, str) or not _HARDWARE.fullmatch(raw):
         raise ValueError("hardware must be at most 64 of a-z, 0-9 and /._- (e.g. l40s/tp2)")
     return raw
 

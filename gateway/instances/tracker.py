@@ -114,6 +114,8 @@ class InstanceTracker:
     _ready: dict[tuple[Role, str], list[tuple[InstanceRecord, _Counters]]] = field(
         default_factory=dict
     )
+    # The same records of each role and model in the order they started (`members`).
+    _by_start: dict[tuple[Role, str], list[InstanceRecord]] = field(default_factory=dict)
     # (model, group) keys (group None: any) served aggregated: ready aggregated instances
     # and no ready prefill (see `aggregated`).
     _aggregated: set[tuple[str, str | None]] = field(default_factory=set)
@@ -136,6 +138,10 @@ class InstanceTracker:
                 counters = self._counters.setdefault(rec.id, _Counters())
                 ready.setdefault((rec.role, rec.model), []).append((rec, counters))
         self._ready = ready
+        self._by_start = {
+            key: sorted((rec for rec, _ in xs), key=lambda r: (r.started_at, r.id))
+            for key, xs in ready.items()
+        }
         self._models = tuple(sorted({model for _, model in ready}))
         prefilled: set[tuple[str, str | None]] = set()
         aggregated: set[tuple[str, str | None]] = set()
@@ -203,12 +209,8 @@ class InstanceTracker:
         """Ids of the ready instances of `role` serving `model` in `group` (None: any), in the
         order they started (the record's ``started_at``, then the id): the same list on
         every gateway that reads the same registry."""
-        ready = [
-            rec
-            for rec, _ in self._ready.get((role, model), [])
-            if group is None or rec.group == group
-        ]
-        return [rec.id for rec in sorted(ready, key=lambda r: (r.started_at, r.id))]
+        started = self._by_start.get((role, model), [])
+        return [rec.id for rec in started if group is None or rec.group == group]
 
     def aggregated(self, model: str, group: str | None) -> bool:
         """Whether `model`'s requests in `group` (None: any group) are served aggregated:

@@ -95,16 +95,11 @@ class _Group:
     prefills_by: dict[str, _Window] = field(default_factory=dict)
     decodes_by: dict[str, _Window] = field(default_factory=dict)
 
-    def add_to(self, by: dict[str, _Window], hardware: str, width: int, window_s: float,
-               *values: float) -> None:  # fmt: skip
-        if not hardware:
-            return
-        w = by.get(hardware)
-        if w is None:
-            if len(by) >= _MAX_HARDWARE:
-                return  # bounded: hardware types come from the registry, this is a backstop
-            w = by[hardware] = _Window(window_s, width)
-        w.add(*values)
+
+def _decode_s(count: int, sums: list[float]) -> float:
+    """T_d = xi + G x TPOT from a decode window's sample count and sums."""
+    xi, tokens, tpot = (total / count for total in sums)
+    return xi + tokens * tpot
 
 
 @dataclass(frozen=True)
@@ -165,17 +160,26 @@ class RatioAdvisor:
         if (g := self._group(group)) is not None:
             g.arrivals.add()
 
+    def _typed(self, by: dict[str, _Window], hardware: str, width: int) -> _Window | None:
+        """The window of one hardware type (None: none declared, or too many types)."""
+        w = by.get(hardware)
+        if w is None and hardware and len(by) < _MAX_HARDWARE:  # bounded, as groups are
+            w = by[hardware] = _Window(self._window_s, width)
+        return w
+
     def prefill(self, group: str, seconds: float, hardware: str = "") -> None:
         if (g := self._group(group)) is not None:
             g.prefills.add(seconds)
-            g.add_to(g.prefills_by, hardware, 1, self._window_s, seconds)
+            if (w := self._typed(g.prefills_by, hardware, 1)) is not None:
+                w.add(seconds)
 
     def decode(
         self, group: str, xi_s: float, tokens: int, tpot_s: float, hardware: str = ""
     ) -> None:
         if tokens > 0 and (g := self._group(group)) is not None:
             g.decodes.add(xi_s, float(tokens), tpot_s)
-            g.add_to(g.decodes_by, hardware, 3, self._window_s, xi_s, float(tokens), tpot_s)
+            if (w := self._typed(g.decodes_by, hardware, 3)) is not None:
+                w.add(xi_s, float(tokens), tpot_s)
 
     def forget(self, groups: set[str]) -> None:
         for name in [n for n in self._groups if n not in groups]:
@@ -204,7 +208,7 @@ class RatioAdvisor:
         xi = tokens = tpot = t_d = None
         if decodes >= self._min_samples:
             xi, tokens, tpot = (total / decodes for total in d_sums)
-            t_d = xi + tokens * tpot
+            t_d = _decode_s(decodes, d_sums)
         per_p = b_p / t_p if t_p and b_p else None  # requests/s one prefill serves
         per_d = b_d / t_d if t_d and b_d else None
         cap_p = n_p * per_p if per_p is not None else None
@@ -260,11 +264,7 @@ class RatioAdvisor:
                 if (w := windows.get(hw)) is not None:
                     n, sums = w.totals()
                     if n >= self._min_samples:
-                        seconds = (
-                            sums[0] / n
-                            if role == "prefill"
-                            else (sums[0] + sums[1] * sums[2] / n) / n
-                        )
+                        seconds = sums[0] / n if role == "prefill" else _decode_s(n, sums)
                 out[role][hw] = {
                     "instances": len(rs),
                     "slots": slots,

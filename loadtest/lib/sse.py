@@ -39,6 +39,7 @@ __all__ = [
     "StreamResult",
     "StreamTimer",
     "post_stream",
+    "tpot_s",
 ]
 
 TTFT_HEADER = "x-pdgate-ttft-timeout-ms"  # the gateway may only shorten its deadline by it
@@ -125,6 +126,13 @@ async def post_stream(
     return out
 
 
+def tpot_s(e2e_s: float, ttft_s: float | None, tokens: int) -> float | None:
+    """TPOT: the time after the first token over the tokens after it (None: fewer than 2)."""
+    if ttft_s is None or tokens < 2:
+        return None
+    return (e2e_s - ttft_s) / (tokens - 1)
+
+
 # -- the line parser (Locust) --------------------------------------------------------------
 
 # Bounds the per-stream memory whatever max_tokens the workload asks for.
@@ -149,10 +157,7 @@ class StreamResult:
 
     @property
     def tpot_s(self) -> float | None:
-        tokens = self.output_tokens
-        if self.ttft_s is None or tokens < 2:
-            return None
-        return (self.e2e_s - self.ttft_s) / (tokens - 1)
+        return tpot_s(self.e2e_s, self.ttft_s, self.output_tokens)
 
     @property
     def failure(self) -> str | None:

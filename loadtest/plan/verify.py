@@ -14,7 +14,7 @@ from pdgate.loadtest.lib.children import run_main
 from pdgate.loadtest.lib.log import to_stderr
 from pdgate.loadtest.plan.planner import Plan
 from pdgate.loadtest.scheduling.clusters import ProcessCluster
-from pdgate.loadtest.scheduling.modes import ClusterSpec, mode_named
+from pdgate.loadtest.scheduling.modes import ClusterSpec, Mode, mode_named
 from pdgate.loadtest.scheduling.open_loop import Arrivals
 from pdgate.loadtest.scheduling.runner import Timing, run_point
 from pdgate.loadtest.scheduling.workload import Scenario, Workload
@@ -24,7 +24,7 @@ __all__ = ["verify"]
 _WARMUP_S = 5.0
 
 
-def cluster_of(plan: Plan) -> tuple[ClusterSpec, Any]:
+def cluster_of(plan: Plan) -> tuple[ClusterSpec, Mode]:
     """The sim cluster and on-demand-forwarding mode that stand for `plan`."""
     model = plan.spec.model
     spec = ClusterSpec(

@@ -17,7 +17,13 @@ import aiohttp
 import orjson
 
 from pdgate.config.aio import finish_or_cancel
-from pdgate.loadtest.lib.sse import PRIORITY_HEADER, TENANT_HEADER, TTFT_HEADER, post_stream
+from pdgate.loadtest.lib.sse import (
+    PRIORITY_HEADER,
+    TENANT_HEADER,
+    TTFT_HEADER,
+    post_stream,
+    tpot_s,
+)
 from pdgate.loadtest.lib.stats import RequestResult
 from pdgate.loadtest.scheduling.workload import Prompt, Workload
 
@@ -63,11 +69,6 @@ async def send_completion(
         client_timeout=aiohttp.ClientTimeout(total=scenario.ttft_deadline_s + slack_s),
     )
     e2e = out.end - start
-    # Token events after the first, over the time they took (the stream is not parsed: each
-    # data event but [DONE] carries one piece of text).
-    tpot = (
-        (e2e - out.ttft_s) / (out.events - 1) if out.ttft_s is not None and out.events > 1 else None
-    )
     return RequestResult(
         scenario=scenario.name,
         deadline_s=scenario.ttft_deadline_s,
@@ -77,7 +78,8 @@ async def send_completion(
         completed=out.completed,
         gateway=gateway,
         tenant="" if tenant is None else tenant.name,
-        tpot_s=tpot,
+        # The stream is not parsed: each data event but [DONE] carries one piece of text.
+        tpot_s=tpot_s(e2e, out.ttft_s, out.events),
         tpot_slo_s=scenario.tpot_slo_s,
     )
 

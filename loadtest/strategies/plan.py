@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pdgate.engine_shim.sim_profile import get_profile
+from pdgate.loadtest.ratio.workload import split_of
 from pdgate.loadtest.scheduling.modes import ClusterSpec, Mode, check_settings, mode_named
 from pdgate.loadtest.scheduling.runner import Timing
 from pdgate.loadtest.scheduling.workload import Workload, WorkloadSpec, workload_named
@@ -69,9 +70,7 @@ def advised_split(
         t_p += share * profile.prefill_batch_s([(prompt, cached)] * prefill_slots) / prefill_slots
         step = profile.decode_step_s(decode_slots, decode_slots * (prompt + s.max_tokens // 2))
         t_d += share * (profile.kv_transfer_s(prompt) + s.max_tokens * step) / decode_slots
-    ratio = t_p / t_d  # prefills needed per decode
-    prefills = min(gpus - 1, max(1, round(gpus * ratio / (1 + ratio))))
-    return prefills, gpus - prefills
+    return split_of(t_p / t_d, gpus)  # t_p / t_d: prefills needed per decode
 
 
 @dataclass(frozen=True, slots=True)
