@@ -6,14 +6,20 @@ decode's own blocks on arrival (RecvScatter). Here the buffer is one file in a s
 on tmpfs (``/dev/shm``), shared by three processes: vLLM's worker writes it (prefill) or reads
 it (decode), and the shim streams it over HTTP (``GET /v1/kv/{id}``) or receives it into it.
 
-Layout: a 64-byte header, then ``[layers, blocks, block]`` elements of the cache dtype: the
-prompt's KV blocks, whole, in prompt order, for every attention layer. Whole blocks, not
-token rows, because how a block stores its tokens is the attention backend's business (the
-CPU backend keeps all K rows of a block before all V rows, GPU backends interleave them):
-copying blocks is right for any backend as long as both sides run the same one. The last block
-may be partly filled; the decode recomputes the last prompt token and overwrites the rest. The
-header names the shape and dtype, so a decode whose model, dtype or block size differs
-rejects the buffer instead of loading garbage.
+A 128-byte header names the model's attention shape, the dtype and the **form** of the data:
+
+* ``rows``, layout-neutral: ``[layers, tokens, 2, kv heads, head size]``, every prompt token's
+  key (0) and value (1) rows in prompt order. Written by an engine whose block interior the
+  connector can read (`vllm_connector`); any such decode scatters them into its own paged
+  layout, whatever its block size, and casts them to its cache dtype (seed 002's layout
+  alignment, section III-B).
+* ``blocks:<interior>``: ``[layers, kernel blocks, block]``, the engine's own kernel blocks
+  copied whole, for an interior the connector cannot read as rows: only a decode with the
+  same interior, kernel block size and dtype may load them (a scheduler block size of its
+  own is fine: kernel block k holds prompt tokens from k x its size on either side).
+
+A decode serving another model (layers, heads, head size) rejects any buffer instead of
+loading garbage, and one that cannot take the form recomputes the prompt.
 
 This module needs torch but not vLLM, and it never reads the files' paths from
 the network: names are checked against `NAME_RE` and joined to the spool directory.
@@ -21,6 +27,7 @@ the network: names are checked against `NAME_RE` and joined to the spool directo
 
 from __future__ import annotations
 
+import math
 import re
 import struct
 from dataclasses import dataclass
@@ -33,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "HEADER_BYTES",
     "NAME_RE",
+    "ROWS",
     "KvBufferError",
     "KvLayout",
     "buffer_path",
@@ -41,13 +49,14 @@ __all__ = [
 ]
 
 MAGIC = b"PDGATEKV"
-VERSION = 1
-HEADER_BYTES = 64
-# magic, version, layers, tokens, tokens per block, elements per block, element bytes,
-# dtype name (16 bytes, ascii)
-_HEADER = struct.Struct("<8sIIIIII16s")
+VERSION = 2
+HEADER_BYTES = 128
+# magic, version, layers, tokens, KV heads, head size, tokens per kernel block (0: rows),
+# element bytes, dtype name, form (16 ascii bytes each)
+_HEADER = struct.Struct("<8sIIIIIII16s16s")
 NAME_RE = re.compile(r"[0-9a-f]{32}")
 SUFFIX = ".kv"
+ROWS = "rows"
 
 
 class KvBufferError(Exception):
@@ -56,21 +65,38 @@ class KvBufferError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class KvLayout:
-    """One engine's KV blocks: `layers` layers of blocks of `block_tokens` tokens, each block
-    `block_elems` elements of `dtype`."""
+    """One engine's KV in a buffer: `layers` layers of `kv_heads` heads of `head_size`
+    elements of `dtype`, as token rows (`form` ``rows``) or as kernel blocks of
+    `block_tokens` tokens (``blocks:<interior>``)."""
 
     layers: int
-    block_tokens: int
-    block_elems: int
+    kv_heads: int
+    head_size: int
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
     element_bytes: int
+    form: str = ROWS
+    block_tokens: int = 0  # blocks form only
 
-    def blocks(self, tokens: int) -> int:
-        return -(-tokens // self.block_tokens)
+    def __post_init__(self) -> None:
+        if (self.form == ROWS) != (self.block_tokens == 0) or len(self.form) > 16:
+            raise ValueError("rows take no block size; a blocks form names one")
+
+    @property
+    def rows(self) -> bool:
+        return self.form == ROWS
+
+    def shape(self, tokens: int) -> tuple[int, ...]:
+        if self.rows:
+            return (self.layers, tokens, 2, self.kv_heads, self.head_size)
+        blocks = -(-tokens // self.block_tokens)
+        return (self.layers, blocks, self.block_tokens * 2 * self.kv_heads * self.head_size)
 
     def nbytes(self, tokens: int) -> int:
-        data = self.layers * self.blocks(tokens) * self.block_elems * self.element_bytes
-        return HEADER_BYTES + data
+        return HEADER_BYTES + math.prod(self.shape(tokens)) * self.element_bytes
+
+    def model(self) -> tuple[int, int, int]:
+        """What must agree between prefill and decode: the model's attention shape."""
+        return (self.layers, self.kv_heads, self.head_size)
 
 
 def buffer_path(spool_dir: str | Path, name: str) -> Path:
@@ -87,10 +113,12 @@ def _header(layout: KvLayout, tokens: int) -> bytes:
         VERSION,
         layout.layers,
         tokens,
+        layout.kv_heads,
+        layout.head_size,
         layout.block_tokens,
-        layout.block_elems,
         layout.element_bytes,
         layout.dtype.encode("ascii"),
+        layout.form.encode("ascii"),
     )
     return packed.ljust(HEADER_BYTES, b"\0")
 
@@ -104,13 +132,12 @@ def _map(path: Path, writable: bool, layout: KvLayout, tokens: int) -> torch.Ten
     raw = torch.from_file(str(path), shared=writable, size=nbytes, dtype=torch.uint8)
     # uint8 storage viewed as the cache dtype: works for dtypes numpy lacks (bfloat16, fp8).
     dtype = getattr(torch, layout.dtype)
-    shape = (layout.layers, layout.blocks(tokens), layout.block_elems)
-    return raw[HEADER_BYTES:].view(dtype).view(shape)
+    return raw[HEADER_BYTES:].view(dtype).view(layout.shape(tokens))
 
 
 def create_buffer(path: Path, layout: KvLayout, tokens: int) -> torch.Tensor:
     """Create (or truncate) the buffer file for `tokens` tokens; returns its writable
-    ``[layers, blocks, block]`` view, backed by the file."""
+    view (`KvLayout.shape`), backed by the file."""
     with open(path, "wb") as f:
         f.write(_header(layout, tokens))
         f.truncate(layout.nbytes(tokens))
@@ -119,10 +146,11 @@ def create_buffer(path: Path, layout: KvLayout, tokens: int) -> torch.Tensor:
 
 def open_buffer(
     path: Path, layout: KvLayout, min_tokens: int, *, writable: bool = False
-) -> torch.Tensor:
-    """Map an existing buffer after checking it holds `layout` and at least `min_tokens`
-    tokens; returns its ``[layers, blocks, block]`` view (written through to the file only when
-    `writable`)."""
+) -> tuple[torch.Tensor, KvLayout]:
+    """Map an existing buffer after checking that `layout`'s engine can load it (the same
+    model; token rows, or else exactly its own layout) and that it holds at least
+    `min_tokens` tokens; returns its view in its own dtype and its layout. Written through
+    to the file only when `writable`, which needs exactly `layout` (a save appends)."""
     try:
         with open(path, "rb") as f:
             head = f.read(HEADER_BYTES)
@@ -131,25 +159,42 @@ def open_buffer(
         raise KvBufferError(f"KV buffer unreadable: {exc.strerror}") from None
     if len(head) < HEADER_BYTES:
         raise KvBufferError("KV buffer truncated (no header)")
-    magic, version, layers, tokens, block_tokens, block, elem, dtype = _HEADER.unpack_from(head)
-    if magic != MAGIC or version != VERSION:
-        raise KvBufferError("not a pdgate KV buffer (bad magic or version)")
-    theirs = (layers, block_tokens, block, elem, dtype.rstrip(b"\0").decode("ascii", "replace"))
-    ours = (
-        layout.layers,
-        layout.block_tokens,
-        layout.block_elems,
-        layout.element_bytes,
-        layout.dtype,
+    magic, version, layers, tokens, heads, head_size, block, elem, dtype, form = (
+        _HEADER.unpack_from(head)
     )
-    if theirs != ours:
+    if magic != MAGIC or version != VERSION:
+        raise KvBufferError("not a pdgate KV buffer of this version (bad magic or version)")
+    try:
+        theirs = KvLayout(layers, heads, head_size, _text(dtype), elem, _text(form), block)
+    except ValueError as exc:
+        raise KvBufferError(f"KV buffer header invalid: {exc}") from None
+    if theirs.model() != layout.model():
         raise KvBufferError(
-            f"KV layout mismatch: buffer has (layers, block tokens, block elements, element "
-            f"bytes, dtype)={theirs}, "
-            f"this engine {ours}: prefill and decode must serve the same model and dtype"
+            f"KV layout mismatch: the buffer's (layers, KV heads, head size) is "
+            f"{theirs.model()}, this engine's {layout.model()}: prefill and decode must "
+            "serve the same model"
         )
+    if (writable or not theirs.rows) and theirs != layout:
+        raise KvBufferError(
+            f"KV layout mismatch: the buffer holds {theirs.form} of {theirs.block_tokens} "
+            f"tokens in {theirs.dtype}, this engine needs {layout.form} of "
+            f"{layout.block_tokens} in {layout.dtype}"
+        )
+    if not _known_dtype(theirs.dtype, elem):
+        raise KvBufferError(f"KV buffer dtype {theirs.dtype!r} unknown here")
     if tokens < min_tokens:
         raise KvBufferError(f"KV buffer holds {tokens} tokens, {min_tokens} needed")
-    if size < layout.nbytes(tokens):
+    if size < theirs.nbytes(tokens):
         raise KvBufferError("KV buffer truncated")
-    return _map(path, writable, layout, tokens)
+    return _map(path, writable, theirs, tokens), theirs
+
+
+def _text(raw: bytes) -> str:
+    return raw.rstrip(b"\0").decode("ascii", "replace")
+
+
+def _known_dtype(name: str, element_bytes: int) -> bool:
+    import torch
+
+    dtype = getattr(torch, name, None)
+    return isinstance(dtype, torch.dtype) and dtype.itemsize == element_bytes

@@ -2,11 +2,14 @@
 
 vLLM loads this class by module path inside its engine processes (scheduler side in the
 EngineCore process, worker side in the worker process); the shims never import it. It moves KV
-between vLLM's paged blocks and packed per-prompt buffers (`_vllm_kv_buffer`), and the shims
-move those buffers over the network with pdgate's own wire (``GET /v1/kv/{id}``). So vLLM does
-the gather and scatter, P/D-Serve's block-free transfer and RecvScatter (section 3.6), and the
-shims keep everything that P/D-Serve puts outside the engine: admission, holding the KV until
-a decode takes it, asynchronous retrieval while the decode's batch keeps running, release.
+between vLLM's paged blocks and packed per-prompt buffers of token rows (`_vllm_kv_buffer`),
+and the shims move those buffers over the network with pdgate's own wire
+(``GET /v1/kv/{id}``). So vLLM does the gather and scatter, P/D-Serve's block-free transfer and
+RecvScatter (section 3.6), and the shims keep everything that P/D-Serve puts outside the
+engine: admission, holding the KV until a decode takes it, asynchronous retrieval while the
+decode's batch keeps running, release. Where the engines' block interiors can be read as
+token rows (`_interior`), the hand-over is independent of either side's block size and cache
+dtype: a prefill of 128-token blocks feeds a decode of 32.
 
 Requests opt in through ``kv_transfer_params`` (set by the shims, never taken from clients):
 
@@ -44,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from pdgate.engine_shim._vllm_kv_buffer import (
+    ROWS,
     KvBufferError,
     KvLayout,
     buffer_path,
@@ -116,6 +120,10 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
             raise ValueError("PdgateConnector needs kv_connector_extra_config.spool_dir")
         self._spool = Path(spool)
         self._block_size: int = vllm_config.cache_config.block_size
+        from vllm.platforms import current_platform
+
+        self._cpu = current_platform.is_cpu()  # see `_interior`
+        self._cache_dtype = str(vllm_config.cache_config.cache_dtype)
         # Scheduler side: saves in progress and loads decided but not yet scheduled. Both are
         # bounded by the engine's running requests and emptied by request_finished.
         self._saves: dict[str, _SaveState] = {}
@@ -223,31 +231,76 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
         if self._layout is None:
             if not self._layer_index:
                 raise KvBufferError("KV caches were never registered with the connector")
-            # Per-layer view [kernel blocks, heads, kernel block size, content]; a scheduler
-            # block is `block_size / kernel block size` consecutive kernel blocks.
-            per_kernel_block = kv_layer[0].numel()
-            ratio = self._block_size // int(kv_layer.shape[2])
+            # vLLM's per-layer logical view: [kernel blocks, KV heads, kernel block size,
+            # 2 x head size] (a scheduler block is `block_size / kernel block size`
+            # consecutive kernel blocks).
+            if kv_layer.dim() != 4 or kv_layer.shape[3] % 2:
+                raise KvBufferError(f"KV cache layout {tuple(kv_layer.shape)} not supported")
+            heads, size, head_size = (int(x) for x in kv_layer.shape[1:])
+            head_size //= 2
+            interior = self._interior(kv_layer, head_size)
             self._layout = KvLayout(
                 layers=len(self._layer_index),
-                block_tokens=self._block_size,
-                block_elems=ratio * per_kernel_block,
+                kv_heads=heads,
+                head_size=head_size,
                 dtype=str(kv_layer.dtype).removeprefix("torch."),
                 element_bytes=kv_layer.element_size(),
+                form=ROWS if interior is None else f"blocks:{interior}"[:16],
+                block_tokens=0 if interior is None else size,
             )
         return self._layout
 
-    def _blocks(self, job: _Job, kv_layer: torch.Tensor) -> tuple[int, int, torch.Tensor]:
-        """The request's blocks holding tokens [start, end): (first, last) as block positions
-        in the prompt (= in the buffer), and their ids as kernel blocks of `kv_layer`.
+    def _interior(self, kv_layer: torch.Tensor, head_size: int) -> str | None:
+        """None where this engine's blocks can be read and written as token rows; else a
+        name for their interior, which only an engine of the same one can load.
 
-        The CPU attention kernel, for one, uses smaller blocks than the scheduler (32-token
-        kernel blocks under 128-token ones): scheduler block b is kernel blocks [b*r, b*r+r).
-        """
-        first = job.start // self._block_size
-        last = -(-job.end // self._block_size)
-        ratio = self._block_size // int(kv_layer.shape[2])
-        ids = torch.tensor(job.block_ids[first:last], dtype=torch.long)
-        kernel = (ids[:, None] * ratio + torch.arange(ratio)[None, :]).flatten()
+        The CPU attention backend's vector kernels (ISA ``vec`` and ``vec16``) keep, per
+        kernel block and KV head, the block's keys column-major (``[head size, block
+        size]``) and then its values row-major (``[block size, head size]``): vLLM's
+        csrc/cpu/cpu_attn_vec.hpp, ``reshape_and_cache``. AMX, NEON and the others tile
+        them their own way, and where the GPU backends keep them is not checked here
+        (no GPU to test on): both copy whole blocks."""
+        if not self._cpu:
+            return "device"
+        if self._cache_dtype != "auto":
+            return f"cpu-{self._cache_dtype}"
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = str(_get_attn_isa(kv_layer.dtype, int(kv_layer.shape[2]), head_size))
+        return None if isa in ("vec", "vec16") else f"cpu-{isa}"
+
+    @staticmethod
+    def _rows(kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of a row-readable cache (`_interior`) as keys and values, each ``[kernel
+        blocks, kernel block size, KV heads, head size]``: writing into them writes the
+        cache."""
+        blocks, heads, size, content = kv_layer.shape
+        halves = kv_layer.view(blocks, heads, 2, size * content // 2)
+        keys = halves[:, :, 0].unflatten(-1, (content // 2, size)).permute(0, 3, 1, 2)
+        values = halves[:, :, 1].unflatten(-1, (size, content // 2)).permute(0, 2, 1, 3)
+        return keys, values
+
+    def _token_slots(self, job: _Job, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where prompt tokens [start, end) of the job's request live in `kv_layer`: each
+        one's kernel block and its place there. The CPU attention kernel, for one, uses
+        smaller blocks than the scheduler (32-token kernel blocks under 128-token ones)."""
+        size = int(kv_layer.shape[2])
+        tokens = torch.arange(job.start, job.end)
+        block_ids = torch.tensor(job.block_ids, dtype=torch.long)
+        within = tokens % self._block_size
+        kernel = block_ids[tokens // self._block_size] * (self._block_size // size)
+        kernel += within // size
+        return kernel.to(kv_layer.device), (within % size).to(kv_layer.device)
+
+    def _kernel_blocks(self, job: _Job, kv_layer: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+        """The kernel blocks holding tokens [start, end): their positions in the prompt
+        (first, last), which are the buffer's, and their ids in `kv_layer`."""
+        size = int(kv_layer.shape[2])
+        first, last = job.start // size, -(-job.end // size)
+        starts = torch.arange(first, last) * size
+        block_ids = torch.tensor(job.block_ids, dtype=torch.long)
+        kernel = block_ids[starts // self._block_size] * (self._block_size // size)
+        kernel += (starts % self._block_size) // size
         return first, last, kernel.to(kv_layer.device)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -276,11 +329,23 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
             raise KvBufferError("attention layers and registered KV caches differ")
         any_layer = next(iter(layers.values()))
         layout = self._layout_of(any_layer)
-        data = open_buffer(buffer_path(self._spool, job.name), layout, job.end)
-        first, last, kernel = self._blocks(job, any_layer)
+        data, theirs = open_buffer(buffer_path(self._spool, job.name), layout, job.end)
+        if theirs.rows and not layout.rows:
+            raise KvBufferError(f"token rows cannot be written into {layout.form}")
+        if theirs.rows:
+            kernel, slot = self._token_slots(job, any_layer)
+            for name, kv in layers.items():
+                rows = data[self._layer_index[name], job.start : job.end]
+                # Cast to this engine's cache dtype where the prefill's differs.
+                rows = rows.to(device=kv.device, dtype=kv.dtype)
+                keys, values = self._rows(kv)
+                keys[kernel, slot] = rows[:, 0]
+                values[kernel, slot] = rows[:, 1]
+            return
+        first, last, ids = self._kernel_blocks(job, any_layer)
         for name, kv in layers.items():
             blocks = data[self._layer_index[name], first:last]
-            kv[kernel] = blocks.reshape(len(kernel), *kv.shape[1:]).to(kv.device)
+            kv[ids] = blocks.reshape(len(ids), *kv.shape[1:]).to(kv.device)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are synchronous, done in start_load_kv
@@ -307,8 +372,8 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
                 try:
                     if job.create:
                         buf = create_buffer(path, layout, job.total)
-                    else:
-                        buf = open_buffer(path, layout, job.total, writable=True)  # next chunk
+                    else:  # the next chunk
+                        buf, _ = open_buffer(path, layout, job.total, writable=True)
                 except (KvBufferError, OSError) as exc:
                     # The prefill was withdrawn (its client left) and the shim removed its
                     # buffer while a step with its next chunk was already on its way: nobody
@@ -318,8 +383,14 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
                     self._gone.add(job.name)
                     continue
                 self._open[job.name] = buf
-            first, last, kernel = self._blocks(job, kv_layer)
-            buf[index, first:last] = kv_layer[kernel].reshape(last - first, -1).cpu()
+            if layout.rows:
+                kernel, slot = self._token_slots(job, kv_layer)
+                keys, values = self._rows(kv_layer)
+                buf[index, job.start : job.end, 0] = keys[kernel, slot].cpu()
+                buf[index, job.start : job.end, 1] = values[kernel, slot].cpu()
+            else:
+                first, last, ids = self._kernel_blocks(job, kv_layer)
+                buf[index, first:last] = kv_layer[ids].reshape(last - first, -1).cpu()
 
     def wait_for_save(self) -> None:
         # Drop this step's mappings: the data is in the (shared) file already.

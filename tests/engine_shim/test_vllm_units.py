@@ -103,26 +103,80 @@ def test_kv_buffer_format(tmp_path: Path) -> None:
         open_buffer,
     )
 
-    layout = KvLayout(layers=2, block_tokens=4, block_elems=8, dtype="float32", element_bytes=4)
-    name = "0123456789abcdef0123456789abcdef"
-    path = buffer_path(tmp_path, name)
-    buf = create_buffer(path, layout, tokens=6)  # two blocks, the second half full
-    assert tuple(buf.shape) == (2, 2, 8)
-    buf.copy_(torch.arange(32, dtype=torch.float32).view(2, 2, 8))
+    layout = KvLayout(layers=2, kv_heads=3, head_size=4, dtype="float32", element_bytes=4)
+    rows = torch.arange(2 * 6 * 2 * 3 * 4, dtype=torch.float32).view(2, 6, 2, 3, 4)
+    path = buffer_path(tmp_path, "0123456789abcdef0123456789abcdef")
+    buf = create_buffer(path, layout, tokens=6)  # token rows: no block size in the format
+    assert tuple(buf.shape) == (2, 6, 2, 3, 4)
+    buf.copy_(rows)
     del buf
-    assert path.stat().st_size == layout.nbytes(6)
-    back = open_buffer(path, layout, min_tokens=5)
-    assert torch.equal(back, torch.arange(32, dtype=torch.float32).view(2, 2, 8))
+    assert path.stat().st_size == layout.nbytes(6) == 128 + rows.numel() * 4
+    back, theirs = open_buffer(path, layout, min_tokens=5)
+    assert torch.equal(back, rows) and theirs == layout
     with pytest.raises(KvBufferError, match="holds 6 tokens"):
         open_buffer(path, layout, min_tokens=7)
-    other = KvLayout(layers=2, block_tokens=4, block_elems=8, dtype="bfloat16", element_bytes=2)
-    with pytest.raises(KvBufferError, match="layout mismatch"):
-        open_buffer(path, other, min_tokens=1)
+    # An engine of another cache dtype, or one that keeps whole blocks, reads rows in the
+    # buffer's dtype (it casts them as it scatters), but never appends to them.
+    for reader in (
+        KvLayout(2, 3, 4, "bfloat16", 2),
+        KvLayout(2, 3, 4, "float32", 4, form="blocks:cpu-amx", block_tokens=32),
+    ):
+        back, theirs = open_buffer(path, reader, min_tokens=6)
+        assert back.dtype == torch.float32 and torch.equal(back, rows) and theirs.rows
+        with pytest.raises(KvBufferError, match="layout mismatch"):
+            open_buffer(path, reader, min_tokens=1, writable=True)
+    for other in (KvLayout(3, 3, 4, "float32", 4), KvLayout(2, 6, 2, "float32", 4)):
+        with pytest.raises(KvBufferError, match="same model"):
+            open_buffer(path, other, min_tokens=1)  # another model: never loaded as garbage
+    # Whole kernel blocks: only an engine of exactly that layout may load them.
+    amx = KvLayout(2, 3, 4, "bfloat16", 2, form="blocks:cpu-amx", block_tokens=32)
+    blocks = buffer_path(tmp_path, "f" * 31 + "e")
+    assert tuple(create_buffer(blocks, amx, tokens=40).shape) == (2, 2, 32 * 2 * 3 * 4)
+    assert open_buffer(blocks, amx, min_tokens=40)[1] == amx
+    for reader in (
+        layout,
+        KvLayout(2, 3, 4, "bfloat16", 2, form="blocks:cpu-amx", block_tokens=64),
+    ):
+        with pytest.raises(KvBufferError, match="layout mismatch"):
+            open_buffer(blocks, reader, min_tokens=1)
     with pytest.raises(KvBufferError, match="unreadable"):
         open_buffer(buffer_path(tmp_path, "f" * 32), layout, min_tokens=1)
     for bad in ("../../etc/passwd", "ABC", "0" * 31, 5):
         with pytest.raises(KvBufferError, match="invalid"):
             buffer_path(tmp_path, bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.vllm
+def test_the_connector_reads_the_cpu_vector_kernels_blocks_as_token_rows() -> None:
+    """What vLLM's CPU kernel (ISA vec) writes where, as its reshape_and_cache does it: per
+    kernel block and head, the keys column-major, then the values row-major. Token t of a
+    prompt sits in scheduler block t // 128, kernel block t % 128 // 32 of it, at t % 32."""
+    import torch
+
+    from pdgate.engine_shim.vllm_connector import PdgateConnector, _Job
+
+    blocks, heads, size, head_size = 12, 2, 32, 4
+    key = torch.randn(blocks, size, heads, head_size)  # by (kernel block, slot, head)
+    value = torch.randn(blocks, size, heads, head_size)
+    region = torch.empty(blocks, heads, 2, size * head_size)
+    region[:, :, 0] = key.permute(0, 2, 3, 1).reshape(blocks, heads, -1)  # [head dim, slot]
+    region[:, :, 1] = value.permute(0, 2, 1, 3).reshape(blocks, heads, -1)  # [slot, head dim]
+    cache = region.view(blocks, heads, size, 2 * head_size)  # vLLM's logical per-layer view
+    keys, values = PdgateConnector._rows(cache)
+    assert torch.equal(keys, key) and torch.equal(values, value)
+    keys[3, 5] = 7.0  # the views write the cache
+    assert torch.equal(PdgateConnector._rows(cache)[0][3, 5], torch.full((heads, head_size), 7.0))
+
+    connector = object.__new__(PdgateConnector)
+    connector._block_size = 128
+    job = _Job("0" * 32, block_ids=[2, 0], start=120, end=140, total=140)
+    kernel, slot = connector._token_slots(job, cache)
+    # Tokens 120-127: scheduler block 2 (kernel blocks 8-11), kernel block 11 at 24-31;
+    # tokens 128-139: scheduler block 0, kernel block 0 at 0-11.
+    assert kernel.tolist() == [11] * 8 + [0] * 12
+    assert slot.tolist() == list(range(24, 32)) + list(range(12))
+    first, last, ids = connector._kernel_blocks(job, cache)
+    assert (first, last, ids.tolist()) == (3, 5, [11, 0])
 
 
 @pytest.mark.vllm

@@ -12,14 +12,18 @@
   engine's ``LLM.chat``, prompt token ids and greedy output alike.
 * A greedy run re-submitted as prompt ids + its first k generated ids (what a mid-stream
   decode migration sends) continues with exactly the uninterrupted run's tokens.
+* A decode with another block size than the prefill's gives one engine's greedy tokens from
+  the prefill's KV (the connector's layout-neutral token rows).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -27,7 +31,16 @@ import orjson
 import pytest
 
 from tests._cluster import get_instances, hold_prefill_slot, shim_load, wait_for
-from tests.vllm.conftest import CHATS, MODEL, PROMPTS, REFERENCE_TOKENS, VllmCluster
+from tests.vllm.conftest import (
+    CHATS,
+    MODEL,
+    PROMPTS,
+    REFERENCE_TOKENS,
+    START_TIMEOUT_S,
+    Proc,
+    VllmCluster,
+    _url,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -341,6 +354,21 @@ def _stream_ids(url: str, body: dict[str, Any]) -> tuple[str, list[int]]:
     return "".join(texts), ids
 
 
+def _prefill_leg(prefill_url: str, prompt: str) -> dict[str, Any]:
+    """The greedy prefill leg's answer, sent to the prefill shim directly: its first token,
+    the prompt's ids and the ``kv_transfer_params`` a decode leg takes."""
+    resp = httpx.post(
+        prefill_url + "/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+              "return_token_ids": True,
+              "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}},
+        timeout=120,
+    )  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    answer: dict[str, Any] = resp.json()
+    return answer
+
+
 @pytest.mark.parametrize("ahead", [1, 3])
 def test_a_decode_continues_from_a_prompt_longer_than_its_kv(
     vllm_cluster: VllmCluster, ahead: int
@@ -350,15 +378,7 @@ def test_a_decode_continues_from_a_prompt_longer_than_its_kv(
     decode loads the KV it was given and computes the rest (EXT_CONTINUATION)."""
     prompt = PROMPTS[1]
     ref = vllm_cluster.reference[prompt]
-    resp = httpx.post(
-        vllm_cluster.prefill_url + "/v1/completions",
-        json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-              "return_token_ids": True,
-              "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}},
-        timeout=60,
-    )  # fmt: skip
-    assert resp.status_code == 200, resp.text
-    first = resp.json()
+    first = _prefill_leg(vllm_cluster.prefill_url, prompt)
     prompt_ids = first["choices"][0]["prompt_token_ids"]
     assert first["choices"][0]["token_ids"] == ref["token_ids"][:1]
     decode0 = shim_load(vllm_cluster.decode_url)
@@ -377,8 +397,6 @@ def test_a_decode_continues_from_a_prompt_longer_than_its_kv(
 
 
 def test_first_token_early_gives_the_same_greedy_tokens(vllm_cluster: VllmCluster) -> None:
-    from tests.vllm.conftest import Proc, _url
-
     gateway = Proc(
         ["-m", "pdgate.config.cli", "gateway", "--port", "0"],
         {**vllm_cluster.registry, "PDGATE_GATEWAY_FIRST_TOKEN_EARLY": "true",
@@ -458,8 +476,6 @@ def test_a_stream_migrated_mid_way_gives_the_same_greedy_tokens(
     on a new prefill + decode from prompt ids + the 8 ids sent, and the client's tokens equal
     the uninterrupted greedy run's. Static instances: the stock-server path (vLLM's handshake
     plus ``return_token_ids``)."""
-    from tests.vllm.conftest import Proc, _url
-
     proxy = _CutProxy(vllm_cluster.decode_url, events=8)
     gateway = Proc(
         ["-m", "pdgate.config.cli", "gateway", "--port", "0",
@@ -490,3 +506,66 @@ def test_a_stream_migrated_mid_way_gives_the_same_greedy_tokens(
         proxy.close()
     wait_for(lambda: shim_load(vllm_cluster.decode_url)["used"] == 0, what="decode slots free")
     wait_for(lambda: shim_load(vllm_cluster.prefill_url)["used"] == 0, what="prefill slot free")
+
+
+# -- a decode of another block size (last: it registers one more instance) ------------------
+#
+# The cluster's prefill keeps the CPU's default 128-token blocks; a second decode here has
+# 32-token blocks (the CPU attention kernel takes multiples of 32 only, so a GPU engine's 16
+# cannot be tried on this machine). They hand over through the connector's token rows.
+
+DECODE_BLOCK = 32
+SMALL_BLOCK_MODEL = MODEL + "-b32"  # the same weights, served under another name
+# About 300 tokens of the tiny model's tokenizer: three of the prefill's blocks, ten of the
+# decode's, and a last block partly filled on both sides.
+PROMPT = " ".join(
+    f"Step {i}: the prefill writes token rows and the decode scatters them." for i in range(24)
+)
+TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def small_block_decode(vllm_cluster: VllmCluster) -> Iterator[str]:
+    """A decode shim like the cluster's, with 32-token blocks, in the cluster's registry (it
+    pulls only from prefills registered there) under a model name of its own, so that the
+    cluster's gateway never sends it anything: this test calls it directly."""
+    env = {**vllm_cluster.procs["decode"].env, "PDGATE_SHIM_MODEL": SMALL_BLOCK_MODEL}
+    env["PDGATE_SHIM_VLLM_ENGINE_ARGS"] = json.dumps({"block_size": DECODE_BLOCK})
+    proc = Proc(
+        ["-m", "pdgate.config.cli", "shim", "--role", "decode", "--capacity", "2"],
+        env,
+        "decode-32",
+    )
+    try:
+        yield _url(proc.wait_line("pdgate shim", START_TIMEOUT_S))
+    finally:
+        proc.stop()
+
+
+def test_a_decode_of_other_block_size_gives_one_engines_greedy_tokens(
+    vllm_cluster: VllmCluster, small_block_decode: str
+) -> None:
+    greedy = {"model": MODEL, "temperature": 0, "return_token_ids": True, "stream": True}
+    # One engine alone: the cluster's decode prefilling the plain request itself.
+    _, alone = _stream_ids(
+        vllm_cluster.decode_url, {**greedy, "prompt": PROMPT, "max_tokens": TOKENS}
+    )
+    assert len(alone) == TOKENS
+
+    first = _prefill_leg(vllm_cluster.prefill_url, PROMPT)
+    prompt_ids = first["choices"][0]["prompt_token_ids"]
+    assert len(prompt_ids) > 2 * 128, len(prompt_ids)  # several blocks on either side
+    assert first["choices"][0]["token_ids"] == alone[:1]
+
+    decode0 = shim_load(small_block_decode)
+    _, ids = _stream_ids(
+        small_block_decode,
+        {**greedy, "model": SMALL_BLOCK_MODEL, "prompt": PROMPT, "max_tokens": TOKENS,
+         "kv_transfer_params": first["kv_transfer_params"]},
+    )  # fmt: skip
+    assert ids == alone
+    decode = shim_load(small_block_decode)
+    loaded = decode["prefix_cache_hit_tokens"] - decode0["prefix_cache_hit_tokens"]
+    assert loaded >= len(prompt_ids) - 1, (loaded, len(prompt_ids))
+    assert decode["local_prefills"] == decode0["local_prefills"]
+    wait_for(lambda: shim_load(vllm_cluster.prefill_url)["kv_held"] == 0, what="KV taken")
