@@ -68,6 +68,9 @@ class InstanceLoad(NamedTuple):
     # the call to its answer; after it the slot only holds KV), this gateway's and, as the
     # fleet last said, the others'.
     computing: int = 0
+    # How fast it computes prompts, relative to the fleet's fastest hardware type (0.5: at half
+    # its pace), as the gateways measured per declared type; 1.0 where unknown or all alike.
+    speed: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

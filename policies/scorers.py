@@ -33,46 +33,50 @@ def lower_is_better(values: Sequence[float]) -> list[float]:
 
 class OpenStreams:
     """P/D-Serve's gateway signal: fewest open SSE connections (they last through decoding,
-    so they measure the whole request's footprint, not the prefill's)."""
+    so they measure the whole request's footprint, not the prefill's), this request's
+    included, per unit of the instance's speed: a prefill twice as fast as another serves
+    twice the streams in the same time. Alike instances rank by the count alone."""
 
     name = "open_streams"
     needs = NO_NEEDS
 
     def score(self, request: RequestInfo, candidates: Candidates) -> list[float]:
-        return lower_is_better([c.open_streams for c in candidates])
+        return lower_is_better([(c.open_streams + 1) / c.speed for c in candidates])
 
 
 class Inflight:
-    """Fewest requests at the instance now (for a prefill: not yet handed to a decode)."""
+    """Fewest requests at the instance now (for a prefill: not yet handed to a decode), this
+    one included, per unit of its speed."""
 
     name = "inflight"
     needs = NO_NEEDS
 
     def score(self, request: RequestInfo, candidates: Candidates) -> list[float]:
-        return lower_is_better([c.inflight for c in candidates])
+        return lower_is_better([(c.inflight + 1) / c.speed for c in candidates])
 
 
 class InflightTokens:
-    """Least prompt-token work in flight: a long prompt costs a prefill more than a short one,
-    which connection counts cannot see."""
+    """Least prompt-token work in flight, per unit of speed: a long prompt costs a prefill
+    more than a short one, which connection counts cannot see."""
 
     name = "inflight_tokens"
     needs = NO_NEEDS
 
     def score(self, request: RequestInfo, candidates: Candidates) -> list[float]:
-        return lower_is_better([c.inflight_tokens for c in candidates])
+        return lower_is_better([c.inflight_tokens / c.speed for c in candidates])
 
 
 class Load:
-    """Streams plus in-flight requests per slot: comparable across instances of different
-    sizes (used by power-of-two choices)."""
+    """Streams plus in-flight requests per slot and unit of speed:
+    comparable across instances of different sizes and hardware (used by power-of-two
+    choices)."""
 
     name = "load"
     needs = NO_NEEDS
 
     def score(self, request: RequestInfo, candidates: Candidates) -> list[float]:
         return lower_is_better(
-            [(c.open_streams + c.inflight) / max(c.capacity, 1) for c in candidates]
+            [(c.open_streams + c.inflight) / max(c.capacity, 1) / c.speed for c in candidates]
         )
 
 

@@ -151,6 +151,19 @@ def counts_released(gateway_url: str) -> bool:
     return all(r["open_streams"] == 0 and r["inflight"] == 0 for r in get_instances(gateway_url))
 
 
+def metric_by_label(url: str, name: str, label: str) -> dict[str, float]:
+    """The samples of metric `name` at ``URL/metrics``, keyed by their `label`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return {
+        s.labels[label]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
+
+
 def shim_load(url: str) -> dict[str, Any]:
     resp = httpx.get(url + "/load", timeout=5)
     resp.raise_for_status()

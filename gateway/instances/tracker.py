@@ -124,6 +124,8 @@ class InstanceTracker:
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
     _sleepers: int = 0  # in `wait_freed` now: a pulse with none wakes nobody
     _work_ids: Iterator[int] = field(default_factory=itertools.count)
+    # model -> its prefills' speed per hardware type (`set_speeds`); models that have them.
+    _speeds: dict[str, Mapping[str, float]] = field(default_factory=dict)
 
     def update_membership(
         self, records: Mapping[str, InstanceRecord], departed: set[str] | None = None
@@ -171,9 +173,28 @@ class InstanceTracker:
     def records(self) -> Mapping[str, InstanceRecord]:
         return self._records
 
+    def set_speeds(self, model: str, speeds: Mapping[str, float]) -> None:
+        """`model`'s prefill speed per hardware type, relative to its fleet, as measured
+        (`PrefillTimes.speeds`; a type not in it counts as 1)."""
+        if speeds:
+            self._speeds[model] = speeds
+        else:
+            self._speeds.pop(model, None)
+
+    def _speed(self, rec: InstanceRecord) -> float:
+        if rec.role is not Role.PREFILL:
+            return 1.0  # measured from prefill calls only
+        speeds = self._speeds.get(rec.model) if self._speeds else None
+        return speeds.get(rec.hardware, 1.0) if speeds else 1.0
+
+    def hardware(self, instance_id: str) -> str:
+        """The instance's declared hardware type ("": undeclared, or no longer registered)."""
+        rec = self._records.get(instance_id)
+        return rec.hardware if rec is not None else ""
+
     def loads(self, role: Role, model: str | None, group: str | None = None) -> list[InstanceLoad]:
         """Policy snapshot of ready instances of `role` serving `model` (None: any) in `group`
-        (None: any), with the whole fleet's counts."""
+        (None: any), with the whole fleet's counts and each one's measured speed."""
         if model is None:
             ready = [x for (r, _), xs in self._ready.items() if r == role for x in xs]
         else:
@@ -201,6 +222,7 @@ class InstanceTracker:
                     c.ejected_until > now or c.probe is not None,  # ejected
                     c.inflight,  # own_inflight
                     c.computing + c.others_computing,  # computing
+                    self._speed(rec),  # speed
                 )
             )
         return out
@@ -434,6 +456,7 @@ class InstanceTracker:
                 "version": rec.version,
                 "started_at": rec.started_at,
                 "hardware": rec.hardware,
+                "speed": self._speed(rec),
             }
 
 

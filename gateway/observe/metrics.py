@@ -285,6 +285,7 @@ class _InstanceCollector(Collector):
                 ("capacity", "Slots the instance declares"),
                 ("ejected", "1 while the instance is ejected as an outlier"),
                 ("busy", "1 while the instance is skipped after a 429"),
+                ("speed", "Prefill speed against the fastest hardware type (1: alike or unknown)"),
             )
         }
         counters = {
@@ -303,6 +304,7 @@ class _InstanceCollector(Collector):
             gauges["capacity"].add_metric(values, float(row["capacity"]))
             gauges["ejected"].add_metric(values, float(bool(row["ejected"])))
             gauges["busy"].add_metric(values, float(bool(row["busy"])))
+            gauges["speed"].add_metric(values, float(row["speed"]))
             for name, family in counters.items():
                 family.add_metric(values, float(row[name]))
         yield from gauges.values()

@@ -167,7 +167,9 @@ class BatchForming:
             ):
                 return  # a more urgent request waits at another gateway: it goes first
             uncached = self.uncached_chars(self.with_affinity(nxt), target.id)
-            took = self._compute_times.estimate_s(max(1, uncached))
+            took = self._compute_times.estimate_s(
+                max(1, uncached), hardware=self._tracker.hardware(target.id)
+            )
             if not budget.add(nxt.deadline, took, first=first):
                 return
             yield nxt, uncached, took
@@ -254,7 +256,9 @@ class BatchForming:
         return False
 
     def _option(self, info: RequestInfo, inst: InstanceLoad, wait_s: float) -> Option | None:
-        prefill_s = self._compute_times.estimate_s(max(1, self.uncached_chars(info, inst.id)))
+        prefill_s = self._compute_times.estimate_s(
+            max(1, self.uncached_chars(info, inst.id)), hardware=self._tracker.hardware(inst.id)
+        )
         return None if prefill_s is None else Option(inst, wait_s, prefill_s)
 
     def _expected_wait_s(self, inst: InstanceLoad) -> float:
@@ -265,7 +269,7 @@ class BatchForming:
         wait = self._tracker.soonest_end_s(inst.id)
         if wait is None:
             wait = 0.0
-            rate = self._compute_times.rate_s()
+            rate = self._compute_times.rate_s(hardware=self._tracker.hardware(inst.id))
             if inst.inflight_tokens > 0 and rate is not None:
                 wait = inst.inflight_tokens / self._token_ratio.ratio * rate
         return max(wait, self._tracker.busy_for_s(inst.id))

@@ -76,6 +76,7 @@ from pdgate.gateway.placement.prefill_time import PrefillTimes, TokenRatio, unca
 from pdgate.gateway.placement.queue import Admission, Waiter, WaiterState, WaitQueue
 from pdgate.gateway.upstream.base import Upstream
 from pdgate.policies.base import InstanceLoad, Ranker
+from pdgate.registry.base import hardware_name
 
 log = logging.getLogger("pdgate.forwarder")
 
@@ -348,8 +349,8 @@ class PrefillForwarder:
 
     def samples_out(self) -> str:
         """This queue's new prefill-time samples for the fleet, packed ("": none)."""
-        parts = [f"p {c} {t:.6g}" for c, t in self.prefill_times.take_new()]
-        parts += [f"c {c} {t:.6g}" for c, t in self.compute_times.take_new()]
+        parts = [_sample("p", *x) for x in self.prefill_times.take_new()]
+        parts += [_sample("c", *x) for x in self.compute_times.take_new()]
         return ";".join(parts)
 
     def samples_in(self, packed: Sequence[str]) -> None:
@@ -358,15 +359,18 @@ class PrefillForwarder:
         targets = {"p": self.prefill_times, "c": self.compute_times}
         for entry in packed:
             for item in entry.split(";"):
+                # "KIND CHARS SECONDS[ HARDWARE]"; an older gateway sends no hardware.
                 kind, _, rest = item.partition(" ")
-                chars, _, secs = rest.partition(" ")
+                chars, _, rest = rest.partition(" ")
+                secs, _, hardware = rest.partition(" ")
                 target = targets.get(kind)
                 try:
-                    n, t = int(chars), float(secs)
+                    n, t, hw = int(chars), float(secs), hardware_name(hardware)
                 except ValueError:
                     continue
                 if target is not None and n >= 0 and t >= 0:
-                    target.add_shared(n, t)
+                    target.add_shared(n, t, hw)
+        self._tracker.set_speeds(self.model, self.compute_times.speeds())
 
     def head_in_ms(self) -> float | None:
         """Milliseconds to the deadline of this queue's most urgent request (None: empty)."""
@@ -535,7 +539,7 @@ class PrefillForwarder:
                 inst.url,
                 waiter.body,
                 request_id=waiter.request_id,
-                timeout_s=min(remaining, self._try_timeout_s(call)),
+                timeout_s=min(remaining, self._try_timeout_s(call, inst)),
                 kv_id=call.kv_id,
                 headers=call.headers(self._shared.tracing),
                 path=waiter.path,
@@ -566,7 +570,7 @@ class PrefillForwarder:
         for c in calls:
             c.started = started
         last_deadline = max(c.waiter.deadline for c in calls)
-        try_timeout = max(self._try_timeout_s(c) for c in calls)
+        try_timeout = max(self._try_timeout_s(c, inst) for c in calls)
         path = calls[0].waiter.path  # one API per batch call
         try:
             async for index, status, body in self._shared.upstream.prefill_batch(
@@ -606,14 +610,17 @@ class PrefillForwarder:
             for call in pending.values():  # the prefill never answered for these
                 self._settle(call, inst, 502, UpstreamError(inst.url, "missing from batch answer"))
 
-    def _try_timeout_s(self, call: _Call) -> float:
+    def _try_timeout_s(self, call: _Call, inst: InstanceLoad) -> float:
         """How long one prefill call may take: the setting, or four times the slowest recent
         prefills of its run's length (at least 2 s): its answer comes when the prefill has
         computed the whole run. Past it the call counts as failed and the request moves on,
         instead of waiting on a prefill that hangs until its deadline."""
         if self._options.try_timeout_s is not None:
             return self._options.try_timeout_s
-        slow = self.prefill_times.upper_bound_s(max(call.run_chars, call.waiter.info.prompt_chars))
+        slow = self.prefill_times.upper_bound_s(
+            max(call.run_chars, call.waiter.info.prompt_chars),
+            hardware=self._tracker.hardware(inst.id),
+        )
         return float("inf") if slow is None else max(2.0, 4 * slow)
 
     def _hand_out(self, call: _Call, inst: InstanceLoad) -> None:
@@ -731,12 +738,14 @@ class PrefillForwarder:
             # What this prompt cost, not the batch it rode in: the estimates are of a prompt
             # sent alone (a run is then the sum of its members', `RunBudget`).
             own = took * call.share
-            self.prefill_times.record(chars, own)
+            hardware = self._tracker.hardware(inst.id)
+            self.prefill_times.record(chars, own, hardware=hardware)
             usage = answer.get("usage")
             self.token_ratio.observe(chars, usage)
-            self.compute_times.record(max(1, uncached_chars(chars, usage)), own)
-            rec = self._shared.tracker.records().get(inst.id)
-            self._shared.advisor.prefill(inst.group, own, rec.hardware if rec else "")
+            self.compute_times.record(max(1, uncached_chars(chars, usage)), own, hardware=hardware)
+            if hardware:
+                self._tracker.set_speeds(self.model, self.compute_times.speeds())
+            self._shared.advisor.prefill(inst.group, own, hardware)
             self._remember_prefix(waiter, inst)
             request_id, kv_id = waiter.request_id, call.kv_id
             waiter.future.set_result(
@@ -807,3 +816,9 @@ def _queue_full(retry_after_s: int) -> GatewayError:
     return Overloaded(
         "the gateway's queue for this model and group is full", retry_after=retry_after_s
     )
+
+
+def _sample(kind: str, chars: int, seconds: float, hardware: str) -> str:
+    """One measured sample as the fleet shares it (`Forwarder.samples_in` reads it)."""
+    sample = f"{kind} {chars} {seconds:.6g}"
+    return f"{sample} {hardware}" if hardware else sample

@@ -352,6 +352,12 @@ class Fleet:
                 failures += 1
                 self._degrade(exc)
                 continue
+            except Exception:
+                # A bug here must not end the fleet's syncs for good (the others would count
+                # this gateway gone and its leases with it): log it and try again.
+                log.exception("fleet sync failed")
+                failures += 1
+                continue
             failures = 0
 
     async def sync_once(self) -> None:

@@ -19,16 +19,26 @@ computed (its answer says how many prompt tokens its cache held, `uncached_chars
 median (`estimate_s`) is the expected prefill time behind the hold-or-go choice
 (policies/completion.py) and the expected end of each call (`InstanceTracker.work`).
 `TokenRatio` learns tokens per character from the same answers, for the token-work load.
+
+**Hardware.** Where prefills declare what they run on (the registry record's `hardware`), a
+sample also goes into a window of its type, and an instance's estimates come from its own
+type's window once that has enough samples: an L40S prefill is not estimated at an H100's
+pace. `speeds()` turns the types' median rates into speeds relative to the fastest type's,
+for the ranking
+(policies/scorers.py). A fleet of one type, or of undeclared ones, is estimated exactly as
+before: every figure comes from the pooled windows and every speed is 1.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Mapping
 
 __all__ = ["PrefillTimes", "TokenRatio", "uncached_chars"]
 
 _MAX_CLASSES = 40  # 2**40 characters: far beyond any body limit
+_MAX_TYPES = 16  # hardware types with windows of their own; more share the pooled ones
 
 
 class _Window:
@@ -77,7 +87,10 @@ class PrefillTimes:
         # This gateway's own samples not yet shared with the fleet (`take_new`): (prompt
         # characters, seconds), a hand-over as 0 characters. Bounded: unshared samples are
         # only ever the newest.
-        self._new: deque[tuple[int, float]] = deque(maxlen=window)
+        self._new: deque[tuple[int, float, str]] = deque(maxlen=window)
+        # Per declared hardware type (bounded by _MAX_TYPES): the same windows, its own.
+        self._typed: dict[str, PrefillTimes] = {}
+        self._speeds: dict[str, float] | None = {}  # None: to recompute
 
     def __len__(self) -> int:
         return len(self._all)
@@ -86,26 +99,41 @@ class PrefillTimes:
     def _class(prompt_chars: int) -> int:
         return min(prompt_chars.bit_length(), _MAX_CLASSES)
 
-    def take_new(self) -> list[tuple[int, float]]:
+    def take_new(self) -> list[tuple[int, float, str]]:
         """This gateway's samples since the last call, to share with the fleet: (prompt
-        characters, seconds), a hand-over with 0 characters."""
+        characters, seconds, hardware type or ""), a hand-over with 0 characters."""
         new = list(self._new)
         self._new.clear()
         return new
 
-    def add_shared(self, prompt_chars: int, seconds: float) -> None:
+    def add_shared(self, prompt_chars: int, seconds: float, hardware: str = "") -> None:
         """Another gateway's sample, as `take_new` gave it there."""
         if prompt_chars == 0:
             self.record_handover(seconds, share=False)
         else:
-            self.record(prompt_chars, seconds, share=False)
+            self.record(prompt_chars, seconds, hardware=hardware, share=False)
 
-    def record(self, prompt_chars: int, seconds: float, *, share: bool = True) -> None:
-        """An accepted prefill call of a `prompt_chars` prompt took `seconds`, answer included."""
+    def record(
+        self, prompt_chars: int, seconds: float, *, hardware: str = "", share: bool = True
+    ) -> None:
+        """An accepted prefill call of a `prompt_chars` prompt took `seconds`, answer included,
+        on a prefill of `hardware` ("": undeclared)."""
         if prompt_chars <= 0 or seconds < 0:
             return
         if share:
-            self._new.append((prompt_chars, seconds))
+            self._new.append((prompt_chars, seconds, hardware))
+        if hardware:
+            typed = self._typed.get(hardware)
+            if typed is None and len(self._typed) < _MAX_TYPES:
+                typed = self._typed[hardware] = PrefillTimes(
+                    window=self._class_window,
+                    class_window=self._class_window,
+                    quantile=self._quantile,
+                    min_samples=self._min_samples,
+                )
+            if typed is not None:
+                typed.record(prompt_chars, seconds, share=False)
+                self._speeds = None
         rate = seconds / prompt_chars
         self._all.add(rate)
         cls = self._class(prompt_chars)
@@ -116,16 +144,31 @@ class PrefillTimes:
 
     def lower_bound_s(self, prompt_chars: int) -> float | None:
         """The prefill time early drop uses (at this window's quantile) of a `prompt_chars`
-        prompt; None while too few samples."""
-        return self.estimate_s(prompt_chars, self._quantile)
+        prompt, on the fastest hardware type that has enough samples of its own; None while
+        too few samples."""
+        pooled = self.estimate_s(prompt_chars, self._quantile)
+        if pooled is None or len(self._typed) < 2:
+            return pooled
+        typed = [t.estimate_s(prompt_chars, self._quantile) for t in self._typed.values()]
+        return min([pooled, *(t for t in typed if t is not None)])
 
-    def upper_bound_s(self, prompt_chars: int, quantile: float = 0.99) -> float | None:
+    def upper_bound_s(
+        self, prompt_chars: int, quantile: float = 0.99, hardware: str = ""
+    ) -> float | None:
         """A pessimistic prefill time (a high quantile); None while too few samples."""
-        return self.estimate_s(prompt_chars, quantile)
+        return self.estimate_s(prompt_chars, quantile, hardware)
 
-    def estimate_s(self, prompt_chars: int, quantile: float = 0.5) -> float | None:
+    def estimate_s(
+        self, prompt_chars: int, quantile: float = 0.5, hardware: str = ""
+    ) -> float | None:
         """The `quantile` of recent rates for this length times the length (the median by
-        default: an expected time); None while too few samples."""
+        default: an expected time), on a prefill of `hardware` when its type has enough
+        samples of its own (else the fleet's); None while too few samples."""
+        typed = self._typed.get(hardware) if hardware else None
+        if typed is not None:
+            estimate = typed.estimate_s(prompt_chars, quantile)
+            if estimate is not None:
+                return estimate
         window = self._by_class.get(self._class(prompt_chars))
         if window is None or len(window) < self._min_samples:
             window = self._all
@@ -144,7 +187,7 @@ class PrefillTimes:
         if seconds >= 0:
             self._handover.add(seconds)
             if share:
-                self._new.append((0, seconds))
+                self._new.append((0, seconds, ""))
 
     def handover_s(self) -> float:
         """The median hand-over of recent requests; 0 while too few samples."""
@@ -152,11 +195,27 @@ class PrefillTimes:
             return 0.0
         return self._handover.quantile(0.5)
 
-    def rate_s(self, quantile: float = 0.5) -> float | None:
-        """The `quantile` of recent seconds per character, all lengths together."""
+    def rate_s(self, quantile: float = 0.5, hardware: str = "") -> float | None:
+        """The `quantile` of recent seconds per character, all lengths together (of `hardware`
+        when its type has enough samples of its own)."""
+        typed = self._typed.get(hardware) if hardware else None
+        if typed is not None and (rate := typed.rate_s(quantile)) is not None:
+            return rate
         if len(self._all) < self._min_samples:
             return None
         return self._all.quantile(quantile)
+
+    def speeds(self) -> Mapping[str, float]:
+        """Each hardware type's prefill speed relative to the fastest type's (its median
+        seconds per character against theirs: 0.5 computes at half the pace), for the types
+        with enough samples; empty while fewer than two types have them, so a one-type fleet
+        ranks as if no speeds were known. Recomputed after new samples only."""
+        if self._speeds is None:
+            rates = {hw: t.rate_s() for hw, t in self._typed.items()}
+            known = {hw: r for hw, r in rates.items() if r}
+            fastest = min(known.values(), default=0.0)
+            self._speeds = {hw: fastest / r for hw, r in known.items()} if len(known) >= 2 else {}
+        return self._speeds
 
 
 class TokenRatio:

@@ -218,3 +218,33 @@ def test_idle_drops_a_prefill_computing_for_any_gateway_and_keeps_one_holding_kv
     free = inst("free")
     kept = idle.filter(RequestInfo("m", None, "p", 1, 4), [ours, theirs, holding, free])
     assert ids(kept) == ["holding", "free"]
+
+
+def test_a_faster_prefill_takes_more_streams_before_it_ranks_below_a_slower_one() -> None:
+    fast, slow = inst("b-fast", 3)._replace(speed=2.0), inst("a-slow", 1)._replace(speed=0.5)
+    # 4 streams (with this request) at twice the pace against 2 at half: 2 against 4.
+    assert ids(load_policy("least_sse").rank(REQ, [slow, fast])) == ["b-fast", "a-slow"]
+    assert ids(load_policy("least_sse").rank(REQ, [slow, fast._replace(open_streams=9)])) == [
+        "a-slow",
+        "b-fast",
+    ]
+    # Idle both: the faster one (alike instances tie, and go by id).
+    idle = [slow._replace(open_streams=0), fast._replace(open_streams=0)]
+    for name in ("least_sse", "least_inflight", "least_tokens"):
+        if name in PROFILES:
+            assert ids(load_policy(name).rank(REQ, idle))[0] == "b-fast", name
+
+
+def test_equal_speeds_rank_exactly_as_without_them() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        cands = [
+            inst(f"i{k}", rng.randrange(5), rng.randrange(4), tokens=rng.randrange(900))
+            for k in range(5)
+        ]
+        same = [c._replace(speed=2.0) for c in cands]  # exact in binary: no rounding
+        for name in PROFILES:
+            if name.startswith("affinity") or name.startswith("prefix"):
+                continue
+            policy = load_policy(name, {"picker": "max_score"})
+            assert ids(policy.rank(REQ, cands)) == ids(policy.rank(REQ, same)), name

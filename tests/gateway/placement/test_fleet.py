@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests._cluster import (
     SIM_MODEL,
@@ -18,6 +17,7 @@ from tests._cluster import (
     Subprocess,
     instance_urls,
     instances_by_id,
+    metric_by_label,
     registry_env,
     shim_load,
     wait_for,
@@ -227,13 +227,7 @@ def test_a_gateway_does_not_send_into_a_batch_another_gateway_computes_while_one
 
 
 def _fleet_calls(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=5).text
-    return {
-        s.labels["op"]: s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "pdgate_fleet_calls_total"
-    }
+    return metric_by_label(url, "pdgate_fleet_calls_total", "op")
 
 
 def test_every_gateway_learns_prefill_times_from_the_whole_fleets_calls(

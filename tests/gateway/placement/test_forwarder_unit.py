@@ -284,8 +284,8 @@ async def test_a_prompt_in_a_batch_is_timed_at_its_share_of_the_batch() -> None:
     grants = await asyncio.gather(*(fwd.acquire(waiter(i, prompt=f"prompt {i}")) for i in range(4)))
     assert [len(b) for b in upstream.batches] == [4]
     recorded = fwd.prefill_times.take_new()
-    assert [chars for chars, _ in recorded] == [len("prompt 0")] * 4
-    assert all(0.04 < seconds < 0.1 for _, seconds in recorded), recorded  # 0.2 s / 4
+    assert [chars for chars, _, _ in recorded] == [len("prompt 0")] * 4
+    assert all(0.04 < seconds < 0.1 for _, seconds, _ in recorded), recorded  # 0.2 s / 4
     for g in grants:
         g.close()
     await eventually(lambda: tracker.totals() == (0, 0))
