@@ -1,4 +1,4 @@
-"""``pdgate bench gateway``: what the gateway itself costs, next to vllm-router and no router.
+"""``pdgate bench gateway``: what the gateway itself costs, next to the Rust routers and none.
 
 One run, on each engine of the plan in turn (shims.py: pdgate's null-profile sim shims, and
 stock.py: a plain OpenAI server with vLLM's handshake only; both answer as fast as possible,
@@ -8,7 +8,8 @@ floor), ``pdgate`` (``pdgate gateway`` in its own process, finding shims through
 Redis or given stock engines by URL; ``pdgate_plain`` without the shims' batch endpoint,
 ``pdgate_wN`` with N workers, each of these its own fleet) and ``vllm_router`` (the
 ``vllm-router`` binary in its vLLM P/D mode, ``--vllm-pd-disaggregation``, given the same
-engines; ``vllm_router_<policy>`` with another ``--policy``). Fronts take turns
+engines; ``vllm_router_<policy>`` with another ``--policy``) and ``smg`` (SMG, ``smg launch
+--pd-disaggregation --backend vllm``, the same engines, round robin). Fronts take turns
 (interleaved) so drift in the machine's load hits them alike:
 
 * added TTFT at concurrency 1: TTFT percentiles minus the direct floor's; on stock engines
@@ -34,7 +35,7 @@ import resource
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -47,9 +48,10 @@ from pdgate.loadtest.gateway_cost.load import warm as warm_fronts
 from pdgate.loadtest.gateway_cost.shims import ShimSpec
 from pdgate.loadtest.lib.children import Child, start_all
 from pdgate.loadtest.lib.log import Log
+from pdgate.loadtest.lib.pinning import Pinning, pinned
 from pdgate.loadtest.lib.probes import wait_instances
 from pdgate.loadtest.lib.redis import private_redis
-from pdgate.loadtest.lib.router import RouterOptions, running_router
+from pdgate.loadtest.lib.router import SMG, RouterOptions, running_router
 from pdgate.loadtest.lib.stats import percentile
 
 __all__ = [
@@ -62,7 +64,7 @@ __all__ = [
     "summarize_ttft",
 ]
 
-FRONTS = ("direct", "pdgate", "vllm_router")
+FRONTS = ("direct", "pdgate", "vllm_router", "smg")
 _FD_HEADROOM = 512  # descriptors the gateway needs besides two per stream
 _SHIM_MAX_CAPACITY = 4096  # ShimSettings.capacity's bound
 
@@ -79,6 +81,7 @@ class GatewayPlan:
     idle_batch: int = 100  # streams opened at once
     settle_s: float = 1.0  # wait before reading RSS, for buffers to be allocated and freed
     with_router: bool = True
+    with_smg: bool = True
     # Gateway worker counts to measure, each its own front ("pdgate", "pdgate_w2", ...).
     workers: tuple[int, ...] = (1,)
     # Also a one-worker pdgate without the shims' batch endpoint ("pdgate_plain"): the same
@@ -97,6 +100,8 @@ class GatewayPlan:
     router_policies: tuple[str, ...] = ("round_robin",)
     # Stock engines serve vLLM's tokenizer endpoints (False: 404, like a plain OpenAI server).
     stock_tokenizer: bool = True
+    # The fronts on a CPU of their own, the engines, Redis and the load on the others.
+    pin: bool = False
 
 
 QUICK = GatewayPlan(
@@ -137,7 +142,7 @@ def gateway_env(key_prefix: str, streams: int) -> dict[str, str]:
 @dataclass(slots=True)
 class Setup:
     """What `running_fronts` started: the fronts, the processes behind them (pdgate's,
-    vllm-router's), the engines' process, and why any front is missing."""
+    the routers'), the engines' process, and why any front is missing."""
 
     fronts: dict[str, Front]
     procs: dict[str, Child]
@@ -171,8 +176,10 @@ async def running_fronts(
     workers_list: tuple[int, ...] = (1,),
     plain: bool = False,
     router_policies: tuple[str, ...] = ("round_robin",),
+    smg: bool = False,
+    pinning: Pinning | None = None,
 ) -> AsyncIterator[Setup]:
-    """The spec's engines + pdgate (+ vllm-router) in front of them. Shims register in the
+    """The spec's engines + pdgate (+ vllm-router, + SMG) in front of them. Shims register in the
     spec's Redis, where pdgate finds them; stock engines are given to pdgate by URL (it still
     uses the Redis for what its workers share)."""
     async with contextlib.AsyncExitStack() as stack:
@@ -205,13 +212,10 @@ async def running_fronts(
                 # fleet lease every prefill slot through Redis (a round trip per dispatch), a
                 # cost of running several gateways that would hide in every front's figure.
                 env["PDGATE_GATEWAY_FLEET"] = "false"
-            gateways[name] = Child(
-                name,
-                [sys.executable, "-m", "pdgate.config.cli", "--log-level", "WARNING", "gateway",
-                 "--host", "127.0.0.1", "--port", "0", "--registry-url", spec.registry_url,
-                 "--workers", str(workers), *static],
-                env,
-            )  # fmt: skip
+            argv = [sys.executable, "-m", "pdgate.config.cli", "--log-level", "WARNING",
+                    "gateway", "--host", "127.0.0.1", "--port", "0", "--registry-url",
+                    spec.registry_url, "--workers", str(workers), *static]  # fmt: skip
+            gateways[name] = Child(name, pinning.wrap(argv) if pinning else argv, env)
             stack.push_async_callback(gateways[name].stop)
         # All start at once (their imports take a second each); the gateways then wait
         # until the shims have registered.
@@ -230,17 +234,27 @@ async def running_fronts(
             fronts[name] = Front(name, url=base + "/v1/completions")
         procs = dict(gateways)
         missing: dict[str, str] = {}
-        for policy in router_policies if router else ():
-            name = router_front(policy)
-            opts = RouterOptions(policy=policy, max_concurrent=max(4096, 2 * streams))
+        routers = [(router_front(p), RouterOptions(policy=p)) for p in router_policies if router]
+        if smg:
+            routers.append(("smg", RouterOptions(binary=SMG)))
+        for name, opts in routers:
+            opts = replace(opts, max_concurrent=max(4096, 2 * streams))
             try:
                 proc, base_router = await stack.enter_async_context(
-                    running_router(session, urls["prefills"], urls["decodes"], opts)
+                    running_router(
+                        session,
+                        urls["prefills"],
+                        urls["decodes"],
+                        opts,
+                        pinning.prefix() if pinning else (),
+                    )
                 )
                 fronts[name] = Front(name, url=base_router + "/v1/completions")
                 procs[name] = proc
             except RuntimeError as exc:
                 missing[name] = str(exc)
+        if pinning is not None:
+            log(pinning.describe({name: proc.pid for name, proc in procs.items()}))
         if warm:
             await warm_fronts(session, fronts)
         log(
@@ -326,9 +340,18 @@ def _window_figures(result: dict[str, Any], c: int, tallies: dict[str, Tally], f
         result[f"workers_rps_ratio_c{c}"] = ratios
 
 
-async def _fast_phase(
-    plan: GatewayPlan, session: aiohttp.ClientSession, redis_url: str, engine: str, log: Log
-) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """What every phase of one run shares."""
+
+    session: aiohttp.ClientSession
+    redis_url: str
+    log: Log
+    pinning: Pinning | None
+
+
+async def _fast_phase(plan: GatewayPlan, run: _Run, engine: str) -> dict[str, Any]:
+    session, redis_url, log, pinning = run.session, run.redis_url, run.log, run.pinning
     spec = ShimSpec(registry_url=redis_url, prefill_capacity=1024, decode_capacity=1024,
                     key_prefix=f"pdgate-bench-fast-{engine}", engine=engine,
                     prefill_s=plan.prefill_s, decode_step_s=plan.token_s,
@@ -337,7 +360,7 @@ async def _fast_phase(
     plain = plan.plain and engine == "shim"
     stack = running_fronts(
         session, spec, 256, plan.with_router, log, workers_list=plan.workers, plain=plain,
-        router_policies=plan.router_policies,
+        router_policies=plan.router_policies, smg=plan.with_smg, pinning=pinning,
     )  # fmt: skip
     async with stack as setup, aiohttp.ClientSession() as stats_session:
         fronts, procs = setup.fronts, setup.procs
@@ -418,9 +441,8 @@ async def _idle_rss(
     return rss
 
 
-async def _idle_phase(
-    plan: GatewayPlan, session: aiohttp.ClientSession, redis_url: str, engine: str, log: Log
-) -> dict[str, Any]:
+async def _idle_phase(plan: GatewayPlan, run: _Run, engine: str) -> dict[str, Any]:
+    session, redis_url, log, pinning = run.session, run.redis_url, run.log, run.pinning
     limit = _raise_nofile(2 * plan.idle_streams + _FD_HEADROOM)
     streams = min(plan.idle_streams, (limit - _FD_HEADROOM) // 2)
     # Fronts take turns, and a front may free its decode slots a little after its streams
@@ -439,7 +461,10 @@ async def _idle_phase(
     )
     kib: dict[str, float] = {}
     rss_mib: dict[str, dict[str, float]] = {}
-    async with running_fronts(session, spec, streams, plan.with_router, log, warm=False) as setup:
+    async with running_fronts(
+        session, spec, streams, plan.with_router, log, warm=False, smg=plan.with_smg,
+        pinning=pinning,
+    ) as setup:  # fmt: skip
         missing = setup.missing
         for name, proc in setup.procs.items():
             url = setup.fronts[name].url
@@ -466,17 +491,24 @@ async def _idle_phase(
 
 async def run_gateway_bench(plan: GatewayPlan, log: Log) -> dict[str, Any]:
     _raise_nofile(2 * plan.idle_streams + _FD_HEADROOM)
+    started = time.monotonic()
+    with pinned(plan.pin) as pinning:
+        result = await _both_phases(plan, log, pinning)
+    result["wall_s"] = time.monotonic() - started
+    result["load_avg_1m_after"] = os.getloadavg()[0]
+    result["pinned"] = plan.pin
+    return result
+
+
+async def _both_phases(plan: GatewayPlan, log: Log, pinning: Pinning | None) -> dict[str, Any]:
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=120)
-    started = time.monotonic()
     async with (
         private_redis() as redis_url,
         aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
     ):
-        by_engine = {
-            engine: await _fast_phase(plan, session, redis_url, engine, log)
-            for engine in plan.engines
-        }
+        run = _Run(session, redis_url, log, pinning)
+        by_engine = {engine: await _fast_phase(plan, run, engine) for engine in plan.engines}
         # The first engine's figures stay at the top level, where they always were.
         result: dict[str, Any] = {**by_engine[plan.engines[0]], "engine": plan.engines[0]}
         result["by_engine"] = by_engine
@@ -484,7 +516,5 @@ async def run_gateway_bench(plan: GatewayPlan, log: Log) -> dict[str, Any]:
             # On stock engines when they are measured: their decodes send the first token at
             # once and then nothing, and a gateway may hold its response until a first token.
             idle = "stock" if "stock" in plan.engines else plan.engines[0]
-            result.update(await _idle_phase(plan, session, redis_url, idle, log))
-    result["wall_s"] = time.monotonic() - started
-    result["load_avg_1m_after"] = os.getloadavg()[0]
+            result.update(await _idle_phase(plan, run, idle))
     return result

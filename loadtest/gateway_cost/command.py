@@ -37,7 +37,7 @@ __all__ = [
     "update_gateway_doc",
 ]
 
-GATEWAY_HELP = "the gateway's own cost vs vllm-router and no router"
+GATEWAY_HELP = "the gateway's own cost vs vllm-router, SMG and no router"
 PROFILE_HELP = "py-spy profile of the gateway on the hot path"
 HOTPATH_HELP = "pdgate's own CPU per request, in process over MockUpstream (no sockets)"
 COMPARE_HELP = "gateway builds (e.g. two checkouts) in front of the same engines, same rates"
@@ -50,6 +50,12 @@ def configure_gateway(g: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--no-doc", action="store_true")
     g.add_argument("--no-router", action="store_true", help="skip vllm-router")
+    g.add_argument("--no-smg", action="store_true", help="skip SMG")
+    g.add_argument(
+        "--pin",
+        action="store_true",
+        help="the fronts on a CPU of their own, the engines, Redis and the load on the others",
+    )
     g.add_argument(
         "--workers",
         help="comma-separated gateway worker counts, each its own front (default 1)",
@@ -228,6 +234,10 @@ def gateway_main(args: argparse.Namespace, command: str) -> int:
         plan = replace(plan, concurrencies=tuple(int(c) for c in args.concurrencies.split(",")))
     if args.no_router:
         plan = replace(plan, with_router=False)
+    if args.no_smg:
+        plan = replace(plan, with_smg=False)
+    if args.pin:
+        plan = replace(plan, pin=True)
     if args.workers:
         plan = replace(plan, workers=tuple(int(w) for w in args.workers.split(",")))
     if args.no_plain:

@@ -20,24 +20,19 @@ environment variable (``--set this:PDGATE_GATEWAY_MAX_MIGRATIONS=0``). Every gat
 own fleet (``PDGATE_GATEWAY_FLEET=false`` unless set): they take turns, and gateways that
 share a fleet lease every slot through Redis.
 
-``--pin`` gives the gateways a CPU of their own (the last this process may use, through
-``taskset``) and everything else (this process's load, the engines, Redis) the others. On a
-small machine the gateway otherwise shares its cores with the engines and the load, and its
-CPU per request moves with theirs: unpinned ratios moved by ±0.15 between runs on two cores
-(docs/results/structure/README.md). Linux only; needs two CPUs or more.
+``--pin`` gives the gateways a CPU of their own and everything else (this process's load, the
+engines, Redis) the others (loadtest/lib/pinning.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shlex
-import shutil
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -48,6 +43,8 @@ from pdgate.loadtest.gateway_cost.load import Front, send, warm
 from pdgate.loadtest.gateway_cost.shims import ShimSpec
 from pdgate.loadtest.lib.children import Child, start_all
 from pdgate.loadtest.lib.log import Log
+from pdgate.loadtest.lib.pinning import Pinning
+from pdgate.loadtest.lib.pinning import pinned as pin_fronts
 from pdgate.loadtest.lib.probes import wait_instances
 from pdgate.loadtest.lib.redis import private_redis
 
@@ -121,7 +118,7 @@ async def _running(
     plan: ComparePlan,
     redis_url: str,
     log: Log,
-    pinned: _Pinning | None,
+    pinned: Pinning | None,
 ) -> AsyncIterator[tuple[dict[str, Front], dict[str, Child]]]:
     spec = ShimSpec(registry_url=redis_url, prefill_capacity=1024, decode_capacity=1024,
                     key_prefix=_KEY_PREFIX)  # fmt: skip
@@ -138,7 +135,7 @@ async def _running(
             argv = [*build.argv, "--log-level", "WARNING", "gateway", "--host", "127.0.0.1",
                     "--port", "0", "--registry-url", redis_url]  # fmt: skip
             if pinned is not None:
-                argv = [pinned.taskset, "-c", str(pinned.gateway_cpu), *argv]
+                argv = pinned.wrap(argv)
             gateways[build.name] = Child(build.name, argv, _env(build))
             stack.push_async_callback(gateways[build.name].stop)
         ready = await start_all(
@@ -151,9 +148,7 @@ async def _running(
         await warm(session, fronts)
         log(f"gateways up: {', '.join(fronts)}")
         if pinned is not None:
-            where = ", ".join(f"{name} (pid {gateways[name].pid})" for name in fronts)
-            others = ",".join(map(str, sorted(pinned.others)))
-            log(f"pinned: {where} on CPU {pinned.gateway_cpu}; the rest on CPUs {others}")
+            log(pinned.describe({name: gateways[name].pid for name in fronts}))
         yield fronts, gateways
 
 
@@ -195,38 +190,9 @@ async def _open_loop(
                   1000 * cpu / done if done else float("nan"))  # fmt: skip
 
 
-@dataclass(frozen=True, slots=True)
-class _Pinning:
-    taskset: str
-    gateway_cpu: int
-    others: frozenset[int]
-
-
-@contextlib.contextmanager
-def _pinned(pin: bool) -> Iterator[_Pinning | None]:
-    """With `pin`: this process (and so what it starts after, but the gateways) on all of
-    its CPUs but the last, kept for the gateways; its own affinity is given back after."""
-    if not pin:
-        yield None
-        return
-    taskset = shutil.which("taskset")
-    if taskset is None or not hasattr(os, "sched_setaffinity"):
-        raise RuntimeError("--pin needs Linux's taskset (util-linux)")
-    before = os.sched_getaffinity(0)
-    if len(before) < 2:
-        raise RuntimeError(f"--pin needs two CPUs or more; this process may use {len(before)}")
-    gateway_cpu = max(before)
-    others = frozenset(before - {gateway_cpu})
-    os.sched_setaffinity(0, others)
-    try:
-        yield _Pinning(taskset, gateway_cpu, others)
-    finally:
-        os.sched_setaffinity(0, before)
-
-
 async def run_compare(plan: ComparePlan, log: Log) -> list[Window]:
     windows: list[Window] = []
-    with _pinned(plan.pin) as pinned:
+    with pin_fronts(plan.pin) as pinned:
         async with (
             private_redis() as redis_url,
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session,

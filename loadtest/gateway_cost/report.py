@@ -67,6 +67,8 @@ def _title(front: str) -> str:
     if front.startswith("vllm_router"):
         policy = front.removeprefix("vllm_router").lstrip("_") or "round_robin"
         return f"vllm-router ({policy})"
+    if front == "smg":
+        return "SMG"
     return front
 
 
@@ -77,10 +79,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def _table(part: dict[str, Any], idle: dict[str, float] | None, streams: Any) -> list[str]:
     fronts = _fronts(part)
-    routers = [f for f in fronts if f.startswith("vllm_router")]
+    routers = [f for f in fronts if f.startswith("vllm_router") or f == "smg"]
     pairs = [("pdgate", r) for r in routers if "pdgate" in fronts]
-    if "pdgate_plain" in fronts and "vllm_router" in fronts:
-        pairs.append(("pdgate_plain", "vllm_router"))  # the like-for-like pair on the shims
+    for router in ("vllm_router", "smg"):
+        if "pdgate_plain" in fronts and router in fronts:
+            pairs.append(("pdgate_plain", router))  # the like-for-like pairs on the shims
     head = [_title(f) for f in fronts] + [f"{p} / {_title(r)}" for p, r in pairs]
     lines = ["| metric | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
 

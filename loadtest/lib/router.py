@@ -1,12 +1,15 @@
-"""vllm-router (vllm-project/router, Rust, ``pip install vllm-router``) as a child process in
-front of a set of pdgate shims, in its vLLM P/D mode.
+"""The Rust routers pdgate is compared with, as child processes in front of a set of
+engines, in their vLLM P/D modes: vllm-router (vllm-project/router, ``pip install
+vllm-router``, ``--vllm-pd-disaggregation``) and SMG (lightseekorg/smg, ``pip install smg``,
+``smg launch --pd-disaggregation --backend vllm``).
 
-The shims speak vLLM's P/D handshake (``kv_transfer_params``), so the router fronts them
-unchanged: it sends the prompt to a prefill with ``max_tokens=1`` and
-``do_remote_decode=true``, then streams from a decode with the returned parameters. Used by
-``pdgate bench gateway`` (its cost) and ``pdgate bench scheduling`` (its scheduling on a
-queue-less cluster). It is a comparison point, not a dependency: when the binary is missing
-the benchmarks say so and go on without it.
+The shims speak vLLM's P/D handshake (``kv_transfer_params``), so both front them unchanged:
+vllm-router sends the prompt to a prefill with ``max_tokens=1`` and ``do_remote_decode=true``,
+SMG as a plain one-token request (the shims take both as a prefill leg), then each streams
+from a decode with the parameters the prefill returned. Used by ``pdgate bench gateway``
+(their cost) and ``pdgate bench scheduling`` (vllm-router's scheduling on a queue-less
+cluster). They are comparison points, not dependencies: when a binary is missing the
+benchmarks say so and go on without it.
 """
 
 from __future__ import annotations
@@ -20,14 +23,28 @@ import aiohttp
 from pdgate.loadtest.lib.children import Child, find_binary, free_port
 from pdgate.loadtest.lib.probes import wait_http
 
-__all__ = ["INSTALL_HINT", "RouterOptions", "router_binary", "running_router"]
+__all__ = [
+    "INSTALL_HINT",
+    "ROUTERS",
+    "SMG",
+    "RouterOptions",
+    "install_hint",
+    "router_binary",
+    "running_router",
+]
 
-INSTALL_HINT = "vllm-router not installed (pip install vllm-router==0.1.17)"
+VLLM_ROUTER, SMG = "vllm-router", "smg"
+ROUTERS = {  # binary -> its pinned version (pyproject.toml's loadtest extra)
+    VLLM_ROUTER: "vllm-router==0.1.17",
+    SMG: "smg==1.13.0",
+}
+INSTALL_HINT = f"vllm-router not installed (pip install {ROUTERS[VLLM_ROUTER]})"
 
 
 @dataclass(frozen=True, slots=True)
 class RouterOptions:
-    policy: str = "round_robin"  # vllm-router --policy (prefill and decode)
+    binary: str = VLLM_ROUTER  # which router (a key of ROUTERS)
+    policy: str = "round_robin"  # --policy (prefill and decode)
     # None: the router's default retry settings; 0: ``--disable-retries``; n: up to n retries
     # of a failed call (a prefill's 429 among them), back-off from `retry_initial_ms` doubling
     # up to `retry_max_ms`.
@@ -38,21 +55,29 @@ class RouterOptions:
     request_timeout_s: int = 7200
 
 
-def router_binary() -> str | None:
-    return find_binary("vllm-router")
+def router_binary(name: str = VLLM_ROUTER) -> str | None:
+    return find_binary(name)
+
+
+def install_hint(name: str) -> str:
+    return f"{name} not installed (pip install {ROUTERS[name]})"
 
 
 def router_argv(
     binary: str, port: int, prefills: Sequence[str], decodes: Sequence[str], opts: RouterOptions
 ) -> list[str]:
-    argv = [binary, "--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
-            "--policy", opts.policy, "--log-level", "warning",
-            "--max-concurrent-requests", str(opts.max_concurrent),
-            "--queue-size", "4096",
-            "--request-timeout-secs", str(opts.request_timeout_s),
-            # Its metrics listener defaults to port 29000: a second router (or anything else
-            # there) would make it panic at start-up.
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # fmt: skip
+    if opts.binary == SMG:
+        argv = [binary, "launch", "--pd-disaggregation", "--backend", "vllm",
+                "--log-level", "warn"]  # fmt: skip
+    else:
+        argv = [binary, "--vllm-pd-disaggregation", "--log-level", "warning"]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--policy", opts.policy,
+             "--max-concurrent-requests", str(opts.max_concurrent),
+             "--queue-size", "4096",
+             "--request-timeout-secs", str(opts.request_timeout_s),
+             # Its metrics listener defaults to a fixed port (29000): a second router (or
+             # anything else there) would make it fail at start-up.
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # fmt: skip
     if opts.retries == 0:
         argv.append("--disable-retries")
     elif opts.retries is not None:
@@ -73,15 +98,18 @@ async def running_router(
     prefills: Sequence[str],
     decodes: Sequence[str],
     opts: RouterOptions,
+    argv_prefix: Sequence[str] = (),
 ) -> AsyncIterator[tuple[Child, str]]:
-    """Start vllm-router; yield the child and its base URL once ``/health`` answers.
+    """Start the router (under `argv_prefix`, e.g. ``taskset -c N``); yield the child and its
+    base URL once ``/health`` answers.
 
     Raises RuntimeError (with the install hint or the router's last output) if it cannot."""
-    binary = router_binary()
+    binary = router_binary(opts.binary)
     if binary is None:
-        raise RuntimeError(INSTALL_HINT)
+        raise RuntimeError(install_hint(opts.binary))
     port = free_port()
-    child = Child("vllm-router", router_argv(binary, port, prefills, decodes, opts))
+    argv = [*argv_prefix, *router_argv(binary, port, prefills, decodes, opts)]
+    child = Child(opts.binary, argv)
     try:
         await child.start("")
         base = f"http://127.0.0.1:{port}"

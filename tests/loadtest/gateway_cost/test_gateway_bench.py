@@ -16,7 +16,7 @@ from pdgate.loadtest.gateway_cost.bench import GatewayPlan, run_gateway_bench, s
 from pdgate.loadtest.gateway_cost.command import update_gateway_doc
 from pdgate.loadtest.gateway_cost.profile import summarize_stacks
 from pdgate.loadtest.gateway_cost.report import json_line, markdown
-from pdgate.loadtest.lib.router import INSTALL_HINT, router_binary
+from pdgate.loadtest.lib.router import SMG, install_hint, router_binary
 
 
 def test_added_ttft_is_over_the_direct_floor() -> None:
@@ -106,11 +106,11 @@ def _redis_or_fail() -> None:
         pytest.fail("redis-server not installed (make redis-server)")
 
 
-def _router_or_skip() -> None:
-    if router_binary() is None:
+def _router_or_skip(name: str = "vllm-router") -> None:
+    if router_binary(name) is None:
         if os.environ.get("CI", "").strip().lower() == "true":
-            pytest.fail(INSTALL_HINT)
-        pytest.skip(INSTALL_HINT)
+            pytest.fail(install_hint(name))
+        pytest.skip(install_hint(name))
 
 
 async def test_a_tiny_run_has_the_json_shape() -> None:
@@ -118,7 +118,7 @@ async def test_a_tiny_run_has_the_json_shape() -> None:
     _redis_or_fail()
     plan = GatewayPlan(
         ttft_requests=3, concurrencies=(32,), rounds=1, warmup_s=0.1, window_s=0.2,
-        idle_streams=20, idle_batch=10, settle_s=0.1, with_router=False,
+        idle_streams=20, idle_batch=10, settle_s=0.1, with_router=False, with_smg=False,
     )  # fmt: skip
     result = json_line(await run_gateway_bench(plan, lambda _: None))
     # On the shims pdgate runs twice: with their batch endpoint, and plain (vllm-router's
@@ -150,16 +150,18 @@ async def test_a_tiny_run_has_the_json_shape() -> None:
 
 
 async def test_every_front_hits_the_same_stock_endpoints() -> None:
-    """pdgate with 1 and 2 workers and vllm-router in front of the stock engines: only
-    ``POST /v1/completions`` (plus health checks), and the workers' requests/s ratio."""
+    """pdgate with 1 and 2 workers, vllm-router and SMG in front of the stock engines: only
+    ``POST /v1/completions`` (plus health checks and SMG's model query), and the workers'
+    requests/s ratio."""
     _redis_or_fail()
     _router_or_skip()
+    _router_or_skip(SMG)
     plan = GatewayPlan(
         ttft_requests=3, concurrencies=(8,), rounds=1, warmup_s=0.1, window_s=0.3,
         idle_streams=0, workers=(1, 2), engines=("stock",),
     )  # fmt: skip
     result = await run_gateway_bench(plan, lambda _: None)
-    fronts = {"direct", "pdgate", "pdgate_w2", "vllm_router"}
+    fronts = {"direct", "pdgate", "pdgate_w2", "vllm_router", "smg"}
     assert set(result["rps_c8"]) == fronts and result["missing"] == {}
     assert set(result["engine_requests"]) == fronts
     for front, paths in result["engine_requests"].items():
@@ -167,23 +169,26 @@ async def test_every_front_hits_the_same_stock_endpoints() -> None:
         assert set(paths) <= {"POST /v1/completions", "GET /health"}, front
     ratio = result["workers_rps_ratio_c8"]["pdgate_w2"]
     assert ratio == pytest.approx(result["rps_c8"]["pdgate_w2"] / result["rps_c8"]["pdgate"])
-    assert set(result["cpu_s_per_1k_c8"]) == {"pdgate", "pdgate_w2", "vllm_router"}
+    assert set(result["cpu_s_per_1k_c8"]) == {"pdgate", "pdgate_w2", "vllm_router", "smg"}
 
 
 def test_cli_runs_a_custom_short_comparison(capsys: pytest.CaptureFixture[str]) -> None:
     """The before/after command of docs/results/performance/README.md: no idle phase, one
-    concurrency."""
+    concurrency; SMG in front of the shims beside pdgate, both on a CPU of their own."""
     _redis_or_fail()
+    _router_or_skip(SMG)
     code = bench.main(
         ["gateway", "--no-router", "--no-doc", "--idle-streams", "0", "--concurrencies", "32",
-         "--rounds", "1", "--window-s", "0.3", "--ttft-requests", "3", "--engine", "shim"]
+         "--rounds", "1", "--window-s", "0.3", "--ttft-requests", "3", "--engine", "shim",
+         "--pin"]
     )  # fmt: skip
     assert code == 0
     result = orjson.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert "kib_per_idle_stream" not in result and "rps_c256" not in result
-    assert result["rps_c32"]["pdgate"] > 0 and result["failures_c32"]["pdgate"] == 0
-    assert result["cpu_s_per_1k"]["pdgate"] > 0
-    assert set(result["by_engine"]) == {"shim"}
+    for front in ("pdgate", "smg"):
+        assert result["rps_c32"][front] > 0 and result["failures_c32"][front] == 0, front
+        assert result["cpu_s_per_1k"][front] > 0
+    assert set(result["by_engine"]) == {"shim"} and result["pinned"] is True
 
 
 def test_profile_summary_ranks_self_and_inclusive_samples() -> None:
