@@ -508,33 +508,38 @@ def test_a_stream_migrated_mid_way_gives_the_same_greedy_tokens(
     wait_for(lambda: shim_load(vllm_cluster.prefill_url)["used"] == 0, what="prefill slot free")
 
 
-# -- a decode of another block size (last: it registers one more instance) ------------------
+# -- decodes of another block size and dtype (last: they register more instances) ----------
 #
-# The cluster's prefill keeps the CPU's default 128-token blocks; a second decode here has
-# 32-token blocks (the CPU attention kernel takes multiples of 32 only, so a GPU engine's 16
-# cannot be tried on this machine). They hand over through the connector's token rows.
+# The cluster's prefill keeps the CPU's default 128-token blocks in float32; the decodes here
+# have 32-token blocks (the CPU attention kernel takes multiples of 32 only, so a GPU engine's
+# 16 cannot be tried on this machine), one of them in float16. They hand over through the
+# connector's token rows, cast to the decode's dtype.
 
-DECODE_BLOCK = 32
-SMALL_BLOCK_MODEL = MODEL + "-b32"  # the same weights, served under another name
 # About 300 tokens of the tiny model's tokenizer: three of the prefill's blocks, ten of the
-# decode's, and a last block partly filled on both sides.
+# decodes', and a last block partly filled on both sides.
 PROMPT = " ".join(
     f"Step {i}: the prefill writes token rows and the decode scatters them." for i in range(24)
 )
 TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def small_block_decode(vllm_cluster: VllmCluster) -> Iterator[str]:
-    """A decode shim like the cluster's, with 32-token blocks, in the cluster's registry (it
-    pulls only from prefills registered there) under a model name of its own, so that the
-    cluster's gateway never sends it anything: this test calls it directly."""
-    env = {**vllm_cluster.procs["decode"].env, "PDGATE_SHIM_MODEL": SMALL_BLOCK_MODEL}
-    env["PDGATE_SHIM_VLLM_ENGINE_ARGS"] = json.dumps({"block_size": DECODE_BLOCK})
+@pytest.fixture(scope="module", params=["float32", "float16"])
+def other_layout_decode(vllm_cluster: VllmCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A decode shim like the cluster's, with 32-token blocks and the dtype of the parameter,
+    in the cluster's registry (it pulls only from prefills registered there) under a model
+    name of its own (its ``/load`` says which), so that the cluster's gateway never sends it
+    anything: the test calls it directly."""
+    dtype = str(request.param)
+    env = {
+        **vllm_cluster.procs["decode"].env,
+        "PDGATE_SHIM_MODEL": f"{MODEL}-b32-{dtype}",
+        "PDGATE_SHIM_VLLM_DTYPE": dtype,
+        "PDGATE_SHIM_VLLM_ENGINE_ARGS": json.dumps({"block_size": 32}),
+    }
     proc = Proc(
         ["-m", "pdgate.config.cli", "shim", "--role", "decode", "--capacity", "2"],
         env,
-        "decode-32",
+        f"decode-b32-{dtype}",
     )
     try:
         yield _url(proc.wait_line("pdgate shim", START_TIMEOUT_S))
@@ -542,8 +547,8 @@ def small_block_decode(vllm_cluster: VllmCluster) -> Iterator[str]:
         proc.stop()
 
 
-def test_a_decode_of_other_block_size_gives_one_engines_greedy_tokens(
-    vllm_cluster: VllmCluster, small_block_decode: str
+def test_a_decode_of_other_block_size_and_dtype_gives_one_engines_greedy_tokens(
+    vllm_cluster: VllmCluster, other_layout_decode: str
 ) -> None:
     greedy = {"model": MODEL, "temperature": 0, "return_token_ids": True, "stream": True}
     # One engine alone: the cluster's decode prefilling the plain request itself.
@@ -557,14 +562,14 @@ def test_a_decode_of_other_block_size_gives_one_engines_greedy_tokens(
     assert len(prompt_ids) > 2 * 128, len(prompt_ids)  # several blocks on either side
     assert first["choices"][0]["token_ids"] == alone[:1]
 
-    decode0 = shim_load(small_block_decode)
+    decode0 = shim_load(other_layout_decode)
     _, ids = _stream_ids(
-        small_block_decode,
-        {**greedy, "model": SMALL_BLOCK_MODEL, "prompt": PROMPT, "max_tokens": TOKENS,
+        other_layout_decode,
+        {**greedy, "model": decode0["model"], "prompt": PROMPT, "max_tokens": TOKENS,
          "kv_transfer_params": first["kv_transfer_params"]},
     )  # fmt: skip
     assert ids == alone
-    decode = shim_load(small_block_decode)
+    decode = shim_load(other_layout_decode)
     loaded = decode["prefix_cache_hit_tokens"] - decode0["prefix_cache_hit_tokens"]
     assert loaded >= len(prompt_ids) - 1, (loaded, len(prompt_ids))
     assert decode["local_prefills"] == decode0["local_prefills"]
