@@ -124,8 +124,9 @@ class InstanceTracker:
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
     _sleepers: int = 0  # in `wait_freed` now: a pulse with none wakes nobody
     _work_ids: Iterator[int] = field(default_factory=itertools.count)
-    # model -> its prefills' speed per hardware type (`set_speeds`); models that have them.
-    _speeds: dict[str, Mapping[str, float]] = field(default_factory=dict)
+    # (model, group or None) -> the prefills' speed per hardware type there (`set_speeds`),
+    # for the queues that measured any.
+    _speeds: dict[tuple[str, str | None], Mapping[str, float]] = field(default_factory=dict)
 
     def update_membership(
         self, records: Mapping[str, InstanceRecord], departed: set[str] | None = None
@@ -173,18 +174,21 @@ class InstanceTracker:
     def records(self) -> Mapping[str, InstanceRecord]:
         return self._records
 
-    def set_speeds(self, model: str, speeds: Mapping[str, float]) -> None:
-        """`model`'s prefill speed per hardware type, relative to its fleet, as measured
-        (`PrefillTimes.speeds`; a type not in it counts as 1)."""
+    def set_speeds(self, model: str, group: str | None, speeds: Mapping[str, float]) -> None:
+        """The prefill speed per hardware type that the queue of `model` in `group` (None:
+        any group) measured (`PrefillTimes.speeds`; a type not in it counts as 1). Each
+        queue sets its own: one that knows none does not clear another's."""
         if speeds:
-            self._speeds[model] = speeds
+            self._speeds[(model, group)] = speeds
         else:
-            self._speeds.pop(model, None)
+            self._speeds.pop((model, group), None)
 
     def _speed(self, rec: InstanceRecord) -> float:
         if rec.role is not Role.PREFILL:
             return 1.0  # measured from prefill calls only
-        speeds = self._speeds.get(rec.model) if self._speeds else None
+        if not self._speeds:
+            return 1.0
+        speeds = self._speeds.get((rec.model, rec.group)) or self._speeds.get((rec.model, None))
         return speeds.get(rec.hardware, 1.0) if speeds else 1.0
 
     def hardware(self, instance_id: str) -> str:

@@ -370,7 +370,8 @@ class PrefillForwarder:
                     continue
                 if target is not None and n >= 0 and t >= 0:
                     target.add_shared(n, t, hw)
-        self._tracker.set_speeds(self.model, self.compute_times.speeds())
+        if self.role is Role.PREFILL:
+            self._tracker.set_speeds(self.model, self.group, self.compute_times.speeds())
 
     def head_in_ms(self) -> float | None:
         """Milliseconds to the deadline of this queue's most urgent request (None: empty)."""
@@ -744,7 +745,7 @@ class PrefillForwarder:
             self.token_ratio.observe(chars, usage)
             self.compute_times.record(max(1, uncached_chars(chars, usage)), own, hardware=hardware)
             if hardware:
-                self._tracker.set_speeds(self.model, self.compute_times.speeds())
+                self._tracker.set_speeds(self.model, self.group, self.compute_times.speeds())
             self._shared.advisor.prefill(inst.group, own, hardware)
             self._remember_prefix(waiter, inst)
             request_id, kv_id = waiter.request_id, call.kv_id

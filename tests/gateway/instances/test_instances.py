@@ -90,15 +90,18 @@ async def test_a_snapshot_carries_every_count_in_its_own_field() -> None:
     held = [t.begin("p"), t.begin("p"), t.open_stream("p"), t.work("p", 120), t.computing("p")]
     t.set_others({"p": 5}, {"p": 300}, {"p": 3}, {"p": 2})
     t.rejected("p")
-    t.set_speeds("m", {"h100": 2.0, "l40s": 0.5})
+    t.set_speeds("m", "g", {"h100": 2.0, "l40s": 0.5})
+    t.set_speeds("m", "other", {})  # another group's queue measured none: no effect here
     (load,) = t.loads(Role.PREFILL, "m", "g")
     assert load._asdict() == {
         "id": "p", "url": "http://p", "group": "g", "capacity": 8, "open_streams": 6,
         "inflight": 5, "busy": True, "role": Role.PREFILL, "inflight_tokens": 420,
         "ejected": False, "own_inflight": 2, "computing": 3, "speed": 0.5,
     }  # fmt: skip
-    t.set_speeds("m", {})
+    t.set_speeds("m", "g", {})
     assert t.loads(Role.PREFILL, "m", "g")[0].speed == 1.0  # no speeds measured: alike
+    t.set_speeds("m", None, {"l40s": 0.25})  # the queue for any group's
+    assert t.loads(Role.PREFILL, "m", "g")[0].speed == 0.25
     assert t.hardware("p") == "l40s" and t.hardware("gone") == ""
     t.eject("p", until=time.monotonic() + 60)
     (load,) = t.loads(Role.PREFILL, None)
