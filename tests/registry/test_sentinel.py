@@ -122,11 +122,19 @@ def test_a_gateway_and_its_shims_keep_serving_through_a_failover(
         timeout=10,
         what="the fleet on the new primary",
     )
-    new = RedisRegistry(sentinel_group.url, key_prefix="pdgate-sentinel")
+
+    async def count() -> int:
+        # A client per try: each try runs on an event loop of its own, and a client's pooled
+        # connections belong to the loop they were opened on.
+        new = RedisRegistry(sentinel_group.url, key_prefix="pdgate-sentinel")
+        try:
+            return len(await new.snapshot())
+        finally:
+            await new.aclose()
 
     def registered() -> int:
         try:
-            return len(asyncio.run(new.snapshot()))
+            return asyncio.run(count())
         except RegistryUnavailable:
             return -1  # this fresh client's sentinels may still be agreeing on the primary
 
