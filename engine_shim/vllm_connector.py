@@ -280,27 +280,32 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
         values = halves[:, :, 1].unflatten(-1, (size, content // 2)).permute(0, 2, 1, 3)
         return keys, values
 
+    def _kernel_of(self, job: _Job, positions: torch.Tensor, size: int) -> torch.Tensor:
+        """The kernel block (of `size` tokens) holding each prompt position of the job's
+        request. The CPU attention kernel, for one, uses smaller blocks than the scheduler
+        (32-token kernel blocks under 128-token ones): scheduler block b is kernel blocks
+        [b*r, b*r+r)."""
+        block_ids = torch.tensor(job.block_ids, dtype=torch.long)
+        ratio = self._block_size // size
+        return (
+            block_ids[positions // self._block_size] * ratio
+            + (positions % self._block_size) // size
+        )
+
     def _token_slots(self, job: _Job, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Where prompt tokens [start, end) of the job's request live in `kv_layer`: each
-        one's kernel block and its place there. The CPU attention kernel, for one, uses
-        smaller blocks than the scheduler (32-token kernel blocks under 128-token ones)."""
+        one's kernel block and its place there."""
         size = int(kv_layer.shape[2])
         tokens = torch.arange(job.start, job.end)
-        block_ids = torch.tensor(job.block_ids, dtype=torch.long)
-        within = tokens % self._block_size
-        kernel = block_ids[tokens // self._block_size] * (self._block_size // size)
-        kernel += within // size
-        return kernel.to(kv_layer.device), (within % size).to(kv_layer.device)
+        kernel = self._kernel_of(job, tokens, size)
+        return kernel.to(kv_layer.device), (tokens % size).to(kv_layer.device)
 
     def _kernel_blocks(self, job: _Job, kv_layer: torch.Tensor) -> tuple[int, int, torch.Tensor]:
         """The kernel blocks holding tokens [start, end): their positions in the prompt
         (first, last), which are the buffer's, and their ids in `kv_layer`."""
         size = int(kv_layer.shape[2])
         first, last = job.start // size, -(-job.end // size)
-        starts = torch.arange(first, last) * size
-        block_ids = torch.tensor(job.block_ids, dtype=torch.long)
-        kernel = block_ids[starts // self._block_size] * (self._block_size // size)
-        kernel += (starts % self._block_size) // size
+        kernel = self._kernel_of(job, torch.arange(first, last) * size, size)
         return first, last, kernel.to(kv_layer.device)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

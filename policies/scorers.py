@@ -67,9 +67,8 @@ class InflightTokens:
 
 
 class Load:
-    """Streams plus in-flight requests per slot and unit of speed:
-    comparable across instances of different sizes and hardware (used by power-of-two
-    choices)."""
+    """Streams plus in-flight requests per slot and unit of speed: comparable across
+    instances of different sizes and hardware (used by power-of-two choices)."""
 
     name = "load"
     needs = NO_NEEDS

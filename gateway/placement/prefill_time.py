@@ -24,9 +24,8 @@ median (`estimate_s`) is the expected prefill time behind the hold-or-go choice
 sample also goes into a window of its type, and an instance's estimates come from its own
 type's window once that has enough samples: an L40S prefill is not estimated at an H100's
 pace. `speeds()` turns the types' median rates into speeds relative to the fastest type's,
-for the ranking
-(policies/scorers.py). A fleet of one type, or of undeclared ones, is estimated exactly as
-before: every figure comes from the pooled windows and every speed is 1.
+for the ranking (policies/scorers.py). A fleet of one type, or of undeclared ones, is
+estimated exactly as before: every figure comes from the pooled windows and every speed is 1.
 """
 
 from __future__ import annotations

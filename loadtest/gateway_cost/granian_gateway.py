@@ -29,6 +29,8 @@ import urllib.request
 
 from starlette.types import ASGIApp
 
+from pdgate.loadtest.lib.children import free_port
+
 __all__ = ["app", "main"]
 
 
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists(binary):
         print("granian not installed (pip install granian)", file=sys.stderr)
         return 2
-    port = args.port or _free_port(args.host)
+    port = args.port or free_port()
     env = dict(os.environ)
     if args.registry_url:
         env["PDGATE_REGISTRY_URL"] = args.registry_url
@@ -88,15 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.terminate())
     return server.wait()
-
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 if __name__ == "__main__":
