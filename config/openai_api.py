@@ -242,6 +242,11 @@ class _Common(BaseModel):
         """The prompt as text for prefix hashing and length estimates."""
         raise NotImplementedError
 
+    @property
+    def prompt_ids(self) -> tuple[int, ...] | None:
+        """The prompt's token ids where the client sent ids (None: text, or a chat)."""
+        return None
+
     def sampling(self) -> dict[str, Any]:
         """The sampling fields the client set, for an engine to apply (``logprobs`` as the
         number of top logprobs per token, in both APIs)."""
@@ -289,6 +294,11 @@ class CompletionRequest(_Common):
         """The prompt as text for prefix hashing and length estimates (ids as a string)."""
         p = self.one_prompt
         return p if isinstance(p, str) else " ".join(map(str, p))
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...] | None:
+        p = self.one_prompt
+        return None if isinstance(p, str) else tuple(p)
 
     @property
     def logprob_count(self) -> int | None:

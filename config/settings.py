@@ -26,6 +26,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from pdgate.config._toml import TomlTableSource
+from pdgate.config.kv_events import connectable_endpoint
 from pdgate.config.wire import HARDWARE_PATTERN, Role
 
 
@@ -209,6 +210,15 @@ class ShimSettings(_Settings):
         description="Prefix-cache size of the sim engine (a prefill's, and a decode's for its "
         "local prefills), in blocks of 16 tokens (0 = no prefix cache); unset = the profile's.",
     )
+    kv_events_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="A prefill publishes its prefix cache's KV events (what it stored and "
+        "evicted, vLLM's wire format on a ZeroMQ PUB socket) on this port of `host` (0: a "
+        "free one), and registers tcp://HOST:PORT (HOST from advertise_url) so that gateways "
+        "with the precise_sse policy subscribe (docs/kv-events.md). Unset: no events.",
+    )
     max_model_len: int = Field(
         default=32768,
         gt=0,
@@ -289,7 +299,7 @@ class QueueOrder(StrEnum):
 STATIC_PREFILL_CAPACITY = 8
 # Running sequences of a static decode whose capacity is not given.
 STATIC_DECODE_CAPACITY = 64
-_STATIC_KEYS = ("capacity", "group", "model", "id", "api_key_env", "hardware")
+_STATIC_KEYS = ("capacity", "group", "model", "id", "api_key_env", "hardware", "kv_events")
 _MAX_NAME_CHARS = 128
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
@@ -297,7 +307,9 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 class StaticInstance(BaseModel):
     """A server the gateway fronts by URL, without registration (``--prefill``/``--decode``,
     ``static_prefills``/``static_decodes``). Given as a table or as one string,
-    ``"URL [capacity=N] [group=G] [model=M] [id=ID] [api_key_env=VAR] [hardware=GPU]"``; the model
+    ``"URL [capacity=N] [group=G] [model=M] [id=ID] [api_key_env=VAR] [hardware=GPU]
+    [kv_events=tcp://HOST:PORT]"`` (kv_events: where the server publishes its KV-cache
+    events, vLLM's ``--kv-events-config`` endpoint as others reach it); the model
     defaults to the first the server lists at ``GET /v1/models``, the id to one derived from
     role and URL (the same on every gateway, so the fleet shares its slots)."""
 
@@ -313,6 +325,12 @@ class StaticInstance(BaseModel):
     # never appears in flags, config files or the registry.
     api_key_env: str | None = None
     hardware: str = Field(default="", pattern=HARDWARE_PATTERN)
+    kv_events: str = ""
+
+    @field_validator("kv_events")
+    @classmethod
+    def _kv_events(cls, endpoint: str) -> str:
+        return connectable_endpoint(endpoint)
 
     @model_validator(mode="before")
     @classmethod
@@ -595,6 +613,26 @@ class GatewaySettings(_Settings):
         gt=0,
         description="Memory bound of the prefix-affinity index (LRU). Built only for a policy "
         "that scores prefix affinity.",
+    )
+    kv_index_max_blocks: int = Field(
+        default=200_000,
+        gt=0,
+        description="KV-block index (precise_sse: what the prefills' KV events say they hold): "
+        "most distinct blocks kept, least recently stored dropped first (docs/kv-events.md "
+        "has the memory per block).",
+    )
+    kv_index_pending_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="KV-block index: how long a prompt sent to a prefill counts as held there "
+        "before the prefill's own events confirm it (they normally do within a step).",
+    )
+    tokenizers: dict[str, str] = Field(
+        default_factory=dict,
+        description="Model -> its tokenizer for token-exact prefix matching (precise_sse): "
+        "\"sim\", or a directory (or file) with the model's tokenizer.json. Unlisted: the sim's "
+        "for models whose prefills declare it, the model name itself when it is a local "
+        "directory; else matching falls back to characters.",
     )
     local_prefill_max_uncached_chars: int = Field(
         default=0,

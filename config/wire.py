@@ -68,6 +68,9 @@ EXT_QUEUELESS = "queueless"
 # An aggregated instance that alternates prefill and decode phases (EcoServe's temporal
 # disaggregation): its group is served partially disaggregated (rolling activation).
 EXT_PHASES = "phases"
+# It tokenizes with the sim's tokenizer (config/sim_tokenizer.py): a gateway matching prompts
+# to its KV events in tokens uses the same.
+EXT_SIM_TOKENIZER = "sim_tokenizer"
 MAX_EXTENSIONS = 16
 MAX_EXTENSION_CHARS = 64
 # What an instance declares it runs on, GPU[/tpN][/ppN] (engine_shim/hardware.py): the

@@ -30,7 +30,7 @@ from array import array
 from collections.abc import Sequence
 from hashlib import blake2b
 
-from pdgate.engine_shim import tokenizer
+from pdgate.config import sim_tokenizer as tokenizer
 from pdgate.engine_shim.backend import TokenLogprobs
 
 # fmt: off

@@ -22,8 +22,10 @@ import contextlib
 import importlib
 import logging
 import secrets
+import socket
 from collections.abc import AsyncIterator, Callable, Mapping
 from importlib import metadata
+from urllib.parse import urlsplit
 
 import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -42,6 +44,7 @@ from pdgate.config.wire import (
     EXT_LOCAL_PREFILL,
     EXT_PHASES,
     EXT_QUEUELESS,
+    EXT_SIM_TOKENIZER,
     HEALTH_PATH,
     LOAD_PATH,
 )
@@ -102,9 +105,10 @@ def _base_url(settings: ShimSettings) -> str:
 
 def _extensions(settings: ShimSettings, backend: PrefillBackend | DecodeBackend) -> tuple[str, ...]:
     if settings.role is Role.PREFILL:
+        sim = (EXT_SIM_TOKENIZER,) if settings.engine == "sim" else ()
         if settings.admission is PrefillAdmission.REJECT:
-            return (EXT_BATCH_PREFILL, EXT_QUEUELESS)
-        return (EXT_BATCH_PREFILL,)
+            return (EXT_BATCH_PREFILL, EXT_QUEUELESS, *sim)
+        return (EXT_BATCH_PREFILL, *sim)
     if isinstance(backend, DecodeBackend) and local_prefill(settings, backend) is not None:
         if settings.role is Role.AGGREGATED:
             # It answers 429 itself when its slots are full: a lone gateway may count them.
@@ -132,7 +136,24 @@ def instance_record(
         version=_version(),
         extensions=_extensions(settings, backend),
         hardware=settings.hardware or _sim_hardware(settings),
+        kv_events=_kv_events(settings),
     )
+
+
+def _free_port(host: str) -> int:
+    """A port free on `host` now, for the KV events (the engine binds it soon after)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _kv_events(settings: ShimSettings) -> str:
+    """Where a prefill's KV events are reached: its advertised host, the events port."""
+    if settings.role is not Role.PREFILL or settings.kv_events_port is None:
+        return ""
+    host = urlsplit(_base_url(settings)).hostname or settings.host
+    host = f"[{host}]" if ":" in host else host
+    return f"tcp://{host}:{settings.kv_events_port}"
 
 
 def _sim_hardware(settings: ShimSettings) -> str:
@@ -272,6 +293,8 @@ def build_shim_app(
     warning = check_exposure(settings, registry_settings)
     if warning:
         log.warning("%s", warning)
+    if settings.kv_events_port == 0:
+        settings = settings.model_copy(update={"kv_events_port": _free_port(settings.host)})
     if backend is None:
         backend = make_backend(settings)
     record = instance_record(settings, backend)

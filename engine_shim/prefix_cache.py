@@ -8,9 +8,10 @@ always recomputed), and at least one prompt token is always recomputed, because 
 needs the logits of the last position to sample the first output token.
 
 The cache stores hashes only (the sim has no real KV); its capacity is counted in blocks
-and the least recently used block is evicted first. `block_hashes` is a public, stable
-(blake2b-based) function so other processes can compute the same chain, e.g. for routing
-by cache affinity.
+and the least recently used block is evicted first. With `events` on, it keeps what it
+stored and evicted as vLLM's KV events (config/kv_events.py) until `take_events`.
+`block_hashes` is a public, stable (blake2b-based) function so other processes can compute
+the same chain.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from hashlib import blake2b
+
+from pdgate.config.kv_events import BlockRemoved, BlockStored, KvEvent
 
 __all__ = ["BLOCK_SIZE", "PrefixCache", "block_hashes"]
 
@@ -37,12 +40,15 @@ def block_hashes(tokens: Sequence[int], block_size: int = BLOCK_SIZE) -> list[in
 
 
 class PrefixCache:
-    def __init__(self, capacity_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+    def __init__(
+        self, capacity_blocks: int, block_size: int = BLOCK_SIZE, *, events: bool = False
+    ) -> None:
         if capacity_blocks < 0 or block_size <= 0:
             raise ValueError("capacity_blocks must be >= 0 and block_size > 0")
         self._capacity = capacity_blocks
         self._block_size = block_size
         self._blocks: OrderedDict[int, None] = OrderedDict()
+        self._events: list[KvEvent] | None = [] if events else None
         self.hit_tokens = 0  # cumulative, for /load and metrics
         self.query_tokens = 0
 
@@ -67,13 +73,48 @@ class PrefixCache:
                 break
             blocks.move_to_end(h)
             hits += 1
+        new = [i for i in range(hits, len(hashes)) if hashes[i] not in blocks]
         for h in hashes[hits:]:
             blocks[h] = None
         # Evicting a parent before its children only makes the children unreachable, which
         # is what a real engine's cache does too; LRU order makes it rare (children are newer).
+        evicted: list[int] = []
         while len(blocks) > self._capacity:
-            blocks.popitem(last=False)
+            evicted.append(blocks.popitem(last=False)[0])
+        if self._events is not None:
+            self._note(tokens, hashes, new, evicted)
         cached = min(hits * self._block_size, max(0, len(tokens) - 1))
         self.hit_tokens += cached
         self.query_tokens += len(tokens)
         return cached
+
+    def take_events(self) -> list[KvEvent]:
+        """The events since the last call (empty when events are off)."""
+        if not self._events:
+            return []
+        out, self._events = self._events, []
+        return out
+
+    def _note(
+        self, tokens: Sequence[int], hashes: list[int], new: list[int], evicted: list[int]
+    ) -> None:
+        assert self._events is not None
+        size = self._block_size
+        # One BlockStored per run of consecutive new blocks (its parent: the block before).
+        run: list[int] = []
+        for i in [*new, -1]:
+            if run and i != run[-1] + 1:
+                first = run[0]
+                self._events.append(
+                    BlockStored(
+                        [hashes[j] for j in run],
+                        hashes[first - 1] if first else None,
+                        list(tokens[first * size : (run[-1] + 1) * size]),
+                        size,
+                    )
+                )
+                run = []
+            if i >= 0:
+                run.append(i)
+        if evicted:
+            self._events.append(BlockRemoved(evicted))

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from pdgate.config import Role, ShimSettings
-from pdgate.engine_shim import tokenizer
+from pdgate.config import sim_tokenizer as tokenizer
 from pdgate.engine_shim._sim_kv import KvLink, SimKvBuffer, SimKvSink
 from pdgate.engine_shim._sim_text import Context, next_token, token_logprobs
 from pdgate.engine_shim.backend import (
@@ -65,6 +65,7 @@ from pdgate.engine_shim.backend import (
     Prompt,
     Sampling,
 )
+from pdgate.engine_shim.kv_events import KvEventPublisher
 from pdgate.engine_shim.prefix_cache import PrefixCache
 from pdgate.engine_shim.sim_profile import SimProfile, get_profile
 
@@ -89,10 +90,24 @@ def make_backend(settings: ShimSettings) -> SimPrefillEngine | SimDecodeEngine:
             profile, kv_bandwidth_bytes_s=settings.sim_kv_bandwidth_gbps * 1e9 / 8
         )
     if settings.role == Role.PREFILL:
+        events = None
+        if settings.kv_events_port is not None:
+            events = KvEventPublisher(
+                f"tcp://{_bind_host(settings.host)}:{settings.kv_events_port}"
+            )
         return SimPrefillEngine(
-            profile, max_batch=settings.capacity, kv_wire_fraction=settings.sim_kv_wire_fraction
+            profile,
+            max_batch=settings.capacity,
+            kv_wire_fraction=settings.sim_kv_wire_fraction,
+            events=events,
         )
     return SimDecodeEngine(profile, max_batch=settings.capacity)
+
+
+def _bind_host(host: str) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        return "*"
+    return f"[{host}]" if ":" in host else host
 
 
 def _top_logprobs(sampling: Sampling | None) -> int | None:
@@ -180,19 +195,30 @@ class _PrefillJob:
 class SimPrefillEngine(_EngineLoop):
     """`PrefillBackend` of the sim engine."""
 
-    def __init__(self, profile: SimProfile, *, max_batch: int, kv_wire_fraction: float) -> None:
+    def __init__(
+        self,
+        profile: SimProfile,
+        *,
+        max_batch: int,
+        kv_wire_fraction: float,
+        events: KvEventPublisher | None = None,
+    ) -> None:
         super().__init__()
         if max_batch <= 0:
             raise ValueError("max_batch must be positive")
         self._profile = profile
         self._max_batch = max_batch
         self._wire_fraction = kv_wire_fraction
-        self._cache = PrefixCache(profile.prefix_cache_blocks)
+        self._cache = PrefixCache(profile.prefix_cache_blocks, events=events is not None)
+        self._events = events
         self._pending: deque[_PrefillJob] = deque()
         self._computing = 0
 
     async def aclose(self) -> None:
         await super().aclose()
+        if self._events is not None:
+            self._events.close()
+            self._events = None
         while self._pending:
             job = self._pending.popleft()
             job.left.set()
@@ -273,6 +299,9 @@ class SimPrefillEngine(_EngineLoop):
             lp = None if job.top_logprobs is None else token_logprobs(context, job.top_logprobs)
             outputs.append(PrefillOutput(text, len(job.tokens), hit, kv, lp, token_id))
         await self._sleep_until(started + duration)
+        if self._events is not None:
+            # As vLLM: what a step stored and evicted goes out when the step ends.
+            self._events.publish(self._cache.take_events())
         for job, out in zip(batch, outputs, strict=True):
             if job.future.done():  # the client left while its batch was computing
                 out.kv.release()

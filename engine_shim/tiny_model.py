@@ -99,7 +99,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def _write_tokenizer(directory: Path, vocab_size: int) -> int:
+def write_tokenizer(directory: Path, vocab_size: int) -> int:
     """Train a byte-level BPE on `_CORPUS`; returns the real vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -147,7 +147,7 @@ def write_tiny_llama(
     spec = spec or TinyLlamaSpec()
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    vocab = _write_tokenizer(path, spec.vocab_size)
+    vocab = write_tokenizer(path, spec.vocab_size)
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))

@@ -36,6 +36,7 @@ from typing import Any
 
 from vllm import SamplingParams
 from vllm.config import KVTransferConfig
+from vllm.config.kv_events import KVEventsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError, VLLMClientError
 from vllm.sampling_params import RequestOutputKind
@@ -104,6 +105,13 @@ def engine_args(settings: ShimSettings, spool_dir: str) -> AsyncEngineArgs:
         args["max_num_queued_reqs"] = settings.capacity
     if settings.vllm_kv_cache_bytes is not None:
         args["kv_cache_memory_bytes"] = settings.vllm_kv_cache_bytes
+    if settings.role == Role.PREFILL and settings.kv_events_port is not None:
+        # vLLM binds only a wildcard address (it connects to any other).
+        args["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=f"tcp://*:{settings.kv_events_port}",
+        )
     args.update(settings.vllm_engine_args)
     return AsyncEngineArgs(**args)
 

@@ -32,8 +32,11 @@ from pdgate.gateway.api.admin import admin_routes
 from pdgate.gateway.api.completions import CompletionsEndpoint
 from pdgate.gateway.api.dashboard import dashboard_routes
 from pdgate.gateway.errors import GatewayError
-from pdgate.gateway.instances.affinity import PrefixIndex
+from pdgate.gateway.instances.affinity import PrefixIndex, PrefixLookup
 from pdgate.gateway.instances.health import Ejection, Ejector, RetryBudget
+from pdgate.gateway.instances.kv_events import KvEventFeed
+from pdgate.gateway.instances.kv_index import KvBlockIndex
+from pdgate.gateway.instances.prompt_tokens import PromptTokenizers
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.loop_lag import LoopLagMonitor
 from pdgate.gateway.observe.metrics import GatewayMetrics
@@ -121,7 +124,7 @@ def _upstream_headers(
     return {"authorization": f"Bearer {token.get_secret_value()}"} if token else {}
 
 
-def _forget_departed(index: PrefixIndex) -> Listener:
+def _forget_departed(index: PrefixLookup) -> Listener:
     # Departed instances took their prefix caches with them.
     def listener(view: Mapping[str, InstanceRecord], departed: set[str]) -> None:
         index.drop_instances(departed)
@@ -141,7 +144,7 @@ class Gateway:
     membership: Membership
     upstream: Upstream
     metrics: GatewayMetrics
-    index: PrefixIndex | None
+    index: PrefixLookup | None
     fleet: Fleet
     dispatcher: Dispatcher
     endpoint: CompletionsEndpoint
@@ -160,7 +163,7 @@ def build_dispatcher(
     metrics: GatewayMetrics,
     prefill_policy: Ranker,
     decode_policy: Ranker,
-    index: PrefixIndex | None = None,
+    index: PrefixLookup | None = None,
     fleet: Fleet | None = None,
     groups: GroupResolver | None = None,
     backoff: Backoff | None = None,
@@ -291,14 +294,29 @@ def build_gateway_app(
             lambda: dispatcher.advisor.advise(tracker.records()),
             lambda: (fleet.calls, fleet.call_seconds),
         )
-        index: PrefixIndex | None = None
-        if "prefix" in prefill_policy.needs:
-            # Only a policy that scores prefix affinity pays for the index.
-            index = PrefixIndex(
+        # Only a policy that scores prefix affinity pays for an index.
+        index: PrefixLookup | None = None
+        kv_feed: KvEventFeed | None = None
+        if "kv_prefix" in prefill_policy.needs or "prefix" in prefill_policy.needs:
+            chars = PrefixIndex(
                 block_chars=settings.affinity_block_chars,
                 max_blocks=settings.affinity_max_blocks,
                 max_bytes=settings.affinity_max_bytes,
             )
+            index = chars
+            if "kv_prefix" in prefill_policy.needs:
+                # The engines' KV events, with the character history for those without.
+                tokenizers = PromptTokenizers(settings.tokenizers)
+                kv_index = KvBlockIndex(
+                    tokenizers,
+                    chars,
+                    max_blocks=settings.kv_index_max_blocks,
+                    pending_s=settings.kv_index_pending_s,
+                )
+                kv_feed = KvEventFeed(kv_index, tokenizers, metrics.registry)
+                membership.add_listener(kv_feed.on_change)
+                index = kv_index
+        if index is not None:
             membership.add_listener(_forget_departed(index))
         groups = GroupResolver(settings, tracker)
         dispatcher = build_dispatcher(
@@ -335,6 +353,8 @@ def build_gateway_app(
             await membership.start()
         except BaseException:
             # Refused credentials at start-up: what was opened must not leak.
+            if kv_feed is not None:
+                await kv_feed.aclose()
             await fleet.aclose()
             if owned:
                 await client.aclose()
@@ -357,6 +377,8 @@ def build_gateway_app(
             await dispatcher.close()
             await fleet.aclose()
             await membership.stop()
+            if kv_feed is not None:
+                await kv_feed.aclose()
             if owned:
                 await client.aclose()
             if owns_tracing:

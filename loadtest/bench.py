@@ -1,5 +1,5 @@
-"""``pdgate bench scheduling|gateway|profile|compare|hotpath|soak|ratio|upgrade|chaos|strategies``:
-the CLI.
+"""``pdgate bench scheduling|gateway|profile|compare|hotpath|soak|ratio|upgrade|chaos|strategies|
+kv-index``: the CLI.
 
 Each benchmark is its own suite (loadtest/scheduling, loadtest/gateway_cost, loadtest/soak,
 loadtest/ratio, loadtest/upgrade, loadtest/chaos, loadtest/strategies);
@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 from pdgate.loadtest.chaos import command as chaos
 from pdgate.loadtest.gateway_cost import command as gateway_cost
+from pdgate.loadtest.kv_index import command as kv_index
 from pdgate.loadtest.ratio import command as ratio
 from pdgate.loadtest.scheduling import command as scheduling
 from pdgate.loadtest.soak import command as soak
@@ -48,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     ratio.configure(sub.add_parser("ratio", help=ratio.HELP, description=ratio.__doc__))
     upgrade.configure(sub.add_parser("upgrade", help=upgrade.HELP, description=upgrade.__doc__))
     chaos.configure(sub.add_parser("chaos", help=chaos.HELP, description=chaos.__doc__))
+    kv_index.configure(sub.add_parser("kv-index", help=kv_index.HELP, description=kv_index.__doc__))
     strategies.configure(
         sub.add_parser("strategies", help=strategies.HELP, description=strategies.__doc__)
     )
@@ -65,11 +67,12 @@ _MAINS: dict[str, Callable[[argparse.Namespace, str], int]] = {
     "upgrade": upgrade.main,
     "chaos": chaos.main,
     "strategies": strategies.main,
+    "kv-index": kv_index.main,
 }
 
 HELP = (
     "benchmarks: `pdgate bench scheduling|gateway|profile|compare|hotpath|soak|ratio|upgrade"
-    "|chaos|strategies --help`"
+    "|chaos|strategies|kv-index --help`"
 )
 
 

@@ -39,6 +39,7 @@ from pdgate.policies.scorers import (
     InflightTokens,
     Load,
     OpenStreams,
+    PrecisePrefix,
     PrefixAffinity,
     PrefixHash,
 )
@@ -56,6 +57,7 @@ SCORERS: Mapping[str, Callable[..., Scorer]] = {
     "load": Load,
     "free_room": FreeRoom,
     "prefix_affinity": PrefixAffinity,
+    "precise_prefix": PrecisePrefix,
     "prefix_hash": PrefixHash,
 }
 PICKERS: Mapping[str, Callable[..., Picker]] = {
@@ -97,6 +99,13 @@ PROFILES: Mapping[str, Profile] = {
         {"prefix_affinity": 1.0, "prefix_hash": 0.5, "open_streams": 0.1, "inflight": 0.001},
         "max_score",
         hold="expected_completion",
+    ),
+    # affinity_sse on what the engines report they hold (KV events, token-exact blocks,
+    # evictions seen), the character history for engines that publish no events.
+    "precise_sse": Profile(
+        DEFAULT_FILTERS,
+        {"precise_prefix": 1.0, "prefix_hash": 0.5, "open_streams": 0.1, "inflight": 0.001},
+        "max_score",
     ),
     # Token-work load (as SGLang's gateway and Dynamo balance): the least prompt work
     # computing (estimated tokens, credited at dispatch), open streams next, then requests.

@@ -82,14 +82,17 @@ class RequestInfo:
     prompt: str  # the prompt as text (token ids as a string) for hashing and lengths
     prompt_chars: int
     max_tokens: int
-    # Instance id -> leading prompt blocks that instance recently prefilled (the gateway's
-    # prefix-affinity index); empty unless a scorer asked for it (`needs = {"prefix"}`).
-    prefix_blocks: Mapping[str, int] = field(default_factory=dict)
+    # Instance id -> leading prompt characters whose KV that instance is believed to hold
+    # (the gateway's prefix index); empty unless a scorer asked for it (`needs` "prefix" or
+    # "kv_prefix").
+    cached_chars: Mapping[str, int] = field(default_factory=dict)
     tenant: str = "anonymous"  # whose request: the API key's name (fairness, metrics)
     priority: int = 1  # priority class: 0 most urgent (high), 1 normal, 2 low
     weight: float = 1.0  # the tenant's share weight in the queue's fairness
     ttft_s: float | None = None  # its TTFT budget from arrival (group's, or shorter by header)
     tpot_s: float | None = None  # its TPOT SLO (the group's, or tighter by header)
+    # The prompt's token ids where the client sent ids (`prompt` is then them, space-joined).
+    prompt_ids: tuple[int, ...] | None = None
 
 
 Candidates = Sequence[InstanceLoad]
@@ -182,7 +185,8 @@ class Ranker(Protocol):
     @property
     def needs(self) -> frozenset[str]:
         """Signals the gateway computes only for a ranker that reads them: ``"prefix"``, the
-        prefix-affinity index (`RequestInfo.prefix_blocks` is empty without it)."""
+        prefix-affinity index, or ``"kv_prefix"``, the index fed by the engines' KV events
+        (`RequestInfo.cached_chars` is empty without either)."""
         ...
 
     @property

@@ -14,6 +14,7 @@ __all__ = [
     "InflightTokens",
     "Load",
     "OpenStreams",
+    "PrecisePrefix",
     "PrefixAffinity",
     "PrefixHash",
     "lower_is_better",
@@ -90,32 +91,44 @@ class FreeRoom:
 
 
 class PrefixAffinity:
-    """The prefill that most recently computed the most leading blocks of this prompt: its
-    prefix cache holds their KV, so it skips them and frees its slot sooner.
+    """The prefill that most recently computed the most leading characters of this prompt
+    (the gateway's own routing history, in blocks of characters): its prefix cache holds
+    their KV, so it skips them and frees its slot sooner.
 
     Affinity alone would pile a hot scenario onto one instance, so a candidate whose open
     streams exceed the least loaded candidate's by more than `load_guard` gets no credit, and
-    matches shorter than `min_blocks` count for nothing.
+    matches shorter than `min_chars` count for nothing.
     """
 
     name = "prefix_affinity"
     needs = frozenset({"prefix"})
 
-    def __init__(self, load_guard: int = 4, min_blocks: int = 1) -> None:
-        if load_guard < 0 or min_blocks < 1:
-            raise ValueError("load_guard >= 0 and min_blocks >= 1 required")
+    def __init__(self, load_guard: int = 4, min_chars: int = 1) -> None:
+        if load_guard < 0 or min_chars < 1:
+            raise ValueError("load_guard >= 0 and min_chars >= 1 required")
         self._load_guard = load_guard
-        self._min_blocks = min_blocks
+        self._min_chars = min_chars
 
     def score(self, request: RequestInfo, candidates: Candidates) -> list[float]:
-        if not candidates or not request.prefix_blocks:
+        if not candidates or not request.cached_chars:
             return [0.0] * len(candidates)
         usable = []
         for c, guarded in zip(candidates, _guarded(candidates, self._load_guard), strict=True):
-            hit = request.prefix_blocks.get(c.id, 0)
-            usable.append(hit if hit >= self._min_blocks and not guarded else 0)
+            hit = request.cached_chars.get(c.id, 0)
+            usable.append(hit if hit >= self._min_chars and not guarded else 0)
         best = max(usable)
         return [u / best if best else 0.0 for u in usable]
+
+
+class PrecisePrefix(PrefixAffinity):
+    """The prefill whose prefix cache holds the longest prefix of this prompt, as the engines
+    report it in their KV events (token-exact blocks, evictions included), with the gateways'
+    own routing filling the moment before an engine's event arrives
+    (gateway/instances/kv_index.py). Instances that publish no events are judged by the
+    character-block history, as `prefix_affinity`. Guarded the same way."""
+
+    name = "precise_prefix"
+    needs = frozenset({"kv_prefix"})
 
 
 def _guarded(candidates: Candidates, load_guard: int) -> list[bool]:

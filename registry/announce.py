@@ -72,6 +72,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", help="what the server runs on, GPU[/tpN][/ppN], e.g. l40s/tp2")
     p.add_argument("--model", help="served model name (default: the first in GET /v1/models)")
     p.add_argument(
+        "--kv-events",
+        dest="kv_events",
+        help="where the server publishes its KV-cache events, as gateways reach it "
+        "(tcp://HOST:PORT, the endpoint of vLLM's --kv-events-config)",
+    )
+    p.add_argument(
         "--instance-id", dest="instance_id", help="default: ROLE@HOST:PORT, as for --prefill"
     )
     p.add_argument(
@@ -121,6 +127,7 @@ def _checked(args: argparse.Namespace, reg: RegistrySettings) -> tuple[StaticIns
             "model": args.model,
             "id": args.instance_id,
             "hardware": args.hardware or "",
+            "kv_events": args.kv_events or "",
         }
     )
     return spec, Role(args.role)

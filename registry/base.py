@@ -18,6 +18,7 @@ from typing import Any, Protocol, Self, runtime_checkable
 import orjson
 
 from pdgate.config import Role
+from pdgate.config.kv_events import connectable_endpoint
 from pdgate.config.wire import HARDWARE_PATTERN, MAX_EXTENSION_CHARS, MAX_EXTENSIONS
 
 
@@ -44,6 +45,9 @@ class InstanceRecord:
     extensions: tuple[str, ...] = ()
     # What it runs on, GPU[/tpN][/ppN] (engine_shim/hardware.py), as declared; "" unknown.
     hardware: str = ""
+    # Where it publishes its KV-cache events (vLLM's ZMQ PUB, config/kv_events.py), as
+    # tcp://host:port or ipc://path; "" when it publishes none.
+    kv_events: str = ""
     # HMAC of the other fields with the fleet's cluster token (registry/signing.py).
     signature: str = ""
 
@@ -78,6 +82,7 @@ class InstanceRecord:
             started_at=float(data.get("started_at", 0.0)),
             extensions=_extensions(data.get("extensions", ())),
             hardware=hardware_name(data.get("hardware", "")),
+            kv_events=connectable_endpoint(data.get("kv_events", "")),
             signature=str(data.get("signature", "")),
         )
 

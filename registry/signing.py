@@ -39,7 +39,7 @@ class RecordSigner:
         fields.pop("signature", None)
         # Fields added after v1 enter the signed form only when set, so records written
         # before they existed still verify.
-        for later in ("extensions", "hardware"):
+        for later in ("extensions", "hardware", "kv_events"):
             if not fields[later]:
                 del fields[later]
         payload = orjson.dumps(fields, option=orjson.OPT_SORT_KEYS)

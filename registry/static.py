@@ -173,6 +173,7 @@ class StockInstance:
             version=version,
             started_at=time.time() if started_at is None else started_at,
             hardware=self.spec.hardware,
+            kv_events=self.spec.kv_events,
         )
 
 

@@ -164,6 +164,17 @@ def metric_by_label(url: str, name: str, label: str) -> dict[str, float]:
     }
 
 
+def complete(url: str, prompt: str, max_tokens: int = 2) -> httpx.Response:
+    """A completion of the sim model through the gateway at `url`; asserts a 200."""
+    resp = httpx.post(
+        url + "/v1/completions",
+        json={"model": SIM_MODEL, "prompt": prompt, "max_tokens": max_tokens},
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
 def shim_load(url: str) -> dict[str, Any]:
     resp = httpx.get(url + "/load", timeout=5)
     resp.raise_for_status()

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from pdgate.gateway.admission.auth import KeyRing
 from pdgate.gateway.api.completions import CompletionsEndpoint
-from pdgate.gateway.instances.affinity import PrefixIndex
+from pdgate.gateway.instances.affinity import PrefixLookup
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.dispatch import Dispatcher
@@ -60,7 +60,7 @@ async def models(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     membership: Membership = request.state.membership
-    index: PrefixIndex | None = request.state.index
+    index: PrefixLookup | None = request.state.index
     tracker: InstanceTracker = request.state.tracker
     endpoint: CompletionsEndpoint = request.state.endpoint
     dispatcher: Dispatcher = request.state.dispatcher

@@ -311,6 +311,7 @@ class CompletionsEndpoint:
             weight=who.weight,
             ttft_s=_tighter(self._groups.ttft_timeout_s(group), headers, TTFT_HEADER),
             tpot_s=_tighter(self._groups.tpot_slo_s(group), headers, TPOT_SLO_HEADER),
+            prompt_ids=req.prompt_ids,
         )
 
 

@@ -460,6 +460,7 @@ class InstanceTracker:
                 "version": rec.version,
                 "started_at": rec.started_at,
                 "hardware": rec.hardware,
+                "kv_events": rec.kv_events,
                 "speed": self._speed(rec),
             }
 

@@ -86,6 +86,26 @@ class GatewayMetrics:
             "would have ended past their deadline",
             registry=r,
         )
+        self.prefix_cached_tokens = Labelled(
+            Counter(
+                "pdgate_prefix_cached_tokens",
+                "Prompt tokens of prefill answers found in the engine's prefix cache, as the "
+                "KV-event index predicted when it sent the prompt (predicted) and as the "
+                "engine's answer reported (reported); only prefills that publish KV events "
+                "and report cached tokens",
+                ["source"],
+                registry=r,
+            )
+        )
+        self.prefix_predictions = Labelled(
+            Counter(
+                "pdgate_prefix_predictions",
+                "Prefill answers by how the KV-event index's predicted cached tokens compare "
+                "with what the engine reported: exact, over (predicted more), under",
+                ["outcome"],
+                registry=r,
+            )
+        )
         self.ejections = Labelled(
             Counter(
                 "pdgate_ejections",

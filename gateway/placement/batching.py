@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
-from pdgate.gateway.instances.affinity import PrefixIndex
+from pdgate.gateway.instances.affinity import PrefixLookup, PromptBlocks
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.placement.prefill_time import PrefillTimes, TokenRatio
 from pdgate.gateway.placement.queue import Waiter, WaitQueue
@@ -88,7 +88,7 @@ class BatchForming:
         queue: WaitQueue,
         policy: Ranker,
         tracker: InstanceTracker,
-        index: PrefixIndex | None,
+        index: PrefixLookup | None,
         compute_times: PrefillTimes,
         token_ratio: TokenRatio,
         hopeless: Callable[[Waiter], bool],
@@ -100,7 +100,7 @@ class BatchForming:
         self._hopeless = hopeless
         # A holder weighs prefix caches: without the index there is nothing to weigh.
         self._hold: Holder | None = policy.hold if index is not None else None
-        self._hashes: dict[int, list[bytes]] = {}  # id(waiter) -> prompt block hashes
+        self._blocks: dict[int, PromptBlocks] = {}  # id(waiter) -> its prompt, cut in blocks
         # The forwarder's measurements, read here: prefill times by the characters computed,
         # and tokens per character.
         self._compute_times = compute_times
@@ -109,15 +109,15 @@ class BatchForming:
     # -- the queue's requests --------------------------------------------------------------
 
     def remember(self, waiter: Waiter) -> None:
-        """Queued: its prompt's block hashes, for affinity (kept until `forget`)."""
+        """Queued: its prompt cut in blocks, for affinity (kept until `forget`)."""
         if self._index is not None:
-            self._hashes[id(waiter)] = self._index.hashes(waiter.info.prompt)
+            self._blocks[id(waiter)] = self._index.blocks(waiter.info)
 
     def forget(self, waiter: Waiter) -> None:
-        self._hashes.pop(id(waiter), None)
+        self._blocks.pop(id(waiter), None)
 
-    def hashes(self, waiter: Waiter) -> list[bytes] | None:
-        return self._hashes.get(id(waiter))
+    def blocks(self, waiter: Waiter) -> PromptBlocks | None:
+        return self._blocks.get(id(waiter))
 
     # -- choosing --------------------------------------------------------------------------
 
@@ -177,18 +177,15 @@ class BatchForming:
             room -= 1
 
     def uncached_chars(self, info: RequestInfo, instance_id: str) -> int:
-        """Characters of the prompt `instance_id` would compute: the blocks the affinity
+        """Characters of the prompt `instance_id` would compute: the leading ones the prefix
         index says it holds are skipped."""
-        if self._index is None:
-            return info.prompt_chars
-        cached = info.prefix_blocks.get(instance_id, 0) * self._index.block_chars
-        return max(0, info.prompt_chars - cached)
+        return max(0, info.prompt_chars - info.cached_chars.get(instance_id, 0))
 
     def with_affinity(self, waiter: Waiter) -> RequestInfo:
-        hashes = self._hashes.get(id(waiter))
-        if self._index is None or not hashes:
+        blocks = self._blocks.get(id(waiter))
+        if self._index is None or blocks is None:
             return waiter.info
-        return replace(waiter.info, prefix_blocks=self._index.match(hashes))
+        return replace(waiter.info, cached_chars=self._index.match(blocks))
 
     # -- hold or go (policies/completion.py) -------------------------------------------------
 
@@ -222,15 +219,13 @@ class BatchForming:
         prefill, the work of the requests before it in this round already held for that
         prefill, per slot: they will be served there first (updated here)."""
         hold = self._hold
-        blocks = info.prefix_blocks
-        if hold is None or not blocks:
+        held = info.cached_chars
+        if hold is None or not held:
             return True
-        here = blocks.get(free.id, 0)
+        here = held.get(free.id, 0)
         free_ids = {c.id for c in ranked}
         better = [
-            c
-            for c in loads
-            if blocks.get(c.id, 0) > here and c.id not in free_ids and not c.ejected
+            c for c in loads if held.get(c.id, 0) > here and c.id not in free_ids and not c.ejected
         ]
         if not better:
             return True

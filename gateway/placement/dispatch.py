@@ -475,6 +475,9 @@ class Dispatcher:
                 "no prefill instance is available", retry_after=self._settings.retry_after_s
             )
         inst = ranked[0]
+        blocks = self._index.blocks(info) if self._index is not None else None
+        if self._index is not None and blocks is not None:
+            self._index.routed(blocks, inst.id)
         stream, inflight = self._tracker.open_stream(inst.id), self._tracker.begin(inst.id)
         counter = self._metrics.prefill_attempts
         kv_id = secrets.token_hex(16)
@@ -539,8 +542,8 @@ class Dispatcher:
             await shielded(release(None, slot_freed=False))
             raise
         counter.labels("accepted").inc()
-        if self._index is not None:
-            self._index.record(self._index.hashes(info.prompt), inst.id)
+        if self._index is not None and blocks is not None:
+            self._index.record(blocks, inst.id)
         params: dict[str, Any] = reply["kv_transfer_params"]
         return PrefillGrant(
             inst,

@@ -63,7 +63,7 @@ from pdgate.gateway.errors import (
     UpstreamStatus,
     is_client_fault,
 )
-from pdgate.gateway.instances.affinity import PrefixIndex
+from pdgate.gateway.instances.affinity import PrefixLookup
 from pdgate.gateway.instances.health import Ejector, RetryBudget
 from pdgate.gateway.instances.tracker import InstanceTracker, Lease
 from pdgate.gateway.observe.metrics import GatewayMetrics
@@ -72,7 +72,12 @@ from pdgate.gateway.placement.batching import BatchForming, batch_size
 from pdgate.gateway.placement.drain import QueueDrain
 from pdgate.gateway.placement.leases import Fleet, SlotLease, monotonic_ms_left
 from pdgate.gateway.placement.placed import PrefillGrant, release_counts
-from pdgate.gateway.placement.prefill_time import PrefillTimes, TokenRatio, uncached_chars
+from pdgate.gateway.placement.prefill_time import (
+    PrefillTimes,
+    TokenRatio,
+    cached_tokens,
+    uncached_chars,
+)
 from pdgate.gateway.placement.queue import Admission, Waiter, WaiterState, WaitQueue
 from pdgate.gateway.upstream.base import Upstream
 from pdgate.policies.base import InstanceLoad, Ranker
@@ -104,6 +109,8 @@ class _Call:
     # prefill computes the run as one batch, so each answer comes after the whole batch, and
     # the time the prompt itself cost is about its share of it (prefill is compute bound).
     run_chars: int = 0
+    # Prompt tokens the KV-event index expects the prefill to find cached (None: unknown).
+    expected_cached: int | None = None
 
     @property
     def share(self) -> float:
@@ -155,7 +162,7 @@ class Shared:
     upstream: Upstream
     backoff: Backoff
     metrics: GatewayMetrics
-    index: PrefixIndex | None
+    index: PrefixLookup | None
     options: ForwardingOptions
     background: Background
     fleet: Fleet
@@ -521,7 +528,7 @@ class PrefillForwarder:
             span.set_attribute("pdgate.instance", inst.id)
             span.set_attribute("server.address", inst.url)
             span.set_attribute("pdgate.attempt", waiter.attempts)
-        return _Call(
+        call = _Call(
             waiter,
             self._tracker.open_stream(inst.id),
             self._tracker.begin(inst.id, also=slot.release),
@@ -530,6 +537,11 @@ class PrefillForwarder:
             secrets.token_hex(16),
             span,
         )
+        blocks = self._forming.blocks(waiter)
+        if self._index is not None and blocks is not None:
+            call.expected_cached = self._index.expected_cached_tokens(blocks, inst.id)
+            self._index.routed(blocks, inst.id)
+        return call
 
     async def _attempt(self, call: _Call, inst: InstanceLoad) -> None:
         waiter = call.waiter
@@ -648,11 +660,23 @@ class PrefillForwarder:
             )
         )
 
+    def _compare_cached(self, expected: int, usage: object) -> None:
+        """The KV-event index's prediction against the engine's own count, where it gives
+        one (vLLM: with ``--enable-prompt-tokens-details``)."""
+        reported = cached_tokens(usage)
+        if reported is None:
+            return
+        metrics = self._shared.metrics
+        metrics.prefix_cached_tokens.labels("predicted").inc(expected)
+        metrics.prefix_cached_tokens.labels("reported").inc(reported)
+        outcome = "exact" if expected == reported else "over" if expected > reported else "under"
+        metrics.prefix_predictions.labels(outcome).inc()
+
     def _remember_prefix(self, waiter: Waiter, inst: InstanceLoad) -> None:
         """`inst` computes the waiter's prompt: the affinity index learns it holds it."""
-        hashes = self._forming.hashes(waiter)
-        if self._index is not None and hashes:
-            self._index.record(hashes, inst.id)
+        blocks = self._forming.blocks(waiter)
+        if self._index is not None and blocks is not None:
+            self._index.record(blocks, inst.id)
 
     def _speaks_batch(self, inst: InstanceLoad) -> bool:
         """Whether `inst` registered the batch endpoint (pdgate shims do; stock servers get
@@ -744,6 +768,8 @@ class PrefillForwarder:
             usage = answer.get("usage")
             self.token_ratio.observe(chars, usage)
             self.compute_times.record(max(1, uncached_chars(chars, usage)), own, hardware=hardware)
+            if call.expected_cached is not None:
+                self._compare_cached(call.expected_cached, usage)
             if hardware:
                 self._tracker.set_speeds(self.model, self.group, self.compute_times.speeds())
             self._shared.advisor.prefill(inst.group, own, hardware)

@@ -40,7 +40,7 @@ from pdgate.config.settings import GatewaySettings
 from pdgate.config.tracing import Span
 from pdgate.config.wire import EXT_LOCAL_PREFILL, Role
 from pdgate.gateway.errors import UpstreamError
-from pdgate.gateway.instances.affinity import PrefixIndex
+from pdgate.gateway.instances.affinity import PrefixIndex, PromptBlocks
 from pdgate.gateway.instances.health import Ejector
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.metrics import GatewayMetrics
@@ -88,11 +88,11 @@ class LocalPrefill:
         decodes in `avoid` (one that just broke this request's stream) are not asked."""
         if self.max_uncached_chars <= 0:
             return None
-        hashes = self.index.hashes(info.prompt) if self.index is not None else []
-        return LocalPlan(self, info, hashes, avoid)
+        blocks = self.index.blocks(info) if self.index is not None else PromptBlocks([])
+        return LocalPlan(self, info, blocks, avoid)
 
     def eligible(
-        self, info: RequestInfo, hashes: list[bytes], avoid: Collection[str] = ()
+        self, info: RequestInfo, blocks: PromptBlocks, avoid: Collection[str] = ()
     ) -> list[tuple[InstanceLoad, int]]:
         """Declaring decodes with room whose uncached part of the prompt is at most the
         threshold, in the decode policy's order, each with that part (characters)."""
@@ -108,24 +108,23 @@ class LocalPrefill:
         if not loads:
             return []
         held: dict[str, int] = {}
-        if self.index is not None and hashes:
-            held = self.index.match(hashes)
-        block = self.index.block_chars if self.index is not None else 0
-        uncached = {c.id: max(0, info.prompt_chars - held.get(c.id, 0) * block) for c in loads}
+        if self.index is not None and blocks.chars:
+            held = self.index.match(blocks)
+        uncached = {c.id: max(0, info.prompt_chars - held.get(c.id, 0)) for c in loads}
         fit = [c for c in loads if uncached[c.id] <= self.max_uncached_chars]
         if not fit:
             return []
-        ranked = self._policy.rank(replace(info, prefix_blocks=held), fit)
+        ranked = self._policy.rank(replace(info, cached_chars=held), fit)
         return [(c, uncached[c.id]) for c in ranked[: self._candidates]]
 
-    def record(self, hashes: list[bytes], decode_id: str) -> None:
+    def record(self, blocks: PromptBlocks, decode_id: str) -> None:
         """`decode_id` now holds the prompt's KV blocks (it computed or received them)."""
-        if self.index is None or not hashes:
+        if self.index is None or not blocks.chars:
             return
         record = self._tracker.records().get(decode_id)
         # Only a declaring decode is ever asked to prefill: others would only fill the index.
         if record is not None and EXT_LOCAL_PREFILL in record.extensions:
-            self.index.record(hashes, decode_id)
+            self.index.record(blocks, decode_id)
 
     async def attempt(
         self,
@@ -173,14 +172,14 @@ class LocalPlan:
     """One request's way through the hook: `place` before the prefill leg, `served_by`
     after a disaggregated placement."""
 
-    __slots__ = ("_avoid", "_hashes", "_hook", "_info")
+    __slots__ = ("_avoid", "_blocks", "_hook", "_info")
 
     def __init__(
-        self, hook: LocalPrefill, info: RequestInfo, hashes: list[bytes], avoid: Collection[str]
+        self, hook: LocalPrefill, info: RequestInfo, blocks: PromptBlocks, avoid: Collection[str]
     ) -> None:
         self._hook = hook
         self._info = info
-        self._hashes = hashes
+        self._blocks = blocks
         self._avoid = avoid
 
     async def place(
@@ -194,7 +193,7 @@ class LocalPlan:
     ) -> Placement | None:
         """A decode that took the whole request, or None: go through a prefill."""
         hook = self._hook
-        candidates = hook.eligible(self._info, self._hashes, self._avoid)
+        candidates = hook.eligible(self._info, self._blocks, self._avoid)
         body = as_stream(forward)  # as the decode leg of a disaggregated request
         for inst, uncached in candidates:
             placement = await hook.attempt(
@@ -207,7 +206,7 @@ class LocalPlan:
                 path=path,
             )
             if placement is not None:
-                hook.record(self._hashes, inst.id)
+                hook.record(self._blocks, inst.id)
                 hook.count("local")
                 _mark(span, "local")
                 return placement
@@ -217,7 +216,7 @@ class LocalPlan:
 
     def served_by(self, decode_id: str) -> None:
         """A disaggregated placement: its decode received the prompt's KV."""
-        self._hook.record(self._hashes, decode_id)
+        self._hook.record(self._blocks, decode_id)
 
 
 def _mark(span: Span | None, path: str) -> None:

@@ -34,7 +34,7 @@ import bisect
 from collections import deque
 from collections.abc import Mapping
 
-__all__ = ["PrefillTimes", "TokenRatio", "uncached_chars"]
+__all__ = ["PrefillTimes", "TokenRatio", "cached_tokens", "uncached_chars"]
 
 _MAX_CLASSES = 40  # 2**40 characters: far beyond any body limit
 _MAX_TYPES = 16  # hardware types with windows of their own; more share the pooled ones
@@ -258,11 +258,19 @@ def uncached_chars(prompt_chars: int, usage: object) -> int:
     """The characters of a prompt the prefill computed, by the share of its tokens the answer
     says were cached (all of them when it does not say)."""
     tokens = _prompt_tokens(usage)
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    if not tokens or not isinstance(cached, int) or isinstance(cached, bool) or cached <= 0:
+    cached = cached_tokens(usage)
+    if not tokens or not cached:
         return prompt_chars
     return round(prompt_chars * max(0.0, 1.0 - cached / tokens))
+
+
+def cached_tokens(usage: object) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of an answer (None: not reported)."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if not isinstance(cached, int) or isinstance(cached, bool) or cached < 0:
+        return None
+    return cached
 
 
 def _prompt_tokens(usage: object) -> int | None:

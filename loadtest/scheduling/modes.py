@@ -111,6 +111,15 @@ FEATURE_MODES: tuple[Mode, ...] = (
     # affinity_sse that holds a request for the busy prefill holding its prefix when that is
     # expected to finish sooner than a free prefill computing it all (policies/completion.py).
     _on_demand("affinity_overload", "affinity_hold"),
+    # affinity_sse on what the prefills' own KV events say they hold (docs/kv-events.md):
+    # each prefill publishes them on a free port of its own.
+    Mode(
+        "precise_sse",
+        admission="reject",
+        dispatch="queue",
+        prefill_policy="precise_sse",
+        prefill={"kv_events_port": 0},
+    ),
     _on_demand("first_token_early", first_token_early=True),
     _on_demand("local_prefill", local_prefill_max_uncached_chars=4000),
     # least_sse with the queue's start guard (a request about to be late goes first).

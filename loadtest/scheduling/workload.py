@@ -6,7 +6,7 @@ differ in length: long prompts queued ahead of short ones in a prefill's local q
 short ones miss their (shorter) TTFT thresholds. `SCENARIOS` is such a mix.
 
 Prompts are made of words of 1-5 lowercase letters, each preceded by a space, which the sim
-tokenizer (engine_shim/tokenizer.py) turns into exactly one token each, so token counts are
+tokenizer (config/sim_tokenizer.py) turns into exactly one token each, so token counts are
 exact without running the tokenizer here. A prompt is ``prefix + tag + body``: the tag is a
 few random words unique to the request, and since prefix-cache block hashes are chained, every
 block after the tag is unique too. Bodies come from a small pre-built pool per scenario so

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
-from pdgate.engine_shim import tokenizer
+from pdgate.config import sim_tokenizer as tokenizer
 from pdgate.engine_shim.backend import ChatPrompt
 from pdgate.engine_shim.sim_engine import render_chat_text
 from tests.engine_shim.conftest import MODEL, Shim, assert_openai_error, sse_events

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pdgate.config import Role
-from pdgate.engine_shim import tokenizer
+from pdgate.config import sim_tokenizer as tokenizer
 from pdgate.registry.memory import MemoryRegistry
 from tests.engine_shim._fake_prefill import (
     PROMPT,

@@ -17,8 +17,8 @@ import orjson
 import pytest
 
 from pdgate.config import Role
+from pdgate.config import sim_tokenizer as tokenizer
 from pdgate.config.wire import CHAT_PATH, EXT_LOCAL_PREFILL
-from pdgate.engine_shim import tokenizer
 from pdgate.engine_shim.backend import DecodeJob, LocalPrefill
 from pdgate.engine_shim.prefix_cache import BLOCK_SIZE
 from pdgate.engine_shim.sim_engine import SimDecodeEngine

@@ -10,9 +10,9 @@ import orjson
 import pytest
 
 from pdgate.config import Role, ShimSettings
+from pdgate.config import sim_tokenizer as tokenizer
 from pdgate.config.server import bind_socket, bound_port, serving
 from pdgate.config.wire import KV_DIGEST_HEADER, KV_ID_HEADER, KV_TOKENS_HEADER, kv_url
-from pdgate.engine_shim import tokenizer
 from pdgate.engine_shim._kv_store import HoldTimes
 from pdgate.engine_shim.app import build_shim_app
 from pdgate.registry.memory import MemoryRegistry

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from pdgate.config.sim_tokenizer import count
 from pdgate.config.wire import kv_release_url
-from pdgate.engine_shim.tokenizer import count
 from tests._cluster import Subprocess, hold_prefill_slot, shim_load, start
 
 BLOCK = 16  # tokens per prefix-cache block (engine_shim/prefix_cache.py)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdgate.config import sim_tokenizer as tokenizer
 from pdgate.config.wire import CHAT_PATH
-from pdgate.engine_shim import tokenizer
 from pdgate.engine_shim._sim_text import WORDS, Context, next_token, token_logprobs
 from tests.engine_shim.conftest import MODEL, Shim, prefill_leg
 

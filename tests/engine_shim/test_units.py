@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from pdgate.engine_shim import tokenizer
+from pdgate.config import sim_tokenizer as tokenizer
 from pdgate.engine_shim._slots import PoolFull, SlotPool
 from pdgate.engine_shim._stop import StopMatcher
 from pdgate.engine_shim.backend import DecodeBackend, DecodeJob, PrefillBackend

@@ -44,6 +44,11 @@ def test_signatures_survive_json_and_catch_any_change() -> None:
     assert signer.verify(InstanceRecord.from_json(l40s.to_json()))
     assert not signer.verify(replace(l40s, hardware="h100"))
     assert signed.signature == signer.sign(replace(RECORD, hardware="")).signature
+    # And where its KV events are: a forged endpoint would feed the gateways a false cache.
+    events = signer.sign(replace(RECORD, kv_events="tcp://10.0.0.5:5557"))
+    assert signer.verify(InstanceRecord.from_json(events.to_json()))
+    assert not signer.verify(replace(events, kv_events="tcp://10.6.6.6:5557"))
+    assert signed.signature == signer.sign(replace(RECORD, kv_events="")).signature
 
 
 def test_bad_extension_lists_are_refused() -> None:
@@ -54,6 +59,9 @@ def test_bad_extension_lists_are_refused() -> None:
     for hardware in ("H100", "a" * 65, "l40s tp2", 3):
         with pytest.raises(ValueError, match="hardware"):
             InstanceRecord.from_dict({**raw, "hardware": hardware})
+    for endpoint in ("tcp://*:5557", "redis://x:1", 5557):
+        with pytest.raises(ValueError, match="kv_events"):
+            InstanceRecord.from_dict({**raw, "kv_events": endpoint})
 
 
 async def test_a_reader_with_the_token_drops_records_without_it(

@@ -52,6 +52,15 @@ def test_spec_string_and_table_give_the_same_instance() -> None:
     ]
 
 
+def test_a_static_prefill_names_where_it_publishes_kv_events() -> None:
+    settings = GatewaySettings(
+        static_prefills=["http://10.0.0.5:8000 kv_events=tcp://10.0.0.5:5557"]
+    )
+    assert settings.static_prefills[0].kv_events == "tcp://10.0.0.5:5557"
+    with pytest.raises(ValueError, match="connectable"):
+        GatewaySettings(static_prefills=["http://10.0.0.5:8000 kv_events=tcp://*:5557"])
+
+
 def test_static_instances_from_env_json(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDGATE_GATEWAY_STATIC_PREFILLS", '["http://a:1 capacity=2"]')
     assert GatewaySettings.load().static_prefills == [StaticInstance(url="http://a:1", capacity=2)]
@@ -130,7 +139,7 @@ async def test_model_capacity_and_id_come_from_the_server_and_defaults(
     named = StockServer(model).start()
     servers.append(named)
     reg = _static(
-        [StaticInstance(url=prefill.url)],
+        [StaticInstance(url=prefill.url, kv_events="tcp://127.0.0.1:5557")],
         (
             StaticInstance(url=decode.url),
             StaticInstance(url=named.url, capacity=3, group="chat", model="alias", id="dec-x"),
@@ -142,6 +151,7 @@ async def test_model_capacity_and_id_come_from_the_server_and_defaults(
         await reg.aclose()
     p = records[f"prefill@127.0.0.1:{prefill.port}"]
     d = records[f"decode@127.0.0.1:{decode.port}"]
+    assert (p.kv_events, d.kv_events) == ("tcp://127.0.0.1:5557", "")
     # The first model /v1/models lists without a parent: the base model, not its adapter.
     assert (p.role, p.model, p.capacity, p.state) == (
         Role.PREFILL,

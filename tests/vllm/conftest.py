@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests._cluster import get_instances, wait_for
@@ -112,6 +113,21 @@ class Proc:
                 self.proc.wait(10)
 
 
+def wait_healthy(proc: Proc, url: str, deadline: float) -> None:
+    """Until `url`/health answers 200; fails with the process's last output if it exits or
+    `deadline` (monotonic) passes."""
+    while time.monotonic() < deadline:
+        if proc.proc.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{proc.name} not healthy in {START_TIMEOUT_S} s:\n{proc.tail()}")
+
+
 def _url(line: str) -> str:
     """The base URL in a ``pdgate ...: http://host:port[/v1]`` ready line."""
     match = re.search(r"http://\S+", line)
@@ -178,6 +194,8 @@ def vllm_cluster(redis_url: str, tiny_model: Path) -> Iterator[VllmCluster]:
                 # Chunked prefill in steps of 16 tokens: saves span several engine steps, and
                 # a long prompt stays in the engine long enough to be withdrawn mid-way.
                 "PDGATE_SHIM_VLLM_ENGINE_ARGS": json.dumps({"max_num_batched_tokens": 16}),
+                # vLLM's KV events, which the gateway's precise_sse policy follows.
+                "PDGATE_SHIM_KV_EVENTS_PORT": "0",
             },
             "prefill",
         )
@@ -186,7 +204,12 @@ def vllm_cluster(redis_url: str, tiny_model: Path) -> Iterator[VllmCluster]:
         )
         procs["gateway"] = Proc(
             [*cli, "gateway", "--port", "0"],
-            {**registry, "PDGATE_GATEWAY_TTFT_TIMEOUT_S": "20"},
+            {
+                **registry,
+                "PDGATE_GATEWAY_TTFT_TIMEOUT_S": "20",
+                "PDGATE_GATEWAY_PREFILL_POLICY": "precise_sse",
+                "PDGATE_GATEWAY_TOKENIZERS": json.dumps({MODEL: str(tiny_model)}),
+            },
             "gateway",
         )
         gateway_url = _url(procs["gateway"].wait_line("pdgate gateway", 60))

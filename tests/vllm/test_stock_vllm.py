@@ -29,7 +29,7 @@ import orjson
 import pytest
 
 from tests._redis import free_port
-from tests.vllm.conftest import MODEL, PROMPTS, START_TIMEOUT_S, Proc, _url
+from tests.vllm.conftest import MODEL, PROMPTS, START_TIMEOUT_S, Proc, _url, wait_healthy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -63,19 +63,6 @@ def _vllm_serve(model_dir: Path, port: int, kv_config: dict[str, Any] | None) ->
     return args
 
 
-def _wait_healthy(proc: Proc, url: str, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        if proc.proc.poll() is not None:
-            raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{proc.name} not healthy in {START_TIMEOUT_S} s:\n{proc.tail()}")
-
-
 @pytest.fixture(scope="module")
 def stock_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StockVllm]:
     kv_dir = tmp_path_factory.mktemp("example-connector-kv")
@@ -93,7 +80,7 @@ def stock_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             procs[name] = Proc(_vllm_serve(tiny_model, port, kv), {}, name)
         deadline = time.monotonic() + START_TIMEOUT_S
         for name in ports:
-            _wait_healthy(procs[name], urls[name], deadline)
+            wait_healthy(procs[name], urls[name], deadline)
         procs["gateway"] = Proc(
             [
                 "-m",

@@ -30,7 +30,7 @@ import httpx
 import orjson
 import pytest
 
-from tests._cluster import get_instances, hold_prefill_slot, shim_load, wait_for
+from tests._cluster import get_instances, hold_prefill_slot, metric_by_label, shim_load, wait_for
 from tests.vllm.conftest import (
     CHATS,
     MODEL,
@@ -574,3 +574,44 @@ def test_a_decode_of_other_block_size_and_dtype_gives_one_engines_greedy_tokens(
     assert loaded >= len(prompt_ids) - 1, (loaded, len(prompt_ids))
     assert decode["local_prefills"] == decode0["local_prefills"]
     wait_for(lambda: shim_load(vllm_cluster.prefill_url)["kv_held"] == 0, what="KV taken")
+
+
+def test_the_gateway_predicts_what_the_prefill_finds_in_its_cache(
+    vllm_cluster: VllmCluster,
+) -> None:
+    """The gateway's precise_sse index follows the vLLM prefill's own KV events: for prompts
+    sharing a long prefix, the cached tokens it predicts when it sends each one equal what
+    the engine then reports (``usage.prompt_tokens_details.cached_tokens``)."""
+    url = vllm_cluster.gateway_url
+    wait_for(
+        lambda: _value(url, "pdgate_kv_event_subscriptions") == 1,
+        timeout=15,
+        what="the gateway follows the prefill's KV events",
+    )
+    time.sleep(0.5)  # the ZeroMQ subscription connects
+    before = metric_by_label(url, "pdgate_prefix_predictions_total", "outcome")
+    reported = metric_by_label(url, "pdgate_prefix_cached_tokens_total", "source").get(
+        "reported", 0
+    )
+    prefix = "Shared context. " + " ".join([PROMPTS[1]] * 8)
+    for i in range(6):
+        resp = httpx.post(
+            url + "/v1/completions",
+            json={"model": MODEL, "prompt": f"{prefix} Question {i}?", "max_tokens": 2},
+            timeout=120,
+        )
+        assert resp.status_code == 200, resp.text
+        time.sleep(0.3)  # the step's events reach the gateway before the next request
+    after = metric_by_label(url, "pdgate_prefix_predictions_total", "outcome")
+    counts = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    assert counts.get("exact", 0.0) == 6, counts
+    tokens = metric_by_label(url, "pdgate_prefix_cached_tokens_total", "source")
+    assert tokens["reported"] - reported >= 5 * 128  # the later five found the prefix's blocks
+
+
+def _value(url: str, name: str) -> float | None:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from pdgate.engine_shim import tokenizer
+from pdgate.config import sim_tokenizer as tokenizer
 from pdgate.engine_shim.backend import ChatPrompt
 from pdgate.engine_shim.sim_engine import render_chat_text
 from tests._cluster import ThreadedCluster, shim_load

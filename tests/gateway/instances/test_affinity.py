@@ -23,20 +23,20 @@ def test_hashes_are_chained_and_skip_the_partial_block() -> None:
 
 def test_match_counts_leading_blocks_per_instance() -> None:
     idx = PrefixIndex(block_chars=64)
-    idx.record(idx.hashes(SYSTEM + "question one"), "p1")
-    idx.record(idx.hashes(SYSTEM[:200]), "p2")
-    hits = idx.match(idx.hashes(SYSTEM + "another question"))
+    idx.record_hashes(idx.hashes(SYSTEM + "question one"), "p1")
+    idx.record_hashes(idx.hashes(SYSTEM[:200]), "p2")
+    hits = idx.match_hashes(idx.hashes(SYSTEM + "another question"))
     assert hits["p1"] == len(SYSTEM) // 64
     assert hits["p2"] == 200 // 64
-    assert idx.match(idx.hashes("unrelated " * 40)) == {}
+    assert idx.match_hashes(idx.hashes("unrelated " * 40)) == {}
 
 
 def test_departed_instances_are_forgotten() -> None:
     idx = PrefixIndex(block_chars=64)
-    idx.record(idx.hashes(SYSTEM), "p1")
-    idx.record(idx.hashes(SYSTEM), "p2")
+    idx.record_hashes(idx.hashes(SYSTEM), "p1")
+    idx.record_hashes(idx.hashes(SYSTEM), "p2")
     idx.drop_instances({"p1"})
-    assert set(idx.match(idx.hashes(SYSTEM))) == {"p2"}
+    assert set(idx.match_hashes(idx.hashes(SYSTEM))) == {"p2"}
     idx.drop_instances({"p2"})
     assert len(idx) == 0
 
@@ -44,23 +44,24 @@ def test_departed_instances_are_forgotten() -> None:
 def test_index_is_bounded_in_entries_and_owners() -> None:
     idx = PrefixIndex(block_chars=8, max_bytes=100 * ENTRY_BYTES, max_instances_per_block=2)
     for i in range(1000):
-        idx.record(idx.hashes(f"prompt number {i:06d} padding"), f"p{i % 7}")
+        idx.record_hashes(idx.hashes(f"prompt number {i:06d} padding"), f"p{i % 7}")
     assert len(idx) <= 100
-    idx.record(idx.hashes("shared-prefix-xx"), "a")
-    idx.record(idx.hashes("shared-prefix-xx"), "b")
-    idx.record(idx.hashes("shared-prefix-xx"), "c")
-    assert set(idx.match(idx.hashes("shared-prefix-xx"))) == {"b", "c"}  # oldest owner evicted
+    idx.record_hashes(idx.hashes("shared-prefix-xx"), "a")
+    idx.record_hashes(idx.hashes("shared-prefix-xx"), "b")
+    idx.record_hashes(idx.hashes("shared-prefix-xx"), "c")
+    # The oldest owner was evicted.
+    assert set(idx.match_hashes(idx.hashes("shared-prefix-xx"))) == {"b", "c"}
 
 
 def test_lru_keeps_recently_prefilled_prefixes() -> None:
     idx = PrefixIndex(block_chars=8, max_bytes=4 * ENTRY_BYTES)
-    idx.record(idx.hashes("hot-hot-"), "p1")
+    idx.record_hashes(idx.hashes("hot-hot-"), "p1")
     for i in range(3):
-        idx.record(idx.hashes(f"cold{i:04d}"), "p2")
-    idx.record(idx.hashes("hot-hot-"), "p1")  # refreshed
-    idx.record(idx.hashes("new-new-"), "p2")
-    assert idx.match(idx.hashes("hot-hot-")) == {"p1": 1}
-    assert idx.match(idx.hashes("cold0000")) == {}
+        idx.record_hashes(idx.hashes(f"cold{i:04d}"), "p2")
+    idx.record_hashes(idx.hashes("hot-hot-"), "p1")  # refreshed
+    idx.record_hashes(idx.hashes("new-new-"), "p2")
+    assert idx.match_hashes(idx.hashes("hot-hot-")) == {"p1": 1}
+    assert idx.match_hashes(idx.hashes("cold0000")) == {}
 
 
 def test_byte_bound_holds_for_real_memory() -> None:
@@ -73,8 +74,8 @@ def test_byte_bound_holds_for_real_memory() -> None:
         idx = PrefixIndex(block_chars=8, max_bytes=budget)
         for i in range(3 * budget // ENTRY_BYTES):  # three times what fits: LRU must evict
             block = hashlib.blake2b(os.urandom(8), digest_size=12).digest()
-            idx.record([block], ids[i % 4])
-            idx.record([block], ids[(i + 1) % 4])
+            idx.record_hashes([block], ids[i % 4])
+            idx.record_hashes([block], ids[(i + 1) % 4])
         used = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
@@ -93,7 +94,7 @@ def inst(i: str, streams: int, busy: bool = False) -> InstanceLoad:
 
 def req(hits: dict[str, int]) -> RequestInfo:
     return RequestInfo(
-        model="m", group=None, prompt="p", prompt_chars=1, max_tokens=1, prefix_blocks=hits
+        model="m", group=None, prompt="p", prompt_chars=1, max_tokens=1, cached_chars=hits
     )
 
 

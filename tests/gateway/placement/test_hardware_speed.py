@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import concurrent.futures
 
-import httpx
 import pytest
 
 from tests._cluster import (
-    SIM_MODEL,
     Processes,
+    complete,
     instances_by_id,
     metric_by_label,
     wait_instances,
@@ -19,16 +18,6 @@ from tests._cluster import (
 
 FLEET = {"PDGATE_GATEWAY_FLEET_SYNC_INTERVAL_S": "0.05"}
 PROMPT = " ".join(f"word{i % 89}" for i in range(1200))  # ~2,400 tokens: 0.1 s on the H100
-
-
-def _post(url: str, prompt: str) -> httpx.Response:
-    resp = httpx.post(
-        url + "/v1/completions",
-        json={"model": SIM_MODEL, "prompt": prompt, "max_tokens": 2},
-        timeout=60,
-    )
-    assert resp.status_code == 200, resp.text
-    return resp
 
 
 @pytest.mark.timeout(180)
@@ -60,14 +49,14 @@ def test_the_faster_prefill_is_preferred_once_measured_at_every_gateway(
     # of every pair and both types get samples (16 make a type's pace known).
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         for i in range(20):
-            for resp in pool.map(_post, [gateways[0]] * 2, [f"{i}a {PROMPT}", f"{i}b {PROMPT}"]):
+            for resp in pool.map(complete, [gateways[0]] * 2, [f"{i}a {PROMPT}", f"{i}b {PROMPT}"]):
                 assert resp.headers["x-pdgate-prefill"] in ("a-slow", "b-fast")
     speeds = _speeds(gateways[0])
     assert speeds["b-fast"] == 1.0 and speeds["a-slow"] < 0.3, speeds  # against the fastest
 
     # Lone requests, through the gateway that measured nothing itself: the fast one each time.
     for i in range(6):
-        assert _post(gateways[1], f"lone {i} {PROMPT}").headers["x-pdgate-prefill"] == "b-fast"
+        assert complete(gateways[1], f"lone {i} {PROMPT}").headers["x-pdgate-prefill"] == "b-fast"
     assert _speeds(gateways[1]) == pytest.approx(speeds, rel=0.2)
     assert all(s == 1.0 for i, s in speeds.items() if i.startswith("decode"))  # prefills only
 

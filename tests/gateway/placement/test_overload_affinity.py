@@ -33,7 +33,7 @@ class Setup:
         self.upstream = MockUpstream(FakeCluster())
         self.tracker: InstanceTracker = tracker_for([1, p1_slots])
         self.index = PrefixIndex(block_chars=64)
-        self.index.record(self.index.hashes(PROMPT), "p0")
+        self.index.record_hashes(self.index.hashes(PROMPT), "p0")
         self.fwd, self.background = build(
             self.tracker, self.upstream, policy, self.index, batch=batch
         )

@@ -129,7 +129,7 @@ async def test_the_part_the_prefill_holds_in_cache_is_not_credited() -> None:
     index = PrefixIndex(block_chars=64)
     fwd, background = build(tracker, MockUpstream(prefill), "affinity_sse", index)
     prompt = "".join(random.Random(1).choice("abcdefgh ") for _ in range(1024))
-    index.record(index.hashes(prompt[:512]), "p0")  # p0 computed the first half recently
+    index.record_hashes(index.hashes(prompt[:512]), "p0")  # p0 computed the first half recently
     pending = asyncio.ensure_future(fwd.acquire(prompt_waiter(0, prompt)))
     await eventually(lambda: credited(tracker) > 0)
     assert credited(tracker) == 512 // 4  # only the uncached half, at 4 characters a token

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from pdgate.engine_shim import tokenizer
+from pdgate.config import sim_tokenizer as tokenizer
 from pdgate.engine_shim.prefix_cache import BLOCK_SIZE, block_hashes
 from pdgate.loadtest.scheduling.workload import (
     SCENARIOS,

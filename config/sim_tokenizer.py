@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 import zlib
 
-__all__ = ["VOCAB_SIZE", "count", "encode", "piece_id", "pieces"]
+__all__ = ["VOCAB_SIZE", "count", "encode", "ids", "piece_id", "pieces"]
 
 # Llama 3's vocabulary size, so token-id prompts written for it validate here too.
 VOCAB_SIZE = 128_256
@@ -46,8 +46,13 @@ def piece_id(piece: str) -> int:
 
 def encode(text: str) -> list[int]:
     """Token ids of `text`."""
+    return ids(_PIECE.findall(text))
+
+
+def ids(cut: list[str]) -> list[int]:
+    """The ids of pieces `pieces` cut (each piece one token)."""
     crc32 = zlib.crc32
-    return [crc32(piece.encode()) % VOCAB_SIZE for piece in _PIECE.findall(text)]
+    return [crc32(piece.encode()) % VOCAB_SIZE for piece in cut]
 
 
 def count(text: str) -> int:
