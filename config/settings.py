@@ -584,10 +584,11 @@ class GatewaySettings(_Settings):
     prefill_policy: str = Field(
         default="least_sse",
         description="Prefill ranking policy: a profile (least_sse, affinity_sse, affinity_hold, "
-        "least_tokens, round_robin, power_of_two, least_loaded) or module:factory "
-        "(docs/extending.md). affinity_hold: affinity_sse that holds a request for the busy "
-        "prefill holding its prefix when that is expected to finish sooner (policies/"
-        "completion.py); least_tokens: least estimated prompt tokens computing.",
+        "precise_sse, precise_hold, least_tokens, round_robin, power_of_two, least_loaded) or "
+        "module:factory (docs/extending.md). affinity_hold: affinity_sse that holds a request "
+        "for the busy prefill holding its prefix when that is expected to finish sooner "
+        "(policies/completion.py); precise_*: the same on what the prefills' KV events say "
+        "they hold (docs/kv-events.md); least_tokens: least estimated prompt tokens computing.",
     )
     prefill_policy_options: dict[str, Any] = Field(
         default_factory=dict,

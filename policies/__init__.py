@@ -107,6 +107,14 @@ PROFILES: Mapping[str, Profile] = {
         {"precise_prefix": 1.0, "prefix_hash": 0.5, "open_streams": 0.1, "inflight": 0.001},
         "max_score",
     ),
+    # precise_sse that holds a request for the busy prefill holding its prefix, as
+    # affinity_hold does.
+    "precise_hold": Profile(
+        DEFAULT_FILTERS,
+        {"precise_prefix": 1.0, "prefix_hash": 0.5, "open_streams": 0.1, "inflight": 0.001},
+        "max_score",
+        hold="expected_completion",
+    ),
     # Token-work load (as SGLang's gateway and Dynamo balance): the least prompt work
     # computing (estimated tokens, credited at dispatch), open streams next, then requests.
     "least_tokens": Profile(

@@ -50,7 +50,9 @@ class SlotLease:
         self._fleet = fleet
         self.instance_id = instance_id
         self.lease_id = lease_id
-        self.local = local  # granted while degraded: Redis never heard of it
+        # Counted by this gateway alone (degraded, or alone with queue-less prefills): Redis
+        # has not heard of it until a sync with other gateways hands it over.
+        self.local = local
         self._released = False
         self._computing = True
 
@@ -376,6 +378,8 @@ class Fleet:
                 self._estimates.incoming(queue, theirs)
         self._own_freed.clear()  # the counts below are fresh
         self.gateways = view.gateways
+        if self.gateways > 1:
+            self._share_own_counts()
         # Subtract exactly what is ours: the rest is the other gateways' share. Our leases
         # still in Redis include those given back but not yet flushed.
         flushing: dict[str, int] = {}
@@ -395,6 +399,22 @@ class Fleet:
             {i: n - leased.get(i, 0) - flushing.get(i, 0) for i, n in view.slots.items()},
             {i: n - computing.get(i, 0) for i, n in view.computing.items()},
         )
+
+    def _share_own_counts(self) -> None:
+        """Another gateway shares the fleet now (or Redis is back after this one counted
+        alone): the slots it counted by itself become leases, so that the others see them.
+        The next sync writes them, as it puts back what a Redis that came back empty lost;
+        until then the others may send one of them a request its slot is taken for, which
+        a queue-less prefill answers with 429."""
+        moved: list[tuple[str, str]] = []
+        for held in self._live.values():
+            for lease in held.values():
+                if lease.local:
+                    lease.local = False
+                    moved.append((lease.instance_id, lease.lease_id))
+        if moved:
+            self._local.release_now(moved)
+            log.info("another gateway joined: %d slots counted here are now leased", len(moved))
 
     def _held_leases(self) -> HeldLeases:
         """What this gateway holds, for the store to agree with (a failover or a Redis back

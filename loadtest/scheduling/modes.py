@@ -120,6 +120,14 @@ FEATURE_MODES: tuple[Mode, ...] = (
         prefill_policy="precise_sse",
         prefill={"kv_events_port": 0},
     ),
+    # The same, holding a request for the busy prefill that holds its prefix.
+    Mode(
+        "precise_hold",
+        admission="reject",
+        dispatch="queue",
+        prefill_policy="precise_hold",
+        prefill={"kv_events_port": 0},
+    ),
     _on_demand("first_token_early", first_token_early=True),
     _on_demand("local_prefill", local_prefill_max_uncached_chars=4000),
     # least_sse with the queue's start guard (a request about to be late goes first).

@@ -73,6 +73,30 @@ async def test_with_other_gateways_every_slot_is_leased(fleet: Fleet) -> None:
     assert await _leased_in_redis(fleet, "shim") == 1
 
 
+async def test_slots_counted_alone_are_handed_over_when_another_gateway_joins(
+    fleet: Fleet, redis_url: str, registry_prefix: str
+) -> None:
+    """Alone, the gateway counted a queue-less prefill's slots itself; once a sync says
+    another gateway shares the fleet, the slots it still holds are leased in Redis (the
+    newcomer sees them taken), and their release goes to Redis."""
+    assert await _acquire(fleet, "shim")  # counted here only
+    assert await _leased_in_redis(fleet, "shim") == 0
+    other = RedisFleet(redis_url, key_prefix=registry_prefix, gateway_id="g2")
+    try:
+        await other.sync({}, {}, {}, ["shim"])  # a second gateway is alive
+        await fleet.sync_once()  # learns it: hands the slot over
+        assert fleet.gateways == 2
+        await fleet.sync_once()  # writes it
+        assert (await other.sync({}, {}, {}, ["shim"])).slots["shim"] == 1
+        (lease,) = fleet._live["shim"].values()
+        assert not lease.local
+        lease.release()
+        await asyncio.sleep(0.05)  # the release flushed
+        assert await _leased_in_redis(fleet, "shim") == 0
+    finally:
+        await other.aclose()
+
+
 def _tracker() -> InstanceTracker:
     tracker = InstanceTracker()
     tracker.update_membership(
