@@ -60,12 +60,12 @@ def engine(tiny_model: Path) -> Iterator[tuple[str, str]]:
 
 
 def _workload(seed: int) -> list[str]:
-    """Six shared prefixes of 100-400 tokens, each followed by a question, in random order:
+    """Six shared prefixes of 300-900 tokens, each followed by a question, in random order:
     ~150 requests through a cache of 2,048 tokens."""
     rng = random.Random(seed)
     words = ["system", "prompt", "answers", "every", "question", "about", "cached", "blocks"]
     prefixes = [
-        f"System {i}: " + " ".join(rng.choice(words) for _ in range(rng.randint(80, 330)))
+        f"System {i}: " + " ".join(rng.choice(words) for _ in range(rng.randint(60, 240)))
         for i in range(6)
     ]
     return [
