@@ -16,13 +16,14 @@ tokenizer (or one that fails to load, logged once) gets None: the index then fal
 its character blocks. Chat requests are not tokenized here (the engine's chat template
 decides their tokens): they take the fallback too.
 
-Tokenizing costs about a millisecond per 2,000 tokens, and prompts that share a prefix
-would pay it again for the same text: `PrefixCachedTokenizer` cuts a prompt into chunks at
-word boundaries (a single space between two words: no pre-tokenizer joins across it) and
-keeps each chunk's tokens under the hash of all the text up to its end, so a prompt only
-pays for what follows its longest known prefix. Whether a tokenizer really tokenizes chunk
-by chunk as it does whole is checked on a probe text when it loads; one that does not (a
-SentencePiece tokenizer that marks every start of input, say) is used whole.
+Tokenizing is the largest cost per request here (docs/results/kv-events/), and prompts that
+share a prefix would pay it again for the same text: `PrefixCachedTokenizer` cuts a prompt
+into chunks at word boundaries (a single space between two words: no pre-tokenizer joins
+across it) and keeps each chunk's tokens under the hash of all the text up to its end, so a
+prompt only pays for what follows its longest known prefix. Whether a tokenizer really
+tokenizes chunk by chunk as it does whole is checked on a probe text when it loads; one
+that does not (a SentencePiece tokenizer that marks every start of input, say) is used
+whole.
 """
 
 from __future__ import annotations
