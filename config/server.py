@@ -31,6 +31,11 @@ def bound_port(sock: socket.socket) -> int:
     return int(sock.getsockname()[1])
 
 
+def is_wildcard(host: str) -> bool:
+    """Whether a listening address means every interface (no one can connect to it as is)."""
+    return host in ("0.0.0.0", "::", "")
+
+
 def is_loopback(host: str) -> bool:
     """Whether a listening address is reachable from this machine only (then a gateway or a
     shim may serve without credentials)."""

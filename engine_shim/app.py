@@ -22,7 +22,6 @@ import contextlib
 import importlib
 import logging
 import secrets
-import socket
 from collections.abc import AsyncIterator, Callable, Mapping
 from importlib import metadata
 from urllib.parse import urlsplit
@@ -36,7 +35,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from pdgate.config import PrefillAdmission, RegistrySettings, Role, ShimSettings
-from pdgate.config.server import is_loopback
+from pdgate.config.server import bind_socket, bound_port, is_loopback, is_wildcard
 from pdgate.config.tracing import Tracing
 from pdgate.config.wire import (
     EXT_BATCH_PREFILL,
@@ -95,7 +94,7 @@ def _base_url(settings: ShimSettings) -> str:
         raise ValueError(
             "shim port 0: bind the socket first and pass its port, or set advertise_url"
         )
-    if settings.host in ("0.0.0.0", "::", ""):
+    if is_wildcard(settings.host):
         raise ValueError(
             f"shim host {settings.host!r} is not reachable by others; set advertise_url"
         )
@@ -142,9 +141,8 @@ def instance_record(
 
 def _free_port(host: str) -> int:
     """A port free on `host` now, for the KV events (the engine binds it soon after)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    with bind_socket(host, 0) as sock:
+        return bound_port(sock)
 
 
 def _kv_events(settings: ShimSettings) -> str:

@@ -73,7 +73,10 @@ class PrefixCache:
                 break
             blocks.move_to_end(h)
             hits += 1
-        new = [i for i in range(hits, len(hashes)) if hashes[i] not in blocks]
+        # Blocks past the first miss that are not cached either (only events need them).
+        new = []
+        if self._events is not None:
+            new = [i for i in range(hits, len(hashes)) if hashes[i] not in blocks]
         for h in hashes[hits:]:
             blocks[h] = None
         # Evicting a parent before its children only makes the children unreachable, which

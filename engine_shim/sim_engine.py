@@ -51,6 +51,7 @@ import orjson
 
 from pdgate.config import Role, ShimSettings
 from pdgate.config import sim_tokenizer as tokenizer
+from pdgate.config.server import is_wildcard
 from pdgate.engine_shim._sim_kv import KvLink, SimKvBuffer, SimKvSink
 from pdgate.engine_shim._sim_text import Context, next_token, token_logprobs
 from pdgate.engine_shim.backend import (
@@ -105,7 +106,7 @@ def make_backend(settings: ShimSettings) -> SimPrefillEngine | SimDecodeEngine:
 
 
 def _bind_host(host: str) -> str:
-    if host in ("0.0.0.0", "::", ""):
+    if is_wildcard(host):
         return "*"
     return f"[{host}]" if ":" in host else host
 

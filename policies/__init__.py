@@ -81,6 +81,11 @@ class Profile:
 # What may be tried at all: the same for every built-in profile and both legs.
 DEFAULT_FILTERS = ("not_ejected", "not_busy", "has_room")
 
+# The affinity profiles' weights: `_AFFINITY` scores this gateway's routing history,
+# `_PRECISE` what the engines' KV events say they hold.
+_AFFINITY = {"prefix_affinity": 1.0, "prefix_hash": 0.5, "open_streams": 0.1, "inflight": 0.001}
+_PRECISE = {"precise_prefix": 1.0, "prefix_hash": 0.5, "open_streams": 0.1, "inflight": 0.001}
+
 PROFILES: Mapping[str, Profile] = {
     # The paper's gateway: fewest open SSE streams; in-flight requests break ties.
     "least_sse": Profile(DEFAULT_FILTERS, {"open_streams": 1.0, "inflight": 0.01}, "max_score"),
@@ -88,7 +93,7 @@ PROFILES: Mapping[str, Profile] = {
     # prefill its hash names (the same at every gateway); open streams last.
     "affinity_sse": Profile(
         DEFAULT_FILTERS,
-        {"prefix_affinity": 1.0, "prefix_hash": 0.5, "open_streams": 0.1, "inflight": 0.001},
+        _AFFINITY,
         "max_score",
     ),
     # affinity_sse that also pays under overload: a request whose prefix a busy prefill
@@ -96,7 +101,7 @@ PROFILES: Mapping[str, Profile] = {
     # computing the whole prompt (policies/completion.py).
     "affinity_hold": Profile(
         DEFAULT_FILTERS,
-        {"prefix_affinity": 1.0, "prefix_hash": 0.5, "open_streams": 0.1, "inflight": 0.001},
+        _AFFINITY,
         "max_score",
         hold="expected_completion",
     ),
@@ -104,14 +109,14 @@ PROFILES: Mapping[str, Profile] = {
     # evictions seen), the character history for engines that publish no events.
     "precise_sse": Profile(
         DEFAULT_FILTERS,
-        {"precise_prefix": 1.0, "prefix_hash": 0.5, "open_streams": 0.1, "inflight": 0.001},
+        _PRECISE,
         "max_score",
     ),
     # precise_sse that holds a request for the busy prefill holding its prefix, as
     # affinity_hold does.
     "precise_hold": Profile(
         DEFAULT_FILTERS,
-        {"precise_prefix": 1.0, "prefix_hash": 0.5, "open_streams": 0.1, "inflight": 0.001},
+        _PRECISE,
         "max_score",
         hold="expected_completion",
     ),

@@ -66,6 +66,9 @@ class KvEventFeed:
         self._tokenizers = tokenizers
         self._ctx: zmq.asyncio.Context | None = None
         self._subs: dict[str, _Subscription] = {}
+        # Every subscription task until it has ended, those stopped included: each closes
+        # its socket on the way out, which the context's `term` waits for.
+        self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         self._events = Counter(
             "pdgate_kv_events",
@@ -127,6 +130,8 @@ class KvEventFeed:
             task = asyncio.get_running_loop().create_task(
                 self._follow(rec.id, rec.kv_events), name=f"kv-events-{rec.id}"
             )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
             self._subs[rec.id] = _Subscription(rec.kv_events, task)
         for instance_id in [i for i in self._subs if i not in view]:
             self._stop(instance_id)
@@ -139,8 +144,8 @@ class KvEventFeed:
 
     async def aclose(self) -> None:
         self._closed = True
-        tasks = [s.task for s in self._subs.values()]
         self._subs.clear()
+        tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         for task in tasks:

@@ -475,8 +475,9 @@ class Dispatcher:
                 "no prefill instance is available", retry_after=self._settings.retry_after_s
             )
         inst = ranked[0]
-        blocks = self._index.blocks(info) if self._index is not None else None
-        if self._index is not None and blocks is not None:
+        blocks = None
+        if self._index is not None:
+            blocks = self._index.blocks(info)
             self._index.routed(blocks, inst.id)
         stream, inflight = self._tracker.open_stream(inst.id), self._tracker.begin(inst.id)
         counter = self._metrics.prefill_attempts

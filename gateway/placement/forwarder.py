@@ -528,7 +528,12 @@ class PrefillForwarder:
             span.set_attribute("pdgate.instance", inst.id)
             span.set_attribute("server.address", inst.url)
             span.set_attribute("pdgate.attempt", waiter.attempts)
-        call = _Call(
+        expected_cached = None
+        blocks = self._forming.blocks(waiter)
+        if self._index is not None and blocks is not None:
+            expected_cached = self._index.expected_cached_tokens(blocks, inst.id)
+            self._index.routed(blocks, inst.id)
+        return _Call(
             waiter,
             self._tracker.open_stream(inst.id),
             self._tracker.begin(inst.id, also=slot.release),
@@ -536,12 +541,8 @@ class PrefillForwarder:
             self._tracker.work(inst.id, self.token_ratio.tokens(uncached), expected_s),
             secrets.token_hex(16),
             span,
+            expected_cached=expected_cached,
         )
-        blocks = self._forming.blocks(waiter)
-        if self._index is not None and blocks is not None:
-            call.expected_cached = self._index.expected_cached_tokens(blocks, inst.id)
-            self._index.routed(blocks, inst.id)
-        return call
 
     async def _attempt(self, call: _Call, inst: InstanceLoad) -> None:
         waiter = call.waiter

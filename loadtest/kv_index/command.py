@@ -61,19 +61,25 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def _index() -> KvBlockIndex:
-    return KvBlockIndex(PromptTokenizers({MODEL: "sim"}), PrefixIndex(), max_blocks=10**7)
+def _index(args: argparse.Namespace) -> KvBlockIndex:
+    """An empty index that `args.instances` publishing prefills feed."""
+    index = KvBlockIndex(PromptTokenizers({MODEL: "sim"}), PrefixIndex(), max_blocks=10**7)
+    for i in range(args.instances):
+        index.publishing(f"prefill-{i:03d}", MODEL)
+    return index
+
+
+def _event(rng: random.Random) -> BlockStored:
+    """One prompt's new blocks, of random tokens."""
+    tokens = [rng.randrange(128_000) for _ in range(PER_EVENT * BLOCK)]
+    return BlockStored([rng.getrandbits(63) for _ in range(PER_EVENT)], None, tokens, BLOCK)
 
 
 def _fill(index: KvBlockIndex, args: argparse.Namespace, rng: random.Random) -> None:
-    """Publishing prefills and `args.blocks` blocks."""
-    for i in range(args.instances):
-        index.publishing(f"prefill-{i:03d}", MODEL)
+    """`args.blocks` blocks, each held by `args.holders` prefills."""
     for n in range(args.blocks // PER_EVENT):
-        tokens = [rng.randrange(128_000) for _ in range(PER_EVENT * BLOCK)]
-        hashes = [rng.getrandbits(63) for _ in range(PER_EVENT)]
+        event = _event(rng)
         for h in range(args.holders):
-            event = BlockStored(hashes, None, tokens, BLOCK)
             index.stored(f"prefill-{(n + h) % args.instances:03d}", event)
 
 
@@ -97,7 +103,7 @@ def _timed(fn: Callable[[], int]) -> float:
 
 def _round(args: argparse.Namespace, seed: int, tokenizer_dir: Path) -> dict[str, float]:
     rng = random.Random(seed)
-    index = _index()
+    index = _index(args)
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     _fill(index, args, rng)
@@ -105,10 +111,11 @@ def _round(args: argparse.Namespace, seed: int, tokenizer_dir: Path) -> dict[str
     tracemalloc.stop()
     out: dict[str, float] = {"bytes_per_block": grown / args.blocks}
 
-    fresh = _index()
-    batches = _fill_payloads(args, rng)
-    for i in range(args.instances):
-        fresh.publishing(f"prefill-{i:03d}", MODEL)
+    fresh = _index(args)
+    batches = [
+        encode_batch(EventBatch(0.0, [_event(rng)]))
+        for _ in range(min(args.blocks, 20_000) // PER_EVENT)
+    ]
 
     def apply() -> int:
         for n, payload in enumerate(batches):
@@ -183,15 +190,6 @@ def _round(args: argparse.Namespace, seed: int, tokenizer_dir: Path) -> dict[str
         index.match(b)
     out["match_again_us"] = _per(time.process_time() - start, len(cut))
     return out
-
-
-def _fill_payloads(args: argparse.Namespace, rng: random.Random) -> list[bytes]:
-    payloads = []
-    for _ in range(min(args.blocks, 20_000) // PER_EVENT):
-        tokens = [rng.randrange(128_000) for _ in range(PER_EVENT * BLOCK)]
-        hashes = [rng.getrandbits(63) for _ in range(PER_EVENT)]
-        payloads.append(encode_batch(EventBatch(0.0, [BlockStored(hashes, None, tokens, BLOCK)])))
-    return payloads
 
 
 def main(args: argparse.Namespace, command: str) -> int:

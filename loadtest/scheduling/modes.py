@@ -26,7 +26,7 @@ typo) fails the run before any cluster starts rather than at its first start-up.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pdgate.config import GatewaySettings, Role, ShimSettings
@@ -81,6 +81,10 @@ class Mode:
         return cls(**data)
 
 
+# Every prefill publishes its KV events, on a free port of its own.
+_PUBLISH_KV_EVENTS = {"kv_events_port": 0}
+
+
 def _on_demand(name: str, policy: str = "least_sse", **gateway: Any) -> Mode:
     """On-demand forwarding (queue-less prefills, gateway-held EDF queue) with `gateway`."""
     return Mode(name, admission="reject", dispatch="queue", prefill_policy=policy,
@@ -111,23 +115,10 @@ FEATURE_MODES: tuple[Mode, ...] = (
     # affinity_sse that holds a request for the busy prefill holding its prefix when that is
     # expected to finish sooner than a free prefill computing it all (policies/completion.py).
     _on_demand("affinity_overload", "affinity_hold"),
-    # affinity_sse on what the prefills' own KV events say they hold (docs/kv-events.md):
-    # each prefill publishes them on a free port of its own.
-    Mode(
-        "precise_sse",
-        admission="reject",
-        dispatch="queue",
-        prefill_policy="precise_sse",
-        prefill={"kv_events_port": 0},
-    ),
+    # affinity_sse on what the prefills' own KV events say they hold (docs/kv-events.md).
+    replace(_on_demand("precise_sse", "precise_sse"), prefill=_PUBLISH_KV_EVENTS),
     # The same, holding a request for the busy prefill that holds its prefix.
-    Mode(
-        "precise_hold",
-        admission="reject",
-        dispatch="queue",
-        prefill_policy="precise_hold",
-        prefill={"kv_events_port": 0},
-    ),
+    replace(_on_demand("precise_hold", "precise_hold"), prefill=_PUBLISH_KV_EVENTS),
     _on_demand("first_token_early", first_token_early=True),
     _on_demand("local_prefill", local_prefill_max_uncached_chars=4000),
     # least_sse with the queue's start guard (a request about to be late goes first).
