@@ -77,20 +77,21 @@ class WindowMeter:
     def start(self) -> None:
         self._marks = self._read()
 
-    def add_to(self, tally: Tally) -> None:
-        """Add this window's CPU to `tally`. The window closes when the last request in
+    def add_to(self, *tallies: Tally) -> None:
+        """Add this window's CPU to each tally. The window closes when the last request in
         flight ends, a little after its nominal length: its CPU is counted to then, with
         the requests that ended inside it (a slight over-count, the same for every front)."""
         if not self._marks:
             return  # the window never opened
         ends = self._read()
         now, front, client, engine, host = (b - a for a, b in zip(self._marks, ends, strict=True))
-        tally.elapsed_s += now
-        tally.front_cpu_s += front
-        tally.client_cpu_s += client
-        tally.engine_cpu_s += engine
-        tally.host_busy_s += host
-        tally.has_front = self.front is not None
+        for tally in tallies:
+            tally.elapsed_s += now
+            tally.front_cpu_s += front
+            tally.client_cpu_s += client
+            tally.engine_cpu_s += engine
+            tally.host_busy_s += host
+            tally.has_front = self.front is not None
 
 
 async def engine_stats(session: aiohttp.ClientSession, urls: Sequence[str]) -> dict[str, Any]:

@@ -65,7 +65,12 @@ __all__ = [
 ]
 
 FRONTS = ("direct", "pdgate", "vllm_router", "smg")
-_FD_HEADROOM = 512  # descriptors the gateway needs besides two per stream
+_FD_HEADROOM = 512  # descriptors a front needs besides those of its streams
+# Descriptors an idle stream holds at a front: pdgate and vllm-router two (the client's and
+# the decode's connections), SMG three on the stock engines (it keeps the prefill leg's
+# connection too; past the limit it answers 503 "no available prefill workers"). Every
+# front must have room for the streams measured.
+_FDS_PER_STREAM = 3
 _SHIM_MAX_CAPACITY = 4096  # ShimSettings.capacity's bound
 
 
@@ -299,6 +304,13 @@ async def _ttft_probes(
     return probes
 
 
+def _in_rounds(probes: list[Probe], rounds: int) -> list[list[Probe]]:
+    """The probes (in the order sent, fronts taking turns) cut into `rounds` consecutive
+    parts: each part measures every front over the same stretch of time."""
+    n = len(probes)
+    return [probes[k * n // rounds : (k + 1) * n // rounds] for k in range(rounds)]
+
+
 def _ttft_figures(probes: list[Probe], names: list[str]) -> dict[str, Any]:
     ttfts: dict[str, list[float]] = {n: [] for n in names}
     for probe in probes:
@@ -367,6 +379,9 @@ async def _fast_phase(plan: GatewayPlan, run: _Run, engine: str) -> dict[str, An
         names = list(fronts)
         probes = await _ttft_probes(plan, session, fronts)
         result: dict[str, Any] = _ttft_figures(probes, names)
+        result["rounds_ttft"] = [
+            _ttft_figures(part, names) for part in _in_rounds(probes, plan.rounds)
+        ]
         log(f"{engine}: TTFT c=1: {result['ttft_p50_ms']} (p50 ms)")
         engine_urls = [*fronts["direct"].prefills, *fronts["direct"].decodes]
         stock = engine == "stock"
@@ -376,7 +391,9 @@ async def _fast_phase(plan: GatewayPlan, run: _Run, engine: str) -> dict[str, An
         seen: dict[str, dict[str, Any]] = {}  # stock engines' requests per front
         for i, c in enumerate(plan.concurrencies):
             tallies = {n: Tally() for n in names}
+            rounds: list[dict[str, Tally]] = []
             for r in range(plan.rounds):
+                rounds.append({n: Tally() for n in names})
                 for name in _rotated(names, r):
                     meter = WindowMeter(procs.get(name), setup.engine)
                     before = await engine_stats(stats_session, engine_urls) if stock else None
@@ -385,16 +402,17 @@ async def _fast_phase(plan: GatewayPlan, run: _Run, engine: str) -> dict[str, An
                         window_s=plan.window_s, max_tokens=plan.max_tokens,
                         on_window_start=meter.start,
                     )  # fmt: skip
-                    meter.add_to(tallies[name])
-                    t = tallies[name]
-                    t.requests += window.requests
-                    t.failures += window.failures
-                    t.events += window.events
-                    t.window_s += window.window_s
+                    meter.add_to(tallies[name], rounds[r][name])
+                    for t in (tallies[name], rounds[r][name]):
+                        t.requests += window.requests
+                        t.failures += window.failures
+                        t.events += window.events
+                        t.window_s += window.window_s
                     if before is not None:
                         after = await engine_stats(stats_session, engine_urls)
                         _add_seen(seen.setdefault(name, {}), stats_delta(before, after))
             _window_figures(result, c, tallies, first=i == 0)
+            result[f"rounds_c{c}"] = [{n: t.figures() for n, t in one.items()} for one in rounds]
             log(f"{engine}: c={c}: rps {result[f'rps_c{c}']}")
         if stock:
             result["engine_requests"] = {n: s["paths"] for n, s in seen.items()}
@@ -412,11 +430,12 @@ def _add_seen(total: dict[str, Any], delta: dict[str, Any]) -> None:
 
 async def _idle_rss(
     plan: GatewayPlan, session: aiohttp.ClientSession, url: str, proc: Child, streams: int
-) -> dict[int, int]:
-    """Open `streams` idle streams through one front; its RSS at 0, about half and all open.
-    The streams are closed again before returning."""
+) -> tuple[dict[int, int], int]:
+    """Open `streams` idle streams through one front; its RSS at 0, about half and all open,
+    and the descriptors it opened for them. The streams are closed again before returning."""
     await asyncio.sleep(plan.settle_s)
     rss = {0: proc.rss_bytes()}
+    fds = proc.open_fds()
     tasks: list[asyncio.Task[None]] = []
     try:
         for start in range(0, streams, plan.idle_batch):
@@ -434,17 +453,31 @@ async def _idle_rss(
                 rss[len(tasks)] = proc.rss_bytes()
         await asyncio.sleep(plan.settle_s)
         rss[len(tasks)] = proc.rss_bytes()
+        fds = proc.open_fds() - fds
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return rss
+    return rss, fds
+
+
+async def _settled(engine: Child, fds: int, log: Log, timeout_s: float = 90.0) -> None:
+    """Until the engines hold about `fds` descriptors again. The fronts take turns on the
+    same engines, whose descriptors are bounded: a front's pooled keep-alive connections
+    (one per prefill call in flight at its peak) stay open for its keep-alive time after
+    its streams closed, and would leave the next front's streams without room."""
+    deadline = time.monotonic() + timeout_s
+    while (held := engine.open_fds()) > fds + 64:
+        if time.monotonic() > deadline:
+            log(f"idle: the engines still hold {held} descriptors (had {fds})")
+            return
+        await asyncio.sleep(1.0)
 
 
 async def _idle_phase(plan: GatewayPlan, run: _Run, engine: str) -> dict[str, Any]:
     session, redis_url, log, pinning = run.session, run.redis_url, run.log, run.pinning
-    limit = _raise_nofile(2 * plan.idle_streams + _FD_HEADROOM)
-    streams = min(plan.idle_streams, (limit - _FD_HEADROOM) // 2)
+    limit = _raise_nofile(_FDS_PER_STREAM * plan.idle_streams + _FD_HEADROOM)
+    streams = min(plan.idle_streams, (limit - _FD_HEADROOM) // _FDS_PER_STREAM)
     # Fronts take turns, and a front may free its decode slots a little after its streams
     # close: room for both fronts' streams at once.
     decodes = math.ceil(2 * streams / (_SHIM_MAX_CAPACITY - 96))
@@ -460,21 +493,25 @@ async def _idle_phase(plan: GatewayPlan, run: _Run, engine: str) -> dict[str, An
         engine=engine,
     )
     kib: dict[str, float] = {}
+    fds_per_stream: dict[str, float] = {}
     rss_mib: dict[str, dict[str, float]] = {}
     async with running_fronts(
         session, spec, streams, plan.with_router, log, warm=False, smg=plan.with_smg,
         pinning=pinning,
     ) as setup:  # fmt: skip
         missing = setup.missing
+        engine_fds = setup.engine.open_fds()
         for name, proc in setup.procs.items():
+            await _settled(setup.engine, engine_fds, log)
             url = setup.fronts[name].url
             assert url is not None
             try:
-                rss = await _idle_rss(plan, session, url, proc, streams)
+                rss, fds = await _idle_rss(plan, session, url, proc, streams)
             except (RuntimeError, TimeoutError) as exc:
                 missing[f"{name}_idle"] = repr(exc)[:300]
                 continue
             kib[name] = (rss[streams] - rss[0]) / 1024 / streams
+            fds_per_stream[name] = fds / streams
             rss_mib[name] = {str(k): v / 2**20 for k, v in rss.items()}
             mib = f"{rss[0] >> 20} -> {rss[streams] >> 20} MiB"
             log(f"idle: {streams} streams via {name}, RSS {mib}")
@@ -483,6 +520,7 @@ async def _idle_phase(plan: GatewayPlan, run: _Run, engine: str) -> dict[str, An
         "kib_per_idle_stream_by_front": kib,
         "idle_streams": streams,
         "idle_rss_mib": rss_mib,
+        "fds_per_idle_stream_by_front": fds_per_stream,
         "idle_missing": missing,
         "idle_engine": engine,
         "nofile_limit": limit,
@@ -490,7 +528,7 @@ async def _idle_phase(plan: GatewayPlan, run: _Run, engine: str) -> dict[str, An
 
 
 async def run_gateway_bench(plan: GatewayPlan, log: Log) -> dict[str, Any]:
-    _raise_nofile(2 * plan.idle_streams + _FD_HEADROOM)
+    _raise_nofile(_FDS_PER_STREAM * plan.idle_streams + _FD_HEADROOM)
     started = time.monotonic()
     with pinned(plan.pin) as pinning:
         result = await _both_phases(plan, log, pinning)

@@ -175,7 +175,8 @@ async def open_idle_stream(
     try:
         async with session.post(url, data=body, headers=_JSON, timeout=timeout) as resp:
             if resp.status != 200:
-                raise RuntimeError(f"idle stream {index}: HTTP {resp.status}")
+                why = (await resp.content.read(300)).decode(errors="replace")
+                raise RuntimeError(f"idle stream {index}: HTTP {resp.status}: {why}")
             opened.set()
             async for _ in resp.content.iter_any():
                 pass

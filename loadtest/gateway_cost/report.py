@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from typing import Any
 
 __all__ = ["json_line", "markdown"]
@@ -77,13 +78,24 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b is not None and a > 0 and b > 0 else None
 
 
-def _table(part: dict[str, Any], idle: dict[str, float] | None, streams: Any) -> list[str]:
-    fronts = _fronts(part)
+def _pairs(fronts: list[str]) -> list[tuple[str, str]]:
+    """(pdgate's front, a router): the ratios the report gives."""
     routers = [f for f in fronts if f.startswith("vllm_router") or f == "smg"]
     pairs = [("pdgate", r) for r in routers if "pdgate" in fronts]
     for router in ("vllm_router", "smg"):
         if "pdgate_plain" in fronts and router in fronts:
             pairs.append(("pdgate_plain", router))  # the like-for-like pairs on the shims
+    return pairs
+
+
+def _table(
+    part: dict[str, Any],
+    idle: dict[str, float] | None,
+    streams: Any,
+    fds: dict[str, float] | None = None,
+) -> list[str]:
+    fronts = _fronts(part)
+    pairs = _pairs(fronts)
     head = [_title(f) for f in fronts] + [f"{p} / {_title(r)}" for p, r in pairs]
     lines = ["| metric | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
 
@@ -97,17 +109,61 @@ def _table(part: dict[str, Any], idle: dict[str, float] | None, streams: Any) ->
 
     for label, key in _TTFT_ROWS:
         row(label, part.get(key, {}), True)
-    concurrencies = sorted(
-        int(m.group(1)) for k in part if (m := re.fullmatch(r"rps_c(\d+)", k)) is not None
-    )
     for label, prefix, lower in _WINDOW_ROWS:
-        for c in concurrencies:
+        for c in _concurrencies(part):
             values = part.get(f"{prefix}_c{c}")
             if values and any(not math.isnan(v) for v in values.values()):
                 row(f"{label}, c={c}", values, lower)
     if idle:
         row(f"memory per open idle stream (KiB), {streams} streams", idle, True)
+    if idle and fds:
+        row("descriptors per open idle stream", fds, None)
     return lines
+
+
+def _concurrencies(part: dict[str, Any]) -> list[int]:
+    return sorted(
+        int(m.group(1)) for k in part if (m := re.fullmatch(r"rps_c(\d+)", k)) is not None
+    )
+
+
+def _min_med_max(values: list[float]) -> str:
+    values = sorted(v for v in values if not math.isnan(v))
+    if not values:
+        return "n/a"
+    return " / ".join(_cell(v) for v in (values[0], statistics.median(values), values[-1]))
+
+
+def _spread(part: dict[str, Any]) -> list[str]:
+    """Each round measures every front in turn over the same stretch of time: the figures
+    and pdgate's ratios per round, min / median / max over the rounds."""
+    per_round: list[tuple[str, list[dict[str, float]]]] = [
+        ("added TTFT p50, c=1 (ms)", [r["added_ttft_p50_ms"] for r in part.get("rounds_ttft", [])])
+    ]
+    for key, label in (("cpu_s_per_1k", "front CPU s per 1,000 requests"), ("rps", "requests/s")):
+        for c in _concurrencies(part):
+            rounds = part.get(f"rounds_c{c}") or []
+            values = [{n: f[key] for n, f in r.items() if key in f} for r in rounds]
+            per_round.append((f"{label}, c={c}", values))
+    if len(per_round[0][1]) < 2:
+        return []
+    fronts = [f for f in _fronts(part) if f != "direct"]
+    pairs = _pairs(fronts)
+    head = [_title(f) for f in fronts] + [f"{p} / {_title(r)}" for p, r in pairs]
+    lines = [
+        f"Spread over the {len(per_round[0][1])} rounds (min / median / max; a ratio is taken"
+        " within each round):",
+        "",
+        "| metric | " + " | ".join(head) + " |",
+        "|---" * (len(head) + 1) + "|",
+    ]
+    for label, rounds in per_round:
+        cells = [_min_med_max([r[f] for r in rounds if f in r]) for f in fronts]
+        for p, q in pairs:
+            ratios = [_ratio(r.get(p), r.get(q)) for r in rounds]
+            cells.append(_min_med_max([x for x in ratios if x is not None]))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return ["", *lines]
 
 
 def _segments(part: dict[str, Any]) -> list[str]:
@@ -143,7 +199,9 @@ def markdown(result: dict[str, Any], command: str, load: str) -> str:
     for engine, part in by_engine.items():
         out += ["", f"**Engines: {_ENGINE_TITLES.get(engine, engine)}**", ""]
         idle = kib if engine == result.get("idle_engine", first) else None
-        out += _table(part, idle, result.get("idle_streams"))
+        fds = result.get("fds_per_idle_stream_by_front")
+        out += _table(part, idle, result.get("idle_streams"), fds)
+        out += _spread(part)
         out += _segments(part)
         failures[engine] = {k: v for k, v in part.items() if k.startswith("failures_")}
         missing.update({f"{engine}:{k}": v for k, v in (part.get("missing") or {}).items()})

@@ -212,6 +212,9 @@ class Child:
     def rss_bytes(self) -> int:
         return procfs.rss_bytes(self.pid)
 
+    def open_fds(self) -> int:
+        return procfs.open_fds(self.pid)
+
     async def wait(self, timeout_s: float | None = None) -> int:
         """Until the child exits by itself; its exit status."""
         assert self._proc is not None, f"{self.name} was not started"

@@ -8,7 +8,7 @@ import math
 import os
 import resource
 
-__all__ = ["cpu_s", "host_busy_s", "own_cpu_s", "rss_bytes", "rss_kib"]
+__all__ = ["cpu_s", "host_busy_s", "open_fds", "own_cpu_s", "rss_bytes", "rss_kib"]
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -48,6 +48,11 @@ def rss_kib(pid: int) -> int:
 
 def rss_bytes(pid: int) -> int:
     return 1024 * rss_kib(pid)
+
+
+def open_fds(pid: int) -> int:
+    """The process's open file descriptors (sockets included)."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def own_cpu_s() -> float:

@@ -101,6 +101,32 @@ def test_markdown_has_a_table_per_engine_and_the_hops() -> None:
     assert "POST /v1/completions" in block
 
 
+def test_markdown_gives_each_rounds_spread_and_ratios_within_rounds() -> None:
+    def ttft(pdgate: float, smg: float) -> dict[str, dict[str, float]]:
+        return {"added_ttft_p50_ms": {"pdgate": pdgate, "smg": smg}}
+
+    def window(pdgate: float, smg: float) -> dict[str, dict[str, float]]:
+        return {"pdgate": {"cpu_s_per_1k": pdgate, "rps": 100.0}, "smg": {"cpu_s_per_1k": smg}}
+
+    part = {
+        "ttft_p50_ms": {"direct": 1.0, "pdgate": 2.0, "smg": 1.5},
+        "rps_c32": {"direct": 900.0, "pdgate": 400.0, "smg": 800.0},
+        "rounds_ttft": [ttft(1.0, 0.5), ttft(3.0, 1.0), ttft(2.0, 2.0)],
+        # The ratio is taken within each round: 2.0, 1.5 and 1.2, not max over max.
+        "rounds_c32": [window(1.0, 0.5), window(0.9, 0.6), window(1.2, 1.0)],
+    }
+    block = markdown({"by_engine": {"shim": part}}, "pdgate bench gateway", "load 1.0")
+    assert "Spread over the 3 rounds" in block
+    spread = "1.00 / 2.00 / 3.00 | 0.50 / 1.00 / 2.00 | 1.00 / 2.00 / 3.00 |"
+    assert f"| added TTFT p50, c=1 (ms) | {spread}" in block
+    spread = "0.90 / 1.00 / 1.20 | 0.50 / 0.60 / 1.00 | 1.20 / 1.50 / 2.00 |"
+    assert f"| front CPU s per 1,000 requests, c=32 | {spread}" in block
+    assert "| requests/s, c=32 | 100.0 / 100.0 / 100.0 | n/a | n/a |" in block
+    one_round = {**part, "rounds_ttft": part["rounds_ttft"][:1]}
+    one_round["rounds_c32"] = part["rounds_c32"][:1]
+    assert "Spread over" not in markdown({"by_engine": {"shim": one_round}}, "c", "l")
+
+
 def _redis_or_fail() -> None:
     if shutil.which("redis-server") is None:
         pytest.fail("redis-server not installed (make redis-server)")
@@ -117,7 +143,8 @@ async def test_a_tiny_run_has_the_json_shape() -> None:
     """The real thing, shrunk: both engines, Redis, pdgate and the client, no vllm-router."""
     _redis_or_fail()
     plan = GatewayPlan(
-        ttft_requests=3, concurrencies=(32,), rounds=1, warmup_s=0.1, window_s=0.2,
+        # A window long enough that a cold gateway's first requests end inside it.
+        ttft_requests=3, concurrencies=(32,), rounds=1, warmup_s=0.1, window_s=0.5,
         idle_streams=20, idle_batch=10, settle_s=0.1, with_router=False, with_smg=False,
     )  # fmt: skip
     result = json_line(await run_gateway_bench(plan, lambda _: None))
