@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pdgate.config.aio import ExponentialBackoff, cancel_and_wait
-from pdgate.config.wire import EXT_QUEUELESS
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.policies.base import InstanceLoad
 from pdgate.registry.base import RegistryUnavailable
@@ -50,7 +49,7 @@ class SlotLease:
         self._fleet = fleet
         self.instance_id = instance_id
         self.lease_id = lease_id
-        # Counted by this gateway alone (degraded, or alone with queue-less prefills): Redis
+        # Counted by this gateway alone (degraded, or alone in the fleet): Redis
         # has not heard of it until a sync with other gateways hands it over.
         self.local = local
         self._released = False
@@ -199,7 +198,7 @@ class Fleet:
         if not ranked or want <= 0:
             return Slots(None)
         candidates = [Candidate(c.id, c.capacity) for c in ranked]
-        local = self._degraded or not self.store.shared or self._alone_with_queueless(ranked)
+        local = self._degraded or not self.store.shared or self.gateways <= 1
         try:
             if local:
                 grant = await self._local.acquire(
@@ -249,21 +248,6 @@ class Fleet:
         others = grant.others_head_ms
         due = None if others is None else time.monotonic() + others / 1000
         return Slots(instance, leases, others_due=due)
-
-    def _alone_with_queueless(self, ranked: Sequence[InstanceLoad]) -> bool:
-        """Whether this gateway may count the slots of `ranked` itself, without a Redis round
-        trip per dispatch (docs/fleet.md, "What it costs"): it is the only
-        gateway in the fleet, and every candidate answers 429 itself when full. A gateway
-        that joins is seen at the next sync; until then the worst case is a few 429s from
-        instances that protect themselves. A prefill that queues is always leased."""
-        if self.gateways > 1:
-            return False
-        records = self._tracker.records()
-        for c in ranked:
-            record = records.get(c.id)
-            if record is None or EXT_QUEUELESS not in record.extensions:
-                return False
-        return True
 
     def _unflushed_marks(self) -> dict[str, int]:
         """Per instance, our answered leases Redis still counts as computing."""
@@ -385,7 +369,7 @@ class Fleet:
         flushing: dict[str, int] = {}
         for lease in self._to_release:
             flushing[lease.instance_id] = flushing.get(lease.instance_id, 0) + 1
-        # Leases counted here only (degraded, or alone with queue-less prefills) are not in
+        # Leases counted here only (degraded, or alone in the fleet) are not in
         # Redis's sums.
         leased = {i: sum(not x.local for x in held.values()) for i, held in self._live.items()}
         computing = self._unflushed_marks()
@@ -405,7 +389,7 @@ class Fleet:
         alone): the slots it counted by itself become leases, so that the others see them.
         The next sync writes them, as it puts back what a Redis that came back empty lost;
         until then the others may send one of them a request its slot is taken for, which
-        a queue-less prefill answers with 429."""
+        a queue-less prefill answers with 429 and one that queues holds a little longer."""
         moved: list[tuple[str, str]] = []
         for held in self._live.values():
             for lease in held.values():

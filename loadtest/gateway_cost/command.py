@@ -106,13 +106,23 @@ def configure_profile(pr: argparse.ArgumentParser) -> None:
     pr.add_argument("--seconds", type=float, default=15.0)
     pr.add_argument("--top", type=int, default=25, help="functions listed")
     pr.add_argument("--out", type=Path, default=Path("gateway-profile.txt"), help="raw stacks")
+    pr.add_argument(
+        "--engine",
+        choices=("shim", "stock"),
+        default="shim",
+        help="pdgate's sim shims, or plain OpenAI servers (stock.py) given by URL",
+    )
 
 
 def profile_main(args: argparse.Namespace, command: str) -> int:
     from pdgate.loadtest.gateway_cost.profile import ProfilePlan, profile_gateway
 
     plan = ProfilePlan(
-        concurrency=args.concurrency, seconds=args.seconds, top=args.top, out=args.out
+        concurrency=args.concurrency,
+        seconds=args.seconds,
+        top=args.top,
+        out=args.out,
+        engine=args.engine,
     )
     print(run_main(profile_gateway(plan)), end="", flush=True)
     return 0

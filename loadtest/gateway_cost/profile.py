@@ -33,6 +33,35 @@ class ProfilePlan:
     max_tokens: int = 16
     top: int = 25
     out: Path = Path("gateway-profile.txt")
+    engine: str = "shim"  # or "stock": plain OpenAI servers (stock.py), given by URL
+
+
+# Where a sample's innermost frame is, by the start of its path: the layers of a request's
+# way through the gateway. pdgate's own folders are told apart; the rest is the stdlib.
+_LAYERS = (
+    (("asyncio/", "uvloop/"), "event loop (uvloop, asyncio)"),
+    (("uvicorn/", "httptools/", "h11/"), "HTTP server (uvicorn)"),
+    (
+        ("aiohttp/", "multidict/", "yarl/", "propcache/", "aiohappyeyeballs/"),
+        "HTTP client (aiohttp)",
+    ),
+    (("starlette/",), "starlette"),
+    (("pydantic/", "pydantic_core/"), "request validation (pydantic)"),
+    (("prometheus_client/", "opentelemetry/"), "metrics and tracing libraries"),
+    (("gateway/stream/",), "pdgate: relay (gateway/stream)"),
+    (("gateway/placement/",), "pdgate: placement (gateway/placement)"),
+    (("gateway/api/", "config/openai_api.py"), "pdgate: endpoint and parsing"),
+    (("gateway/upstream/",), "pdgate: upstream calls (gateway/upstream)"),
+    (("gateway/", "config/", "policies/", "registry/"), "pdgate: the rest"),
+)
+
+
+def _layer(frame: str) -> str:
+    path = frame.rpartition(" (")[2].rstrip(")")
+    for prefixes, layer in _LAYERS:
+        if path.startswith(prefixes):
+            return layer
+    return "other (stdlib)"
 
 
 def _frame_name(frame: str) -> str:
@@ -48,9 +77,12 @@ def _frame_name(frame: str) -> str:
     return f"{name} ({path})"
 
 
-def summarize_stacks(raw: str, top: int) -> str:
-    """Top functions by self and inclusive samples from py-spy's raw (collapsed) output."""
+def summarize_stacks(raw: str, top: int, *, requests: int = 0, rate_hz: int = 0) -> str:
+    """Self samples by layer, then the top functions by self and inclusive samples, from
+    py-spy's raw (collapsed) output. With the window's `requests` and the sampling rate, each
+    layer's CPU per request too (py-spy samples a thread only while it runs)."""
     own: Counter[str] = Counter()
+    layers: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
     total = 0
     for line in raw.splitlines():
@@ -63,11 +95,17 @@ def summarize_stacks(raw: str, top: int) -> str:
             continue
         total += count
         own[frames[-1]] += count
+        layers[_layer(frames[-1])] += count
         for name in set(frames):
             inclusive[name] += count
     if not total:
         return "no samples\n"
-    lines = [f"{total} samples\n", "self %   function"]
+    per_request = requests > 0 and rate_hz > 0
+    lines = [f"{total} samples\n", "self %" + ("   us/request" if per_request else "") + "   layer"]
+    for name, n in layers.most_common():
+        us = f"   {1e6 * n / rate_hz / requests:10.0f}" if per_request else ""
+        lines.append(f"{100 * n / total:6.1f}{us}   {name}")
+    lines += ["", "self %   function"]
     lines += [f"{100 * n / total:6.1f}   {name}" for name, n in own.most_common(top)]
     lines += ["", "incl %   function"]
     lines += [f"{100 * n / total:6.1f}   {name}" for name, n in inclusive.most_common(top)]
@@ -84,7 +122,7 @@ async def profile_gateway(plan: ProfilePlan) -> str:
         aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session,
     ):
         spec = ShimSpec(registry_url=redis_url, prefill_capacity=1024, decode_capacity=1024,
-                        key_prefix="pdgate-profile")  # fmt: skip
+                        key_prefix="pdgate-profile", engine=plan.engine)  # fmt: skip
         async with running_fronts(session, spec, 256, False, to_stderr) as setup:
             spy = Child(
                 "py-spy",
@@ -105,8 +143,13 @@ async def profile_gateway(plan: ProfilePlan) -> str:
             finally:
                 await spy.stop()
     head = (
-        f"pdgate bench profile: concurrency {plan.concurrency}, {window.requests} requests in "
-        f"{window.window_s:.1f} s ({window.requests / window.window_s:.0f}/s), "
-        f"raw stacks in {plan.out}\n"
+        f"pdgate bench profile: {plan.engine} engines, concurrency {plan.concurrency}, "
+        f"{window.requests} requests in {window.window_s:.1f} s "
+        f"({window.requests / window.window_s:.0f}/s), raw stacks in {plan.out}\n"
     )
-    return head + summarize_stacks(plan.out.read_text(), plan.top)
+    # The window's requests over py-spy's whole run: it starts a little before the window
+    # (the warm-up) and so over-counts CPU per request by that much.
+    summary = summarize_stacks(
+        plan.out.read_text(), plan.top, requests=window.requests, rate_hz=plan.rate_hz
+    )
+    return head + summary

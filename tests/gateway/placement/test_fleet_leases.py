@@ -1,7 +1,6 @@
-"""When a gateway leases prefill slots through Redis: always for a prefill that queues (only
-the gateways keep it queue-less), and for queue-less prefills only while other gateways
-share them; alone, a gateway counts the slots of queue-less prefills itself and saves the
-Redis round trip per dispatch."""
+"""When a gateway leases prefill slots through Redis: while other gateways share the fleet.
+Alone, a gateway counts every prefill's slots itself, queue-less or not, and saves the Redis
+round trip per dispatch; the slots it holds are handed over when another gateway joins."""
 
 from __future__ import annotations
 
@@ -56,43 +55,47 @@ async def _acquire(fleet: Fleet, instance: str) -> bool:
     return lease.local
 
 
-async def test_alone_a_gateway_counts_queueless_slots_itself(fleet: Fleet) -> None:
-    assert fleet.gateways == 1
-    assert await _acquire(fleet, "shim")
-    assert await _leased_in_redis(fleet, "shim") == 0
+# "shim" is queue-less (it answers 429 when full), "stock" queues (a plain vLLM).
+PREFILLS = ("shim", "stock")
 
 
-async def test_a_prefill_that_queues_is_always_leased(fleet: Fleet) -> None:
-    assert not await _acquire(fleet, "stock")
-    assert await _leased_in_redis(fleet, "stock") == 1
-
-
-async def test_with_other_gateways_every_slot_is_leased(fleet: Fleet) -> None:
-    fleet.gateways = 2  # as the sync says once another gateway shares the fleet
-    assert not await _acquire(fleet, "shim")
-    assert await _leased_in_redis(fleet, "shim") == 1
-
-
-async def test_slots_counted_alone_are_handed_over_when_another_gateway_joins(
-    fleet: Fleet, redis_url: str, registry_prefix: str
+@pytest.mark.parametrize("instance", PREFILLS)
+async def test_alone_a_gateway_counts_every_prefills_slots_itself(
+    fleet: Fleet, instance: str
 ) -> None:
-    """Alone, the gateway counted a queue-less prefill's slots itself; once a sync says
-    another gateway shares the fleet, the slots it still holds are leased in Redis (the
-    newcomer sees them taken), and their release goes to Redis."""
-    assert await _acquire(fleet, "shim")  # counted here only
-    assert await _leased_in_redis(fleet, "shim") == 0
+    assert fleet.gateways == 1
+    assert await _acquire(fleet, instance)
+    assert await _leased_in_redis(fleet, instance) == 0
+
+
+@pytest.mark.parametrize("instance", PREFILLS)
+async def test_with_other_gateways_every_slot_is_leased(fleet: Fleet, instance: str) -> None:
+    fleet.gateways = 2  # as the sync says once another gateway shares the fleet
+    assert not await _acquire(fleet, instance)
+    assert await _leased_in_redis(fleet, instance) == 1
+
+
+@pytest.mark.parametrize("instance", PREFILLS)
+async def test_slots_counted_alone_are_handed_over_when_another_gateway_joins(
+    fleet: Fleet, redis_url: str, registry_prefix: str, instance: str
+) -> None:
+    """Alone, the gateway counted the prefill's slots itself; once a sync says another
+    gateway shares the fleet, the slots it still holds are leased in Redis (the newcomer
+    sees them taken), and their release goes to Redis."""
+    assert await _acquire(fleet, instance)  # counted here only
+    assert await _leased_in_redis(fleet, instance) == 0
     other = RedisFleet(redis_url, key_prefix=registry_prefix, gateway_id="g2")
     try:
-        await other.sync({}, {}, {}, ["shim"])  # a second gateway is alive
+        await other.sync({}, {}, {}, [instance])  # a second gateway is alive
         await fleet.sync_once()  # learns it: hands the slot over
         assert fleet.gateways == 2
         await fleet.sync_once()  # writes it
-        assert (await other.sync({}, {}, {}, ["shim"])).slots["shim"] == 1
-        (lease,) = fleet._live["shim"].values()
+        assert (await other.sync({}, {}, {}, [instance])).slots[instance] == 1
+        (lease,) = fleet._live[instance].values()
         assert not lease.local
         lease.release()
         await asyncio.sleep(0.05)  # the release flushed
-        assert await _leased_in_redis(fleet, "shim") == 0
+        assert await _leased_in_redis(fleet, instance) == 0
     finally:
         await other.aclose()
 

@@ -233,3 +233,21 @@ def test_profile_summary_ranks_self_and_inclusive_samples() -> None:
     assert self_part.index("send (u.py)") < self_part.index("relay (gateway/stream/relay.py)")
     assert "100.0   main (gateway/cli.py)" in incl_part
     assert "80.0   relay (gateway/stream/relay.py)" in incl_part
+
+
+def test_profile_summary_gives_each_layer_and_its_cpu_per_request() -> None:
+    site = "/v/lib/python3.12/site-packages"
+    raw = (
+        f"run (asyncio/runners.py:1);send ({site}/uvicorn/protocols/http/h.py:5) 40\n"
+        f"run (asyncio/runners.py:1);read ({site}/aiohttp/streams.py:9) 20\n"
+        "run (asyncio/runners.py:1);relay (/w/main/gateway/stream/relay.py:40) 30\n"
+        "run (asyncio/runners.py:1) 10\n"
+    )
+    # 100 samples at 1,000 Hz are 0.1 s of CPU; over 50 requests, 2,000 us each.
+    text = summarize_stacks(raw, top=3, requests=50, rate_hz=1000)
+    layers = text.split("self %   function")[0]
+    assert "  40.0          800   HTTP server (uvicorn)" in layers
+    assert "  30.0          600   pdgate: relay (gateway/stream)" in layers
+    assert "  20.0          400   HTTP client (aiohttp)" in layers
+    assert "  10.0          200   event loop (uvloop, asyncio)" in layers
+    assert layers.index("uvicorn") < layers.index("pdgate: relay")  # largest first
