@@ -61,6 +61,13 @@ _BEFORE_IDS = (
     _NULLS + _NULL_PROMPT_IDS,
 )
 _AFTER_IDS = frozenset({b"]}]}", b']}],"usage":null}'})
+# The usual event of an engine that sends no token ids: the choice's end, then all that may
+# follow it.
+_NO_IDS_ENDS = tuple(
+    nulls + after
+    for nulls in (_NULLS, _NULLS + b',"stop_reason":null')
+    for after in (b"}]}", b'}],"usage":null}')
+)
 # What shapes output in a way a plain completion cannot pick up from the middle: a tool-call
 # parser (chat) or a grammar that would restart at the continuation's first token.
 _NOT_CONTINUABLE = (
@@ -281,7 +288,11 @@ class Progress:
         the stream's first event, stop strings (the text's tail), and any event that does not
         match that shape byte for byte (a finish reason, logprobs, usage, several choices,
         other fields or spacing). Substring searches cost more than orjson's parse of the
-        whole event, so the shape is checked at its two ends only."""
+        whole event, so the shape is checked at its two ends only.
+
+        Once a chunk came without ids (an engine that does not send them), the stream cannot
+        be continued elsewhere (`why_not`), and the usual event is the same without its ids:
+        only its id is swapped."""
         if self.head is None or self.stops:
             return None
         old = None
@@ -290,6 +301,11 @@ class Progress:
             if old is None or not data.startswith(old):
                 return None
         at = data.rfind(b',"token_ids":[')
+        if at < 0 and not self.ids_complete:
+            if not data.endswith(_NO_IDS_ENDS) or data.find(b'"choices":[{"index":0,') < 0:
+                return None
+            self.events += 1
+            return data if old is None else self._id_prefix + data[len(old) :]
         if (
             at < 0
             or not data.endswith(_BEFORE_IDS, 0, at)

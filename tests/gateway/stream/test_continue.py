@@ -214,3 +214,37 @@ def test_stock_vllm_chunks_are_the_usual_shape() -> None:
             assert raw is not None, data
             assert orjson.loads(raw) == _parsed(slow, data)
         assert fast.ids == slow.ids == [1, 2, 3]
+
+
+def _no_ids(i: int, **extra: Any) -> bytes:
+    """A chunk of an engine that sends no token ids (it ignores ``return_token_ids``)."""
+    data = _vllm(i, f" t{i}", **extra).replace(f',"token_ids":[{i}]'.encode(), b"")
+    return data.replace(b',"prompt_token_ids":null', b"")
+
+
+@pytest.mark.parametrize("client_ids", [False, True])
+def test_an_engine_without_ids_has_its_usual_events_passed_as_bytes(client_ids: bool) -> None:
+    """Once a chunk came without ids the stream cannot be continued; its usual events then
+    go out as they came, with the request's id, and say what the parse would have."""
+    fast, slow = _started(client_ids=client_ids), _started(client_ids=client_ids)
+    first = _no_ids(2)
+    assert fast.passthrough_bytes(first) is None  # while ids may still come: the parse
+    _parsed(fast, first), _parsed(slow, first)
+    for i in range(3, 6):
+        data = _no_ids(i)
+        raw = fast.passthrough_bytes(data)
+        assert raw is not None
+        assert orjson.loads(raw) == _parsed(slow, data)
+        assert raw.startswith(b'{"id":"' + RID.encode() + b'"')
+    assert fast.events == slow.events == 5
+    assert fast.ids == slow.ids == [1] and not fast.ids_complete
+    assert fast.why_not({"prompt": "p"}) == "a chunk came without its token ids"
+    # What only a parse can tell still goes to it.
+    for data in (
+        _no_ids(6, finish_reason="length"),
+        _no_ids(6).replace(b"}]}", b'}],"usage":{"prompt_tokens":2,"completion_tokens":2}}'),
+        _no_ids(6, logprobs={"tokens": [" w"], "token_logprobs": [-0.5], "text_offset": [0]}),
+        _no_ids(6).replace(b'"index":0', b'"index":1'),
+    ):
+        assert fast.passthrough_bytes(data) is None
+    assert fast.events == 5
