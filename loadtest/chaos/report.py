@@ -31,12 +31,12 @@ from typing import Any
 
 from pdgate.loadtest.chaos.load import GAP_KEEP_S, StreamRecord
 from pdgate.loadtest.chaos.run import FAULT_TITLES, ChaosResult, FaultEvent, OverloadResult
+from pdgate.loadtest.lib.probes import bucket_quantile
 from pdgate.loadtest.lib.stats import percentile
 
 __all__ = [
     "FaultRow",
     "OverloadRow",
-    "bucket_quantile",
     "fault_rows",
     "longest_stall",
     "markdown",
@@ -174,15 +174,6 @@ class OverloadRow:
     rss_peak_mib: float
     rss_end_mib: float
     held: Mapping[str, float] = field(default_factory=dict)
-
-
-def bucket_quantile(buckets: Sequence[tuple[float, float]], q: float) -> float:
-    """The smallest bucket bound holding the `q` quantile of a histogram given as cumulative
-    (le, count) pairs (inf: above every finite bound; NaN: no observations)."""
-    total = buckets[-1][1] if buckets else 0.0
-    if total <= 0:
-        return math.nan
-    return next(le for le, n in buckets if n >= q * total)
 
 
 def overload_row(o: OverloadResult) -> OverloadRow:

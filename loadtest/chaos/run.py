@@ -43,7 +43,7 @@ from pdgate.loadtest.lib.deployed import (
     settings_env,
 )
 from pdgate.loadtest.lib.log import Log, to_stderr
-from pdgate.loadtest.lib.probes import read_histogram, wait_instances
+from pdgate.loadtest.lib.probes import LOOP_LAG, read_histogram, wait_instances
 from pdgate.loadtest.lib.rss import RssSample, RssSampler
 from pdgate.loadtest.scheduling.workload import Scenario
 from pdgate.loadtest.scheduling.workload import Workload as Prompts
@@ -446,7 +446,7 @@ async def _probe(session: aiohttp.ClientSession, url: str) -> float:
 async def _loop_lag(session: aiohttp.ClientSession, url: str) -> dict[float, float]:
     """The gateway's event-loop lag histogram now (empty if its /metrics could not be read)."""
     try:
-        return await read_histogram(session, url, "pdgate_event_loop_lag_seconds")
+        return await read_histogram(session, url, LOOP_LAG)
     except (aiohttp.ClientError, OSError, TimeoutError):
         return {}
 

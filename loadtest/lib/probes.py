@@ -31,9 +31,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = [
     "ATTEMPT_KEYS",
+    "LOOP_LAG",
     "PER_GATEWAY",
     "Counters",
     "HoldSnapshot",
+    "bucket_quantile",
     "delta",
     "histogram_buckets",
     "holds_of",
@@ -47,6 +49,8 @@ __all__ = [
 ]
 
 Counters = dict[str, float]
+# The gateway's event-loop lag histogram (gateway/observe/metrics.py).
+LOOP_LAG = "pdgate_event_loop_lag_seconds"
 
 ATTEMPT_KEYS = tuple(f"attempts_{r}" for r in ("accepted", "rejected", "failed", "client_error"))
 _LOAD_FIELDS = ("prefix_cache_hit_tokens", "prefix_cache_total_tokens", "rejected", "admitted")
@@ -88,6 +92,15 @@ def histogram_buckets(text: str, name: str) -> dict[float, float]:
                 if sample.name.endswith("_bucket"):
                     out[float(sample.labels["le"])] = sample.value
     return out
+
+
+def bucket_quantile(buckets: Sequence[tuple[float, float]], q: float) -> float:
+    """The smallest bucket bound holding the `q` quantile of a histogram given as cumulative
+    (le, count) pairs (inf: above every finite bound; NaN: no observations)."""
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return math.nan
+    return next(le for le, n in buckets if n >= q * total)
 
 
 async def read_histogram(session: aiohttp.ClientSession, url: str, name: str) -> dict[float, float]:

@@ -23,7 +23,12 @@ import orjson
 
 from pdgate.loadtest.lib.children import Child
 from pdgate.loadtest.lib.deployed import DeployedCluster, Deployment
-from pdgate.loadtest.lib.probes import wait_instances
+from pdgate.loadtest.lib.probes import (
+    LOOP_LAG,
+    bucket_quantile,
+    read_histogram,
+    wait_instances,
+)
 from pdgate.loadtest.scheduling.modes import (
     ClusterSpec,
     Mode,
@@ -82,8 +87,9 @@ class Cluster:
 
     async def stats(self) -> dict[str, float]:
         """``cpu_s`` (the cluster's CPU seconds so far), ``gateway_cpu_s`` (the gateways' part,
-        NaN where they share a process with the shims), ``wall_s`` (a monotonic clock) and,
-        in-process only, ``lag_*`` (event-loop lag since the previous call, ms)."""
+        NaN where they share a process with the shims), ``wall_s`` (a monotonic clock) and
+        ``lag_*`` (event-loop lag since the previous call, ms: in-process, the p50, p99 and
+        max of the cluster process's loop; as processes, the worst gateway's p99)."""
         raise NotImplementedError
 
     async def __aenter__(self) -> Cluster:
@@ -144,6 +150,9 @@ class ProcessCluster(Cluster):
             )
         )
 
+        self._session: aiohttp.ClientSession | None = None
+        self._lag_seen: dict[str, dict[float, float]] = {}  # per gateway: its last histogram
+
     @property
     def deployed(self) -> DeployedCluster:
         return self._deployed
@@ -157,9 +166,29 @@ class ProcessCluster(Cluster):
         self._deployed.check_alive()
         gateways = sum(c.cpu_s() for c in self._deployed.gateways)
         shims = sum(c.cpu_s() for c in (*self._deployed.prefills, *self._deployed.decodes))
-        return {"cpu_s": gateways + shims, "gateway_cpu_s": gateways, "wall_s": time.monotonic()}
+        wall = time.monotonic()
+        lag = await self._loop_lag_p99_s()
+        return {"cpu_s": gateways + shims, "gateway_cpu_s": gateways, "wall_s": wall,
+                "lag_p99_ms": 1000 * lag}  # fmt: skip
+
+    async def _loop_lag_p99_s(self) -> float:
+        """The worst gateway's event-loop lag p99 since the previous call, from each gateway's
+        own histogram (the bound of the bucket that holds it; NaN: nothing observed)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        worst = math.nan
+        for url in self.urls.gateways:
+            now = await read_histogram(self._session, url, LOOP_LAG)
+            before = self._lag_seen.get(url, {})
+            self._lag_seen[url] = now
+            p99 = bucket_quantile([(le, n - before.get(le, 0.0)) for le, n in now.items()], 0.99)
+            if not math.isnan(p99):
+                worst = p99 if math.isnan(worst) else max(worst, p99)
+        return worst
 
     async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
         await self._deployed.aclose()
 
 

@@ -15,7 +15,6 @@ from aiohttp import web
 
 from pdgate.loadtest.chaos.load import DROPPED, StreamRecord, read_stream
 from pdgate.loadtest.chaos.report import (
-    bucket_quantile,
     codes_cell,
     fault_rows,
     held_cell,
@@ -155,15 +154,6 @@ def test_rows_count_errors_stalls_recovery_and_what_is_held() -> None:
     assert (o.rss_start_mib, o.rss_peak_mib, o.rss_end_mib) == (70, 90, 80)
     assert o.probe_p99_ms == pytest.approx(9.91)
     assert o.loop_lag_p99_ms == 25.0  # 198 of 200 within 25 ms: the 99th is in that bucket
-
-
-def test_the_loop_lag_quantile_is_the_bound_of_its_bucket() -> None:
-    buckets = [(0.005, 90.0), (0.1, 99.0), (float("inf"), 100.0)]
-    assert bucket_quantile(buckets, 0.5) == 0.005
-    assert bucket_quantile(buckets, 0.99) == 0.1
-    assert bucket_quantile(buckets, 0.999) == float("inf")
-    assert math.isnan(bucket_quantile([], 0.99))
-    assert math.isnan(bucket_quantile([(float("inf"), 0.0)], 0.99))
 
 
 def test_the_markdown_has_a_row_per_fault_and_the_overload_with_spreads() -> None:

@@ -7,6 +7,7 @@ import math
 from pdgate.loadtest.lib.probes import (
     ATTEMPT_KEYS,
     HoldSnapshot,
+    bucket_quantile,
     delta,
     histogram_buckets,
     holds_of,
@@ -138,3 +139,12 @@ def test_histogram_buckets_reads_one_histogram_cumulatively() -> None:
         math.inf: 120.0,
     }
     assert histogram_buckets(_EXPOSITION, "pdgate_event_loop_lag_seconds") == {}
+
+
+def test_the_loop_lag_quantile_is_the_bound_of_its_bucket() -> None:
+    buckets = [(0.005, 90.0), (0.1, 99.0), (float("inf"), 100.0)]
+    assert bucket_quantile(buckets, 0.5) == 0.005
+    assert bucket_quantile(buckets, 0.99) == 0.1
+    assert bucket_quantile(buckets, 0.999) == float("inf")
+    assert math.isnan(bucket_quantile([], 0.99))
+    assert math.isnan(bucket_quantile([(float("inf"), 0.0)], 0.99))

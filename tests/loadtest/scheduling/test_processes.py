@@ -40,6 +40,9 @@ def test_processes_one_and_two_gateways_two_seeds(tmp_path: Path, run_bench: Run
     header = csv[0].split(",")
     for column in ("early_drops_gateway0", "early_drops_gateway1", "fleet_yields_gateway1"):
         assert column in header
+    # The gateways' own event-loop lag, read from their histograms (a bucket's bound, > 0).
+    lags = [float(row.split(",")[header.index("loop_lag_p99_ms")]) for row in csv[1:]]
+    assert all(0 < lag < 10_000 for lag in lags), lags
     table = (tmp_path / "p.md").read_text()
     assert "every shim and gateway its own process" in table and "Spread over seeds" in table
     assert "1, 2 gateways (rows /gN)" in table and "| least_sse/g2 | 1A |" in table
