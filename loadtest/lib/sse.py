@@ -68,6 +68,7 @@ class StreamOutcome:
     done: bool = False  # saw data: [DONE]
     errored: bool = False  # saw an in-band error event
     end: float = 0.0  # time.monotonic() when the response (or the failure) ended
+    retry_after_s: float | None = None  # a refusal's Retry-After, in seconds
 
     @property
     def completed(self) -> bool:
@@ -117,6 +118,7 @@ async def post_stream(
         ) as resp:
             out.status = resp.status
             if resp.status != 200:
+                out.retry_after_s = _seconds(resp.headers.get("retry-after"))
                 await resp.read()
             else:
                 await _scan(resp, start, out)
@@ -124,6 +126,14 @@ async def post_stream(
         out.done = False
     out.end = time.monotonic()
     return out
+
+
+def _seconds(value: str | None) -> float | None:
+    """A Retry-After in seconds (None: absent, or an HTTP date, which the gateway never sends)."""
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
 
 
 def tpot_s(e2e_s: float, ttft_s: float | None, tokens: int) -> float | None:

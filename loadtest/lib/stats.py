@@ -36,6 +36,7 @@ class RequestResult:
     tenant: str = ""  # the tenant it was sent for ("": the workload has no tenants)
     tpot_s: float | None = None  # None: fewer than two tokens came
     tpot_slo_s: float | None = None  # None: TPOT is not judged
+    retry_after_s: float | None = None  # a refusal's Retry-After, in seconds
 
     @property
     def ttft_met(self) -> bool:

@@ -81,6 +81,7 @@ async def send_completion(
         # The stream is not parsed: each data event but [DONE] carries one piece of text.
         tpot_s=tpot_s(e2e, out.ttft_s, out.events),
         tpot_slo_s=scenario.tpot_slo_s,
+        retry_after_s=out.retry_after_s,
     )
 
 

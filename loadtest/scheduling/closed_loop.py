@@ -2,6 +2,10 @@
 failure) and at once sends the next, as in P/D-Serve's evaluation ("maintaining the constant
 requests, one completed triggers new one added"). The load is the number of users.
 
+With `retry_after`, a user whose request was refused with a ``Retry-After`` waits that long
+(at most `RETRY_AFTER_MAX_S`) before its next request, as the official openai client does
+before it retries; otherwise it sends the next one at once.
+
 The caller opens and closes a measurement window (_load.py). With several gateways, user i
 sends to gateway i mod N (a load balancer pinning clients), so each gateway's success can be
 told apart. With tenants, user i sends for tenant ``workload.tenant_for(i // N)`` throughout,
@@ -16,7 +20,10 @@ from dataclasses import dataclass, field
 
 from pdgate.loadtest.scheduling._load import LoadGenerator, send_completion
 
-__all__ = ["ClosedLoop", "send_completion"]
+__all__ = ["RETRY_AFTER_MAX_S", "ClosedLoop", "send_completion"]
+
+# The openai client honours a Retry-After of up to a minute.
+RETRY_AFTER_MAX_S = 60.0
 
 
 @dataclass(eq=False)
@@ -24,6 +31,7 @@ class ClosedLoop(LoadGenerator):
     users: int
     user_offset: int = field(default=0, kw_only=True)  # distinct random streams per load level
     ramp_s: float = field(default=0.5, kw_only=True)
+    retry_after: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -49,3 +57,5 @@ class ClosedLoop(LoadGenerator):
             result = await send_completion(self.session, url, self.model, prompt, gateway=gateway)
             if self._in_window(issued):
                 self.results.append(result)
+            if self.retry_after and result.retry_after_s is not None:
+                await asyncio.sleep(min(result.retry_after_s, RETRY_AFTER_MAX_S))

@@ -171,6 +171,12 @@ def configure(s: argparse.ArgumentParser) -> None:
         "users would offer (capacity x load fraction)",
     )
     load.add_argument(
+        "--honour-retry-after",
+        action="store_true",
+        help="closed loop: a user refused with Retry-After waits that long before its next "
+        "request, as the openai client does (default: it sends the next at once)",
+    )
+    load.add_argument(
         "--burst-factor",
         type=float,
         default=4.0,
@@ -255,6 +261,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
             burst_factor=args.burst_factor,
             burst_on_s=args.burst_on_s,
             max_in_flight=args.max_in_flight,
+            retry_after=args.honour_retry_after,
         ),
         capacity=_capacity_plan(args),
         load_fractions=_fractions(args.load_fractions),

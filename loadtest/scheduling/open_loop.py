@@ -47,6 +47,8 @@ class Arrivals:
     # The open loop's in-flight bound: None = `in_flight_bound(users)` for the level's
     # equivalent closed-loop users.
     max_in_flight: int | None = None
+    # closed: a refused user waits its Retry-After before the next request (ClosedLoop).
+    retry_after: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ARRIVALS:
@@ -55,6 +57,8 @@ class Arrivals:
             raise ValueError("burst factor must be > 1 and the ON period > 0")
         if self.max_in_flight is not None and self.max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
+        if self.retry_after and self.open:
+            raise ValueError("only a closed loop's users wait for Retry-After")
 
     @property
     def open(self) -> bool:
@@ -68,7 +72,7 @@ class Arrivals:
                 f"open loop, bursty arrivals (on/off Poisson: {self.burst_factor:g}x the rate "
                 f"during ON periods of mean {self.burst_on_s:g} s, silent otherwise)"
             )
-        return "closed loop"
+        return "closed loop, users honour Retry-After" if self.retry_after else "closed loop"
 
     def in_flight_bound(self, users: float) -> int:
         """The open loop's bound for a level equivalent to `users` closed-loop users: 4x

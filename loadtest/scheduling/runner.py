@@ -231,6 +231,7 @@ async def run_point(
         loop = ClosedLoop(
             session, targets, cluster.spec.model, workload, users, user_offset=user_offset,
             ramp_s=min(0.5, timing.warmup_s / 2) if ramp_s is None else ramp_s,
+            retry_after=arrivals.retry_after,
         )  # fmt: skip
     loop.start()
     try:
