@@ -540,7 +540,8 @@ class GatewaySettings(_Settings):
         "queueing it, a request that the queue's pace while backlogged (grants per second "
         "over the last 5 s) would not bring to the front before its deadline, counting only "
         "the requests sure to go first (gateway/placement/drain.py): past capacity clients "
-        "learn at once, not at their deadline.",
+        "learn at once, not at their deadline. Only while the gateway is alone in its "
+        "fleet: with others, its own grants are not its queue's pace.",
     )
     drain_sweep: bool = Field(
         default=False,

@@ -17,11 +17,15 @@ classes, and its own tenant's requests due before it. Other tenants' requests ar
 counted (fair sharing may let it pass them), so the estimate errs toward admitting; early
 drop at the head (forwarder.py) still catches what slips through.
 
-Each gateway of a fleet judges by its own queue and its own grants. Judging by the fleet's
-(its grants, and the requests the other gateways hold due first) refuses more requests that
-would fail anyway, and clients that resend at once after a 503 turn each refusal into
-another request at the same gateway: at 2x capacity that left one gateway's clients at
-28-65% success against 90%+ at the others (docs/results/fleet/README.md).
+Only a gateway alone in its fleet judges. There the queue's grants are its pace. In a fleet
+the fleet's deadline order decides whose requests go, so a gateway's own grants measure
+its share of the urgent requests, not how fast its queue can drain: a gateway that refuses
+holds fewer requests, gets fewer grants and refuses more. At 2x capacity with four gateways
+that locked one gateway into refusing 1,131 requests in 90 s (28% success against 92-94%
+at the others), and judging by the fleet's grants instead did no better; without it the
+fleet served 3-5% more and its gateways were 1.4-3.5 points apart, against 2.1-67
+(docs/results/fleet/README.md, "Drain admission in a fleet"). Past capacity a fleet's
+gateways refuse by early drop and their queue bound instead.
 
 With `drain_sweep` (off by default), requests queued before the pace was known (the
 backlog's first second) are judged the same way later: at most twice a second, as requests

@@ -235,7 +235,10 @@ class PrefillForwarder:
         estimate = self.prefill_times.upper_bound_s(waiter.info.prompt_chars, _GUARD_QUANTILE)
         if estimate is not None:
             waiter.latest_start = waiter.deadline - estimate
-        if self._options.drain_admission and self._too_late(waiter):
+        # Alone, the queue's grants are its pace; in a fleet the fleet's deadline order
+        # decides whose requests go, and a gateway's own grants are not (drain.py).
+        alone = self._shared.fleet.gateways <= 1
+        if self._options.drain_admission and alone and self._too_late(waiter):
             self._shared.metrics.queue_sheds.labels("drain").inc()
             raise self._out_of_reach()
         admission = self.queue.push(waiter)

@@ -121,14 +121,19 @@ async def test_a_request_the_pace_cannot_reach_in_time_is_refused_at_once() -> N
         assert len(p.upstream.calls) > calls
 
 
+async def _waits_out_its_deadline(p: _Paced) -> None:
+    """A request the pace cannot reach is queued, not refused: a 503 at its deadline."""
+    began = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        await p.fwd.acquire(waiter(100, deadline_s=1.0))
+    assert time.monotonic() - began >= 0.95
+    sheds = p.metrics.registry.get_sample_value("pdgate_queue_sheds_total", {"reason": "drain"})
+    assert sheds in (None, 0)
+
+
 async def test_without_drain_admission_it_waits_out_its_deadline() -> None:
     async with _paced_backlog(QueueOrder.FIFO, drain=False) as p:
-        began = time.monotonic()
-        with pytest.raises(DeadlineExceeded):
-            await p.fwd.acquire(waiter(100, deadline_s=1.0))
-        assert time.monotonic() - began >= 0.95
-        sheds = p.metrics.registry.get_sample_value("pdgate_queue_sheds_total", {"reason": "drain"})
-        assert sheds in (None, 0)
+        await _waits_out_its_deadline(p)
 
 
 async def test_an_urgent_request_goes_first_however_long_the_queue() -> None:
@@ -190,3 +195,12 @@ def test_beyond_reach_counts_each_waiter_as_ahead_does() -> None:
         assert set(map(id, q.beyond_reach(2.0, 0.0))) == {id(other)}
     finally:
         loop.close()
+
+
+async def test_a_gateway_with_others_in_its_fleet_does_not_judge() -> None:
+    """In a fleet the fleet's deadline order decides whose requests go: a gateway's own
+    grants are not its queue's pace, so it queues the request (early drop and the deadline
+    still bound it) instead of refusing it on arrival."""
+    async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
+        p.fwd._shared.fleet.gateways = 2  # as the sync says once another gateway shares it
+        await _waits_out_its_deadline(p)
