@@ -160,6 +160,20 @@ def test_queueless_rule_holds_for_a_queueing_static_prefill(
     assert min(capacity, 2) <= stats["prefill_max"] <= capacity
 
 
+def _see_each_other(urls: list[str]) -> None:
+    """Until every gateway's last sync saw the others. Alone, a gateway counts the slots
+    itself (docs/fleet.md, "What it costs": until they have synced, a prefill that queues
+    may get one request past its slots)."""
+    for url in urls:
+        wait_for(
+            lambda u=url: (
+                httpx.get(u + "/health", timeout=5).json()["fleet"]["gateways"] == len(urls)
+            ),
+            10,
+            "the gateways see each other",
+        )
+
+
 def test_queueless_rule_holds_across_two_gateways_on_one_redis(
     procs: list[Subprocess], servers: list[StockServer], model: str, shared: Shared
 ) -> None:
@@ -170,6 +184,7 @@ def test_queueless_rule_holds_across_two_gateways_on_one_redis(
     urls = [gateway_url(start(procs, args, env)) for _ in range(2)]
     for url in urls:
         assert httpx.get(url + "/health", timeout=5).json()["fleet"]["shared"] is True
+    _see_each_other(urls)
     _burst(urls, model, 8)
     stats = prefill.stats()
     assert stats["prefill_legs"] == 16
@@ -319,6 +334,7 @@ def test_queueless_rule_holds_for_an_announced_prefill_across_two_gateways(
     urls = [gateway_url(start(procs, ["gateway", "--port", "0"], gw_env)) for _ in range(2)]
     for url in urls:
         wait_for(lambda u=url: len(get_instances(u)) == 2, 10, "both announced servers seen")
+    _see_each_other(urls)
     _burst(urls, model, 8)
     stats = prefill.stats()
     assert stats["prefill_legs"] == 16
