@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import aiohttp
@@ -38,6 +38,17 @@ class Tally:
     engine_cpu_s: float = 0.0
     host_busy_s: float = 0.0
     has_front: bool = False
+
+    @classmethod
+    def total(cls, tallies: Iterable[Tally]) -> Tally:
+        """The sums over several tallies' windows (a concurrency's rounds)."""
+        out = cls()
+        for t in tallies:
+            for f in fields(cls):
+                if f.name != "has_front":
+                    setattr(out, f.name, getattr(out, f.name) + getattr(t, f.name))
+            out.has_front = out.has_front or t.has_front
+        return out
 
     def per_1k(self, cpu_s: float) -> float:
         return 1000 * cpu_s / self.requests if self.requests else math.nan
@@ -77,21 +88,20 @@ class WindowMeter:
     def start(self) -> None:
         self._marks = self._read()
 
-    def add_to(self, *tallies: Tally) -> None:
-        """Add this window's CPU to each tally. The window closes when the last request in
+    def add_to(self, tally: Tally) -> None:
+        """Add this window's CPU to `tally`. The window closes when the last request in
         flight ends, a little after its nominal length: its CPU is counted to then, with
         the requests that ended inside it (a slight over-count, the same for every front)."""
         if not self._marks:
             return  # the window never opened
         ends = self._read()
         now, front, client, engine, host = (b - a for a, b in zip(self._marks, ends, strict=True))
-        for tally in tallies:
-            tally.elapsed_s += now
-            tally.front_cpu_s += front
-            tally.client_cpu_s += client
-            tally.engine_cpu_s += engine
-            tally.host_busy_s += host
-            tally.has_front = self.front is not None
+        tally.elapsed_s += now
+        tally.front_cpu_s += front
+        tally.client_cpu_s += client
+        tally.engine_cpu_s += engine
+        tally.host_busy_s += host
+        tally.has_front = self.front is not None
 
 
 async def engine_stats(session: aiohttp.ClientSession, urls: Sequence[str]) -> dict[str, Any]:

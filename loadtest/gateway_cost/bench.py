@@ -390,7 +390,6 @@ async def _fast_phase(plan: GatewayPlan, run: _Run, engine: str) -> dict[str, An
             log(f"{engine}: TTFT parts: {result['added_ttft_segments_ms']} (added p50 ms)")
         seen: dict[str, dict[str, Any]] = {}  # stock engines' requests per front
         for i, c in enumerate(plan.concurrencies):
-            tallies = {n: Tally() for n in names}
             rounds: list[dict[str, Tally]] = []
             for r in range(plan.rounds):
                 rounds.append({n: Tally() for n in names})
@@ -402,15 +401,16 @@ async def _fast_phase(plan: GatewayPlan, run: _Run, engine: str) -> dict[str, An
                         window_s=plan.window_s, max_tokens=plan.max_tokens,
                         on_window_start=meter.start,
                     )  # fmt: skip
-                    meter.add_to(tallies[name], rounds[r][name])
-                    for t in (tallies[name], rounds[r][name]):
-                        t.requests += window.requests
-                        t.failures += window.failures
-                        t.events += window.events
-                        t.window_s += window.window_s
+                    t = rounds[r][name]
+                    meter.add_to(t)
+                    t.requests += window.requests
+                    t.failures += window.failures
+                    t.events += window.events
+                    t.window_s += window.window_s
                     if before is not None:
                         after = await engine_stats(stats_session, engine_urls)
                         _add_seen(seen.setdefault(name, {}), stats_delta(before, after))
+            tallies = {n: Tally.total(one[n] for one in rounds) for n in names}
             _window_figures(result, c, tallies, first=i == 0)
             result[f"rounds_c{c}"] = [{n: t.figures() for n, t in one.items()} for one in rounds]
             log(f"{engine}: c={c}: rps {result[f'rps_c{c}']}")
