@@ -537,16 +537,19 @@ class GatewaySettings(_Settings):
     drain_admission: bool = Field(
         default=True,
         description="dispatch=queue: answer 503 with Retry-After on arrival, instead of "
-        "queueing it, a request that the queue's pace while backlogged (grants per second "
-        "over the last 5 s) would not bring to the front before its deadline, counting only "
+        "queueing it, a request that the fleet's pace while this queue is backlogged (its "
+        "grants per second over the last 5 s, every gateway's, shared with each sync) would "
+        "not bring to the front of this gateway's queue before its deadline, counting only "
         "the requests sure to go first (gateway/placement/drain.py): past capacity clients "
-        "learn at once, not at their deadline. Only while the gateway is alone in its "
-        "fleet: with others, its own grants are not its queue's pace.",
+        "learn at once, not at their deadline.",
     )
     drain_sweep: bool = Field(
         default=False,
-        description="Also refuse queued requests the drain pace cannot reach "
-        "(gateway/placement/drain.py).",
+        description="With drain_admission, also refuse (503, Retry-After) the queued "
+        "requests the drain pace cannot reach, at most twice a second: those queued before "
+        "the pace was known would otherwise wait out their deadlines "
+        "(gateway/placement/drain.py). Off by default: a lone gateway past capacity then "
+        "refuses many more requests whose clients resend at once (docs/scheduling.md).",
     )
     prefill_estimate_quantile: float = Field(
         default=0.9,

@@ -198,7 +198,7 @@ class Dispatcher:
                 out[f.key] = packed
         return out
 
-    def incoming(self, queue: str, packed: Sequence[str]) -> None:
+    def incoming(self, queue: str, packed: Sequence[str], *, fresh: bool = True) -> None:
         """The other gateways' samples for `queue` (`FleetEstimates`); kept for a queue this
         gateway has not served yet, so its first request is judged on the fleet's figures."""
         model, _, group = queue.partition("|")
@@ -206,7 +206,7 @@ class Dispatcher:
         if fwd is None or fwd.key != queue:  # a model name with "|" in it
             fwd = next((f for f in self._forwarders.values() if f.key == queue), None)
         if fwd is not None:
-            fwd.samples_in(packed)
+            fwd.samples_in(packed, fresh=fresh)
             return
         kept = self._early_samples.pop(queue, None) or deque(maxlen=_EARLY_SAMPLES)
         kept.extend(packed)
@@ -461,7 +461,7 @@ class Dispatcher:
                 role=role,
             )
             # What the fleet measured for this queue before we had one (a warm start).
-            fwd.samples_in(self._early_samples.pop(fwd.key, ()))
+            fwd.samples_in(self._early_samples.pop(fwd.key, ()), fresh=False)
         return fwd
 
     async def _prefill_direct(self, req: _Request, body: dict[str, Any], path: str) -> PrefillGrant:

@@ -3,35 +3,41 @@
 Past capacity, a gateway-held queue grows until its requests wait out their deadlines: with
 a bound of a thousand, every client waits its whole TTFT budget for a 503. A client told at
 once can go elsewhere or back off. So on arrival a request is refused with 503 and
-``Retry-After`` when even the queue's recent pace cannot bring it to the front before its
-deadline:
+``Retry-After`` when even the fleet's recent pace cannot bring it to the front of this
+gateway's queue before its deadline:
 
     ahead / rate > time left
 
-``rate`` is the queue's grants per second **while it had a backlog** (a queue that is often
-empty drains as fast as requests arrive, which says nothing about capacity), over the last
-`window_s`, and only once the backlog has lasted `min_span_s` with at least `min_grants`
-grants: below that there is no evidence and the request is queued as before. ``ahead`` is a
-lower bound of the requests that go before it (queue.py, `WaitQueue.ahead`): more urgent
-classes, and its own tenant's requests due before it. Other tenants' requests are not
-counted (fair sharing may let it pass them), so the estimate errs toward admitting; early
-drop at the head (forwarder.py) still catches what slips through.
+``rate`` is the grants per second for this queue's model and group **while this queue had
+a backlog** (a queue that is often empty drains as fast as requests arrive, which says
+nothing about capacity), over the last `window_s`, and only once the backlog has lasted
+`min_span_s` with at least `min_grants` grants: below that there is no evidence and the
+request is queued as before. The grants counted are the whole fleet's: this gateway's as
+they happen, the other gateways' as each sync reports them (`samples_out`, within one
+sync interval). ``ahead`` is a lower bound of the requests that go before it here
+(queue.py, `WaitQueue.ahead`): more urgent classes, and its own tenant's requests due
+before it. Other tenants' requests are not counted (fair sharing may let it pass them),
+nor are the other gateways', so the estimate errs toward admitting; early drop at the head
+(forwarder.py) still catches what slips through.
 
-Only a gateway alone in its fleet judges. There the queue's grants are its pace. In a fleet
-the fleet's deadline order decides whose requests go, so a gateway's own grants measure
-its share of the urgent requests, not how fast its queue can drain: a gateway that refuses
-holds fewer requests, gets fewer grants and refuses more. At 2x capacity with four gateways
-that locked one gateway into refusing 1,131 requests in 90 s (28% success against 92-94%
-at the others), and judging by the fleet's grants instead did no better; without it the
-fleet served 3-5% more and its gateways were 1.4-3.5 points apart, against 2.1-67
-(docs/results/fleet/README.md, "Drain admission in a fleet"). Past capacity a fleet's
-gateways refuse by early drop and their queue bound instead.
+Why the fleet's grants and only this queue's requests. Alone, the two are the queue's own
+pace and the queue. In a fleet the fleet's deadline order decides whose requests go, so
+this gateway's own grants are only its share of the urgent requests: a gateway that judged
+by them and refused held fewer requests, got fewer grants and refused more, until it
+refused most of its clients. Scaling the fleet's pace by this queue's share of the fleet's
+queue, or counting the other gateways' requests due first, had the same loop in it
+(docs/results/fleet/README.md, "Drain admission in a fleet"). With the fleet's whole pace
+and this queue alone, refusing shortens this queue and so refuses less: the judgement
+only refuses what no share of the fleet could serve in time, such as a gateway taking ten
+times the fleet's capacity while the others are quiet.
 
 With `drain_sweep` (off by default), requests queued before the pace was known (the
 backlog's first second) are judged the same way later: at most twice a second, as requests
 arrive, the queue is swept for those the pace cannot reach (`WaitQueue.beyond_reach`) and
-they are refused too, where they would wait out their deadlines; off by default for the
-same reason.
+they are refused too, where they would wait out their deadlines. Off by default: a lone
+gateway whose clients resend at once gets each refused request back at the end of its
+queue, where the next sweep refuses it again, and fails many more requests for the same
+goodput (docs/scheduling.md).
 """
 
 from __future__ import annotations
@@ -42,10 +48,11 @@ __all__ = ["QueueDrain"]
 
 
 class QueueDrain:
-    """A queue's grant rate while backlogged: `granted(now)` for every request a prefill
-    accepted; the backlog's start is the queue's own (`WaitQueue.backlog_since`)."""
+    """A queue's grant rate while backlogged: `granted(now, n)` for every `n` requests a
+    prefill accepted (here or, as reported, at another gateway); the backlog's start is the
+    queue's own (`WaitQueue.backlog_since`)."""
 
-    __slots__ = ("_grants", "_head", "_min_grants", "_min_span", "_window")
+    __slots__ = ("_head", "_min_grants", "_min_span", "_times", "_totals", "_window")
 
     def __init__(
         self, *, window_s: float = 5.0, min_span_s: float = 1.0, min_grants: int = 4
@@ -55,18 +62,26 @@ class QueueDrain:
         self._window = window_s
         self._min_span = min_span_s
         self._min_grants = min_grants
-        # Grant times, ascending; those before `_head` are out of the window. Bounded by
-        # what the prefills can grant in one window (compacted as the head moves on).
-        self._grants: list[float] = []
+        # When grants came, ascending, and the running total of grants up to and including
+        # each; those before `_head` are out of the window. Bounded by the grants and
+        # reports one window holds (compacted as the head moves on).
+        self._times: list[float] = []
+        self._totals: list[int] = []
         self._head = 0
 
-    def granted(self, now: float) -> None:
-        grants = self._grants
-        grants.append(now)
-        if grants[self._head] < now - self._window:
-            self._head = bisect_left(grants, now - self._window, self._head)
-            if self._head > 64 and self._head * 2 > len(grants):
-                del grants[: self._head]
+    def granted(self, now: float, count: int = 1) -> None:
+        if count < 1:
+            return
+        times, totals = self._times, self._totals
+        if times and now < times[-1]:
+            now = times[-1]  # kept ascending
+        times.append(now)
+        totals.append((totals[-1] if totals else 0) + count)
+        if times[self._head] < now - self._window:
+            self._head = bisect_left(times, now - self._window, self._head)
+            if self._head > 64 and self._head * 2 > len(times):
+                del times[: self._head]
+                del totals[: self._head]
                 self._head = 0
 
     def rate(self, now: float, backlog_since: float | None) -> float | None:
@@ -78,5 +93,9 @@ class QueueDrain:
         span = now - start
         if span < self._min_span:
             return None
-        grants = len(self._grants) - bisect_left(self._grants, start, self._head)
+        first = bisect_left(self._times, start, self._head)
+        if first == len(self._times):
+            return None
+        totals = self._totals
+        grants = totals[-1] - (totals[first - 1] if first else 0)
         return grants / span if grants >= self._min_grants else None

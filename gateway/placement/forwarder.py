@@ -91,6 +91,9 @@ _GUARD_QUANTILE = 0.9
 # How often drain admission looks through the whole queue (O(n log n)) for requests the pace
 # cannot reach: often enough that none waits long for a 503 it will get anyway.
 _SWEEP_S = 0.5
+# The most grants one report of another gateway counts (a sync's worth is far fewer): a
+# garbled report errs toward admitting, and no further.
+_MAX_GRANTS_REPORTED = 100_000
 
 
 @dataclass
@@ -142,7 +145,8 @@ class ForwardingOptions:
     early_drop: bool = True
     # The quantile of recent prefill rates behind the early-drop estimate.
     prefill_estimate_quantile: float = 0.9
-    # Answer 503 on arrival for a request the queue's recent pace cannot reach in time.
+    # Answer 503 on arrival for a request the fleet's recent pace cannot bring to the front
+    # of this queue in time.
     drain_admission: bool = True
     # ... and refuse the queued requests it cannot reach either (a sweep twice a second).
     drain_sweep: bool = False
@@ -206,7 +210,8 @@ class PrefillForwarder:
         # says): the expected prefill times the hold-or-go choice compares.
         self.compute_times = PrefillTimes()
         self.token_ratio = TokenRatio()
-        self._drain = QueueDrain()
+        self._drain = QueueDrain()  # the fleet's grants: ours, and the others' as reported
+        self._grants_new = 0  # ours since the last `samples_out`
         self._next_sweep = 0.0  # monotonic: when drain admission may sweep the queue next
         self._forming = BatchForming(
             queue,
@@ -235,10 +240,7 @@ class PrefillForwarder:
         estimate = self.prefill_times.upper_bound_s(waiter.info.prompt_chars, _GUARD_QUANTILE)
         if estimate is not None:
             waiter.latest_start = waiter.deadline - estimate
-        # Alone, the queue's grants are its pace; in a fleet the fleet's deadline order
-        # decides whose requests go, and a gateway's own grants are not (drain.py).
-        alone = self._shared.fleet.gateways <= 1
-        if self._options.drain_admission and alone and self._too_late(waiter):
+        if self._options.drain_admission and self._too_late(waiter):
             self._shared.metrics.queue_sheds.labels("drain").inc()
             raise self._out_of_reach()
         admission = self.queue.push(waiter)
@@ -270,6 +272,7 @@ class PrefillForwarder:
             grant: PrefillGrant = await waiter.future
             returned = True
             self._drain.granted(time.monotonic())
+            self._grants_new += 1
             return grant
         finally:
             expiry.cancel()
@@ -282,8 +285,8 @@ class PrefillForwarder:
             wait.end()
 
     def _too_late(self, waiter: Waiter) -> bool:
-        """Would the requests ahead, drained at the queue's pace while backlogged, hold
-        `waiter` past its deadline? (drain.py; the exact count only past
+        """Would the requests ahead here, drained at the fleet's pace while this queue is
+        backlogged, hold `waiter` past its deadline? (drain.py; the exact count only past
         the cheap bound.) With `drain_sweep`, at most every `_SWEEP_S`, the queued requests
         the pace cannot reach either are refused too: those that came before the pace was
         known."""
@@ -358,19 +361,31 @@ class PrefillForwarder:
                 await self._task
 
     def samples_out(self) -> str:
-        """This queue's new prefill-time samples for the fleet, packed ("": none)."""
+        """This queue's new prefill-time samples and grants for the fleet, packed ("":
+        none)."""
         parts = [_sample("p", *x) for x in self.prefill_times.take_new()]
         parts += [_sample("c", *x) for x in self.compute_times.take_new()]
+        if self._grants_new:
+            parts.append(f"g {self._grants_new}")
+            self._grants_new = 0
         return ";".join(parts)
 
-    def samples_in(self, packed: Sequence[str]) -> None:
-        """The other gateways' samples for this queue (`samples_out` there). Malformed
-        entries are skipped: another gateway's version may pack more."""
+    def samples_in(self, packed: Sequence[str], *, fresh: bool = True) -> None:
+        """The other gateways' samples and grants for this queue (`samples_out` there).
+        Grants count toward the drain pace only when `fresh` (just synced: the pace now,
+        not a warm start's history). Malformed entries are skipped: another gateway's
+        version may pack more, and an older one reads "g" as a malformed sample."""
         targets = {"p": self.prefill_times, "c": self.compute_times}
+        granted = 0
         for entry in packed:
             for item in entry.split(";"):
                 # "KIND CHARS SECONDS[ HARDWARE]"; an older gateway sends no hardware.
+                # "g N": N grants since that gateway's last sync.
                 kind, _, rest = item.partition(" ")
+                if kind == "g":
+                    with contextlib.suppress(ValueError):
+                        granted += min(max(0, int(rest)), _MAX_GRANTS_REPORTED)
+                    continue
                 chars, _, rest = rest.partition(" ")
                 secs, _, hardware = rest.partition(" ")
                 target = targets.get(kind)
@@ -380,6 +395,8 @@ class PrefillForwarder:
                     continue
                 if target is not None and n >= 0 and t >= 0:
                     target.add_shared(n, t, hw)
+        if granted and fresh:
+            self._drain.granted(time.monotonic(), granted)
         if self.role is Role.PREFILL:
             self._tracker.set_speeds(self.model, self.group, self.compute_times.speeds())
 

@@ -77,8 +77,9 @@ class FleetEstimates(Protocol):
         """Queue -> this gateway's samples since the last call, packed (none: left out)."""
         ...
 
-    def incoming(self, queue: str, packed: Sequence[str]) -> None:
-        """The other gateways' samples for `queue`, as they packed them."""
+    def incoming(self, queue: str, packed: Sequence[str], *, fresh: bool = True) -> None:
+        """The other gateways' samples for `queue`, as they packed them; `fresh`: sent since
+        this gateway's last sync (not the history its first sync reads)."""
         ...
 
 
@@ -115,6 +116,8 @@ class Fleet:
         self.window_s = window_s
         self._heads = heads
         self._estimates = estimates
+        # The first sync reads the samples stream from its start: history, not news.
+        self._caught_up = False
         self._live: dict[str, dict[str, SlotLease]] = {}  # instance -> lease id -> lease
         self._to_release: list[SlotLease] = []
         self._to_mark: list[SlotLease] = []  # answered: no longer computing
@@ -359,7 +362,8 @@ class Fleet:
         self._recover()
         if self._estimates is not None:
             for queue, theirs in view.samples.items():
-                self._estimates.incoming(queue, theirs)
+                self._estimates.incoming(queue, theirs, fresh=self._caught_up)
+            self._caught_up = True
         self._own_freed.clear()  # the counts below are fresh
         self.gateways = view.gateways
         if self.gateways > 1:

@@ -40,7 +40,18 @@ def test_the_rate_counts_the_backlogs_last_window_only() -> None:
     for i in range(80):
         drain.granted(40 + i / 40)
     assert drain.rate(42.0, 0.0) == pytest.approx(40.0)
-    assert len(drain._grants) < 200  # the old grants are dropped as the window moves
+    assert len(drain._times) < 200  # the old grants are dropped as the window moves
+
+
+def test_a_report_of_many_grants_counts_each() -> None:
+    drain = QueueDrain(window_s=2.0, min_span_s=0.5, min_grants=4)
+    drain.granted(10.0)
+    drain.granted(10.5, 30)  # another gateway's sync
+    drain.granted(10.2)  # an earlier reading, counted as of the latest
+    drain.granted(10.6, 0)
+    assert drain.rate(11.0, 9.0) == pytest.approx(32 / 2.0)
+    assert drain.rate(12.4, 9.0) == pytest.approx(31 / 2.0)  # the first left the window
+    assert drain.rate(13.0, 9.0) is None  # every grant left it
 
 
 async def test_ahead_counts_what_surely_goes_first() -> None:
@@ -79,13 +90,13 @@ class _Paced:
 @contextlib.asynccontextmanager
 async def _paced_backlog(order: QueueOrder, *, drain: bool) -> AsyncIterator[_Paced]:
     """One prefill of one slot, 0.05 s a prompt (about 20 grants a second), and 80 requests
-    due in 30 s queued for over a second, so the pace is known; all of it cancelled and
-    closed on exit."""
+    due in 30 s queued for over a second, so the pace is known; no sweep unless a test
+    turns it on; all of it cancelled and closed on exit."""
     upstream = MockUpstream(FakeCluster(prefill_delay_s=0.05))
     fwd, metrics, background = forwarder(
         upstream,
         tracker_for([1]),
-        ForwardingOptions(client_error=client_error, drain_admission=drain),
+        ForwardingOptions(client_error=client_error, drain_admission=drain, drain_sweep=False),
         order=order,
     )
     tasks = [asyncio.create_task(_take(fwd, waiter(i, deadline_s=30))) for i in range(80)]
@@ -197,10 +208,46 @@ def test_beyond_reach_counts_each_waiter_as_ahead_does() -> None:
         loop.close()
 
 
-async def test_a_gateway_with_others_in_its_fleet_does_not_judge() -> None:
-    """In a fleet the fleet's deadline order decides whose requests go: a gateway's own
-    grants are not its queue's pace, so it queues the request (early drop and the deadline
-    still bound it) instead of refusing it on arrival."""
+async def test_in_a_fleet_what_no_share_of_its_pace_reaches_is_refused_at_once() -> None:
+    """One gateway of two takes all the load (the other is quiet): the fleet's pace is this
+    gateway's, and a request it cannot reach is refused on arrival, as when alone."""
     async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
         p.fwd._shared.fleet.gateways = 2  # as the sync says once another gateway shares it
+        p.fwd.samples_in(["p 100 0.05"])  # the other gateway's sync: samples, no grants
+        began = time.monotonic()
+        with pytest.raises(Overloaded, match="would not reach this request"):
+            await p.fwd.acquire(waiter(100, deadline_s=1.0))
+        assert time.monotonic() - began < 0.05
+
+
+async def test_the_other_gateways_grants_count_toward_the_pace() -> None:
+    """In a fleet the fleet's deadline order decides whose requests go: this gateway's own
+    grants are only its share, so a request the fleet's pace would reach is queued (early
+    drop and the deadline still bound it), not refused; a gateway that judged by its own
+    grants would refuse ever more of its clients."""
+    async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
+        p.fwd._shared.fleet.gateways = 2
+        p.fwd.samples_out()  # our own so far
+        p.fwd.samples_in(["g 150", "g 100;p 100 0.05"])  # two syncs' worth, fresh
+        assert _grants_in(p.fwd.samples_out()) < 5  # the others' are not sent back
         await _waits_out_its_deadline(p)
+
+
+async def test_a_warm_starts_history_of_grants_is_not_the_pace() -> None:
+    async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
+        p.fwd._shared.fleet.gateways = 2
+        p.fwd.samples_in(["g 250"], fresh=False)  # what the first sync read: history
+        with pytest.raises(Overloaded, match="would not reach this request"):
+            await p.fwd.acquire(waiter(100, deadline_s=1.0))
+
+
+async def test_own_grants_go_out_with_the_next_sync_once() -> None:
+    async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
+        assert _grants_in(p.fwd.samples_out()) >= 20  # some 26 in 1.3 s at 20 a second
+        assert _grants_in(p.fwd.samples_out()) < 5  # each grant is reported once
+
+
+def _grants_in(packed: str) -> int:
+    grants = [int(x[2:]) for x in packed.split(";") if x.startswith("g ")]
+    assert len(grants) <= 1
+    return sum(grants)
