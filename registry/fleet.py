@@ -387,9 +387,13 @@ for i = 1, n do
     end
   end
 end
-if nxt >= 0 then
-  redis.call('ZADD', heads_key, now + nxt, me)
-elseif granted > 0 then
+-- This gateway's head from now on: the request after those placed if it placed any, else
+-- the one it still holds (a gateway that found no room must not look less urgent).
+local after = head
+if granted > 0 then after = nxt end
+if after >= 0 then
+  redis.call('ZADD', heads_key, now + after, me)
+else
   redis.call('ZREM', heads_key, me)
 end
 redis.call('PEXPIRE', heads_key, ttl * 4)

@@ -177,6 +177,27 @@ async def test_a_freed_slot_goes_to_the_fleets_most_urgent_request_first(fleet) 
     assert late.instance_id == "p1"
 
 
+async def test_a_gateway_that_found_no_room_keeps_its_place_in_the_deadline_order(fleet) -> None:  # type: ignore[no-untyped-def]
+    """Its head is still queued: it publishes that head, not the one after the batch it
+    could not place, or the others would take the next freed slot before its request."""
+    waiting = fleet(gateway_id="waiting", window_s=0.3)
+    other = fleet(gateway_id="other", window_s=0.3)
+    one = [Candidate("p1", 1)]
+    held = await other.acquire("m|", one, 1, head_in_ms=None, next_head_in_ms=None)
+    # Full: its head due in 100 ms stays queued (the request after a batch of 4: 900 ms).
+    full = await waiting.acquire("m|", one, 4, head_in_ms=100, next_head_in_ms=900)
+    assert full.instance_id is None and not full.yielded
+    await other.release([("p1", held.lease_ids[0])])
+    y = await other.acquire("m|", one, 1, head_in_ms=500, next_head_in_ms=None)
+    assert y.instance_id is None and y.yielded  # 100 ms is due before 500 ms
+    g = await waiting.acquire("m|", one, 4, head_in_ms=100, next_head_in_ms=900)
+    assert g.instance_id == "p1"
+    await waiting.release([("p1", g.lease_ids[0])])
+    # Placed: its head is now the request after what it placed (900 ms), after 500 ms.
+    mine = await other.acquire("m|", one, 1, head_in_ms=500, next_head_in_ms=None)
+    assert mine.instance_id == "p1"
+
+
 async def test_local_fleet_counts_its_own_leases() -> None:
     f = LocalFleet()
     g = await f.acquire("q", [Candidate("p", 3)], 5, head_in_ms=None, next_head_in_ms=None)
