@@ -151,6 +151,11 @@ def fault_rows(result: ChaosResult) -> list[FaultRow]:
     return rows
 
 
+# A shed answered within this of its request counts as answered at once: a client learns it
+# may go elsewhere or back off, where a queued request waits out its TTFT deadline.
+AT_ONCE_S = 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class OverloadRow:
     label: str
@@ -160,6 +165,7 @@ class OverloadRow:
     ok: int
     shed: int  # 429 or 503
     shed_with_retry_after: int
+    shed_at_once: int  # answered within AT_ONCE_S of being sent
     codes: Mapping[str, int]  # every failure, by label
     first_shed_s: float  # since the overload began: the first 429/503 answered
     shed_p50_s: float  # a shed request's time to its answer
@@ -190,6 +196,7 @@ def overload_row(o: OverloadResult) -> OverloadRow:
         ok=sum(r.completed for r in o.records),
         shed=len(shed),
         shed_with_retry_after=sum(r.retry_after is not None for r in shed),
+        shed_at_once=sum(a <= AT_ONCE_S for a in answered),
         codes=dict(Counter(r.error_label() for r in o.records if r.failed)),
         first_shed_s=first,
         shed_p50_s=percentile(answered, 50),
@@ -283,11 +290,12 @@ def overload_table(runs: Sequence[Sequence[OverloadRow]]) -> list[str]:
         return []
     lines = [
         "| overload (one gateway, open loop) | offered, req/s | capacity, req/s | requests "
-        "| completed | shed 429/503, % | with Retry-After, % | status / code | first shed, s "
+        "| completed | shed 429/503, % | with Retry-After, % | shed at once, % | status / code "
+        "| first shed, s "
         "| shed answered p50 / p99, s | loop lag p99, ms (its own, at most) "
         "| /health p99 (idle), ms | /health max, ms "
         "| RSS start / peak / end, MiB | held after (idle) |",
-        "|---|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|---|",
+        "|---|--:|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|---|",
     ]
     for i, first in enumerate(runs[0]):
         lines.append(_overload_line([run[i] for run in runs if i < len(run)], first))
@@ -300,11 +308,12 @@ def _overload_line(rows: Sequence[OverloadRow], first: OverloadRow) -> str:
 
     shed_pct = [100 * r.shed / r.requests if r.requests else math.nan for r in rows]
     ra_pct = [100 * r.shed_with_retry_after / r.shed if r.shed else math.nan for r in rows]
+    once_pct = [100 * r.shed_at_once / r.shed if r.shed else math.nan for r in rows]
     factor = first.offered_rps / first.capacity_rps
     return (
         f"| {factor:.0f}x capacity, {first.label} | {cell('offered_rps')} "
         f"| {cell('capacity_rps')} | {cell('requests', 0)} | {cell('ok', 0)} "
-        f"| {spread_cell(shed_pct)} | {spread_cell(ra_pct)} "
+        f"| {spread_cell(shed_pct)} | {spread_cell(ra_pct)} | {spread_cell(once_pct)} "
         f"| {codes_cell(r.codes for r in rows)} | {cell('first_shed_s', 2)} "
         f"| {cell('shed_p50_s', 2)} / {cell('shed_p99_s', 2)} | {cell('loop_lag_p99_ms')} "
         f"| {cell('probe_p99_ms')} ({cell('probe_idle_ms', 2)}) | {cell('probe_max_ms')} "
@@ -378,6 +387,7 @@ def summary_json(results: Sequence[ChaosResult]) -> dict[str, Any]:
                     "shed": o.shed,
                     "requests": o.requests,
                     "retry_after": o.shed_with_retry_after,
+                    "shed_at_once": o.shed_at_once,
                     "probe_p99_ms": round(o.probe_p99_ms, 1),
                     "loop_lag_p99_ms": round(o.loop_lag_p99_ms, 1),
                     "rss_mib": [

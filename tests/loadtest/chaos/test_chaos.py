@@ -150,6 +150,7 @@ def test_rows_count_errors_stalls_recovery_and_what_is_held() -> None:
     assert not fault_rows(_result(2))[1].held_ok
     o = overload_row(_result(0).overloads[0])
     assert (o.requests, o.ok, o.shed, o.shed_with_retry_after) == (10, 1, 9, 8)
+    assert o.shed_at_once == 9
     assert o.first_shed_s == pytest.approx(1.1) and o.shed_p50_s == pytest.approx(0.1)
     assert (o.rss_start_mib, o.rss_peak_mib, o.rss_end_mib) == (70, 90, 80)
     assert o.probe_p99_ms == pytest.approx(9.91)
@@ -164,7 +165,7 @@ def test_the_markdown_has_a_row_per_fault_and_the_overload_with_spreads() -> Non
     assert "| 2. kill -9 a gateway, restart it | 2 | 2 | 1 |" in text
     assert "| 200 broken x3, 503 gateway_overloaded x3 |" in text
     assert "run 1: 0; run 2: redis_slot_leases=1; run 3: redis_slot_leases=2" in text
-    assert "| 10x capacity, defaults | 50.0 | 5.0 | 10 | 1 | 90.0 | 88.9 |" in text
+    assert "| 10x capacity, defaults | 50.0 | 5.0 | 10 | 1 | 90.0 | 88.9 | 100.0 |" in text
     assert "| 0.10 / 0.10 | 25.0 |" in text  # shed answered p50 / p99, then the loop lag
     assert "| 70.0 / 90.0 / 80.0 |" in text
 
@@ -228,6 +229,9 @@ def test_a_short_chaos_run(tmp_path: Path, run_bench: RunBench) -> None:
     assert decode["held"] == {} and gateway["held"] == {}, data
     overload = data["overload"][0]
     assert overload["shed"] > 0 and overload["retry_after"] == overload["shed"], overload
+    # One gateway of the fleet takes ten times the fleet's capacity while the other is
+    # quiet: once the pace is known it refuses on arrival, not at each TTFT deadline.
+    assert overload["shed_at_once"] > 0, overload
     text = doc.read_text()
     assert "OLD" not in text and text.endswith("kept\n") and "| 1. kill -9 a decode" in text
     assert (tmp_path / "t.csv").exists() and (tmp_path / "t.md").exists()
