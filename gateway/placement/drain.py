@@ -34,10 +34,10 @@ times the fleet's capacity while the others are quiet.
 With `drain_sweep` (off by default), requests queued before the pace was known (the
 backlog's first second) are judged the same way later: at most twice a second, as requests
 arrive, the queue is swept for those the pace cannot reach (`WaitQueue.beyond_reach`) and
-they are refused too, where they would wait out their deadlines. Off by default: a lone
-gateway whose clients resend at once gets each refused request back at the end of its
-queue, where the next sweep refuses it again, and fails many more requests for the same
-goodput (docs/scheduling.md).
+they are refused too, where they would wait out their deadlines. Off by default: with
+clients that resend at once (each refusal comes straight back as a new request), a lone
+gateway past capacity that swept failed many more requests for the same goodput
+(docs/scheduling.md).
 """
 
 from __future__ import annotations
