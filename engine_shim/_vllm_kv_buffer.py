@@ -31,6 +31,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass
+from hashlib import blake2b
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,7 @@ __all__ = [
     "ROWS",
     "KvBufferError",
     "KvLayout",
+    "blocks_form",
     "buffer_path",
     "create_buffer",
     "open_buffer",
@@ -55,6 +57,7 @@ HEADER_BYTES = 128
 # element bytes, dtype name, form (16 ascii bytes each)
 _HEADER = struct.Struct("<8sIIIIIII16s16s")
 NAME_RE = re.compile(r"[0-9a-f]{32}")
+_FORM_BYTES = 16
 SUFFIX = ".kv"
 ROWS = "rows"
 
@@ -97,6 +100,18 @@ class KvLayout:
     def model(self) -> tuple[int, int, int]:
         """What must agree between prefill and decode: the model's attention shape."""
         return (self.layers, self.kv_heads, self.head_size)
+
+
+def blocks_form(interior: str) -> str:
+    """The form of whole kernel blocks of `interior` (how one engine lays out a block, e.g.
+    ``cpu-amx`` or ``device-fp8_e5m2``): ``blocks:<interior>``, or a digest of the interior
+    where the header's 16 bytes cannot hold it, so that two engines agree on a form exactly
+    when their interiors are the same (cut short, ``fp8_e4m3`` and ``fp8_e5m2`` would not
+    differ)."""
+    form = f"blocks:{interior}"
+    if len(form) <= _FORM_BYTES:
+        return form
+    return "blocks:" + blake2b(interior.encode(), digest_size=4).hexdigest()
 
 
 def buffer_path(spool_dir: str | Path, name: str) -> Path:

@@ -50,9 +50,20 @@ from pdgate.engine_shim._vllm_kv_buffer import (
     ROWS,
     KvBufferError,
     KvLayout,
+    blocks_form,
     buffer_path,
     create_buffer,
     open_buffer,
+)
+from pdgate.engine_shim._vllm_kv_cache import (
+    CacheShapeError,
+    Span,
+    heads,
+    kernel_block_tokens,
+    load_blocks,
+    load_rows,
+    save_blocks,
+    save_rows,
 )
 
 if TYPE_CHECKING:
@@ -226,87 +237,52 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # One fixed layer order on both sides: the same model gives the same names.
         self._layer_index = {name: i for i, name in enumerate(sorted(kv_caches))}
+        # An engine whose cache cannot be handed over fails here, at its start, not at
+        # its first prefill.
+        try:
+            self._layout_of(next(iter(kv_caches.values())))
+        except (KvBufferError, StopIteration) as exc:
+            raise ValueError(f"PdgateConnector cannot serve this engine: {exc}") from None
 
     def _layout_of(self, kv_layer: torch.Tensor) -> KvLayout:
         if self._layout is None:
             if not self._layer_index:
                 raise KvBufferError("KV caches were never registered with the connector")
-            # vLLM's per-layer logical view: [kernel blocks, KV heads, kernel block size,
-            # 2 x head size] (a scheduler block is `block_size / kernel block size`
-            # consecutive kernel blocks).
-            if kv_layer.dim() != 4 or kv_layer.shape[3] % 2:
-                raise KvBufferError(f"KV cache layout {tuple(kv_layer.shape)} not supported")
-            heads, size, head_size = (int(x) for x in kv_layer.shape[1:])
-            head_size //= 2
+            try:
+                kv_heads, head_size = heads(kv_layer)
+                size = kernel_block_tokens(kv_layer)
+            except CacheShapeError as exc:
+                raise KvBufferError(str(exc)) from None
             interior = self._interior(kv_layer, head_size)
             self._layout = KvLayout(
                 layers=len(self._layer_index),
-                kv_heads=heads,
+                kv_heads=kv_heads,
                 head_size=head_size,
                 dtype=str(kv_layer.dtype).removeprefix("torch."),
                 element_bytes=kv_layer.element_size(),
-                form=ROWS if interior is None else f"blocks:{interior}"[:16],
+                form=ROWS if interior is None else blocks_form(interior),
                 block_tokens=0 if interior is None else size,
             )
         return self._layout
 
     def _interior(self, kv_layer: torch.Tensor, head_size: int) -> str | None:
-        """None where this engine's blocks can be read and written as token rows; else a
-        name for their interior, which only an engine of the same one can load.
+        """None where this engine's blocks can be read and written as token rows
+        (`_vllm_kv_cache`); else a name for their interior, which only an engine of the
+        same one can load.
 
-        The CPU attention backend's vector kernels (ISA ``vec`` and ``vec16``) keep, per
-        kernel block and KV head, the block's keys column-major (``[head size, block
-        size]``) and then its values row-major (``[block size, head size]``): vLLM's
-        csrc/cpu/cpu_attn_vec.hpp, ``reshape_and_cache``. AMX, NEON and the others tile
-        them their own way, and where the GPU backends keep them is not checked here
-        (no GPU to test on): both copy whole blocks."""
-        if not self._cpu:
-            return "device"
+        A GPU backend's cache (FlashAttention, FlashInfer, Triton) is token-major. On the
+        CPU only the vector kernels' (ISA ``vec`` and ``vec16``) can be read as rows: AMX,
+        NEON and the others tile blocks their own way. A quantized cache (fp8) keeps its
+        scales in the engine, so its blocks are copied whole, as are unknown layouts."""
+        platform = "cpu" if self._cpu else "device"
         if self._cache_dtype != "auto":
-            return f"cpu-{self._cache_dtype}"
+            return f"{platform}-{self._cache_dtype}"
+        if not self._cpu:
+            return None if kv_layer.dim() == 5 else platform
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        isa = str(_get_attn_isa(kv_layer.dtype, int(kv_layer.shape[2]), head_size))
+        isa = str(_get_attn_isa(kv_layer.dtype, kernel_block_tokens(kv_layer), head_size))
         return None if isa in ("vec", "vec16") else f"cpu-{isa}"
-
-    @staticmethod
-    def _rows(kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of a row-readable cache (`_interior`) as keys and values, each ``[kernel
-        blocks, kernel block size, KV heads, head size]``: writing into them writes the
-        cache."""
-        blocks, heads, size, content = kv_layer.shape
-        halves = kv_layer.view(blocks, heads, 2, size * content // 2)
-        keys = halves[:, :, 0].unflatten(-1, (content // 2, size)).permute(0, 3, 1, 2)
-        values = halves[:, :, 1].unflatten(-1, (size, content // 2)).permute(0, 2, 1, 3)
-        return keys, values
-
-    def _kernel_of(self, job: _Job, positions: torch.Tensor, size: int) -> torch.Tensor:
-        """The kernel block (of `size` tokens) holding each prompt position of the job's
-        request. The CPU attention kernel, for one, uses smaller blocks than the scheduler
-        (32-token kernel blocks under 128-token ones): scheduler block b is kernel blocks
-        [b*r, b*r+r)."""
-        block_ids = torch.tensor(job.block_ids, dtype=torch.long)
-        ratio = self._block_size // size
-        return (
-            block_ids[positions // self._block_size] * ratio
-            + (positions % self._block_size) // size
-        )
-
-    def _token_slots(self, job: _Job, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where prompt tokens [start, end) of the job's request live in `kv_layer`: each
-        one's kernel block and its place there."""
-        size = int(kv_layer.shape[2])
-        tokens = torch.arange(job.start, job.end)
-        kernel = self._kernel_of(job, tokens, size)
-        return kernel.to(kv_layer.device), (tokens % size).to(kv_layer.device)
-
-    def _kernel_blocks(self, job: _Job, kv_layer: torch.Tensor) -> tuple[int, int, torch.Tensor]:
-        """The kernel blocks holding tokens [start, end): their positions in the prompt
-        (first, last), which are the buffer's, and their ids in `kv_layer`."""
-        size = int(kv_layer.shape[2])
-        first, last = job.start // size, -(-job.end // size)
-        kernel = self._kernel_of(job, torch.arange(first, last) * size, size)
-        return first, last, kernel.to(kv_layer.device)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -337,20 +313,11 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
         data, theirs = open_buffer(buffer_path(self._spool, job.name), layout, job.end)
         if theirs.rows and not layout.rows:
             raise KvBufferError(f"token rows cannot be written into {layout.form}")
-        if theirs.rows:
-            kernel, slot = self._token_slots(job, any_layer)
-            for name, kv in layers.items():
-                rows = data[self._layer_index[name], job.start : job.end]
-                # Cast to this engine's cache dtype where the prefill's differs.
-                rows = rows.to(device=kv.device, dtype=kv.dtype)
-                keys, values = self._rows(kv)
-                keys[kernel, slot] = rows[:, 0]
-                values[kernel, slot] = rows[:, 1]
-            return
-        first, last, ids = self._kernel_blocks(job, any_layer)
+        # Token rows are cast to this engine's cache dtype where the prefill's differs.
+        load = load_rows if theirs.rows else load_blocks
+        span = Span(job.block_ids, job.start, job.end, self._block_size)
         for name, kv in layers.items():
-            blocks = data[self._layer_index[name], first:last]
-            kv[ids] = blocks.reshape(len(ids), *kv.shape[1:]).to(kv.device)
+            load(kv, data[self._layer_index[name]], span)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are synchronous, done in start_load_kv
@@ -388,14 +355,8 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
                     self._gone.add(job.name)
                     continue
                 self._open[job.name] = buf
-            if layout.rows:
-                kernel, slot = self._token_slots(job, kv_layer)
-                keys, values = self._rows(kv_layer)
-                buf[index, job.start : job.end, 0] = keys[kernel, slot].cpu()
-                buf[index, job.start : job.end, 1] = values[kernel, slot].cpu()
-            else:
-                first, last, ids = self._kernel_blocks(job, kv_layer)
-                buf[index, first:last] = kv_layer[ids].reshape(last - first, -1).cpu()
+            save = save_rows if layout.rows else save_blocks
+            save(kv_layer, buf[index], Span(job.block_ids, job.start, job.end, self._block_size))
 
     def wait_for_save(self) -> None:
         # Drop this step's mappings: the data is in the (shared) file already.

@@ -147,36 +147,38 @@ def test_kv_buffer_format(tmp_path: Path) -> None:
 
 
 @pytest.mark.vllm
-def test_the_connector_reads_the_cpu_vector_kernels_blocks_as_token_rows() -> None:
-    """What vLLM's CPU kernel (ISA vec) writes where, as its reshape_and_cache does it: per
-    kernel block and head, the keys column-major, then the values row-major. Token t of a
-    prompt sits in scheduler block t // 128, kernel block t % 128 // 32 of it, at t % 32."""
+def test_the_connector_picks_a_form_for_each_engines_cache_or_refuses_at_start() -> None:
+    """A GPU backend's cache hands over token rows; a quantized one whole blocks; a cache of
+    no known shape (MLA's latent cache) stops the engine at its start, not at its first
+    prefill. (The CPU's forms run in tests/vllm/test_vllm_pd.py, inside a real engine.)"""
     import torch
 
-    from pdgate.engine_shim.vllm_connector import PdgateConnector, _Job
+    from pdgate.engine_shim.vllm_connector import PdgateConnector
 
-    blocks, heads, size, head_size = 12, 2, 32, 4
-    key = torch.randn(blocks, size, heads, head_size)  # by (kernel block, slot, head)
-    value = torch.randn(blocks, size, heads, head_size)
-    region = torch.empty(blocks, heads, 2, size * head_size)
-    region[:, :, 0] = key.permute(0, 2, 3, 1).reshape(blocks, heads, -1)  # [head dim, slot]
-    region[:, :, 1] = value.permute(0, 2, 1, 3).reshape(blocks, heads, -1)  # [slot, head dim]
-    cache = region.view(blocks, heads, size, 2 * head_size)  # vLLM's logical per-layer view
-    keys, values = PdgateConnector._rows(cache)
-    assert torch.equal(keys, key) and torch.equal(values, value)
-    keys[3, 5] = 7.0  # the views write the cache
-    assert torch.equal(PdgateConnector._rows(cache)[0][3, 5], torch.full((heads, head_size), 7.0))
+    def connector(*, cpu: bool, cache_dtype: str = "auto") -> PdgateConnector:
+        made = object.__new__(PdgateConnector)  # the worker side needs no vLLM config
+        made._cpu, made._cache_dtype, made._layout = cpu, cache_dtype, None
+        return made
 
-    connector = object.__new__(PdgateConnector)
-    connector._block_size = 128
-    job = _Job("0" * 32, block_ids=[2, 0], start=120, end=140, total=140)
-    kernel, slot = connector._token_slots(job, cache)
-    # Tokens 120-127: scheduler block 2 (kernel blocks 8-11), kernel block 11 at 24-31;
-    # tokens 128-139: scheduler block 0, kernel block 0 at 0-11.
-    assert kernel.tolist() == [11] * 8 + [0] * 12
-    assert slot.tolist() == list(range(24, 32)) + list(range(12))
-    first, last, ids = connector._kernel_blocks(job, cache)
-    assert (first, last, ids.tolist()) == (3, 5, [11, 0])
+    flash = {f"layer.{i}": torch.zeros(2, 10, 16, 8, 64, dtype=torch.bfloat16) for i in range(3)}
+    gpu = connector(cpu=False)
+    gpu.register_kv_caches(flash)
+    assert gpu._layout is not None
+    assert (gpu._layout.form, gpu._layout.model()) == ("rows", (3, 8, 64))
+    assert gpu._layout.dtype == "bfloat16"
+
+    forms = set()
+    for cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        fp8 = connector(cpu=False, cache_dtype=cache_dtype)
+        fp8.register_kv_caches({"layer.0": torch.zeros(10, 2, 16, 8, 64, dtype=torch.uint8)})
+        assert fp8._layout is not None and fp8._layout.block_tokens == 16
+        assert fp8._layout.form.startswith("blocks:") and len(fp8._layout.form) <= 16
+        forms.add(fp8._layout.form)
+    assert len(forms) == 3  # whole blocks load only into an engine of the same interior
+
+    for cpu in (False, True):
+        with pytest.raises(ValueError, match=r"cannot serve this engine.*not supported"):
+            connector(cpu=cpu).register_kv_caches({"layer.0": torch.zeros(10, 16, 576)})
 
 
 @pytest.mark.vllm
