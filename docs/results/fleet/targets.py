@@ -6,14 +6,60 @@ Series are ``MODE/sK/gN`` (K slots a prefill, N gateways). Per load and slot cou
 one gateway of the same slots: success (median over seeds) within 2 points, goodput within
 5%; per run, the gateways' own success within 3 points of each other (the worst seed); and
 one gateway with K slots against one gateway with 1 slot. Prints one table, then the misses.
+
+A run whose gateways are more than 3 points apart is also tested for chance: the p-value of
+a chi-square test of homogeneity of the gateways' successes and failures (the probability
+that gateways serving alike would be at least this far apart with these request counts).
 """
 
 from __future__ import annotations
 
 import csv
+import math
 import statistics
 import sys
 from collections import defaultdict
+
+
+def _chi2_sf(x: float, dof: int) -> float:
+    """P(X >= x) for a chi-square variable of `dof` degrees of freedom (closed forms)."""
+    half = x / 2
+    if dof % 2 == 0:
+        return math.exp(-half) * sum(half**i / math.factorial(i) for i in range(dof // 2))
+    p = math.erfc(math.sqrt(half))
+    term, total = math.sqrt(2 * x / math.pi) * math.exp(-half), 0.0
+    for i in range(1, (dof + 1) // 2):
+        total += term
+        term *= x / (2 * i + 1)
+    return p + total
+
+
+def _own_spread(row: dict[str, str]) -> float:
+    own = [float(v) for k, v in row.items() if k.startswith("success_gateway") and v]
+    return max(own) - min(own) if len(own) > 1 else 0.0
+
+
+def homogeneity_p(row: dict[str, str]) -> float | None:
+    """The chi-square p-value that the run's gateways served alike (None: one gateway)."""
+    counts = []
+    for key, value in row.items():
+        if key.startswith("requests_gateway") and value and float(value) > 0:
+            n = float(value)
+            ok = n * float(row["success_gateway" + key.removeprefix("requests_gateway")])
+            counts.append((ok, n - ok))
+    if len(counts) < 2:
+        return None
+    oks, fails = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    total = oks + fails
+    if not oks or not fails:
+        return 1.0
+    stat = 0.0
+    for ok, fail in counts:
+        n = ok + fail
+        for seen, column in ((ok, oks), (fail, fails)):
+            expected = n * column / total
+            stat += (seen - expected) ** 2 / expected
+    return _chi2_sf(stat, len(counts) - 1)
 
 
 def main(path: str) -> int:
@@ -28,12 +74,7 @@ def main(path: str) -> int:
         return statistics.median(float(r[column]) for r in by[key])
 
     def spread(key: tuple[int, int, str]) -> float:
-        worst = 0.0
-        for r in by[key]:
-            own = [float(v) for k, v in r.items() if k.startswith("success_gateway") and v]
-            if len(own) > 1:
-                worst = max(worst, max(own) - min(own))
-        return worst
+        return max(_own_spread(r) for r in by[key])
 
     misses = []
     print("| slots | gateways | load | success min / med / max | vs 1 gw | goodput med | "
@@ -56,8 +97,14 @@ def main(path: str) -> int:
             misses.append(f"{slots} slots, {gateways} gateways, {load}A: {d_success:+.1f} pt, "
                           f"{100 * d_goodput:+.1f}% goodput against one gateway")  # fmt: skip
         if worst > 3:
+            apart = [
+                f"seed {r['seed']}: " + ("p = n/a" if p is None else f"p = {p:.3f}")
+                for r in by[key]
+                if 100 * _own_spread(r) > 3
+                for p in [homogeneity_p(r)]
+            ]
             misses.append(f"{slots} slots, {gateways} gateways, {load}A: gateways {worst:.1f} "
-                          "pt apart")  # fmt: skip
+                          f"pt apart ({'; '.join(apart)})")  # fmt: skip
         if gateways == 1 and slots > 1 and (slots, 1, load) in by and (1, 1, load) in by:
             d_one = 100 * (median(key, "success_rate") - median((1, 1, load), "success_rate"))
             if d_one < 0:
