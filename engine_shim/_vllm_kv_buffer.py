@@ -28,6 +28,7 @@ the network: names are checked against `NAME_RE` and joined to the spool directo
 from __future__ import annotations
 
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ __all__ = [
     "HEADER_BYTES",
     "NAME_RE",
     "ROWS",
+    "BufferFile",
     "KvBufferError",
     "KvLayout",
     "blocks_form",
@@ -150,12 +152,16 @@ def _map(path: Path, writable: bool, layout: KvLayout, tokens: int) -> torch.Ten
     return raw[HEADER_BYTES:].view(dtype).view(layout.shape(tokens))
 
 
-def create_buffer(path: Path, layout: KvLayout, tokens: int) -> torch.Tensor:
-    """Create (or truncate) the buffer file for `tokens` tokens; returns its writable
-    view (`KvLayout.shape`), backed by the file."""
+def _create(path: Path, layout: KvLayout, tokens: int) -> None:
     with open(path, "wb") as f:
         f.write(_header(layout, tokens))
         f.truncate(layout.nbytes(tokens))
+
+
+def create_buffer(path: Path, layout: KvLayout, tokens: int) -> torch.Tensor:
+    """Create (or truncate) the buffer file for `tokens` tokens; returns its writable
+    view (`KvLayout.shape`), backed by the file."""
+    _create(path, layout, tokens)
     return _map(path, True, layout, tokens)
 
 
@@ -166,6 +172,55 @@ def open_buffer(
     model; token rows, or else exactly its own layout) and that it holds at least
     `min_tokens` tokens; returns its view in its own dtype and its layout. Written through
     to the file only when `writable`, which needs exactly `layout` (a save appends)."""
+    theirs, tokens = _check(path, layout, min_tokens, writable)
+    return _map(path, writable, theirs, tokens), theirs
+
+
+class BufferFile:
+    """A buffer written with ``pwrite`` rather than through a mapping, for data that comes
+    from a GPU through page-locked memory (`_vllm_kv_cache.HostStaging`). The device's copy
+    into a file's mapping goes through the driver's own bounce buffer, one page fault at a
+    time: with the one CPU thread a vLLM worker on a GPU runs, about twice as long as into
+    page-locked memory and then ``pwrite`` (docs/vllm.md, "GPU"). The caller closes it."""
+
+    __slots__ = ("_fd", "_unit_bytes", "_units")
+
+    def __init__(self, path: Path, layout: KvLayout, tokens: int, *, create: bool) -> None:
+        """Create the buffer for `tokens` tokens (`create`), or open one that a previous
+        chunk created, after the checks of `open_buffer` for a writer."""
+        if create:
+            _create(path, layout, tokens)
+        else:
+            _check(path, layout, tokens, True)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        # A layer holds `_units` token rows or kernel blocks, each `_unit_bytes` long.
+        _, self._units, *unit = layout.shape(tokens)
+        self._unit_bytes = math.prod(unit) * layout.element_bytes
+
+    def write(self, layer: int, first: int, data: torch.Tensor) -> None:
+        """Write `data` (contiguous, host memory, the layout's dtype: token rows or kernel
+        blocks, as `KvLayout.shape` without its first two axes) as layer `layer`'s units
+        from `first` on."""
+        import torch
+
+        if not data.is_contiguous() or data.device.type != "cpu":
+            raise ValueError("data must be contiguous host memory")
+        raw = memoryview(data.view(-1).view(torch.uint8).numpy())
+        if len(raw) % self._unit_bytes or first + len(raw) // self._unit_bytes > self._units:
+            raise ValueError("data past the buffer's end or not whole rows or blocks")
+        offset = HEADER_BYTES + (layer * self._units + first) * self._unit_bytes
+        while raw:
+            written = os.pwrite(self._fd, raw, offset)
+            raw, offset = raw[written:], offset + written
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _check(path: Path, layout: KvLayout, min_tokens: int, writable: bool) -> tuple[KvLayout, int]:
+    """The layout and tokens of the buffer at `path`, checked as `open_buffer` says."""
     try:
         with open(path, "rb") as f:
             head = f.read(HEADER_BYTES)
@@ -201,7 +256,7 @@ def open_buffer(
         raise KvBufferError(f"KV buffer holds {tokens} tokens, {min_tokens} needed")
     if size < theirs.nbytes(tokens):
         raise KvBufferError("KV buffer truncated")
-    return _map(path, writable, theirs, tokens), theirs
+    return theirs, tokens
 
 
 def _text(raw: bytes) -> str:

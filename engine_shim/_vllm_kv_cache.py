@@ -21,12 +21,13 @@ kernel blocks under 128-token scheduler blocks): scheduler block b is kernel blo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 __all__ = [
     "CacheShapeError",
+    "HostStaging",
     "Span",
     "heads",
     "kernel_block_tokens",
@@ -35,6 +36,8 @@ __all__ = [
     "load_rows",
     "save_blocks",
     "save_rows",
+    "stack_blocks",
+    "stack_rows",
     "token_slots",
     "token_views",
 ]
@@ -94,12 +97,18 @@ def _block_view(kv: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True, slots=True)
 class Span:
     """Prompt tokens [start, end) of one request, whose KV lives in the engine's scheduler
-    blocks `block_ids` (of `block_size` tokens each), in the prompt's order."""
+    blocks `block_ids` (of `block_size` tokens each), in the prompt's order.
+
+    Where the tokens live is worked out once per kernel block size and device and kept:
+    every layer of a model has the same, and a save or load goes through all of them."""
 
     block_ids: Sequence[int]
     start: int
     end: int
     block_size: int
+    _slots: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def kernel_of(self, positions: torch.Tensor, size: int) -> torch.Tensor:
         """The kernel block (of `size` tokens) holding each prompt position."""
@@ -112,8 +121,13 @@ def token_slots(kv: torch.Tensor, span: Span) -> tuple[torch.Tensor, torch.Tenso
     """Where the span's tokens live in `kv`: each one's kernel block and its place there, on
     the cache's device."""
     size = kernel_block_tokens(kv)
-    tokens = torch.arange(span.start, span.end)
-    return span.kernel_of(tokens, size).to(kv.device), (tokens % size).to(kv.device)
+    key = (size, kv.device)
+    slots = span._slots.get(key)
+    if slots is None:
+        tokens = torch.arange(span.start, span.end)
+        kernel = span.kernel_of(tokens, size).to(kv.device)
+        slots = span._slots[key] = (kernel, (tokens % size).to(kv.device))
+    return slots
 
 
 def kernel_blocks(kv: torch.Tensor, span: Span) -> tuple[int, int, torch.Tensor]:
@@ -134,6 +148,44 @@ def save_rows(kv: torch.Tensor, held: torch.Tensor, span: Span) -> None:
     held[span.start : span.end, 1] = values[kernel, slot]
 
 
+def stack_rows(kv: torch.Tensor, span: Span) -> torch.Tensor:
+    """The span's tokens as token rows ``[tokens, 2, KV heads, head size]``, a new tensor on
+    the cache's device."""
+    kernel, slot = token_slots(kv, span)
+    keys, values = token_views(kv)
+    return torch.stack((keys[kernel, slot], values[kernel, slot]), 1)
+
+
+def stack_blocks(kv: torch.Tensor, span: Span) -> tuple[int, torch.Tensor]:
+    """The whole kernel blocks holding the span's tokens, ``[blocks, block elements]``, a
+    new tensor on the cache's device, and the first one's position among the prompt's."""
+    first, last, ids = kernel_blocks(kv, span)
+    return first, _block_view(kv)[ids].reshape(last - first, -1)
+
+
+class HostStaging:
+    """One reused page-locked host tensor that a layer's rows or blocks from a GPU cross
+    into, whole: one contiguous copy into page-locked memory runs at the bus's speed, while
+    the same data written into a file's mapping goes at a fraction of it. It grows to the
+    largest span staged (one request's chunk in a step, at most the engine's batched
+    tokens) and is kept for the worker's life."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self) -> None:
+        self._raw: torch.Tensor | None = None
+
+    def hold(self, data: torch.Tensor) -> torch.Tensor:
+        """`data` copied into host memory: valid until the next call."""
+        nbytes = data.numel() * data.element_size()
+        if self._raw is None or self._raw.numel() < nbytes:
+            pin = data.device.type != "cpu"
+            self._raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        held = self._raw[:nbytes].view(data.dtype).view(data.shape)
+        held.copy_(data)  # synchronous: the data is in host memory on return
+        return held
+
+
 def load_rows(kv: torch.Tensor, held: torch.Tensor, span: Span) -> None:
     """Write the span's tokens of `held` (token rows, any device and dtype: cast to
     the cache's) into the cache."""
@@ -147,8 +199,8 @@ def load_rows(kv: torch.Tensor, held: torch.Tensor, span: Span) -> None:
 def save_blocks(kv: torch.Tensor, held: torch.Tensor, span: Span) -> None:
     """Copy the whole kernel blocks holding the span's tokens into `held`, a
     buffer's layer of the prompt's kernel blocks ``[kernel blocks, block elements]``."""
-    first, last, ids = kernel_blocks(kv, span)
-    held[first:last] = _block_view(kv)[ids].reshape(last - first, -1)
+    first, blocks = stack_blocks(kv, span)
+    held[first : first + len(blocks)] = blocks
 
 
 def load_blocks(kv: torch.Tensor, held: torch.Tensor, span: Span) -> None:

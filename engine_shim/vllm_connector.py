@@ -48,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from pdgate.engine_shim._vllm_kv_buffer import (
     ROWS,
+    BufferFile,
     KvBufferError,
     KvLayout,
     blocks_form,
@@ -57,6 +58,7 @@ from pdgate.engine_shim._vllm_kv_buffer import (
 )
 from pdgate.engine_shim._vllm_kv_cache import (
     CacheShapeError,
+    HostStaging,
     Span,
     heads,
     kernel_block_tokens,
@@ -64,6 +66,8 @@ from pdgate.engine_shim._vllm_kv_cache import (
     load_rows,
     save_blocks,
     save_rows,
+    stack_blocks,
+    stack_rows,
 )
 
 if TYPE_CHECKING:
@@ -142,7 +146,9 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
         # Worker side.
         self._layer_index: dict[str, int] = {}
         self._layout: KvLayout | None = None
-        self._open: dict[str, torch.Tensor] = {}  # this step's save buffers, by name
+        # This step's save buffers and spans (one per request, shared by every layer), by name.
+        self._open: dict[str, tuple[torch.Tensor | BufferFile, Span]] = {}
+        self._staging = HostStaging()
         self._gone: set[str] = set()  # this step's saves whose buffer was removed
         self._load_errors: set[int] = set()
 
@@ -335,31 +341,72 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
             return
         layout = self._layout_of(kv_layer)
         index = self._layer_index[layer_name]
+        # From a GPU, a layer's rows or blocks cross in one copy into page-locked memory and
+        # are written with pwrite; written straight into the file's mapping they would take
+        # about twice as long, inside the step (docs/vllm.md, "GPU").
+        staged = kv_layer.device.type != "cpu"
         for job in meta.saves:
             if job.name in self._gone:
                 continue
-            buf = self._open.get(job.name)
-            if buf is None:
-                path = buffer_path(self._spool, job.name)
-                try:
-                    if job.create:
-                        buf = create_buffer(path, layout, job.total)
-                    else:  # the next chunk
-                        buf, _ = open_buffer(path, layout, job.total, writable=True)
-                except (KvBufferError, OSError) as exc:
-                    # The prefill was withdrawn (its client left) and the shim removed its
-                    # buffer while a step with its next chunk was already on its way: nobody
-                    # will read this KV, and failing here would kill the engine and with it
-                    # every other request in the step.
-                    log.info("KV buffer %s gone (%s); its save is dropped", job.name, exc)
-                    self._gone.add(job.name)
-                    continue
-                self._open[job.name] = buf
-            save = save_rows if layout.rows else save_blocks
-            save(kv_layer, buf[index], Span(job.block_ids, job.start, job.end, self._block_size))
+            opened = self._open.get(job.name) or self._open_save(job, layout, staged)
+            if opened is None:
+                continue
+            sink, span = opened
+            try:
+                if isinstance(sink, BufferFile):
+                    if layout.rows:
+                        first, data = span.start, stack_rows(kv_layer, span)
+                    else:
+                        first, data = stack_blocks(kv_layer, span)
+                    sink.write(index, first, self._staging.hold(data))
+                elif layout.rows:
+                    save_rows(kv_layer, sink[index], span)
+                else:
+                    save_blocks(kv_layer, sink[index], span)
+            except OSError as exc:
+                # The spool is full: a buffer written in part must never be loaded, so it
+                # goes, and the prefill's request fails where the shim opens it.
+                log.warning("KV buffer %s not saved (%s); it is removed", job.name, exc)
+                self._drop(job.name)
+
+    def _open_save(
+        self, job: _Job, layout: KvLayout, staged: bool
+    ) -> tuple[torch.Tensor | BufferFile, Span] | None:
+        path = buffer_path(self._spool, job.name)
+        sink: torch.Tensor | BufferFile
+        try:
+            if staged:
+                sink = BufferFile(path, layout, job.total, create=job.create)
+            elif job.create:
+                sink = create_buffer(path, layout, job.total)
+            else:  # the next chunk
+                sink, _ = open_buffer(path, layout, job.total, writable=True)
+        except (KvBufferError, OSError) as exc:
+            # The prefill was withdrawn (its client left) and the shim removed its buffer
+            # while a step with its next chunk was already on its way: nobody will read this
+            # KV, and failing here would kill the engine and with it every other request in
+            # the step.
+            log.info("KV buffer %s gone (%s); its save is dropped", job.name, exc)
+            self._gone.add(job.name)
+            return None
+        opened = self._open[job.name] = (
+            sink,
+            Span(job.block_ids, job.start, job.end, self._block_size),
+        )
+        return opened
+
+    def _drop(self, name: str) -> None:
+        sink, _ = self._open.pop(name)
+        if isinstance(sink, BufferFile):
+            sink.close()
+        self._gone.add(name)
+        buffer_path(self._spool, name).unlink(missing_ok=True)
 
     def wait_for_save(self) -> None:
-        # Drop this step's mappings: the data is in the (shared) file already.
+        # Drop this step's mappings and files: the data is in the (shared) file already.
+        for sink, _ in self._open.values():
+            if isinstance(sink, BufferFile):
+                sink.close()
         self._open.clear()
         self._gone.clear()
 

@@ -154,16 +154,18 @@ def test_token_rows_hand_a_prompt_between_caches_of_any_block_size(
     path = buffer_path(str(tmp_path), "ab" * 16)
     buf = create_buffer(path, layout, tokens)
     for start, end in ((0, 70), (70, tokens)):  # chunked prefill: one save per step
+        span = Span(p_blocks, start, end, block)  # one per step, as the connector's
         for layer, cache in enumerate(prefill_layers):
-            save_rows(cache, buf[layer], Span(p_blocks, start, end, block))
+            save_rows(cache, buf[layer], span)
     del buf
 
     reader = KvLayout(LAYERS, HEADS, HEAD_SIZE, "float16", 2)
     data, theirs = open_buffer(path, reader, tokens - 1)
     assert theirs.rows and data.device.type == "cpu"
     decode_layers = [make_d(4 * block // size_d, size_d, torch.float16) for _ in range(LAYERS)]
+    span = Span(d_blocks, 0, tokens - 1, block)  # n - 1 tokens
     for layer, cache in enumerate(decode_layers):
-        load_rows(cache, data[layer], Span(d_blocks, 0, tokens - 1, block))  # n - 1 tokens
+        load_rows(cache, data[layer], span)
     for layer, cache in enumerate(decode_layers):
         keys, values = token_views(cache)
         for t in range(tokens - 1):
@@ -177,26 +179,109 @@ def test_token_rows_hand_a_prompt_between_caches_of_any_block_size(
         assert not keys[kernel, t % size_d].any()
 
 
-def test_whole_blocks_hand_a_prompt_to_an_engine_of_the_same_interior(tmp_path: object) -> None:
-    """An fp8 or otherwise unreadable cache goes as whole kernel blocks: FlashAttention's
-    blocks (keys and values on the first axis) land in the decode's blocks intact."""
+def test_rows_staged_and_written_with_pwrite_read_back_as_saved(tmp_path: object) -> None:
+    """The GPU's save path: each chunk's rows cross into one reused staging tensor
+    (page-locked when the cache is on a GPU) and go into the file with pwrite, the second
+    chunk into the file the first created. A decode reads every row; a staging tensor grown
+    for a larger chunk serves it; a writer of another layout or past the end is refused."""
     import torch
 
     from pdgate.engine_shim._vllm_kv_buffer import (
+        BufferFile,
+        KvBufferError,
+        KvLayout,
+        buffer_path,
+        open_buffer,
+    )
+    from pdgate.engine_shim._vllm_kv_cache import HostStaging, Span, stack_rows, token_views
+
+    tokens, block, ids = 100, 16, [6, 1, 4, 0, 7, 2, 5]
+    rows = _prompt_rows(tokens)
+    caches = [_flash(8, block, torch.bfloat16) for _ in range(LAYERS)]
+    for layer, cache in enumerate(caches):
+        keys, values = token_views(cache)
+        for t in range(tokens):
+            keys[ids[t // block], t % block] = rows[layer, t, 0].to(DEVICE, torch.bfloat16)
+            values[ids[t // block], t % block] = rows[layer, t, 1].to(DEVICE, torch.bfloat16)
+    layout = KvLayout(LAYERS, HEADS, HEAD_SIZE, "bfloat16", 2)
+    path = buffer_path(str(tmp_path), "cd" * 16)
+    staging = HostStaging()
+    for start, end in ((0, 30), (30, tokens)):  # the second chunk is larger: staging grows
+        out = BufferFile(path, layout, tokens, create=start == 0)
+        span = Span(ids, start, end, block)
+        for layer, cache in enumerate(caches):
+            staged = staging.hold(stack_rows(cache, span))
+            assert staged.device.type == "cpu" and staged.is_pinned() == (DEVICE != "cpu")
+            out.write(layer, start, staged)
+        out.close()
+    data, _ = open_buffer(path, layout, tokens)
+    assert torch.equal(data, rows.to(torch.bfloat16))
+    with pytest.raises(KvBufferError, match="mismatch"):
+        BufferFile(path, KvLayout(LAYERS, HEADS, HEAD_SIZE, "float16", 2), tokens, create=False)
+    out = BufferFile(path, layout, tokens, create=False)
+    with pytest.raises(ValueError, match="past the buffer's end"):
+        out.write(0, tokens - 1, torch.zeros(2, 2, HEADS, HEAD_SIZE, dtype=torch.bfloat16))
+    out.close()
+
+
+def test_one_span_places_tokens_in_caches_of_each_kernel_block_size() -> None:
+    """A span works out where its tokens live once per kernel block size: a second cache of
+    another size gets its own places, not the first's."""
+    import torch
+
+    from pdgate.engine_shim._vllm_kv_cache import Span, token_slots
+
+    span = Span([2, 0], 120, 140, block_size=128)
+    kernel16, slot16 = token_slots(_flash(8, 16, torch.float32), span)
+    kernel32, slot32 = token_slots(_cpu_vec(8, 32, torch.float32), span)
+    positions = torch.arange(120, 140)
+    blocks = torch.where(positions < 128, 2, 0)
+    assert torch.equal(kernel16.cpu(), blocks * 8 + positions % 128 // 16)
+    assert torch.equal(kernel32.cpu(), blocks * 4 + positions % 128 // 32)
+    assert torch.equal(slot16.cpu(), positions % 16)
+    assert torch.equal(slot32.cpu(), positions % 32)
+    again = token_slots(_flash(8, 16, torch.float32), span)
+    assert again[0] is kernel16  # kept, not worked out per layer
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["mapped", "staged"])
+def test_whole_blocks_hand_a_prompt_to_an_engine_of_the_same_interior(
+    tmp_path: object, staged: bool
+) -> None:
+    """An fp8 or otherwise unreadable cache goes as whole kernel blocks: FlashAttention's
+    blocks (keys and values on the first axis) land in the decode's blocks intact, written
+    into the file's mapping or, as from a GPU, staged and written with pwrite."""
+    import torch
+
+    from pdgate.engine_shim._vllm_kv_buffer import (
+        BufferFile,
         KvLayout,
         buffer_path,
         create_buffer,
         open_buffer,
     )
-    from pdgate.engine_shim._vllm_kv_cache import Span, load_blocks, save_blocks
+    from pdgate.engine_shim._vllm_kv_cache import (
+        HostStaging,
+        Span,
+        load_blocks,
+        save_blocks,
+        stack_blocks,
+    )
 
     tokens, block = 40, 16
     layout = KvLayout(1, HEADS, HEAD_SIZE, "float32", 4, form="blocks:device-x", block_tokens=16)
     prefill = torch.randn(2, 8, block, HEADS, HEAD_SIZE).to(DEVICE)
     path = buffer_path(str(tmp_path), "cd" * 16)
-    buf = create_buffer(path, layout, tokens)
-    save_blocks(prefill, buf[0], Span([6, 2, 4], 0, tokens, block))
-    del buf
+    if staged:
+        out = BufferFile(path, layout, tokens, create=True)
+        for start, end in ((0, 20), (20, tokens)):  # two chunks share the second block
+            first, blocks = stack_blocks(prefill, Span([6, 2, 4], start, end, block))
+            out.write(0, first, HostStaging().hold(blocks))
+        out.close()
+    else:
+        buf = create_buffer(path, layout, tokens)
+        save_blocks(prefill, buf[0], Span([6, 2, 4], 0, tokens, block))
+        del buf
     data, theirs = open_buffer(path, layout, tokens)
     assert theirs == layout
     decode = _flash(8, block, torch.float32)
