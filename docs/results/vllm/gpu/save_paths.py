@@ -17,8 +17,8 @@ buffer file in /dev/shm (as the connector does), by:
   which is what a step would pay if the file were written off it;
 * ``reused file``: into one file whose pages are already allocated: the bound.
 
-``--threads N`` sets torch's CPU threads first: a vLLM worker on a GPU runs with one
-(``OMP_NUM_THREADS=1`` unless set), and torch spreads a CPU-side copy over its threads.
+``--threads N`` sets torch's CPU threads first: a vLLM worker on a GPU serves with one
+(``set_torch_threads_for_runtime``), and torch spreads a CPU-side copy over its threads.
 
 Five runs each after a warm-up; min / median / max ms. Prints a Markdown table.
 """
