@@ -169,8 +169,9 @@ class Membership:
             return exc
         finally:
             replay, self._during_poll = self._during_poll, None
+        recovered = self._poll_failures > 0
         self._poll_failures = 0
-        self._note_generation(self._registry.generation())
+        self._note_generation(self._registry.generation(), recovered=recovered)
         view = self._bounded(records)
         for event in replay:
             self._apply(view, event)
@@ -179,18 +180,21 @@ class Membership:
         self._set_health(poll_ok=True)
         return None
 
-    def _note_generation(self, generation: str | None) -> None:
+    def _note_generation(self, generation: str | None, *, recovered: bool) -> None:
         """A registry that lost its state is not every instance leaving: what it forgot stays
         in the view for `hold_s`, while the instances write their records again (a gateway
-        that read it as departures answered 503 until their next heartbeats)."""
+        that read it as departures answered 503 until their next heartbeats). Nor is an
+        outage (`recovered`: the polls before this one failed): records that expired while
+        Redis could not be reached (a Sentinel failover longer than the TTL) could not be
+        written again, and their instances do so within a heartbeat of the reconnect."""
         lost = self._generation is not None and generation not in (None, self._generation)
         self._generation = generation
-        if lost and self._hold_s > 0:
+        if (lost or recovered) and self._hold_s > 0 and self._view:
             self._held = dict(self._view)
             self._held_until = asyncio.get_running_loop().time() + self._hold_s
             logger.warning(
-                "the registry lost its state; keeping %d instances for %.1f s while they "
-                "register again",
+                "the registry %s; keeping %d instances for %.1f s while they register again",
+                "lost its state" if lost else "is back after an outage",
                 len(self._held),
                 self._hold_s,
             )

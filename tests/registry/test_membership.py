@@ -359,6 +359,40 @@ async def test_what_a_redis_restarted_empty_forgot_is_held_until_it_registers_ag
         await reg.aclose()
 
 
+async def test_records_that_expired_during_an_outage_are_held_until_they_register_again(
+    private_redis: RedisServer, started: list[Membership]
+) -> None:
+    """A Redis unreachable for longer than the records' TTL (a Sentinel failover, a stopped
+    server) comes back with the same contents' name but the records expired: nobody could
+    write them again. Read as departures, a gateway answered 503 until the instances' next
+    heartbeats; for `hold_s` they stay, and one that does not come back is gone after it."""
+    import os
+    import signal
+
+    reg = RedisRegistry(private_redis.url, key_prefix="t", connect_timeout_s=0.2)
+    m = Membership(reg, poll_interval_s=0.05, backoff=FAST, hold_s=1.0)
+    started.append(m)
+    try:
+        await reg.put(make_record("p1"), 0.5)
+        await reg.put(make_record("p2"), 0.5)
+        await m.start()
+        assert set(m.instances()) == {"p1", "p2"}
+        pid = private_redis._proc.pid  # type: ignore[union-attr]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await eventually(lambda: not m.healthy, within=2.0, what="outage noticed")
+            await asyncio.sleep(0.6)  # past the records' TTL
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await eventually(lambda: m.healthy, within=3.0, what="polls again")
+        assert set(m.instances()) == {"p1", "p2"}  # expired, not departed
+        await reg.put(make_record("p1"), 30, announce=True)  # its heartbeat after the outage
+        await eventually(lambda: set(m.instances()) == {"p1"}, within=2.0, what="hold over")
+    finally:
+        await m.stop()
+        await reg.aclose()
+
+
 async def test_a_redis_emptied_between_the_index_and_the_records_reads_as_lost(
     private_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -108,14 +108,16 @@ def test_a_gateway_and_its_shims_keep_serving_through_a_failover(
     url = processes.gateway()
     wait_instances(url, 2)
 
-    def complete(prompt: str) -> int:
+    def complete(prompt: str) -> tuple[int, str]:
         body = {"model": SIM_MODEL, "prompt": prompt, "max_tokens": 4}
-        return httpx.post(url + "/v1/completions", json=body, timeout=30).status_code
+        resp = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        return resp.status_code, resp.text
 
-    assert complete("before") == 200
+    assert complete("before")[0] == 200
     sentinel_group.fail_over()
     # Served from the gateway's last view while the sentinels promote the replica...
-    assert complete("during") == 200
+    status, text = complete("during")
+    assert status == 200, text
     # ...and the fleet is back on the new primary, with both shims registered there.
     wait_for(
         lambda: httpx.get(url + "/health", timeout=5).json()["fleet"]["degraded"] is False,
@@ -139,4 +141,4 @@ def test_a_gateway_and_its_shims_keep_serving_through_a_failover(
             return -1  # this fresh client's sentinels may still be agreeing on the primary
 
     wait_for(lambda: registered() == 2, timeout=10, what="the shims registered on the new primary")
-    assert complete("after") == 200
+    assert complete("after")[0] == 200
