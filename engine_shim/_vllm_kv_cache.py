@@ -99,14 +99,18 @@ class Span:
     """Prompt tokens [start, end) of one request, whose KV lives in the engine's scheduler
     blocks `block_ids` (of `block_size` tokens each), in the prompt's order.
 
-    Where the tokens live is worked out once per kernel block size and device and kept:
-    every layer of a model has the same, and a save or load goes through all of them."""
+    Where the tokens (and their kernel blocks) live is worked out once per kernel block size
+    and device and kept: every layer of a model has the same, and a save or load goes
+    through all of them."""
 
     block_ids: Sequence[int]
     start: int
     end: int
     block_size: int
     _slots: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _blocks: dict[tuple[int, torch.device], torch.Tensor] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
@@ -135,8 +139,12 @@ def kernel_blocks(kv: torch.Tensor, span: Span) -> tuple[int, int, torch.Tensor]
     kernel blocks (first, last), which are the buffer's, and their ids in `kv`."""
     size = kernel_block_tokens(kv)
     first, last = span.start // size, -(-span.end // size)
-    kernel = span.kernel_of(torch.arange(first, last) * size, size)
-    return first, last, kernel.to(kv.device)
+    key = (size, kv.device)
+    kernel = span._blocks.get(key)
+    if kernel is None:
+        kernel = span.kernel_of(torch.arange(first, last) * size, size).to(kv.device)
+        span._blocks[key] = kernel
+    return first, last, kernel
 
 
 def save_rows(kv: torch.Tensor, held: torch.Tensor, span: Span) -> None:

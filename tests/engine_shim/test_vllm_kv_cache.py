@@ -229,7 +229,7 @@ def test_one_span_places_tokens_in_caches_of_each_kernel_block_size() -> None:
     another size gets its own places, not the first's."""
     import torch
 
-    from pdgate.engine_shim._vllm_kv_cache import Span, token_slots
+    from pdgate.engine_shim._vllm_kv_cache import Span, kernel_blocks, token_slots
 
     span = Span([2, 0], 120, 140, block_size=128)
     kernel16, slot16 = token_slots(_flash(8, 16, torch.float32), span)
@@ -242,6 +242,10 @@ def test_one_span_places_tokens_in_caches_of_each_kernel_block_size() -> None:
     assert torch.equal(slot32.cpu(), positions % 32)
     again = token_slots(_flash(8, 16, torch.float32), span)
     assert again[0] is kernel16  # kept, not worked out per layer
+    blocks16 = kernel_blocks(_flash(8, 16, torch.float32), span)
+    assert blocks16[:2] == (7, 9) and blocks16[2].tolist() == [23, 0]
+    assert kernel_blocks(_flash(8, 16, torch.float32), span)[2] is blocks16[2]
+    assert kernel_blocks(_cpu_vec(8, 32, torch.float32), span)[2].tolist() == [11, 0]
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["mapped", "staged"])
