@@ -52,7 +52,7 @@ class QueueDrain:
     prefill accepted (here or, as reported, at another gateway); the backlog's start is the
     queue's own (`WaitQueue.backlog_since`)."""
 
-    __slots__ = ("_head", "_min_grants", "_min_span", "_times", "_totals", "_window")
+    __slots__ = ("_base", "_head", "_min_grants", "_min_span", "_times", "_totals", "_window")
 
     def __init__(
         self, *, window_s: float = 5.0, min_span_s: float = 1.0, min_grants: int = 4
@@ -68,6 +68,7 @@ class QueueDrain:
         self._times: list[float] = []
         self._totals: list[int] = []
         self._head = 0
+        self._base = 0  # the running total before `_times[0]` (grants compacted away)
 
     def granted(self, now: float, count: int = 1) -> None:
         if count < 1:
@@ -80,6 +81,7 @@ class QueueDrain:
         if times[self._head] < now - self._window:
             self._head = bisect_left(times, now - self._window, self._head)
             if self._head > 64 and self._head * 2 > len(times):
+                self._base = totals[self._head - 1]
                 del times[: self._head]
                 del totals[: self._head]
                 self._head = 0
@@ -97,5 +99,5 @@ class QueueDrain:
         if first == len(self._times):
             return None
         totals = self._totals
-        grants = totals[-1] - (totals[first - 1] if first else 0)
+        grants = totals[-1] - (totals[first - 1] if first else self._base)
         return grants / span if grants >= self._min_grants else None

@@ -43,6 +43,19 @@ def test_the_rate_counts_the_backlogs_last_window_only() -> None:
     assert len(drain._times) < 200  # the old grants are dropped as the window moves
 
 
+def test_a_steady_pace_reads_the_same_before_and_after_old_grants_are_dropped() -> None:
+    """The window drops old grants in chunks; whatever is left, the rate counts the window's
+    grants only, never those dropped (the whole history would read as a burst)."""
+    drain = QueueDrain(window_s=5.0, min_span_s=1.0, min_grants=1)
+    rates = []
+    for i in range(2000):  # 100 a second for 20 s
+        drain.granted(i / 100)
+        if i >= 600:
+            rates.append(drain.rate(i / 100, 0.0))
+    assert min(rates) == pytest.approx(100.0, rel=0.01)
+    assert max(rates) == pytest.approx(100.0, rel=0.01)
+
+
 def test_a_report_of_many_grants_counts_each() -> None:
     drain = QueueDrain(window_s=2.0, min_span_s=0.5, min_grants=4)
     drain.granted(10.0)
