@@ -203,9 +203,20 @@ def test_greedy_output_through_the_gateway_equals_one_stock_server(
     # The prefill computed the prompt and saved its KV; the decode loaded those blocks
     # through the connector and computed only the rest of the prompt.
     local = "vllm:prompt_tokens_by_source_total[local_compute]"
-    assert _delta(prefill_before, prefill_after, local) == prompt_tokens
-    assert _delta(decode_before, decode_after, "vllm:external_prefix_cache_hits_total") == moved
-    assert _delta(decode_before, decode_after, local) == prompt_tokens - moved
+    moves = {
+        name: {k: v for k in after if (v := _delta(before, after, k))}
+        for name, before, after in (
+            ("prefill", prefill_before, prefill_after),
+            ("decode", decode_before, decode_after),
+        )
+    }
+    why = f"{moves}\n" + "\n".join(
+        f"{name}:\n{stock_vllm.procs[name].tail(20)}" for name in ("gateway", "prefill", "decode")
+    )
+    assert _delta(prefill_before, prefill_after, local) == prompt_tokens, why
+    hits = "vllm:external_prefix_cache_hits_total"
+    assert _delta(decode_before, decode_after, hits) == moved, why
+    assert _delta(decode_before, decode_after, local) == prompt_tokens - moved, why
     print(
         f"stock vLLM through pdgate (stream={stream}): {prompt_tokens} prompt tokens, "
         f"{len(got['tokens'])} tokens equal to the reference, {moved} loaded by the decode"
