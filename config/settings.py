@@ -544,12 +544,12 @@ class GatewaySettings(_Settings):
         "learn at once, not at their deadline.",
     )
     drain_sweep: bool = Field(
-        default=False,
-        description="With drain_admission, also refuse (503, Retry-After) the queued "
-        "requests the drain pace cannot reach, at most twice a second: those queued before "
-        "the pace was known would otherwise wait out their deadlines "
-        "(gateway/placement/drain.py). Off by default: a lone gateway past capacity then "
-        "refuses many more requests whose clients resend at once (docs/scheduling.md).",
+        default=True,
+        description="With drain_admission, also judge the queued requests again, at most "
+        "twice a second, and refuse (503, Retry-After) those the drain pace cannot reach: "
+        "those admitted in a backlog's first seconds, at a pace that still counts the fill "
+        "of idle slots, would otherwise wait out their deadlines "
+        "(gateway/placement/drain.py, docs/scheduling.md).",
     )
     prefill_estimate_quantile: float = Field(
         default=0.9,

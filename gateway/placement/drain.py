@@ -31,13 +31,12 @@ and this queue alone, refusing shortens this queue and so refuses less: the judg
 only refuses what no share of the fleet could serve in time, such as a gateway taking ten
 times the fleet's capacity while the others are quiet.
 
-With `drain_sweep` (off by default), requests queued before the pace was known (the
-backlog's first second) are judged the same way later: at most twice a second, as requests
-arrive, the queue is swept for those the pace cannot reach (`WaitQueue.beyond_reach`) and
-they are refused too, where they would wait out their deadlines. Off by default: with
-clients that resend at once (each refusal comes straight back as a new request), a lone
-gateway past capacity that swept failed many more requests for the same goodput
-(docs/scheduling.md).
+With `drain_sweep` (on by default) the requests already queued are judged again, at most
+twice a second as requests arrive: the queue is swept for those the pace cannot reach
+(`WaitQueue.beyond_reach`) and they are refused too, where they would wait out their
+deadlines. It matters at a backlog's start: its first grants fill the prefill and decode
+slots that were idle when it began, so the first seconds' pace overstates the fleet's, and
+what it admits then the steady pace may not reach (docs/results/chaos/README.md).
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ class ForwardingOptions:
     # of this queue in time.
     drain_admission: bool = True
     # ... and refuse the queued requests it cannot reach either (a sweep twice a second).
-    drain_sweep: bool = False
+    drain_sweep: bool = True
     # Longest one prefill call may take before the request moves on (a prefill that accepted
     # the connection and hangs); None: adaptive, from recent prefill times.
     try_timeout_s: float | None = None
@@ -288,8 +288,8 @@ class PrefillForwarder:
         """Would the requests ahead here, drained at the fleet's pace while this queue is
         backlogged, hold `waiter` past its deadline? (drain.py; the exact count only past
         the cheap bound.) With `drain_sweep`, at most every `_SWEEP_S`, the queued requests
-        the pace cannot reach either are refused too: those that came before the pace was
-        known."""
+        the pace cannot reach either are refused too: those admitted while the pace still
+        counted a backlog's first grants, which fill idle slots."""
         queued = len(self.queue)
         if not queued:
             return False

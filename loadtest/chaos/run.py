@@ -110,11 +110,12 @@ class ChaosPlan:
     overload_rps: float | None = None  # default: overload_factor x the measured capacity
     probe_period_s: float = 0.1  # the /health probe of the overloaded gateway
     # More overloads, each of an extra gateway with these settings besides the defaults: a
-    # short queue per (model, group) (the default is 1024), and drain admission that also
-    # sweeps its queue. Empty: only the fleet's gateway, as deployed.
+    # short queue per (model, group) (the default is 1024), and drain admission that judges
+    # each request on arrival only (no sweep of its queue). Empty: only the fleet's gateway,
+    # as deployed.
     overload_variants: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = (
         ("queue_size=32", (("queue_size", 32),)),
-        ("drain_sweep", (("drain_sweep", True),)),
+        ("no drain_sweep", (("drain_sweep", False),)),
     )
     seed: int = 0
     register_timeout_s: float = 60.0
