@@ -778,7 +778,12 @@ class GatewaySettings(_Settings):
         default=60.0, gt=0, description="Longest silence tolerated on an upstream stream."
     )
     upstream_connections: int = Field(
-        default=1024, gt=0, description="aiohttp connection pool size."
+        default=1024, gt=0, description="Connections to instances kept open at most."
+    )
+    upstream_client: Literal["h1", "aiohttp"] = Field(
+        default="h1",
+        description="Client for calls to instances: `h1` (pdgate's own HTTP/1.1, keep-alive) "
+        "or `aiohttp` (the one before it; docs/architecture.md).",
     )
     stream_chunk_bytes: int = Field(
         default=64 * 1024, gt=0, description="Relay read size from upstream."

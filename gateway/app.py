@@ -47,6 +47,7 @@ from pdgate.gateway.placement.forwarder import ForwardingOptions, Shared
 from pdgate.gateway.placement.leases import Fleet
 from pdgate.gateway.placement.local_prefill import LocalPrefill
 from pdgate.gateway.upstream.base import Upstream
+from pdgate.gateway.upstream.h1 import H1Upstream
 from pdgate.gateway.upstream.http import HttpUpstream
 from pdgate.policies import admit_idle, load_policy
 from pdgate.policies.base import Ranker
@@ -264,8 +265,9 @@ def build_gateway_app(
         )
         membership.add_listener(tracker.update_membership)
         owned = upstream is None
+        transport = H1Upstream if settings.upstream_client == "h1" else HttpUpstream
         client: Upstream = (
-            HttpUpstream.connect(
+            transport.connect(
                 connections=settings.upstream_connections,
                 connect_timeout_s=settings.upstream_connect_timeout_s,
                 read_timeout_s=settings.upstream_read_timeout_s,

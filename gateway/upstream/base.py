@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from types import TracebackType
+from typing import Any, ClassVar, Literal, Protocol
 
 import orjson
 
@@ -29,13 +30,16 @@ from pdgate.gateway.errors import (
     UpstreamProtocolError,
     UpstreamRejected,
     UpstreamStatus,
+    UpstreamUnreachable,
 )
 
 __all__ = [
     "BaseUpstream",
     "Call",
     "DecodeStream",
+    "SocketErrors",
     "Upstream",
+    "batch_body",
     "prefill_reply",
     "status_error",
     "upstream_error_message",
@@ -240,6 +244,42 @@ class BaseUpstream:
         url = kv_url(kv_params)
         if url is not None:
             await self._delete(url, request_id)
+
+
+def batch_body(calls: Sequence[Call]) -> bytes:
+    """The body of one batch call for `calls` (pdgate shims' batch endpoint)."""
+    batch: dict[str, Any] = {
+        "requests": [c.body for c in calls],
+        "kv_ids": [c.kv_id for c in calls],
+    }
+    if all(DECODE_MAX_TOKENS_HEADER in c.headers for c in calls):
+        # Per request: a call's one header would say only the first one's.
+        batch["decode_max_tokens"] = [int(c.headers[DECODE_MAX_TOKENS_HEADER]) for c in calls]
+    return orjson.dumps(batch)
+
+
+class SocketErrors:
+    """Where a transport's socket-level failures (`KINDS`) become `UpstreamUnreachable`, with
+    ``raise ... from exc``; an `UpstreamError` raised inside passes through unchanged. A
+    class, not a generator context manager: it wraps every call and every stream read."""
+
+    __slots__ = ("_url",)
+    KINDS: ClassVar[tuple[type[BaseException], ...]] = (OSError, TimeoutError)
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if isinstance(exc, self.KINDS):
+            raise UpstreamUnreachable(self._url, f"{type(exc).__name__}: {exc}") from exc
 
 
 def status_error(url: str, status: int, raw: bytes, leg: Leg) -> UpstreamError:

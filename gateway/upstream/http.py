@@ -12,8 +12,6 @@ import logging
 import time
 import weakref
 from collections.abc import AsyncIterator, Mapping
-from types import TracebackType
-from typing import Any
 
 import aiohttp
 import orjson
@@ -21,7 +19,13 @@ import orjson
 from pdgate.config.aio import cancel_and_wait
 from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, KV_ID_HEADER, REQUEST_ID_HEADER
 from pdgate.gateway.errors import UpstreamProtocolError, UpstreamUnreachable
-from pdgate.gateway.upstream.base import BaseUpstream, Call, status_error
+from pdgate.gateway.upstream.base import (
+    BaseUpstream,
+    Call,
+    SocketErrors,
+    batch_body,
+    status_error,
+)
 
 __all__ = ["HttpUpstream"]
 
@@ -31,27 +35,11 @@ _JSON = {"content-type": "application/json"}
 _RELEASE_TIMEOUT_S = 2.0
 
 
-class _mapped:
-    """The one place where socket-level failures become `UpstreamUnreachable`. A class, not
-    a generator context manager: it wraps every call and every stream read."""
+class _mapped(SocketErrors):
+    """aiohttp's failures too: nothing above this module sees an aiohttp type."""
 
-    __slots__ = ("_url",)
-
-    def __init__(self, url: str) -> None:
-        self._url = url
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        # `UpstreamError` is none of these: raised inside, it passes through unchanged.
-        if isinstance(exc, aiohttp.ClientError | TimeoutError | OSError):
-            raise UpstreamUnreachable(self._url, f"{type(exc).__name__}: {exc}") from exc
+    __slots__ = ()
+    KINDS = (aiohttp.ClientError, TimeoutError, OSError)
 
 
 class _Stream:
@@ -224,18 +212,11 @@ class HttpUpstream(BaseUpstream):
     async def _post_batch(
         self, url: str, calls: list[Call], timeout_s: float
     ) -> AsyncIterator[bytes]:
-        batch: dict[str, Any] = {
-            "requests": [c.body for c in calls],
-            "kv_ids": [c.kv_id for c in calls],
-        }
-        if all(DECODE_MAX_TOKENS_HEADER in c.headers for c in calls):
-            # Per request: the call's one header would say only the first one's.
-            batch["decode_max_tokens"] = [int(c.headers[DECODE_MAX_TOKENS_HEADER]) for c in calls]
         sent = self._sent(calls[0])
         sent.pop(DECODE_MAX_TOKENS_HEADER, None)
         with _mapped(url):
             async with self._session.post(
-                url, data=orjson.dumps(batch), headers=sent, timeout=self._timeout(timeout_s)
+                url, data=batch_body(calls), headers=sent, timeout=self._timeout(timeout_s)
             ) as resp:
                 if resp.status != 200:
                     raise status_error(url, resp.status, await resp.read(), "prefill")

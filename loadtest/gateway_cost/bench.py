@@ -92,6 +92,9 @@ class GatewayPlan:
     # Also a one-worker pdgate without the shims' batch endpoint ("pdgate_plain"): the same
     # shim endpoints vllm-router uses, for a like-for-like comparison.
     plain: bool = True
+    # Also a one-worker pdgate on aiohttp's client ("pdgate_aiohttp", upstream_client =
+    # aiohttp) beside the default one on pdgate's own: what the client costs, in one run.
+    aiohttp: bool = False
     # The engines every front is measured on, in turn: "shim" (pdgate's sim shims) and
     # "stock" (stock.py, a plain OpenAI server with vLLM's handshake only).
     engines: tuple[str, ...] = ("shim", "stock")
@@ -114,11 +117,16 @@ QUICK = GatewayPlan(
 )
 
 
-def _pdgate_fronts(workers_list: tuple[int, ...], plain: bool) -> list[tuple[str, int, bool]]:
-    """(front name, worker processes, batch endpoint on) of each pdgate front."""
-    out = [("pdgate" if w == 1 else f"pdgate_w{w}", w, True) for w in workers_list]
+def _pdgate_fronts(
+    workers_list: tuple[int, ...], plain: bool, aiohttp: bool = False
+) -> list[tuple[str, int, bool, str]]:
+    """(front name, worker processes, batch endpoint on, upstream client) of each pdgate
+    front."""
+    out = [("pdgate" if w == 1 else f"pdgate_w{w}", w, True, "h1") for w in workers_list]
     if plain:
-        out.append(("pdgate_plain", 1, False))
+        out.append(("pdgate_plain", 1, False, "h1"))
+    if aiohttp:
+        out.append(("pdgate_aiohttp", 1, True, "aiohttp"))
     return out
 
 
@@ -180,6 +188,7 @@ async def running_fronts(
     warm: bool = True,
     workers_list: tuple[int, ...] = (1,),
     plain: bool = False,
+    aiohttp: bool = False,
     router_policies: tuple[str, ...] = ("round_robin",),
     smg: bool = False,
     pinning: Pinning | None = None,
@@ -208,9 +217,10 @@ async def running_fronts(
             capacity = {"prefill": spec.prefill_capacity, "decode": spec.decode_capacity}
             static = _static_flags(orjson.loads(ready_engine.group(0)), capacity)
         gateways: dict[str, Child] = {}
-        for name, workers, batch in _pdgate_fronts(workers_list, plain):
+        for name, workers, batch, client in _pdgate_fronts(workers_list, plain, aiohttp):
             env = gateway_env(spec.key_prefix, streams)
             env["PDGATE_GATEWAY_PREFILL_BATCH_ENDPOINT"] = "true" if batch else "false"
+            env["PDGATE_GATEWAY_UPSTREAM_CLIENT"] = client
             env["PDGATE_GATEWAY_GATEWAY_ID"] = name
             if name != "pdgate":
                 # Its own fleet: fronts are measured one at a time, and gateways that share a
@@ -372,7 +382,8 @@ async def _fast_phase(plan: GatewayPlan, run: _Run, engine: str) -> dict[str, An
     plain = plan.plain and engine == "shim"
     stack = running_fronts(
         session, spec, 256, plan.with_router, log, workers_list=plan.workers, plain=plain,
-        router_policies=plan.router_policies, smg=plan.with_smg, pinning=pinning,
+        aiohttp=plan.aiohttp, router_policies=plan.router_policies, smg=plan.with_smg,
+        pinning=pinning,
     )  # fmt: skip
     async with stack as setup, aiohttp.ClientSession() as stats_session:
         fronts, procs = setup.fronts, setup.procs

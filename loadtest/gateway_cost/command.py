@@ -66,6 +66,11 @@ def configure_gateway(g: argparse.ArgumentParser) -> None:
         help="skip pdgate_plain (pdgate without the shims' batch endpoint, like vllm-router)",
     )
     g.add_argument(
+        "--aiohttp",
+        action="store_true",
+        help="also pdgate_aiohttp: pdgate on aiohttp's client (upstream_client = aiohttp)",
+    )
+    g.add_argument(
         "--engine",
         choices=("shim", "stock", "both"),
         default="both",
@@ -252,6 +257,8 @@ def gateway_main(args: argparse.Namespace, command: str) -> int:
         plan = replace(plan, workers=tuple(int(w) for w in args.workers.split(",")))
     if args.no_plain:
         plan = replace(plan, plain=False)
+    if args.aiohttp:
+        plan = replace(plan, aiohttp=True)
     if args.prefill_ms is not None:
         plan = replace(plan, prefill_s=args.prefill_ms / 1000)
     if args.token_ms is not None:

@@ -51,6 +51,7 @@ _LAYERS = (
     (("gateway/stream/",), "pdgate: relay (gateway/stream)"),
     (("gateway/placement/",), "pdgate: placement (gateway/placement)"),
     (("gateway/api/", "config/openai_api.py"), "pdgate: endpoint and parsing"),
+    (("gateway/upstream/h1.py",), "HTTP client (pdgate's h1)"),
     (("gateway/upstream/",), "pdgate: upstream calls (gateway/upstream)"),
     (("gateway/", "config/", "policies/", "registry/"), "pdgate: the rest"),
 )

@@ -85,6 +85,8 @@ def _pairs(fronts: list[str]) -> list[tuple[str, str]]:
     for router in ("vllm_router", "smg"):
         if "pdgate_plain" in fronts and router in fronts:
             pairs.append(("pdgate_plain", router))  # the like-for-like pairs on the shims
+    if "pdgate" in fronts and "pdgate_aiohttp" in fronts:
+        pairs.append(("pdgate", "pdgate_aiohttp"))  # what the upstream client costs
     return pairs
 
 

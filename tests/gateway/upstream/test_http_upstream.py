@@ -1,6 +1,7 @@
-"""`HttpUpstream` against a real HTTP server: a decode stream that starts and then goes
-silent (a hung or SIGSTOP'd decode) is given up after the stall timeout; silence before its
-first data (the decode pulling KV, or queueing) is not a stall."""
+"""Both upstream clients, `HttpUpstream` (aiohttp) and `H1Upstream` (pdgate's own), against a
+real HTTP server: a decode stream that starts and then goes silent (a hung or SIGSTOP'd
+decode) is given up after the stall timeout; silence before its first data (the decode
+pulling KV, or queueing) is not a stall."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from pdgate.gateway.errors import UpstreamUnreachable
+from pdgate.gateway.upstream.h1 import H1Upstream
 from pdgate.gateway.upstream.http import HttpUpstream
 
 
@@ -49,8 +51,11 @@ async def decode() -> AsyncIterator[str]:
     await runner.cleanup()
 
 
-async def test_a_stream_that_goes_silent_after_its_first_data_is_given_up(decode: str) -> None:
-    upstream = HttpUpstream.connect(
+@pytest.mark.parametrize("client", [HttpUpstream, H1Upstream], ids=["aiohttp", "h1"])
+async def test_a_stream_that_goes_silent_after_its_first_data_is_given_up(
+    decode: str, client: type[HttpUpstream | H1Upstream]
+) -> None:
+    upstream = client.connect(
         connections=4, connect_timeout_s=1, read_timeout_s=60, stall_timeout_s=0.4
     )
     try:

@@ -146,17 +146,18 @@ async def test_a_tiny_run_has_the_json_shape() -> None:
         # A window long enough that a cold gateway's first requests end inside it.
         ttft_requests=3, concurrencies=(32,), rounds=1, warmup_s=0.1, window_s=0.5,
         idle_streams=20, idle_batch=10, settle_s=0.1, with_router=False, with_smg=False,
+        aiohttp=True,
     )  # fmt: skip
     result = json_line(await run_gateway_bench(plan, lambda _: None))
-    # On the shims pdgate runs twice: with their batch endpoint, and plain (vllm-router's
-    # endpoints). The top-level keys are the first engine's, as before there were two.
-    pdgates = {"pdgate", "pdgate_plain"}
+    # On the shims pdgate runs three times: with their batch endpoint, plain (vllm-router's
+    # endpoints), and on aiohttp's client. The top-level keys are the first engine's.
+    pdgates = {"pdgate", "pdgate_plain", "pdgate_aiohttp"}
     assert result["engine"] == "shim" and set(result["by_engine"]) == {"shim", "stock"}
     assert set(result["added_ttft_p50_ms"]) == pdgates
     assert set(result["rps_c32"]) == {"direct", *pdgates}
     for front in pdgates:
         assert result["rps_c32"][front] > 0 and result["events_per_s_c32"][front] > 0
-    assert result["failures_c32"] == {"direct": 0, "pdgate": 0, "pdgate_plain": 0}
+    assert result["failures_c32"] == dict.fromkeys({"direct", *pdgates}, 0)
     assert set(result["cpu_s_per_1k"]) == pdgates
     assert result["cpu_s_per_1k_c32"] == result["cpu_s_per_1k"]
     # The load client's own cost, for every front, direct included.
@@ -166,9 +167,10 @@ async def test_a_tiny_run_has_the_json_shape() -> None:
     assert 0 < result["client_cores_c32"]["direct"] <= 1.05  # one event loop: one core at most
     # Stock engines: no batch endpoint to use, so no pdgate_plain; only the handshake's path.
     stock = result["by_engine"]["stock"]
-    assert set(stock["rps_c32"]) == {"direct", "pdgate"}
-    assert stock["failures_c32"] == {"direct": 0, "pdgate": 0}
-    assert set(stock["ttft_segments_ms"]) == {"direct", "pdgate"}
+    on_stock = {"direct", "pdgate", "pdgate_aiohttp"}
+    assert set(stock["rps_c32"]) == on_stock
+    assert stock["failures_c32"] == dict.fromkeys(on_stock, 0)
+    assert set(stock["ttft_segments_ms"]) == on_stock
     assert set(stock["added_ttft_segments_ms"]["pdgate"]) == set(SEGMENTS)
     for front, paths in stock["engine_requests"].items():
         assert set(paths) <= {"POST /v1/completions", "GET /health"}, front
