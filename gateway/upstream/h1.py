@@ -311,18 +311,27 @@ class _Pool:
     def open(self) -> int:
         return self._open
 
+    def idle(self, key: _Key) -> _Connection | None:
+        """An idle connection to `key` still fit to use, if there is one."""
+        idle = self._idle.get(key)
+        if not idle or self._closing:
+            return None
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if conn.reusable and now - conn.idle_since < self._keepalive_s:
+                return conn
+            conn.close()
+        return None
+
     async def get(self, key: _Key) -> _Connection:
         """A connection to `key`: an idle one, or a new one once the limit allows."""
         while True:
             if self._closing:
                 raise _Broken("the upstream client is closed")
-            idle = self._idle.get(key)
-            now = time.monotonic()
-            while idle:
-                conn = idle.pop()
-                if conn.reusable and now - conn.idle_since < self._keepalive_s:
-                    return conn
-                conn.close()
+            conn = self.idle(key)
+            if conn is not None:
+                return conn
             if self._open < self._limit:
                 return await self._connect(key)
             if not self._close_one_idle():
@@ -616,8 +625,10 @@ class H1Upstream(BaseUpstream):
     ) -> _Connection:
         """A pooled connection (within `connect_s`) with the call sent on it and its answer's
         status in. Any failure or cancellation on the way closes the connection."""
-        async with asyncio.timeout(connect_s):
-            conn = await self._pool.get(target.key)
+        conn = self._pool.idle(target.key)
+        if conn is None:  # the connect timeout only where there is waiting to bound
+            async with asyncio.timeout(connect_s):
+                conn = await self._pool.get(target.key)
         try:
             conn.send(head, body)
             await conn.status()
