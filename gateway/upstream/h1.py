@@ -467,9 +467,7 @@ class _Stream:
     async def read(self, size: int) -> bytes:
         if self.closed:
             if self.stalled:
-                raise UpstreamUnreachable(
-                    self.url, f"decode stalled: no data for {self.stalled:.1f} s"
-                )
+                raise self._stalled()
             return b""
         self._waiting_since = time.monotonic()
         try:
@@ -477,9 +475,7 @@ class _Stream:
                 data = await self._conn.read(size)
         except UpstreamUnreachable:
             if self.stalled:
-                raise UpstreamUnreachable(
-                    self.url, f"decode stalled: no data for {self.stalled:.1f} s"
-                ) from None
+                raise self._stalled() from None
             self.close()
             raise
         except BaseException:
@@ -490,8 +486,11 @@ class _Stream:
         if data:
             self._started = True
         else:
-            self._finish()
+            self.close()  # read to the end: the connection goes back to the pool
         return data
+
+    def _stalled(self) -> UpstreamUnreachable:
+        return UpstreamUnreachable(self.url, f"decode stalled: no data for {self.stalled:.1f} s")
 
     def silent_s(self, now: float, *, started_only: bool) -> float:
         """How long the reader has been kept waiting (0: not waiting; with `started_only`,
@@ -514,11 +513,6 @@ class _Stream:
                 self._conn.done()  # read to the end: the connection serves the next call
             else:
                 self._conn.close()
-
-    def _finish(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._conn.done()
 
 
 class H1Upstream(BaseUpstream):
