@@ -8,17 +8,30 @@ gateway's queue before its deadline:
 
     ahead / rate > time left
 
-``rate`` is the grants per second for this queue's model and group **while this queue had
-a backlog** (a queue that is often empty drains as fast as requests arrive, which says
-nothing about capacity), over the last `window_s`, and only once the backlog has lasted
-`min_span_s` with at least `min_grants` grants: below that there is no evidence and the
-request is queued as before. The grants counted are the whole fleet's: this gateway's as
-they happen, the other gateways' as each sync reports them (`samples_out`, within one
-sync interval). ``ahead`` is a lower bound of the requests that go before it here
-(queue.py, `WaitQueue.ahead`): more urgent classes, and its own tenant's requests due
-before it. Other tenants' requests are not counted (fair sharing may let it pass them),
-nor are the other gateways', so the estimate errs toward admitting; early drop at the head
-(forwarder.py) still catches what slips through.
+``rate`` is the grants per second (prefills' answers) for this queue's model and group
+**while this queue was saturated**: it held requests and the forwarder found no prefill to
+send them to (all full, or yielding to another gateway's more urgent request), from that
+moment until the queue next emptied. Only then do grants measure capacity: a queue that is
+often empty drains as fast as requests arrive, and the grants that fill idle prefills are
+not counted either. The saturated seconds and their grants are summed over the last
+`window_s`, across the short lulls in between, and a pace is given once there are
+`min_span_s` saturated seconds with at least `min_grants` grants: below that there is no
+evidence and the request is queued as before.
+
+Why across lulls. A closed loop of users near capacity empties the queue every few seconds,
+and a new backlog starts when every prefill has just taken a run: its first second holds
+few answers (prefills with long prompts compute), the seconds after a burst of them. A
+pace read from the current backlog alone read a third of the real one there and refused
+requests that the next second's grants would have reached (docs/results/fleet/README.md,
+"Refusal storms").
+
+The grants counted are the whole fleet's: this gateway's as they happen, the other
+gateways' as each sync reports them (`samples_out`, within one sync interval). ``ahead`` is
+a lower bound of the requests that go before it here (queue.py, `WaitQueue.ahead`): more
+urgent classes, and its own tenant's requests due before it. Other tenants' requests are
+not counted (fair sharing may let it pass them), nor are the other gateways', so the
+estimate errs toward admitting; early drop at the head (forwarder.py) still catches what
+slips through.
 
 Why the fleet's grants and only this queue's requests. Alone, the two are the queue's own
 pace and the queue. In a fleet the fleet's deadline order decides whose requests go, so
@@ -34,9 +47,9 @@ times the fleet's capacity while the others are quiet.
 With `drain_sweep` (on by default) the requests already queued are judged again, at most
 twice a second as requests arrive: the queue is swept for those the pace cannot reach
 (`WaitQueue.beyond_reach`) and they are refused too, where they would wait out their
-deadlines. It matters at a backlog's start: its first grants fill the prefill and decode
-slots that were idle when it began, so the first seconds' pace overstates the fleet's, and
-what it admits then the steady pace may not reach (docs/results/chaos/README.md).
+deadlines. It matters at a backlog's start: the runs of the prefills that were idle when
+it began all answer in its first seconds, so those seconds' pace overstates the fleet's,
+and what it admits then the steady pace may not reach (docs/results/chaos/README.md).
 """
 
 from __future__ import annotations
@@ -45,13 +58,28 @@ from bisect import bisect_left
 
 __all__ = ["QueueDrain"]
 
+# Saturated spans kept: many more than a window holds in practice (each begins when the
+# forwarder finds no room and ends when the queue empties). Past this, the oldest go and
+# the window starts where the kept history does.
+_MAX_SPANS = 512
+
 
 class QueueDrain:
-    """A queue's grant rate while backlogged: `granted(now, n)` for every `n` requests a
-    prefill accepted (here or, as reported, at another gateway); the backlog's start is the
-    queue's own (`WaitQueue.backlog_since`)."""
+    """A queue's grant rate while saturated: `saturated(now)` when the forwarder finds no
+    prefill for a queued request, `drained(now)` when the queue empties, `granted(now, n)`
+    for every `n` requests a prefill accepted (here or, as reported, at another gateway)."""
 
-    __slots__ = ("_base", "_head", "_min_grants", "_min_span", "_times", "_totals", "_window")
+    __slots__ = (
+        "_base",
+        "_head",
+        "_min_grants",
+        "_min_span",
+        "_open",
+        "_spans",
+        "_times",
+        "_totals",
+        "_window",
+    )
 
     def __init__(
         self, *, window_s: float = 5.0, min_span_s: float = 1.0, min_grants: int = 4
@@ -61,17 +89,36 @@ class QueueDrain:
         self._window = window_s
         self._min_span = min_span_s
         self._min_grants = min_grants
-        # When grants came, ascending, and the running total of grants up to and including
-        # each; those before `_head` are out of the window. Bounded by the grants and
-        # reports one window holds (compacted as the head moves on).
+        # When grants came while saturated, ascending, and the running total of grants up
+        # to and including each; those before `_head` are out of the window. Bounded by the
+        # grants and reports one window holds (compacted as the head moves on).
         self._times: list[float] = []
         self._totals: list[int] = []
         self._head = 0
         self._base = 0  # the running total before `_times[0]` (grants compacted away)
+        # Closed saturated spans (start, end), oldest first, and the start of the open one.
+        self._spans: list[tuple[float, float]] = []
+        self._open: float | None = None
+
+    def saturated(self, now: float) -> None:
+        if self._open is None:
+            self._open = max(now, self._spans[-1][1]) if self._spans else now
+
+    def drained(self, now: float) -> None:
+        if self._open is None:
+            return
+        if now > self._open:
+            self._spans.append((self._open, now))
+        self._open = None
+        spans = self._spans
+        old = now - self._window
+        if len(spans) > _MAX_SPANS or (spans and spans[0][1] < old):
+            cut = max(len(spans) - _MAX_SPANS, bisect_left(spans, old, key=lambda s: s[1]))
+            del spans[:cut]
 
     def granted(self, now: float, count: int = 1) -> None:
-        if count < 1:
-            return
+        if count < 1 or self._open is None:
+            return  # a grant outside saturation says how fast requests came, not capacity
         times, totals = self._times, self._totals
         if times and now < times[-1]:
             now = times[-1]  # kept ascending
@@ -85,13 +132,17 @@ class QueueDrain:
                 del totals[: self._head]
                 self._head = 0
 
-    def rate(self, now: float, backlog_since: float | None) -> float | None:
-        """Grants per second over the current backlog's last `window_s` (None: no backlog,
-        or too short or too few grants to say)."""
-        if backlog_since is None:
-            return None
-        start = max(backlog_since, now - self._window)
-        span = now - start
+    def rate(self, now: float) -> float | None:
+        """Grants per saturated second over the last `window_s` (None: too few saturated
+        seconds or too few grants to say)."""
+        start = now - self._window
+        if len(self._spans) >= _MAX_SPANS:
+            start = max(start, self._spans[0][0])  # the history kept begins there
+        span = 0.0 if self._open is None else now - max(self._open, start)
+        for begin, end in reversed(self._spans):
+            if end <= start:
+                break
+            span += end - max(begin, start)
         if span < self._min_span:
             return None
         first = bisect_left(self._times, start, self._head)

@@ -286,7 +286,7 @@ class PrefillForwarder:
 
     def _too_late(self, waiter: Waiter) -> bool:
         """Would the requests ahead here, drained at the fleet's pace while this queue is
-        backlogged, hold `waiter` past its deadline? (drain.py; the exact count only past
+        saturated, hold `waiter` past its deadline? (drain.py; the exact count only past
         the cheap bound.) With `drain_sweep`, at most every `_SWEEP_S`, the queued requests
         the pace cannot reach either are refused too: those admitted while the pace still
         counted a backlog's first grants, which fill idle slots."""
@@ -294,7 +294,7 @@ class PrefillForwarder:
         if not queued:
             return False
         now = time.monotonic()
-        rate = self._drain.rate(now, self.queue.backlog_since)
+        rate = self._drain.rate(now)
         if rate is None:
             return False
         if self._options.drain_sweep and now >= self._next_sweep:
@@ -410,6 +410,7 @@ class PrefillForwarder:
         while True:
             head = self.queue.peek()
             if head is None:
+                self._drain.drained(time.monotonic())
                 return  # restarted by the next acquire()
             if self._hopeless(head):
                 continue
@@ -438,7 +439,9 @@ class PrefillForwarder:
                 # Everyone is full or just rejected: wait for a request to free a slot
                 # somewhere (the likeliest moment a prefill accepts again) or a back-off. A
                 # gateway that yielded to a more urgent one elsewhere retries after the
-                # fleet's priority window.
+                # fleet's priority window. Either way the fleet is at capacity: its grants
+                # from now until this queue empties are its pace (drain.py).
+                self._drain.saturated(time.monotonic())
                 if slots.yielded:
                     self._shared.metrics.fleet_yields.inc()
                     wait = self._shared.fleet.window_s

@@ -149,7 +149,6 @@ class WaitQueue:
         self._counters: dict[str, float] = {}  # tenant -> tokens charged (insertion = LRU)
         self._deadlines = _Heap()  # every queued waiter by deadline (fleet heads)
         self._live = 0
-        self.backlog_since: float | None = None  # monotonic: nonempty since (drain.py)
         self._seq = itertools.count()
         self._nonempty = asyncio.Event()
         self._arrived = asyncio.Event()  # replaced (after being set) on every insertion
@@ -255,8 +254,6 @@ class WaitQueue:
             cls.latest_start.push((waiter.latest_start, waiter.key[1]), waiter)
         cls.queued += 1
         self._deadlines.push((waiter.deadline, waiter.key[1]), waiter)
-        if not self._live:
-            self.backlog_since = time.monotonic()
         self._live += 1
         self._nonempty.set()
         arrived, self._arrived = self._arrived, asyncio.Event()
@@ -296,7 +293,6 @@ class WaitQueue:
             cls.latest_start.compact(cls.queued)
         self._deadlines.compact(self._live)
         if not self._live:
-            self.backlog_since = None
             self._nonempty.clear()
 
     def ahead(self, waiter: Waiter) -> int:

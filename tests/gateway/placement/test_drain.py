@@ -23,48 +23,85 @@ from pdgate.gateway.upstream.mock import MockUpstream
 from tests.gateway._fakes import FakeCluster, eventually, forwarder, info, tracker_for, waiter
 
 
-def test_no_rate_without_a_backlog_long_enough_and_grants_enough() -> None:
+def _saturated(drain: QueueDrain, begin: float, end: float, per_s: float) -> None:
+    """`per_s` grants a second while saturated from `begin` until the queue empties at `end`."""
+    drain.saturated(begin)
+    n = round((end - begin) * per_s)
+    for i in range(1, n + 1):
+        drain.granted(begin + i / per_s)
+    drain.drained(end)
+
+
+def test_no_rate_without_saturation_long_enough_and_grants_enough() -> None:
     drain = QueueDrain(window_s=5.0, min_span_s=1.0, min_grants=4)
+    for t in (9.5, 9.7, 9.9):
+        drain.granted(t)  # not saturated: how fast requests came, not capacity
+    assert drain.rate(10.0) is None
+    drain.saturated(10.0)
     for t in (10.1, 10.2, 10.3, 10.4, 10.5):
         drain.granted(t)
-    assert drain.rate(10.6, None) is None  # no backlog
-    assert drain.rate(10.6, 10.0) is None  # a backlog of 0.6 s: too short to say
-    assert drain.rate(11.0, 10.0) == pytest.approx(5.0)  # 5 grants in its 1 s
-    assert drain.rate(11.0, 10.35) is None  # 2 grants since this backlog began
+    assert drain.rate(10.6) is None  # 0.6 saturated seconds: too few to say
+    assert drain.rate(11.0) == pytest.approx(5.0)  # 5 grants in its 1 s
+    drain.drained(11.0)
+    assert drain.rate(11.5) == pytest.approx(5.0)  # a lull counts neither time nor grants
 
 
-def test_the_rate_counts_the_backlogs_last_window_only() -> None:
+def test_the_pace_carries_across_a_lull() -> None:
+    """Near capacity the queue empties every few seconds, and a new backlog begins when
+    every prefill has just taken a run: its first second holds few answers. The seconds
+    saturated before the lull still count, so that second does not read as the pace."""
+    drain = QueueDrain(window_s=5.0, min_span_s=1.0, min_grants=4)
+    _saturated(drain, 0.0, 4.0, 20.0)
+    drain.saturated(4.2)
+    for t in (4.6, 5.0, 5.3):
+        drain.granted(t)  # a slow second: long prompts computing everywhere
+    # 0.3..4.0 at 20 a second and 3 since 4.2: 77 grants in 4.8 saturated seconds
+    assert drain.rate(5.3) == pytest.approx(77 / 4.8, rel=0.02)
+
+
+def test_the_rate_counts_the_last_window_only() -> None:
     drain = QueueDrain(window_s=2.0, min_span_s=0.5, min_grants=1)
+    drain.saturated(0.0)
     for i in range(400):  # 10 a second for 40 s, then 40 a second for 2 s
         drain.granted(i / 10)
     for i in range(80):
         drain.granted(40 + i / 40)
-    assert drain.rate(42.0, 0.0) == pytest.approx(40.0)
+    assert drain.rate(42.0) == pytest.approx(40.0)
     assert len(drain._times) < 200  # the old grants are dropped as the window moves
+
+
+def test_spans_are_bounded_and_the_window_starts_where_they_do() -> None:
+    drain = QueueDrain(window_s=5.0, min_span_s=0.1, min_grants=1)
+    for i in range(5000):  # 1,000 saturated spans a second, 5 ms each
+        _saturated(drain, i / 1000, i / 1000 + 0.0005, 4000.0)
+    assert len(drain._spans) <= 512
+    assert drain.rate(5.0) == pytest.approx(4000.0, rel=0.01)
 
 
 def test_a_steady_pace_reads_the_same_before_and_after_old_grants_are_dropped() -> None:
     """The window drops old grants in chunks; whatever is left, the rate counts the window's
     grants only, never those dropped (the whole history would read as a burst)."""
     drain = QueueDrain(window_s=5.0, min_span_s=1.0, min_grants=1)
+    drain.saturated(0.0)
     rates = []
     for i in range(2000):  # 100 a second for 20 s
         drain.granted(i / 100)
         if i >= 600:
-            rates.append(drain.rate(i / 100, 0.0))
+            rates.append(drain.rate(i / 100))
     assert min(rates) == pytest.approx(100.0, rel=0.01)
     assert max(rates) == pytest.approx(100.0, rel=0.01)
 
 
 def test_a_report_of_many_grants_counts_each() -> None:
     drain = QueueDrain(window_s=2.0, min_span_s=0.5, min_grants=4)
+    drain.saturated(9.0)
     drain.granted(10.0)
     drain.granted(10.5, 30)  # another gateway's sync
     drain.granted(10.2)  # an earlier reading, counted as of the latest
     drain.granted(10.6, 0)
-    assert drain.rate(11.0, 9.0) == pytest.approx(32 / 2.0)
-    assert drain.rate(12.4, 9.0) == pytest.approx(31 / 2.0)  # the first left the window
-    assert drain.rate(13.0, 9.0) is None  # every grant left it
+    assert drain.rate(11.0) == pytest.approx(32 / 2.0)
+    assert drain.rate(12.4) == pytest.approx(31 / 2.0)  # the first left the window
+    assert drain.rate(13.0) is None  # every grant left it
 
 
 async def test_ahead_counts_what_surely_goes_first() -> None:
@@ -168,6 +205,42 @@ async def test_an_urgent_request_goes_first_however_long_the_queue() -> None:
         assert len(p.fwd.queue) > 20  # it passed the backlog
 
 
+async def test_a_slow_second_at_a_backlogs_start_does_not_hide_the_pace() -> None:
+    """Near capacity a new backlog often begins with a slow second (every prefill has just
+    taken a long run). Judged by that second alone, a request the pace reaches in time
+    would be refused; judged by the saturated seconds before the lull as well, it is
+    queued and served."""
+    cluster = FakeCluster(prefill_delay_s=0.05)
+    upstream = MockUpstream(cluster)
+    fwd, metrics, background = forwarder(
+        upstream,
+        tracker_for([1]),
+        ForwardingOptions(client_error=client_error, drain_sweep=False),
+        order=QueueOrder.FIFO,
+    )
+    slow: list[asyncio.Task[None]] = []
+    try:
+        # Two seconds at capacity, 20 grants a second, until the queue empties.
+        await asyncio.gather(*(_take(fwd, waiter(i, deadline_s=30)) for i in range(40)))
+        cluster.prefill_delay_s = 0.2  # then a slow second and a half: 7 grants
+        slow = [asyncio.create_task(_take(fwd, waiter(100 + i, deadline_s=30))) for i in range(20)]
+        await asyncio.sleep(1.5)
+        assert 9 <= len(fwd.queue) <= 14
+        cluster.prefill_delay_s = 0.05
+        # Some 12 ahead, 1.5 s left: this backlog's 7 grants in 1.5 s reach 7 of them; the
+        # 47 of the last 3.5 saturated seconds reach 20, and 20 a second serve them in 0.8 s.
+        await _take(fwd, waiter(200, deadline_s=1.5))
+        sheds = metrics.registry.get_sample_value("pdgate_queue_sheds_total", {"reason": "drain"})
+        assert sheds in (None, 0)
+        await asyncio.gather(*slow)
+    finally:
+        for t in slow:
+            t.cancel()
+        await asyncio.gather(*slow, return_exceptions=True)
+        await fwd.close()
+        await background.aclose()
+
+
 async def test_requests_queued_before_the_pace_was_known_are_refused_once_it_is() -> None:
     """A request queued when nothing could be judged (here: drain admission off as it came)
     that the pace shows out of reach is told 503 at the next arrival's sweep, not at its
@@ -256,7 +329,7 @@ async def test_a_warm_starts_history_of_grants_is_not_the_pace() -> None:
 
 async def test_own_grants_go_out_with_the_next_sync_once() -> None:
     async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
-        assert _grants_in(p.fwd.samples_out()) >= 20  # some 26 in 1.3 s at 20 a second
+        assert _grants_in(p.fwd.samples_out()) >= 10  # some 26 in 1.3 s at 20 a second
         assert _grants_in(p.fwd.samples_out()) < 5  # each grant is reported once
 
 
