@@ -319,10 +319,15 @@ class _Pool:
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if conn.reusable and now - conn.idle_since < self._keepalive_s:
+            if self._fit(conn, now):
                 return conn
             conn.close()
         return None
+
+    def _fit(self, conn: _Connection, now: float) -> bool:
+        """Still fit to reuse: both sides kept it alive, and it has been idle for less than
+        the keep-alive time (under the servers' own, so none is closing it as we send)."""
+        return conn.reusable and now - conn.idle_since < self._keepalive_s
 
     async def get(self, key: _Key) -> _Connection:
         """A connection to `key`: an idle one, or a new one once the limit allows."""
@@ -429,7 +434,7 @@ class _Pool:
             conns = self._idle[key]
             kept = []
             for conn in conns:
-                if conn.reusable and now - conn.idle_since < self._keepalive_s:
+                if self._fit(conn, now):
                     kept.append(conn)
                 else:
                     conn.close()

@@ -101,7 +101,17 @@ class Proc:
                 self._cond.wait(min(left, 1.0))
 
     def tail(self, n: int = 60) -> str:
-        return "".join(self.lines[-n:])
+        """The last `n` lines of its output and, when an error came earlier, the lines around
+        the first one: a vLLM engine's cause is logged long before the line it fails with
+        (its workers' tracebacks, then the engine core's own)."""
+        lines = list(self.lines)
+        first = next(
+            (i for i, line in enumerate(lines) if "Traceback" in line or "ERROR" in line), None
+        )
+        if first is None or first >= len(lines) - n:
+            return "".join(lines[-n:])
+        cause = lines[max(0, first - 10) : min(first + 150, len(lines) - n)]
+        return "".join([*cause, "[...]\n", *lines[-n:]])
 
     def stop(self) -> None:
         if self.proc.poll() is None:
