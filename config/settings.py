@@ -537,9 +537,9 @@ class GatewaySettings(_Settings):
     drain_admission: bool = Field(
         default=True,
         description="dispatch=queue: answer 503 with Retry-After on arrival, instead of "
-        "queueing it, a request that the fleet's pace while this queue is saturated (its "
-        "grants per second over the last 5 s while it held requests no prefill had room "
-        "for, every gateway's, shared with each sync) would "
+        "queueing it, a request that the fleet's pace (grants a second in the last 5 s "
+        "while this queue held requests no prefill had room for; every gateway's, shared "
+        "with each sync) would "
         "not bring to the front of this gateway's queue before its deadline, counting only "
         "the requests sure to go first (gateway/placement/drain.py): past capacity clients "
         "learn at once, not at their deadline.",
