@@ -60,10 +60,11 @@ EXT_LOCAL_PREFILL = "local_prefill"
 # stop string travels with its ids). The first token early and the migration of streams with
 # stop strings rely on it.
 EXT_CONTINUATION = "continuation"
-# A prefill that answers 429 when its slots are full instead of queueing (P/D-Serve's
-# admission): it enforces its own slots, so a gateway alone in its fleet may count them
-# locally instead of leasing each one through Redis. One that queues (stock vLLM, or
-# admission=queue) must be leased: only the gateways can keep it queue-less.
+# An instance that answers 429 when its slots are full instead of queueing (P/D-Serve's
+# admission): it enforces its own slots. A gateway alone in its fleet may count a prefill's
+# locally instead of leasing each one through Redis; one that queues (stock vLLM, or
+# admission=queue) must be leased: only the gateways can keep it queue-less. A decode's
+# bound the requests it takes a second (gateway/placement/drain.py, `DecodeCapacity`).
 EXT_QUEUELESS = "queueless"
 # An aggregated instance that alternates prefill and decode phases (EcoServe's temporal
 # disaggregation): its group is served partially disaggregated (rolling activation).

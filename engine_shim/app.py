@@ -113,8 +113,8 @@ def _extensions(settings: ShimSettings, backend: PrefillBackend | DecodeBackend)
             # It answers 429 itself when its slots are full: a lone gateway may count them.
             phases = (EXT_PHASES,) if settings.phases else ()
             return (EXT_CONTINUATION, EXT_LOCAL_PREFILL, EXT_QUEUELESS, *phases)
-        return (EXT_CONTINUATION, EXT_LOCAL_PREFILL)
-    return (EXT_CONTINUATION,)
+        return (EXT_CONTINUATION, EXT_LOCAL_PREFILL, EXT_QUEUELESS)
+    return (EXT_CONTINUATION, EXT_QUEUELESS)
 
 
 def instance_record(

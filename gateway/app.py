@@ -43,6 +43,7 @@ from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.observe.ratio import RatioAdvisor
 from pdgate.gateway.placement.decode_attempt import DecodeAttempts
 from pdgate.gateway.placement.dispatch import Dispatcher, client_error
+from pdgate.gateway.placement.drain import DecodeCapacity
 from pdgate.gateway.placement.forwarder import ForwardingOptions, Shared
 from pdgate.gateway.placement.leases import Fleet
 from pdgate.gateway.placement.local_prefill import LocalPrefill
@@ -208,6 +209,7 @@ def build_dispatcher(
         advisor=RatioAdvisor(
             window_s=settings.ratio_window_s, target_utilization=settings.ratio_target_utilization
         ),
+        decode_capacity=DecodeCapacity(tracker),
     )
     dispatcher = Dispatcher(
         settings,

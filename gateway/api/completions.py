@@ -218,6 +218,8 @@ class CompletionsEndpoint:
         )
         advisor = self._dispatcher.advisor
         if placement is not None:
+            if (capacity := self._dispatcher.decode_capacity) is not None:
+                capacity.held(placement.decode_id, time.monotonic() - placement.opened_at)
             advisor.arrival(placement.prefill_group)
             if outcome == "ok" and first is not None and placement.tokens > 0:
                 rec = self._tracker.records().get(placement.decode_id)

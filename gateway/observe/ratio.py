@@ -27,73 +27,28 @@ layout's autoscaler does exactly that).
 from __future__ import annotations
 
 import math
-import time
-from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdgate.config.wire import Role
+from pdgate.gateway.observe.window import TimeWindow
 from pdgate.registry.base import InstanceRecord, InstanceState
 
 __all__ = ["Advice", "RatioAdvisor"]
 
 _MAX_GROUPS = 256
 _MAX_HARDWARE = 16
-# Time buckets per window: its resolution is window_s / _BUCKETS (1 s at the default 120 s).
-_BUCKETS = 120
-
-
-class _Window:
-    """Counts and sums of samples over the last `window_s` seconds, in `_BUCKETS` time buckets:
-    the same memory and the same work per sample at any request rate. (A window of samples
-    capped in number would hold only the last few seconds at a high rate, and count demand
-    short by as much.)"""
-
-    __slots__ = ("_bucket_s", "_ring", "_width")
-
-    def __init__(self, window_s: float, width: int) -> None:
-        self._bucket_s = window_s / _BUCKETS
-        self._width = width  # values per sample
-        # Each bucket: [index, count, sum of value 0, sum of value 1, ...].
-        self._ring: deque[list[float]] = deque(maxlen=_BUCKETS)
-
-    def __len__(self) -> int:
-        return len(self._ring)
-
-    def add(self, *values: float) -> None:
-        index = time.monotonic() // self._bucket_s
-        ring = self._ring
-        if ring and ring[-1][0] == index:
-            bucket = ring[-1]
-        else:
-            bucket = [index, 0.0, *([0.0] * self._width)]
-            ring.append(bucket)
-        bucket[1] += 1
-        for i, value in enumerate(values, 2):
-            bucket[i] += value
-
-    def totals(self) -> tuple[int, list[float]]:
-        """Samples in the window (the current bucket and the `_BUCKETS - 1` before it) and the
-        sums of their values."""
-        first = time.monotonic() // self._bucket_s - (_BUCKETS - 1)
-        count, sums = 0, [0.0] * self._width
-        for bucket in self._ring:
-            if bucket[0] >= first:
-                count += int(bucket[1])
-                for i in range(self._width):
-                    sums[i] += bucket[2 + i]
-        return count, sums
 
 
 @dataclass
 class _Group:
-    arrivals: _Window
-    prefills: _Window  # (seconds,)
-    decodes: _Window  # (xi seconds, tokens, mean inter-token seconds)
+    arrivals: TimeWindow
+    prefills: TimeWindow  # (seconds,)
+    decodes: TimeWindow  # (xi seconds, tokens, mean inter-token seconds)
     # The same samples by the serving instance's declared hardware (records' `hardware`).
-    prefills_by: dict[str, _Window] = field(default_factory=dict)
-    decodes_by: dict[str, _Window] = field(default_factory=dict)
+    prefills_by: dict[str, TimeWindow] = field(default_factory=dict)
+    decodes_by: dict[str, TimeWindow] = field(default_factory=dict)
 
 
 def _decode_s(count: int, sums: list[float]) -> float:
@@ -153,18 +108,18 @@ class RatioAdvisor:
             if len(self._groups) >= _MAX_GROUPS:
                 return None  # bounded: groups come from the registry, this is a backstop
             w = self._window_s
-            g = self._groups[name] = _Group(_Window(w, 0), _Window(w, 1), _Window(w, 3))
+            g = self._groups[name] = _Group(TimeWindow(w, 0), TimeWindow(w, 1), TimeWindow(w, 3))
         return g
 
     def arrival(self, group: str) -> None:
         if (g := self._group(group)) is not None:
             g.arrivals.add()
 
-    def _typed(self, by: dict[str, _Window], hardware: str, width: int) -> _Window | None:
+    def _typed(self, by: dict[str, TimeWindow], hardware: str, width: int) -> TimeWindow | None:
         """The window of one hardware type (None: none declared, or too many types)."""
         w = by.get(hardware)
         if w is None and hardware and len(by) < _MAX_HARDWARE:  # bounded, as groups are
-            w = by[hardware] = _Window(self._window_s, width)
+            w = by[hardware] = TimeWindow(self._window_s, width)
         return w
 
     def prefill(self, group: str, seconds: float, hardware: str = "") -> None:

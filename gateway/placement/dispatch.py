@@ -178,6 +178,7 @@ class Dispatcher:
         self.ejector = shared.ejector
         self.budget = shared.budget
         self.advisor = shared.advisor
+        self.decode_capacity = shared.decode_capacity
 
     async def close(self) -> None:
         for fwd in self._forwarders.values():

@@ -50,13 +50,28 @@ twice a second as requests arrive: the queue is swept for those the pace cannot 
 deadlines. It matters at a backlog's start: the runs of the prefills that were idle when
 it began all answer in its first seconds, so those seconds' pace overstates the fleet's,
 and what it admits then the steady pace may not reach (docs/results/chaos/README.md).
+
+The decodes bound the pace too (`DecodeCapacity`). A decode that answers 429 when its slots
+are full takes at most slots / (the mean time a request holds one) requests a second:
+Little's law, from the streams this gateway opened on it. So in the next ``t`` seconds a
+queue can count on at most that rate times ``t`` plus the decode slots free now (`Pace`).
+That is the bound at a backlog's start, where the grants fill idle decodes (and, before a
+second of it, give no pace at all), and it is never above what the decodes can do: their
+streams measured with fewer beside them were faster, not slower. A model whose decodes do
+not declare their slots hard (stock servers) has no such bound.
 """
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
+from dataclasses import dataclass
 
-__all__ = ["QueueDrain"]
+from pdgate.config.wire import EXT_QUEUELESS, Role
+from pdgate.gateway.instances.tracker import InstanceTracker
+from pdgate.gateway.observe.window import TimeWindow
+
+__all__ = ["DecodeCapacity", "Pace", "QueueDrain"]
 
 # Saturated spans kept: many more than a window holds in practice (each begins when the
 # forwarder finds no room and ends when the queue empties). Past this, the oldest go and
@@ -151,3 +166,80 @@ class QueueDrain:
         totals = self._totals
         grants = totals[-1] - (totals[first - 1] if first else self._base)
         return grants / span if grants >= self._min_grants else None
+
+
+@dataclass(frozen=True, slots=True)
+class Pace:
+    """What a queue can count on: `rate` grants a second (measured while saturated) and at
+    most `cap` a second beyond the `free` decode slots (the decodes' bound); None: unknown."""
+
+    rate: float | None
+    cap: float | None = None
+    free: int = 0
+
+    def reach(self, seconds: float) -> float:
+        """How many requests ahead it serves in `seconds`."""
+        measured = math.inf if self.rate is None else self.rate * seconds
+        bound = math.inf if self.cap is None else self.cap * seconds + self.free
+        return min(measured, bound)
+
+
+# Decode groups with a hold time kept: groups come from the registry, this is a backstop.
+_MAX_GROUPS = 256
+
+
+class DecodeCapacity:
+    """The most requests a second a model's decodes can take, by Little's law: each decode
+    that enforces its slots (``EXT_QUEUELESS``: 429 when full) serves at most its slots over
+    the mean time a request holds one. That time is measured per decode group over the last
+    `window_s` from every stream this gateway opened on a decode, whatever its end (a
+    cancelled one frees its slot early, and counting only whole ones would read low)."""
+
+    def __init__(
+        self, tracker: InstanceTracker, *, window_s: float = 60.0, min_samples: int = 20
+    ) -> None:
+        if window_s <= 0 or min_samples < 1:
+            raise ValueError("need window_s > 0 and min_samples >= 1")
+        self._tracker = tracker
+        self._window_s = window_s
+        self._min_samples = min_samples
+        self._held: dict[str, TimeWindow] = {}
+
+    def held(self, instance_id: str, seconds: float) -> None:
+        """A request held a slot of decode `instance_id` for `seconds` (its stream ended)."""
+        rec = self._tracker.records().get(instance_id)
+        if rec is None or rec.role is not Role.DECODE or seconds < 0:
+            return
+        window = self._held.get(rec.group)
+        if window is None:
+            if len(self._held) >= _MAX_GROUPS:
+                return
+            window = self._held[rec.group] = TimeWindow(self._window_s, 1)
+        window.add(seconds)
+
+    def hold_s(self, group: str) -> float | None:
+        """The mean time a request held a slot of a decode in `group` (None: too few)."""
+        window = self._held.get(group)
+        if window is None:
+            return None
+        count, (total,) = window.totals()
+        return total / count if count >= self._min_samples and total > 0 else None
+
+    def bound(self, model: str, group: str | None) -> Pace | None:
+        """The pace the ready decodes of `model` in `group` (None: any) allow, with their
+        slots free now as this gateway counts them (another gateway's streams are not
+        seen: it errs toward admitting). None where one of them does not enforce its slots
+        or its group's hold time is not known yet."""
+        records = self._tracker.records()
+        cap, free = 0.0, 0
+        loads = self._tracker.loads(Role.DECODE, model, group)
+        for d in loads:
+            rec = records.get(d.id)
+            if rec is None or EXT_QUEUELESS not in rec.extensions:
+                return None
+            hold = self.hold_s(rec.group)
+            if hold is None:
+                return None
+            cap += rec.capacity / hold
+            free += max(0, rec.capacity - d.inflight)
+        return Pace(None, cap, free) if loads else None

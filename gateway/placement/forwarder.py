@@ -69,7 +69,7 @@ from pdgate.gateway.instances.tracker import InstanceTracker, Lease
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.observe.ratio import RatioAdvisor
 from pdgate.gateway.placement.batching import BatchForming, batch_size
-from pdgate.gateway.placement.drain import QueueDrain
+from pdgate.gateway.placement.drain import DecodeCapacity, Pace, QueueDrain
 from pdgate.gateway.placement.leases import Fleet, SlotLease, monotonic_ms_left
 from pdgate.gateway.placement.placed import PrefillGrant, release_counts
 from pdgate.gateway.placement.prefill_time import (
@@ -174,6 +174,8 @@ class Shared:
     budget: RetryBudget
     tracing: Tracing = field(default_factory=Tracing.off)
     advisor: RatioAdvisor = field(default_factory=RatioAdvisor)
+    # What the decodes can take, bounding drain admission's pace (None: no bound).
+    decode_capacity: DecodeCapacity | None = None
 
 
 class PrefillForwarder:
@@ -286,25 +288,38 @@ class PrefillForwarder:
 
     def _too_late(self, waiter: Waiter) -> bool:
         """Would the requests ahead here, drained at the fleet's pace while this queue is
-        saturated, hold `waiter` past its deadline? (drain.py; the exact count only past
-        the cheap bound.) With `drain_sweep`, at most every `_SWEEP_S`, the queued requests
-        the pace cannot reach either are refused too: those admitted while the pace still
-        counted a backlog's first grants, which fill idle slots."""
+        saturated (and no faster than its decodes allow), hold `waiter` past its deadline?
+        (drain.py; the exact count only past the cheap bound.) With `drain_sweep`, at most
+        every `_SWEEP_S`, the queued requests the pace cannot reach either are refused too:
+        those admitted while the pace still counted a backlog's first grants, which fill
+        idle slots."""
         queued = len(self.queue)
         if not queued:
             return False
         now = time.monotonic()
-        rate = self._drain.rate(now)
-        if rate is None:
+        pace = self._pace(now)
+        if pace is None:
             return False
         if self._options.drain_sweep and now >= self._next_sweep:
             self._next_sweep = now + _SWEEP_S
-            self._sweep(rate, now)
-        reachable = rate * (waiter.deadline - now)
+            self._sweep(pace, now)
+        reachable = pace.reach(waiter.deadline - now)
         return len(self.queue) > reachable and self.queue.ahead(waiter) > reachable
 
-    def _sweep(self, rate: float, now: float) -> None:
-        for late in self.queue.beyond_reach(rate, now):
+    def _pace(self, now: float) -> Pace | None:
+        """The measured pace, bounded by the decodes' (a prefill queue's only: an aggregated
+        instance's slot is the whole request, and its grants are its pace)."""
+        rate = self._drain.rate(now)
+        capacity = self._shared.decode_capacity
+        bound = None
+        if capacity is not None and self.role is Role.PREFILL:
+            bound = capacity.bound(self.model, self.group)
+        if bound is None:
+            return None if rate is None else Pace(rate)
+        return Pace(rate, bound.cap, bound.free)
+
+    def _sweep(self, pace: Pace, now: float) -> None:
+        for late in self.queue.beyond_reach(pace.reach, now):
             self.queue.remove(late)
             self._shared.metrics.queue_sheds.labels("drain").inc()
             if not late.future.done():

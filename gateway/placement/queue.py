@@ -39,7 +39,7 @@ import asyncio
 import heapq
 import itertools
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -314,10 +314,10 @@ class WaitQueue:
             1 for _, w in tenant.heap.entries if w.state is WaiterState.QUEUED and w.deadline <= due
         )
 
-    def beyond_reach(self, rate: float, now: float) -> list[Waiter]:
-        """The queued waiters that `rate` grants a second cannot reach before their
-        deadlines: more requests surely ahead of each (as `ahead` counts them) than the rate
-        grants in its time left. O(n log n)."""
+    def beyond_reach(self, reach: Callable[[float], float], now: float) -> list[Waiter]:
+        """The queued waiters that the pace cannot reach before their deadlines: more
+        requests surely ahead of each (as `ahead` counts them) than `reach(its time left)`,
+        the grants to count on in that time. O(n log n)."""
         out: list[Waiter] = []
         before = 0  # queued in more urgent classes
         for priority in sorted(self._classes):
@@ -327,9 +327,7 @@ class WaitQueue:
                     (e for e in tenant.heap.entries if e[1].state is WaiterState.QUEUED),
                     key=lambda e: e[0],
                 )
-                out += [
-                    w for i, (_, w) in enumerate(live) if before + i > rate * (w.deadline - now)
-                ]
+                out += [w for i, (_, w) in enumerate(live) if before + i > reach(w.deadline - now)]
             before += cls.queued
         return out
 

@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from pdgate.config import Role
 from pdgate.config import sim_tokenizer as tokenizer
+from pdgate.config.wire import EXT_QUEUELESS
 from pdgate.registry.memory import MemoryRegistry
 from tests.engine_shim._fake_prefill import (
     PROMPT,
@@ -346,6 +347,8 @@ async def test_decode_registers_as_decode(start_shim: StartShim, registry: Memor
     assert record.role == Role.DECODE
     assert record.capacity == 5
     assert record.url == decode.url
+    # It answers 429 when full (above), and says so: a gateway bounds its pace by its slots.
+    assert EXT_QUEUELESS in record.extensions
     load = await decode.load()
     assert load["role"] == "decode"
     assert load["capacity"] == 5

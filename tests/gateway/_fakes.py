@@ -19,6 +19,7 @@ from pdgate.gateway.instances.health import Ejector, RetryBudget
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.dispatch import Dispatcher, client_error
+from pdgate.gateway.placement.drain import DecodeCapacity
 from pdgate.gateway.placement.forwarder import ForwardingOptions, PrefillForwarder, Shared
 from pdgate.gateway.placement.leases import Fleet
 from pdgate.gateway.placement.placed import DecodeLeg, Placement
@@ -138,6 +139,7 @@ def forwarder(
     order: QueueOrder = QueueOrder.EDF,
     policy: Ranker | None = None,
     fleet: Fleet | None = None,
+    decode_capacity: DecodeCapacity | None = None,
 ) -> tuple[PrefillForwarder, GatewayMetrics, Background]:
     metrics = GatewayMetrics(tracker.totals, lambda: 0)
     background = Background("test")
@@ -157,6 +159,7 @@ def forwarder(
             fleet or Fleet(LocalFleet("test"), tracker),
             Ejector(tracker, metrics),
             RetryBudget(),
+            decode_capacity=decode_capacity,
         ),
     )
     return fwd, metrics, background

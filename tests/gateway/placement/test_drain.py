@@ -6,20 +6,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
+import aiohttp
 import pytest
 
-from pdgate.config import QueueOrder
+from pdgate.config import QueueOrder, Role
+from pdgate.config.aio import Background
+from pdgate.config.wire import EXT_QUEUELESS
+from pdgate.gateway.api.completions import TTFT_HEADER
 from pdgate.gateway.errors import DeadlineExceeded, Overloaded
+from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.dispatch import client_error
-from pdgate.gateway.placement.drain import QueueDrain
+from pdgate.gateway.placement.drain import DecodeCapacity, Pace, QueueDrain
 from pdgate.gateway.placement.forwarder import ForwardingOptions, PrefillForwarder
 from pdgate.gateway.placement.queue import Waiter, WaitQueue
 from pdgate.gateway.upstream.mock import MockUpstream
+from pdgate.registry.base import InstanceRecord
+from tests._cluster import SIM_MODEL, Processes, counts_released, wait_for, wait_instances
 from tests.gateway._fakes import FakeCluster, eventually, forwarder, info, tracker_for, waiter
 
 
@@ -155,12 +164,19 @@ async def _paced_backlog(order: QueueOrder, *, drain: bool) -> AsyncIterator[_Pa
         assert len(fwd.queue) > 40
         yield _Paced(fwd, upstream, metrics)
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await eventually(lambda: fwd.waiting == 0)
-        await fwd.close()
-        await background.aclose()
+        await _stop(fwd, background, tasks)
+
+
+async def _stop(
+    fwd: PrefillForwarder, background: Background, tasks: list[asyncio.Task[None]]
+) -> None:
+    """Cancel `tasks` and close the forwarder once nothing waits in it."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await eventually(lambda: fwd.waiting == 0)
+    await fwd.close()
+    await background.aclose()
 
 
 async def _take(fwd: PrefillForwarder, w: Waiter) -> None:
@@ -287,9 +303,12 @@ def test_beyond_reach_counts_each_waiter_as_ahead_does() -> None:
         # 2 grants a second from t=0: the urgent three are reached; of tenant a's, the one
         # due at 1.0 has 3 ahead (2 reachable), at 2.0 4 ahead (4: reached), at 3.0 5 (6),
         # at 4.0 6 (8); b's has the 3 urgent ahead only, with 2 reachable.
-        assert set(map(id, q.beyond_reach(2.0, 0.0))) == {id(late[0]), id(other)}
+        assert set(map(id, q.beyond_reach(Pace(2.0).reach, 0.0))) == {id(late[0]), id(other)}
         q.remove(late[0])
-        assert set(map(id, q.beyond_reach(2.0, 0.0))) == {id(other)}
+        assert set(map(id, q.beyond_reach(Pace(2.0).reach, 0.0))) == {id(other)}
+        # The decodes' bound counts their free slots on top: 1 a second beyond 1 free
+        # reaches 2 by 1.0 (b's has 3 ahead), 3 by 2.0, 4 by 3.0 and 5 by 4.0 (a's: 3-5).
+        assert set(map(id, q.beyond_reach(Pace(None, 1.0, 1).reach, 0.0))) == {id(other)}
     finally:
         loop.close()
 
@@ -337,3 +356,145 @@ def _grants_in(packed: str) -> int:
     grants = [int(x[2:]) for x in packed.split(";") if x.startswith("g ")]
     assert len(grants) <= 1
     return sum(grants)
+
+
+def _decode_fleet(*, hard: bool = True, decodes: tuple[int, ...] = (4, 4)) -> InstanceTracker:
+    """One prefill of one slot and decodes of the given slots, which enforce them (429 when
+    full) if `hard`, as pdgate's shims declare."""
+    ext = (EXT_QUEUELESS,) if hard else ()
+    recs = [InstanceRecord(id="p0", role=Role.PREFILL, url="http://p0", model="m")]
+    recs += [
+        InstanceRecord(
+            id=f"d{i}", role=Role.DECODE, url=f"http://d{i}", model="m", capacity=c, extensions=ext
+        )
+        for i, c in enumerate(decodes)
+    ]
+    tracker = InstanceTracker(reject_hold_s=0.05)
+    tracker.update_membership({r.id: r for r in recs})
+    return tracker
+
+
+def test_the_reach_is_the_lower_of_the_measured_pace_and_the_decodes_bound() -> None:
+    assert Pace(10.0).reach(2.0) == 20.0
+    assert Pace(None, 2.0, 3).reach(2.0) == 7.0  # 2 a second beyond 3 free slots
+    assert Pace(10.0, 2.0, 3).reach(2.0) == 7.0  # a backlog's start: grants fill idle slots
+    assert Pace(1.0, 2.0, 3).reach(2.0) == 2.0  # the prefills are the bottleneck
+    assert Pace(None).reach(2.0) == math.inf
+
+
+def test_decodes_take_at_most_their_slots_over_the_mean_time_one_is_held() -> None:
+    tracker = _decode_fleet()
+    capacity = DecodeCapacity(tracker, min_samples=4)
+    assert capacity.bound("m", None) is None  # nothing measured yet
+    for held in (1.0, 3.0, 1.0, 3.0):
+        capacity.held("d0", held)
+    capacity.held("p0", 100.0)  # a prefill's call holds no decode slot
+    capacity.held("gone", 100.0)  # no longer registered
+    bound = capacity.bound("m", None)
+    assert bound is not None
+    assert bound.cap == pytest.approx(8 / 2.0)  # both decodes of the group, 2 s a request
+    assert bound.free == 8
+    taken = tracker.begin("d1")
+    bound = capacity.bound("m", None)
+    assert bound is not None and bound.free == 7
+    taken.release()
+    assert capacity.bound("other", None) is None  # no decode of that model: no bound
+
+
+def test_no_bound_where_a_decode_does_not_enforce_its_slots() -> None:
+    """A stock server queues past its declared slots (a static decode's default is a
+    guess): its slots bound nothing, so no pace is made of them."""
+    capacity = DecodeCapacity(_decode_fleet(hard=False), min_samples=1)
+    capacity.held("d0", 2.0)
+    assert capacity.hold_s("default") == 2.0
+    assert capacity.bound("m", None) is None
+
+
+async def _judged_at_a_backlogs_start(*, hard: bool) -> tuple[bool, float]:
+    """A burst at a backlog's start, before any pace is measured: 12 requests queued
+    behind the one a prefill computes, and the decodes (2 of 2 slots, each held 4 s a
+    request: 1 a second at most, 4 free now). Whether one more with 2 s left is refused,
+    and how long that took."""
+    tracker = _decode_fleet(hard=hard, decodes=(2, 2))
+    capacity = DecodeCapacity(tracker, min_samples=1)
+    for _ in range(5):
+        capacity.held("d0", 4.0)
+    fwd, _, background = forwarder(
+        MockUpstream(FakeCluster(prefill_delay_s=0.5)),
+        tracker,
+        ForwardingOptions(client_error=client_error, drain_sweep=False),
+        order=QueueOrder.FIFO,
+        decode_capacity=capacity,
+    )
+    tasks = [asyncio.create_task(_take(fwd, waiter(i, deadline_s=30))) for i in range(13)]
+    try:
+        await asyncio.sleep(0.05)
+        assert len(fwd.queue) == 12
+        assert fwd._drain.rate(time.monotonic()) is None
+        began = time.monotonic()
+        late = asyncio.create_task(_take(fwd, waiter(100, deadline_s=2.0)))
+        tasks.append(late)
+        await asyncio.wait([late], timeout=0.2)
+        refused = late.done() and isinstance(late.exception(), Overloaded)
+        return refused, time.monotonic() - began
+    finally:
+        await _stop(fwd, background, tasks)
+
+
+async def test_past_what_the_decodes_can_take_in_time_a_request_is_refused_at_once() -> None:
+    """A backlog's first second gives no measured pace, and its grants fill idle slots
+    anyway. The decodes bound what it can reach: 1 a second beyond 4 free slots is 6 in
+    2 s, and 12 are ahead."""
+    refused, took = await _judged_at_a_backlogs_start(hard=True)
+    assert refused
+    assert took < 0.05
+
+
+async def test_decodes_that_do_not_enforce_their_slots_bound_nothing() -> None:
+    refused, _ = await _judged_at_a_backlogs_start(hard=False)
+    assert not refused  # queued, as before: no evidence either way
+
+
+async def _burst(
+    url: str, n: int, *, max_tokens: int, ttft_ms: int
+) -> list[tuple[int, float, str]]:
+    """`n` requests at once: each one's status, seconds to its answer's status line (to its
+    whole answer for a 200) and Retry-After."""
+    body = {"model": SIM_MODEL, "prompt": "burst", "max_tokens": max_tokens}
+    headers = {TTFT_HEADER: str(ttft_ms)}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def one() -> tuple[int, float, str]:
+            began = time.monotonic()
+            async with session.post(f"{url}/v1/completions", json=body, headers=headers) as r:
+                await r.read()
+                return r.status, time.monotonic() - began, r.headers.get("Retry-After", "")
+
+        return await asyncio.gather(*(one() for _ in range(n)))
+
+
+def test_a_burst_past_what_the_decodes_take_is_refused_on_arrival(processes: Processes) -> None:
+    """As deployed: a burst of 60 requests with 2 s to their first token, on one decode of
+    2 slots that serves some 5 a second. A second of backlog would pass before the queue's
+    pace is measured, and its grants would fill the idle slots: the decodes' bound is what
+    refuses the requests they cannot take in time at once, with Retry-After, while those it
+    admits are served."""
+    processes.shim("prefill", "--capacity", "4")
+    processes.shim("decode", "--capacity", "2")
+    url = processes.gateway()
+    wait_instances(url, 2)
+    # Some 0.35 s a stream: the gateway learns how long a request holds a decode slot.
+    warm = asyncio.run(_burst(url, 2, max_tokens=50, ttft_ms=10_000))
+    for _ in range(11):
+        warm += asyncio.run(_burst(url, 2, max_tokens=50, ttft_ms=10_000))
+    assert {status for status, _, _ in warm} == {200}, warm
+
+    answers = asyncio.run(_burst(url, 60, max_tokens=50, ttft_ms=2000))
+    statuses = Counter(status for status, _, _ in answers)
+    assert set(statuses) <= {200, 503}, statuses
+    fast = [took for status, took, after in answers if status == 503 and after and took < 0.6]
+    # About 2 s x 5 a second beyond 2 free slots are served; at least most of the rest
+    # are told at once (without the bound, none would be before 1 s).
+    assert 5 <= statuses[200] <= 30, statuses
+    assert len(fast) >= 25, (statuses, sorted(took for _, took, _ in answers))
+    wait_for(lambda: counts_released(url), timeout=10, what="every count released")
