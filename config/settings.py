@@ -552,6 +552,14 @@ class GatewaySettings(_Settings):
         "of idle slots, would otherwise wait out their deadlines "
         "(gateway/placement/drain.py, docs/scheduling.md).",
     )
+    drain_decode_bound: bool = Field(
+        default=True,
+        description="With drain_admission, count on no more grants than the decodes can "
+        "take: their slots over the mean time a request holds one, beyond the slots free "
+        "now. Only decodes that answer 429 when full (pdgate's shims) bound it. It refuses "
+        "at once in a burst's first second, when the fill of idle slots overstates the "
+        "pace or none is measured yet (gateway/placement/drain.py).",
+    )
     prefill_estimate_quantile: float = Field(
         default=0.9,
         ge=0.0,

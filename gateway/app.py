@@ -209,7 +209,7 @@ def build_dispatcher(
         advisor=RatioAdvisor(
             window_s=settings.ratio_window_s, target_utilization=settings.ratio_target_utilization
         ),
-        decode_capacity=DecodeCapacity(tracker),
+        decode_capacity=DecodeCapacity(tracker) if settings.drain_decode_bound else None,
     )
     dispatcher = Dispatcher(
         settings,

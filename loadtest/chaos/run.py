@@ -64,6 +64,8 @@ __all__ = [
 
 _MODEL = "sim-llama-3.1-8b"
 _PREFIX = "pdgate-bench-chaos"
+# Streams a new gateway relays before its overload: more than its decode bound needs (20).
+_WARM_STREAMS = 30
 
 FAULTS = (
     "kill-prefill",
@@ -110,12 +112,13 @@ class ChaosPlan:
     overload_rps: float | None = None  # default: overload_factor x the measured capacity
     probe_period_s: float = 0.1  # the /health probe of the overloaded gateway
     # More overloads, each of an extra gateway with these settings besides the defaults: a
-    # short queue per (model, group) (the default is 1024), and drain admission that judges
-    # each request on arrival only (no sweep of its queue). Empty: only the fleet's gateway,
-    # as deployed.
+    # short queue per (model, group) (the default is 1024), drain admission that judges
+    # each request on arrival only (no sweep of its queue), and one whose pace the decodes
+    # do not bound. Empty: only the fleet's gateway, as deployed.
     overload_variants: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = (
         ("queue_size=32", (("queue_size", 32),)),
         ("no drain_sweep", (("drain_sweep", False),)),
+        ("no decode bound", (("drain_decode_bound", False),)),
     )
     seed: int = 0
     register_timeout_s: float = 60.0
@@ -515,6 +518,21 @@ async def _overload(
                           rss.samples, held, lag)  # fmt: skip
 
 
+async def _warm(chaos: _Chaos, prompts: Prompts, capacity_rps: float, gateway: str) -> None:
+    """Streams through a new gateway, below capacity, until it has relayed some
+    `_WARM_STREAMS`: what its decode bound learns from (the fleet's gateway learned it in
+    the steady load), so that its overload compares with the fleet's gateway's."""
+    plan = chaos.plan
+    rate = 0.8 * capacity_rps
+    load = OpenStreamingLoad(
+        chaos.session, GatewayPool([gateway]), prompts, rate, _MODEL, origin=chaos.origin,
+        seed=plan.seed + 2000, min_tokens=plan.min_tokens, max_in_flight=4096, max_attempts=1,
+    )  # fmt: skip
+    load.start()
+    await asyncio.sleep(_WARM_STREAMS / rate)
+    await load.stop(60.0)  # the streams end: their hold times are what it learns
+
+
 async def _extra_gateway(
     cluster: DeployedCluster, settings: Mapping[str, Any]
 ) -> tuple[Child, str]:
@@ -617,6 +635,7 @@ async def run_chaos(plan: ChaosPlan, log: Log = to_stderr) -> ChaosResult:
                     child, gateway = await _extra_gateway(cluster, dict(settings))
                     try:
                         await wait_instances(session, gateway, len(chaos.shim_urls()))
+                        await _warm(chaos, prompts, capacity, gateway)
                         overloads.append(
                             await _overload(chaos, prompts, capacity, log, gateway, child, label)
                         )
