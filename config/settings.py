@@ -536,29 +536,22 @@ class GatewaySettings(_Settings):
     )
     drain_admission: bool = Field(
         default=True,
-        description="dispatch=queue: answer 503 with Retry-After on arrival, instead of "
-        "queueing it, a request that the fleet's pace (grants a second in the last 5 s "
-        "while this queue held requests no prefill had room for; every gateway's, shared "
-        "with each sync) would "
-        "not bring to the front of this gateway's queue before its deadline, counting only "
-        "the requests sure to go first (gateway/placement/drain.py): past capacity clients "
-        "learn at once, not at their deadline.",
+        description="dispatch=queue: answer 503 with Retry-After on arrival a request that "
+        "the fleet's pace would not bring to the front of this gateway's queue before its "
+        "deadline, counting only the requests sure to go first: past capacity clients learn "
+        "at once, not at their deadline (docs/scheduling.md).",
     )
     drain_sweep: bool = Field(
         default=True,
         description="With drain_admission, also judge the queued requests again, at most "
-        "twice a second, and refuse (503, Retry-After) those the drain pace cannot reach: "
-        "those admitted in a backlog's first seconds, at a pace that still counts the fill "
-        "of idle slots, would otherwise wait out their deadlines "
-        "(gateway/placement/drain.py, docs/scheduling.md).",
+        "twice a second, and refuse (503, Retry-After) those the pace no longer reaches, "
+        "which would otherwise wait out their deadlines.",
     )
     drain_decode_bound: bool = Field(
         default=True,
-        description="With drain_admission, count on no more grants than the decodes can "
-        "take: their slots over the mean time a request holds one, beyond the slots free "
-        "now. Only decodes that answer 429 when full (pdgate's shims) bound it. It refuses "
-        "at once in a burst's first second, when the fill of idle slots overstates the "
-        "pace or none is measured yet (gateway/placement/drain.py).",
+        description="With drain_admission, count on no more than the decodes take: their "
+        "slots over the mean time a request holds one, beyond those free now (decodes "
+        "that answer 429 when full, as pdgate's shims do).",
     )
     prefill_estimate_quantile: float = Field(
         default=0.9,
