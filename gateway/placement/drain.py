@@ -64,7 +64,7 @@ not declare their slots hard (stock servers) has no such bound.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
 from pdgate.config.wire import EXT_QUEUELESS, Role
@@ -77,20 +77,30 @@ __all__ = ["DecodeCapacity", "Pace", "QueueDrain"]
 # forwarder finds no room and ends when the queue empties). Past this, the oldest go and
 # the window starts where the kept history does.
 _MAX_SPANS = 512
+# Dropped entries stay in their lists until they are this many and half of them: the lists
+# are cut in chunks, not on every grant or span.
+_COMPACT_AT = 64
 
 
 class QueueDrain:
     """A queue's grant rate while saturated: `saturated(now)` when the forwarder finds no
     prefill for a queued request, `drained(now)` when the queue empties, `granted(now, n)`
-    for every `n` requests a prefill accepted (here or, as reported, at another gateway)."""
+    for every `n` requests a prefill accepted (here or, as reported, at another gateway).
+
+    `rate` is asked on every arrival while requests wait: it bisects running totals of the
+    grants and of the saturated seconds, never walks them."""
 
     __slots__ = (
         "_base",
+        "_begins",
+        "_ends",
         "_head",
+        "_held",
+        "_held_base",
         "_min_grants",
         "_min_span",
         "_open",
-        "_spans",
+        "_span_head",
         "_times",
         "_totals",
         "_window",
@@ -111,25 +121,38 @@ class QueueDrain:
         self._totals: list[int] = []
         self._head = 0
         self._base = 0  # the running total before `_times[0]` (grants compacted away)
-        # Closed saturated spans (start, end), oldest first, and the start of the open one.
-        self._spans: list[tuple[float, float]] = []
+        # Closed saturated spans, oldest first: where each began and ended, and the running
+        # total of their seconds up to and including each; those before `_span_head` are
+        # out of the window or past `_MAX_SPANS`. The start of the open one.
+        self._begins: list[float] = []
+        self._ends: list[float] = []
+        self._held: list[float] = []
+        self._held_base = 0.0  # the running total before `_ends[0]`
+        self._span_head = 0
         self._open: float | None = None
 
     def saturated(self, now: float) -> None:
         if self._open is None:
-            self._open = max(now, self._spans[-1][1]) if self._spans else now
+            self._open = max(now, self._ends[-1]) if self._ends else now
 
     def drained(self, now: float) -> None:
-        if self._open is None:
+        begin, self._open = self._open, None
+        if begin is None or now <= begin:
             return
-        if now > self._open:
-            self._spans.append((self._open, now))
-        self._open = None
-        spans = self._spans
-        old = now - self._window
-        if len(spans) > _MAX_SPANS or (spans and spans[0][1] < old):
-            cut = max(len(spans) - _MAX_SPANS, bisect_left(spans, old, key=lambda s: s[1]))
-            del spans[:cut]
+        begins, ends, held = self._begins, self._ends, self._held
+        begins.append(begin)
+        ends.append(now)
+        held.append((held[-1] if held else self._held_base) + now - begin)
+        head = max(
+            self._span_head,
+            len(ends) - _MAX_SPANS,
+            bisect_left(ends, now - self._window, self._span_head),
+        )
+        if head > _COMPACT_AT and head * 2 > len(ends):
+            self._held_base = held[head - 1]
+            del begins[:head], ends[:head], held[:head]
+            head = 0
+        self._span_head = head
 
     def granted(self, now: float, count: int = 1) -> None:
         if count < 1 or self._open is None:
@@ -141,7 +164,7 @@ class QueueDrain:
         totals.append((totals[-1] if totals else 0) + count)
         if times[self._head] < now - self._window:
             self._head = bisect_left(times, now - self._window, self._head)
-            if self._head > 64 and self._head * 2 > len(times):
+            if self._head > _COMPACT_AT and self._head * 2 > len(times):
                 self._base = totals[self._head - 1]
                 del times[: self._head]
                 del totals[: self._head]
@@ -151,13 +174,14 @@ class QueueDrain:
         """Grants per saturated second over the last `window_s` (None: too few saturated
         seconds or too few grants to say)."""
         start = now - self._window
-        if len(self._spans) >= _MAX_SPANS:
-            start = max(start, self._spans[0][0])  # the history kept begins there
+        ends, head = self._ends, self._span_head
+        if len(ends) - head >= _MAX_SPANS:
+            start = max(start, self._begins[head])  # the history kept begins there
         span = 0.0 if self._open is None else now - max(self._open, start)
-        for begin, end in reversed(self._spans):
-            if end <= start:
-                break
-            span += end - max(begin, start)
+        first = bisect_right(ends, start, head)  # the first span to end inside the window
+        if first < len(ends):
+            before = self._held[first - 1] if first else self._held_base
+            span += self._held[-1] - before - max(0.0, start - self._begins[first])
         if span < self._min_span:
             return None
         first = bisect_left(self._times, start, self._head)

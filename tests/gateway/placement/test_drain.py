@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -83,8 +84,35 @@ def test_spans_are_bounded_and_the_window_starts_where_they_do() -> None:
     drain = QueueDrain(window_s=5.0, min_span_s=0.1, min_grants=1)
     for i in range(5000):  # 1,000 saturated spans a second, 0.5 ms each
         _saturated(drain, i / 1000, i / 1000 + 0.0005, 4000.0)
-    assert len(drain._spans) <= 512
+    assert len(drain._ends) - drain._span_head <= 512
+    assert len(drain._ends) <= 2 * 512  # the dropped ones go in chunks
     assert drain.rate(5.0) == pytest.approx(4000.0, rel=0.01)
+
+
+def test_the_saturated_seconds_are_summed_as_walking_the_spans_would() -> None:
+    """The rate bisects running totals; any mix of spans, lulls and windows reads what
+    summing the spans inside the window reads."""
+    rng = random.Random(7)
+    drain = QueueDrain(window_s=2.0, min_span_s=0.0, min_grants=1)
+    spans: list[tuple[float, float]] = []
+    t = 0.0
+    for _ in range(3000):
+        begin = t + rng.choice((0.0, rng.uniform(0, 0.05)))
+        end = begin + rng.uniform(0, 0.03)
+        drain.saturated(begin)
+        drain.granted(end)
+        drain.drained(end)
+        if end > begin:
+            spans.append((begin, end))
+        t = end
+        now = t + rng.uniform(0, 0.5)
+        kept = spans[-512:]
+        start = max(now - 2.0, kept[0][0] if len(kept) == 512 else -1.0)
+        held = sum(e - max(b, start) for b, e in kept if e > start)
+        rate = drain.rate(now)
+        if held > 0:
+            grants = sum(1 for _, e in spans if e >= start)
+            assert rate == pytest.approx(grants / held, rel=1e-6), (now, held)
 
 
 def test_a_steady_pace_reads_the_same_before_and_after_old_grants_are_dropped() -> None:
