@@ -191,17 +191,28 @@ class Dispatcher:
         return {f.key: f.head_in_ms() for f in self._forwarders.values()}
 
     def outgoing(self) -> dict[str, str]:
-        """Per queue, this gateway's new prefill-time samples (`FleetEstimates`)."""
+        """Per queue, this gateway's new prefill-time samples (`FleetEstimates`); the
+        decodes' hold times (`DecodeCapacity`) go with any one queue's."""
         out: dict[str, str] = {}
         for f in self._forwarders.values():
             packed = f.samples_out()
             if packed:
                 out[f.key] = packed
+        if self.decode_capacity is not None and self._forwarders:
+            held = self.decode_capacity.samples_out()
+            if held:
+                key = next(iter(self._forwarders.values())).key
+                out[key] = ";".join([out[key], *held] if key in out else held)
         return out
 
     def incoming(self, queue: str, packed: Sequence[str], *, fresh: bool = True) -> None:
         """The other gateways' samples for `queue` (`FleetEstimates`); kept for a queue this
-        gateway has not served yet, so its first request is judged on the fleet's figures."""
+        gateway has not served yet, so its first request is judged on the fleet's figures.
+        The decodes' hold times among them count at once, whatever the queue."""
+        if self.decode_capacity is not None:
+            packed = [rest for e in packed if (rest := self.decode_capacity.samples_in(e))]
+            if not packed:
+                return
         model, _, group = queue.partition("|")
         fwd = self._forwarders.get((model, group or None, Role.PREFILL.value))
         if fwd is None or fwd.key != queue:  # a model name with "|" in it

@@ -63,8 +63,10 @@ not declare their slots hard (stock servers) has no such bound.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from bisect import bisect_left, bisect_right
+from collections import deque
 from dataclasses import dataclass
 
 from pdgate.config.wire import EXT_QUEUELESS, Role
@@ -208,16 +210,20 @@ class Pace:
         return min(measured, bound)
 
 
-# Decode groups with a hold time kept: groups come from the registry, this is a backstop.
+# (model, decode group) pairs with a hold time kept: they come from the registry, this is a
+# backstop. And this gateway's samples kept for the fleet between two syncs.
 _MAX_GROUPS = 256
+_MAX_NEW = 1024
 
 
 class DecodeCapacity:
     """The most requests a second a model's decodes can take, by Little's law: each decode
     that enforces its slots (``EXT_QUEUELESS``: 429 when full) serves at most its slots over
-    the mean time a request holds one. That time is measured per decode group over the last
-    `window_s` from every stream this gateway opened on a decode, whatever its end (a
-    cancelled one frees its slot early, and counting only whole ones would read low)."""
+    the mean time a request holds one. That time is measured per model and decode group
+    over the last `window_s` from every stream opened on a decode, whatever its end (a
+    cancelled one frees its slot early, and counting only whole ones would read low): this
+    gateway's, and the fleet's other gateways' as their syncs bring them (`samples_out`,
+    `samples_in`), so that a gateway new to the fleet is bounded from its first request."""
 
     def __init__(
         self, tracker: InstanceTracker, *, window_s: float = 60.0, min_samples: int = 20
@@ -227,23 +233,52 @@ class DecodeCapacity:
         self._tracker = tracker
         self._window_s = window_s
         self._min_samples = min_samples
-        self._held: dict[str, TimeWindow] = {}
+        self._held: dict[tuple[str, str], TimeWindow] = {}
+        self._new: deque[str] = deque(maxlen=_MAX_NEW)  # "h SECONDS DECODE_ID", unsent
 
     def held(self, instance_id: str, seconds: float) -> None:
         """A request held a slot of decode `instance_id` for `seconds` (its stream ended)."""
+        if self._add(instance_id, seconds) and ";" not in instance_id:
+            self._new.append(f"h {seconds:.4f} {instance_id}")  # ";" separates samples
+
+    def _add(self, instance_id: str, seconds: float) -> bool:
         rec = self._tracker.records().get(instance_id)
-        if rec is None or rec.role is not Role.DECODE or seconds < 0:
-            return
-        window = self._held.get(rec.group)
+        if rec is None or rec.role is not Role.DECODE or not 0 <= seconds < math.inf:
+            return False
+        window = self._held.get((rec.model, rec.group))
         if window is None:
             if len(self._held) >= _MAX_GROUPS:
-                return
-            window = self._held[rec.group] = TimeWindow(self._window_s, 1)
+                return False
+            window = self._held[rec.model, rec.group] = TimeWindow(self._window_s, 1)
         window.add(seconds)
+        return True
 
-    def hold_s(self, group: str) -> float | None:
-        """The mean time a request held a slot of a decode in `group` (None: too few)."""
-        window = self._held.get(group)
+    def samples_out(self) -> list[str]:
+        """This gateway's hold times since the last call, as the fleet's samples carry them:
+        "h SECONDS DECODE_ID" (each receiver finds the decode's model and group)."""
+        out = list(self._new)
+        self._new.clear()
+        return out
+
+    def samples_in(self, packed: str) -> str:
+        """Take another gateway's hold times out of one entry of its samples (items split
+        by ";"), and give back the rest. Malformed ones and unknown decodes are skipped."""
+        if "h " not in packed:
+            return packed
+        rest = []
+        for item in packed.split(";"):
+            if not item.startswith("h "):
+                rest.append(item)
+                continue
+            secs, _, instance_id = item[2:].partition(" ")
+            with contextlib.suppress(ValueError):
+                self._add(instance_id, float(secs))
+        return ";".join(rest)
+
+    def hold_s(self, model: str, group: str) -> float | None:
+        """The mean time a request held a slot of a decode of `model` in `group` (None: too
+        few samples)."""
+        window = self._held.get((model, group))
         if window is None:
             return None
         count, (total,) = window.totals()
@@ -261,7 +296,7 @@ class DecodeCapacity:
             rec = records.get(d.id)
             if rec is None or EXT_QUEUELESS not in rec.extensions:
                 return None
-            hold = self.hold_s(rec.group)
+            hold = self.hold_s(model, rec.group)
             if hold is None:
                 return None
             cap += rec.capacity / hold

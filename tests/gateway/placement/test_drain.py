@@ -434,8 +434,26 @@ def test_no_bound_where_a_decode_does_not_enforce_its_slots() -> None:
     guess): its slots bound nothing, so no pace is made of them."""
     capacity = DecodeCapacity(_decode_fleet(hard=False), min_samples=1)
     capacity.held("d0", 2.0)
-    assert capacity.hold_s("default") == 2.0
+    assert capacity.hold_s("m", "default") == 2.0
     assert capacity.bound("m", None) is None
+
+
+def test_hold_times_go_to_the_fleet_once_and_bad_ones_are_skipped() -> None:
+    ours = DecodeCapacity(_decode_fleet(), min_samples=2)
+    theirs = DecodeCapacity(_decode_fleet(), min_samples=2)
+    ours.held("d0", 1.0)
+    ours.held("d1", 3.0)
+    ours.held("p0", 9.0)  # not a decode
+    packed = ours.samples_out()
+    assert packed == ["h 1.0000 d0", "h 3.0000 d1"]
+    assert ours.samples_out() == []  # each goes out once
+    bad = ["h bogus d0", "h nan d0", "h -1 d0", "h inf d1", "h 5 unknown", "h 5 p0"]
+    # The other samples of the entry are given back as they were.
+    entry = ";".join(["p 100 0.05", *packed, *bad, "g 3"])
+    assert theirs.samples_in(entry) == "p 100 0.05;g 3"
+    assert theirs.hold_s("m", "default") == pytest.approx(2.0)
+    assert theirs.hold_s("other", "default") is None  # another model's decodes
+    assert theirs.samples_in("p 100 0.05") == "p 100 0.05"
 
 
 async def _judged_at_a_backlogs_start(*, hard: bool) -> tuple[bool, float]:
@@ -501,26 +519,33 @@ async def _burst(
         return await asyncio.gather(*(one() for _ in range(n)))
 
 
-@pytest.mark.parametrize("bound", [True, False], ids=["bound", "drain_decode_bound=false"])
+@pytest.mark.parametrize("case", ["bound", "drain_decode_bound=false", "new gateway in a fleet"])
 def test_a_burst_past_what_the_decodes_take_is_refused_on_arrival(
-    processes: Processes, bound: bool
+    processes: Processes, case: str
 ) -> None:
     """As deployed: a burst of 60 requests with 2 s to their first token, on one decode of
     2 slots that serves some 5 a second. A second of backlog would pass before the queue's
     pace is measured, and its grants would fill the idle slots: the decodes' bound is what
     refuses the requests they cannot take in time at once, with Retry-After, while those it
-    admits are served. Without it none is refused in the first second."""
+    admits are served. Without it none is refused in the first second. A gateway that has
+    relayed no stream yet is bounded by the hold times the fleet's other gateways saw."""
+    bound = case != "drain_decode_bound=false"
     processes.shim("prefill", "--capacity", "4")
     processes.shim("decode", "--capacity", "2")
     url = processes.gateway(env={"PDGATE_GATEWAY_DRAIN_DECODE_BOUND": str(bound).lower()})
     wait_instances(url, 2)
+    target = url
+    if case == "new gateway in a fleet":
+        target = processes.gateway()
+        wait_instances(target, 2)
     # Some 0.35 s a stream: the gateway learns how long a request holds a decode slot.
     warm = asyncio.run(_burst(url, 2, max_tokens=50, ttft_ms=10_000))
     for _ in range(11):
         warm += asyncio.run(_burst(url, 2, max_tokens=50, ttft_ms=10_000))
     assert {status for status, _, _ in warm} == {200}, warm
+    time.sleep(0.5)  # a few fleet syncs: the other gateway hears of those hold times
 
-    answers = asyncio.run(_burst(url, 60, max_tokens=50, ttft_ms=2000))
+    answers = asyncio.run(_burst(target, 60, max_tokens=50, ttft_ms=2000))
     statuses = Counter(status for status, _, _ in answers)
     assert set(statuses) <= {200, 503}, statuses
     fast = [took for status, took, after in answers if status == 503 and after and took < 0.6]
@@ -531,4 +556,5 @@ def test_a_burst_past_what_the_decodes_take_is_refused_on_arrival(
         assert len(fast) >= 25, (statuses, sorted(took for _, took, _ in answers))
     else:
         assert not fast, sorted(fast)
+    wait_for(lambda: counts_released(target), timeout=10, what="every count released")
     wait_for(lambda: counts_released(url), timeout=10, what="every count released")
