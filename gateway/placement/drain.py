@@ -53,7 +53,7 @@ and what it admits then the steady pace may not reach (docs/results/chaos/README
 
 The decodes bound the pace too (`DecodeCapacity`). A decode that answers 429 when its slots
 are full takes at most slots / (the mean time a request holds one) requests a second:
-Little's law, from the streams this gateway opened on it. So in the next ``t`` seconds a
+Little's law, from the streams the fleet opened on it. So in the next ``t`` seconds a
 queue can count on at most that rate times ``t`` plus the decode slots free now (`Pace`).
 That is the bound at a backlog's start, where the grants fill idle decodes (and, before a
 second of it, give no pace at all), and it is never above what the decodes can do: their

@@ -44,7 +44,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -316,7 +316,7 @@ class PrefillForwarder:
             bound = capacity.bound(self.model, self.group)
         if bound is None:
             return None if rate is None else Pace(rate)
-        return Pace(rate, bound.cap, bound.free)
+        return replace(bound, rate=rate)
 
     def _sweep(self, pace: Pace, now: float) -> None:
         for late in self.queue.beyond_reach(pace.reach, now):
