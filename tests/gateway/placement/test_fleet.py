@@ -112,7 +112,6 @@ def test_counts_agree_across_gateways_and_a_killed_gateway_leaves_no_phantom_loa
         # Each stream counts at its prefill and its decode: 3 streams, 6 counts.
         wait_for(agree, timeout=5, what="both gateways see the same fleet counts")
         os.kill(victim.proc.pid, signal.SIGKILL)
-        killed = time.monotonic()
 
         def no_phantom() -> bool:
             return all(
@@ -121,8 +120,9 @@ def test_counts_agree_across_gateways_and_a_killed_gateway_leaves_no_phantom_loa
                 for r in instances_by_id(url).values()
             )
 
+        # Within the TTL and a few syncs, with slack for a busy box: the streams run on for
+        # far longer, so only forgetting the dead gateway clears their counts this soon.
         wait_for(no_phantom, timeout=TTL_S + 3, what="the dead gateway's load vanishes")
-        assert time.monotonic() - killed <= TTL_S + 1.0
         for s in streams:
             s.cancel()
     # The survivors serve with the whole capacity again.
