@@ -519,7 +519,7 @@ class GatewaySettings(_Settings):
         description="Start guard of the queue (0 = off): a request the queue order would not "
         "pick next goes first once its latest start (deadline minus the 90% quantile of recent "
         "prefill times for its length) is this close, so EDF cannot starve long-deadline long "
-        "prompts (docs/results/scheduling/ measures what it costs past capacity).",
+        "prompts (its cost: docs/results/scheduling/).",
     )
     keyless_max_priority: Literal["high", "normal", "low"] = Field(
         default="normal",
@@ -547,6 +547,14 @@ class GatewaySettings(_Settings):
         "twice a second, and refuse (503, Retry-After) those the pace no longer reaches, "
         "which would otherwise wait out their deadlines.",
     )
+    drain_headroom: float = Field(
+        default=0.0,
+        ge=0.0,
+        lt=1.0,
+        description="With drain_admission, admit only what the pace reaches with this "
+        "fraction of its reach to spare (the sweep judges without): under overload fewer are "
+        "refused late, near capacity more at once.",
+    )
     drain_decode_bound: bool = Field(
         default=True,
         description="With drain_admission, count on no more than the decodes take: their "
@@ -557,21 +565,19 @@ class GatewaySettings(_Settings):
         default=0.9,
         ge=0.0,
         le=1.0,
-        description="The prefill-time estimate behind early_drop: this "
-        "quantile of recent prefill seconds per prompt character (per length class), times the "
-        "prompt's length (lower = more optimistic = fewer drops). 0.9: send a request only if "
-        "it will most likely make its deadline; a low quantile (0.1) lets a workload of shared "
-        "prefixes and one deadline collapse past capacity (docs/scheduling.md, early drop).",
+        description="The prefill-time estimate behind early_drop: this quantile of recent "
+        "prefill seconds per prompt character (per length class), times the prompt's length "
+        "(lower = fewer drops). 0.9: send a request only if it will likely make its deadline; "
+        "0.1 let shared prefixes with one deadline collapse past capacity (docs/scheduling.md).",
     )
     prefill_admit: Literal["idle", "room"] = Field(
         default="idle",
         description="When a prefill may be sent requests. idle: only while it computes "
-        "nothing, for any gateway of the fleet (P/D-Serve: a prefill accepts only when idle; "
-        "its slots may still hold KV for decodes to pull), batch forwarding sending it "
-        "several at once; the others wait in the gateway's deadline-ordered queue. room: "
-        "whenever it has a free slot, so requests also wait inside a busy prefill "
-        "for its next batch, out of that order (with 4 slots a prefill "
-        "this collapsed past 2A: docs/results/scheduling/). The same with 1 slot.",
+        "nothing, for any gateway (P/D-Serve; its slots may still hold KV for decodes to "
+        "pull), several at once by batch forwarding; the others wait in the gateway's "
+        "deadline-ordered queue. room: whenever it has a free slot, so requests also wait "
+        "inside a busy prefill, out of that order (with 4 slots this collapsed past 2A: "
+        "docs/results/scheduling/). The same with 1 slot.",
     )
     batch_forwarding: bool = Field(
         default=True,
@@ -680,11 +686,10 @@ class GatewaySettings(_Settings):
     decode_stall_timeout_s: float | None = Field(
         default=5.0,
         gt=0,
-        description="A decode stream that has started and then keeps the gateway waiting this "
-        "long for its next bytes (a hung or stopped decode: a running one sends a token every "
-        "few tens of ms) is given up, and the request continues on another decode "
-        "(max_migrations); checked every quarter of it, at most every second. Unset = only "
-        "upstream_read_timeout_s.",
+        description="A started decode stream silent this long (a hung or stopped decode; a "
+        "running one sends a token every few tens of ms) is given up, and the request goes "
+        "on at another decode (max_migrations); checked every quarter of it, at most every "
+        "second. Unset = only upstream_read_timeout_s.",
     )
     decode_header_timeout_s: float = Field(
         default=5.0,
@@ -730,11 +735,10 @@ class GatewaySettings(_Settings):
         ge=0,
         le=16,
         description="Decode migrations per request: a stream whose decode breaks after tokens "
-        "were relayed (connection lost, in-band error, no [DONE]) is continued on another "
-        "decode from the prompt's token ids plus the tokens already sent, with the client's "
-        "stream going on where it stopped; each costs a prefill of prompt + generated tokens "
-        "(0 = off: such a stream ends with an in-band error, and the relay passes bytes "
-        "through without parsing events).",
+        "were relayed (connection lost, in-band error, no [DONE]) goes on from another "
+        "decode, from the prompt's token ids plus the tokens sent; each costs a prefill of "
+        "both (0 = off: such a stream ends with an in-band error, and the relay passes bytes "
+        "through unparsed).",
     )
     first_token_early: bool = Field(
         default=False,
@@ -857,10 +861,9 @@ class GatewaySettings(_Settings):
         default=1,
         ge=1,
         le=256,
-        description="Gateway worker processes behind one port: the supervisor binds the socket "
-        "once and every worker accepts on it (the kernel spreads connections). They share load "
-        "through the Redis registry; without one, they lease prefill slots from one table "
-        "shared on the node, so together they never exceed a prefill's capacity "
+        description="Gateway worker processes behind one port, all accepting on the socket "
+        "the supervisor binds. They share load through the Redis registry; without one, "
+        "through a slot table shared on the node, never exceeding a prefill's capacity "
         "(docs/fleet.md).",
     )
     worker_index: int = Field(

@@ -198,6 +198,7 @@ def build_dispatcher(
             early_drop=settings.early_drop,
             drain_admission=settings.drain_admission,
             drain_sweep=settings.drain_sweep,
+            drain_headroom=settings.drain_headroom,
             prefill_estimate_quantile=settings.prefill_estimate_quantile,
             try_timeout_s=settings.prefill_try_timeout_s,
         ),

@@ -50,6 +50,10 @@ twice a second as requests arrive: the queue is swept for those the pace cannot 
 deadlines. It matters at a backlog's start: the runs of the prefills that were idle when
 it began all answer in its first seconds, so those seconds' pace overstates the fleet's,
 and what it admits then the steady pace may not reach (docs/results/chaos/README.md).
+With `drain_headroom` admission counts on only that fraction less than the sweep does: a
+queue held at the edge of the reach has its tail refused late by every dip of the measured
+pace, and a dip within the headroom refuses nobody late. Not the default, because near
+capacity a lone gateway's shorter queue refuses at once requests it would have served.
 
 The decodes bound the pace too (`DecodeCapacity`). A decode that answers 429 when its slots
 are full takes at most slots / (the mean time a request holds one) requests a second:

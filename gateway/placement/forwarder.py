@@ -150,6 +150,9 @@ class ForwardingOptions:
     drain_admission: bool = True
     # ... and refuse the queued requests it cannot reach either (a sweep twice a second).
     drain_sweep: bool = True
+    # Admit only within this fraction below what the pace reaches, so that the pace's usual
+    # swings do not make the sweep refuse later what was admitted.
+    drain_headroom: float = 0.0
     # Longest one prefill call may take before the request moves on (a prefill that accepted
     # the connection and hangs); None: adaptive, from recent prefill times.
     try_timeout_s: float | None = None
@@ -303,7 +306,9 @@ class PrefillForwarder:
         if self._options.drain_sweep and now >= self._next_sweep:
             self._next_sweep = now + _SWEEP_S
             self._sweep(pace, now)
-        reachable = pace.reach(waiter.deadline - now)
+        # The sweep judges by the reach itself, admission with headroom below it: a request
+        # admitted at the edge of the reach would be refused later by any dip in the pace.
+        reachable = pace.reach(waiter.deadline - now) * (1.0 - self._options.drain_headroom)
         return len(self.queue) > reachable and self.queue.ahead(waiter) > reachable
 
     def _pace(self, now: float) -> Pace | None:

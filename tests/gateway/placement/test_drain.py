@@ -285,6 +285,27 @@ async def test_a_slow_second_at_a_backlogs_start_does_not_hide_the_pace() -> Non
         await background.aclose()
 
 
+async def test_admission_keeps_headroom_below_the_reach_the_sweep_judges_by() -> None:
+    """A request the pace reaches with a fifth of its time to spare is queued; with
+    `drain_headroom` 0.3 the same request is refused on arrival, where any dip of the pace
+    past a fifth would have had the sweep refuse it late."""
+    async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
+
+        def at_the_edge(i: int) -> Waiter:
+            pace = p.fwd._pace(time.monotonic())
+            assert pace is not None and pace.rate
+            return waiter(i, deadline_s=1.25 * len(p.fwd.queue) / pace.rate)
+
+        queued = asyncio.create_task(p.fwd.acquire(at_the_edge(100)))
+        await asyncio.sleep(0.01)
+        assert not queued.done()
+        queued.cancel()
+        await asyncio.gather(queued, return_exceptions=True)
+        p.fwd._options = replace(p.fwd._options, drain_headroom=0.3)
+        with pytest.raises(Overloaded, match="would not reach this request"):
+            await p.fwd.acquire(at_the_edge(101))
+
+
 async def test_requests_queued_before_the_pace_was_known_are_refused_once_it_is() -> None:
     """A request queued when nothing could be judged (here: drain admission off as it came)
     that the pace shows out of reach is told 503 at the next arrival's sweep, not at its
