@@ -476,11 +476,7 @@ async def _overload(
     # probe's behind them.
     probes: list[tuple[float, float]] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as own:
-        load = OpenStreamingLoad(
-            own, GatewayPool([gateway]), prompts, rate, _MODEL, origin=chaos.origin,
-            seed=plan.seed + 1000, min_tokens=plan.min_tokens, max_in_flight=4096,
-            max_attempts=1,
-        )  # fmt: skip
+        load = _one_gateway_load(chaos, own, gateway, prompts, rate, seed=1000)
         rss = RssSampler(child.pid, 0.5, lambda: load.issued)
         log(f"overload: {rate:.1f} req/s into one gateway ({label}; {plan.overload_factor:g}x "
             f"{capacity_rps:.2f} req/s) for {plan.overload_s:g} s")  # fmt: skip
@@ -518,16 +514,30 @@ async def _overload(
                           rss.samples, held, lag)  # fmt: skip
 
 
+def _one_gateway_load(
+    chaos: _Chaos,
+    session: aiohttp.ClientSession,
+    gateway: str,
+    prompts: Prompts,
+    rate: float,
+    *,
+    seed: int,
+) -> OpenStreamingLoad:
+    """Open-loop streams into `gateway` alone at `rate`, each tried once (a shed is an
+    answer here, not a reason to resend), seeded `seed` past the plan's."""
+    plan = chaos.plan
+    return OpenStreamingLoad(
+        session, GatewayPool([gateway]), prompts, rate, _MODEL, origin=chaos.origin,
+        seed=plan.seed + seed, min_tokens=plan.min_tokens, max_in_flight=4096, max_attempts=1,
+    )  # fmt: skip
+
+
 async def _warm(chaos: _Chaos, prompts: Prompts, capacity_rps: float, gateway: str) -> None:
     """Streams through a new gateway, below capacity, until it has relayed some
     `_WARM_STREAMS`: what its decode bound learns from (the fleet's gateway learned it in
     the steady load), so that its overload compares with the fleet's gateway's."""
-    plan = chaos.plan
     rate = 0.8 * capacity_rps
-    load = OpenStreamingLoad(
-        chaos.session, GatewayPool([gateway]), prompts, rate, _MODEL, origin=chaos.origin,
-        seed=plan.seed + 2000, min_tokens=plan.min_tokens, max_in_flight=4096, max_attempts=1,
-    )  # fmt: skip
+    load = _one_gateway_load(chaos, chaos.session, gateway, prompts, rate, seed=2000)
     load.start()
     await asyncio.sleep(_WARM_STREAMS / rate)
     await load.stop(60.0)  # the streams end: their hold times are what it learns
