@@ -544,16 +544,15 @@ class GatewaySettings(_Settings):
     drain_sweep: bool = Field(
         default=True,
         description="With drain_admission, also judge the queued requests again, at most "
-        "twice a second, and refuse (503, Retry-After) those the pace no longer reaches, "
-        "which would otherwise wait out their deadlines.",
+        "twice a second, and refuse (503, Retry-After) those the pace no longer reaches.",
     )
     drain_headroom: float = Field(
-        default=0.0,
+        default=0.3,
         ge=0.0,
         lt=1.0,
-        description="With drain_admission, admit only what the pace reaches with this "
-        "fraction of its reach to spare (the sweep judges without): under overload fewer are "
-        "refused late, near capacity more at once.",
+        description="With drain_admission, under heavy overload admit only what the pace "
+        "reaches with this fraction of its reach to spare (the sweep judges without): none "
+        "of it while at most half the arrivals are refused, all from four in five.",
     )
     drain_decode_bound: bool = Field(
         default=True,

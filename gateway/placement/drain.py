@@ -50,10 +50,13 @@ twice a second as requests arrive: the queue is swept for those the pace cannot 
 deadlines. It matters at a backlog's start: the runs of the prefills that were idle when
 it began all answer in its first seconds, so those seconds' pace overstates the fleet's,
 and what it admits then the steady pace may not reach (docs/results/chaos/README.md).
-With `drain_headroom` admission counts on only that fraction less than the sweep does: a
-queue held at the edge of the reach has its tail refused late by every dip of the measured
-pace, and a dip within the headroom refuses nobody late. Not the default, because near
-capacity a lone gateway's shorter queue refuses at once requests it would have served.
+Under heavy overload admission keeps headroom (`drain_headroom`): it counts on that
+fraction less of the reach than the sweep does. A queue held at the edge of the reach has
+its tail refused late by every dip of the measured pace; a dip within the headroom refuses
+nobody late. The headroom grows with the share of arrivals refused (`RefusedShare`), from
+none at half to all of it at four in five: when arrivals outrun the queue several times
+over, the queue refills at once and keeping it shorter costs no grant. Near capacity it
+would: a lone gateway's shorter queue refused at once requests it would have served.
 
 The decodes bound the pace too (`DecodeCapacity`). A decode that answers 429 when its slots
 are full takes at most slots / (the mean time a request holds one) requests a second:
@@ -77,7 +80,7 @@ from pdgate.config.wire import EXT_QUEUELESS, Role
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.window import TimeWindow
 
-__all__ = ["DecodeCapacity", "Pace", "QueueDrain"]
+__all__ = ["DecodeCapacity", "Pace", "QueueDrain", "RefusedShare"]
 
 # Saturated spans kept: many more than a window holds in practice (each begins when the
 # forwarder finds no room and ends when the queue empties). Past this, the oldest go and
@@ -196,6 +199,36 @@ class QueueDrain:
         totals = self._totals
         grants = totals[-1] - (totals[first - 1] if first else self._base)
         return grants / span if grants >= self._min_grants else None
+
+
+class RefusedShare:
+    """The share of the arrivals judged against a backlog that drain admission refused,
+    each arrival's weight halving every `half_life_s`: how far the arrivals outrun what the
+    queue can take (a share of 0.8 is arrivals at five times that)."""
+
+    __slots__ = ("_at", "_judged", "_rate", "_refused")
+
+    def __init__(self, half_life_s: float = 3.0) -> None:
+        if half_life_s <= 0:
+            raise ValueError("need half_life_s > 0")
+        self._rate = math.log(2) / half_life_s
+        self._judged = 0.0
+        self._refused = 0.0
+        self._at = 0.0
+
+    def judged(self, now: float, *, refused: bool) -> None:
+        if now > self._at:
+            decay = math.exp(self._rate * (self._at - now))
+            self._judged *= decay
+            self._refused *= decay
+            self._at = now
+        self._judged += 1.0
+        if refused:
+            self._refused += 1.0
+
+    @property
+    def share(self) -> float:
+        return self._refused / self._judged if self._judged else 0.0
 
 
 @dataclass(frozen=True, slots=True)

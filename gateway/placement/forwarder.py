@@ -69,7 +69,7 @@ from pdgate.gateway.instances.tracker import InstanceTracker, Lease
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.observe.ratio import RatioAdvisor
 from pdgate.gateway.placement.batching import BatchForming, batch_size
-from pdgate.gateway.placement.drain import DecodeCapacity, Pace, QueueDrain
+from pdgate.gateway.placement.drain import DecodeCapacity, Pace, QueueDrain, RefusedShare
 from pdgate.gateway.placement.leases import Fleet, SlotLease, monotonic_ms_left
 from pdgate.gateway.placement.placed import PrefillGrant, release_counts
 from pdgate.gateway.placement.prefill_time import (
@@ -150,9 +150,9 @@ class ForwardingOptions:
     drain_admission: bool = True
     # ... and refuse the queued requests it cannot reach either (a sweep twice a second).
     drain_sweep: bool = True
-    # Admit only within this fraction below what the pace reaches, so that the pace's usual
-    # swings do not make the sweep refuse later what was admitted.
-    drain_headroom: float = 0.0
+    # Under heavy overload admit only within this fraction below what the pace reaches, so
+    # that the pace's usual swings do not make the sweep refuse later what was admitted.
+    drain_headroom: float = 0.3
     # Longest one prefill call may take before the request moves on (a prefill that accepted
     # the connection and hangs); None: adaptive, from recent prefill times.
     try_timeout_s: float | None = None
@@ -216,6 +216,7 @@ class PrefillForwarder:
         self.compute_times = PrefillTimes()
         self.token_ratio = TokenRatio()
         self._drain = QueueDrain()  # the fleet's grants: ours, and the others' as reported
+        self._refused = RefusedShare()  # of the arrivals drain admission judged
         self._grants_new = 0  # ours since the last `samples_out`
         self._next_sweep = 0.0  # monotonic: when drain admission may sweep the queue next
         self._forming = BatchForming(
@@ -306,10 +307,14 @@ class PrefillForwarder:
         if self._options.drain_sweep and now >= self._next_sweep:
             self._next_sweep = now + _SWEEP_S
             self._sweep(pace, now)
-        # The sweep judges by the reach itself, admission with headroom below it: a request
-        # admitted at the edge of the reach would be refused later by any dip in the pace.
-        reachable = pace.reach(waiter.deadline - now) * (1.0 - self._options.drain_headroom)
-        return len(self.queue) > reachable and self.queue.ahead(waiter) > reachable
+        # The sweep judges by the reach itself, admission with headroom below it under heavy
+        # overload: a request admitted at the edge of the reach would be refused later by
+        # any dip in the pace (drain.py).
+        headroom = self._options.drain_headroom * _overload_scale(self._refused.share)
+        reachable = pace.reach(waiter.deadline - now) * (1.0 - headroom)
+        refused = len(self.queue) > reachable and self.queue.ahead(waiter) > reachable
+        self._refused.judged(now, refused=refused)
+        return refused
 
     def _pace(self, now: float) -> Pace | None:
         """The measured pace, bounded by the decodes' (a prefill queue's only: an aggregated
@@ -873,6 +878,12 @@ class PrefillForwarder:
             return  # acquire() is about to time out and answer 503
         self.queue.requeue(waiter)
         self._wake()
+
+
+def _overload_scale(refused_share: float) -> float:
+    """How much of the headroom applies: none while at most half the arrivals are refused,
+    all of it from four in five on (arrivals at five times what the queue takes)."""
+    return min(1.0, max(0.0, (refused_share - 0.5) / 0.3))
 
 
 def _end(span: Span, outcome: str, status: int | None = None) -> None:

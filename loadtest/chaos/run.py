@@ -113,12 +113,12 @@ class ChaosPlan:
     probe_period_s: float = 0.1  # the /health probe of the overloaded gateway
     # More overloads, each of an extra gateway with these settings besides the defaults: a
     # short queue per (model, group) (the default is 1024), drain admission that judges
-    # each request on arrival only (no sweep of its queue), and one that admits with
-    # headroom. Empty: only the fleet's gateway, as deployed.
+    # each request on arrival only (no sweep of its queue), and one that keeps no headroom
+    # under heavy overload. Empty: only the fleet's gateway, as deployed.
     overload_variants: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = (
         ("queue_size=32", (("queue_size", 32),)),
         ("no drain_sweep", (("drain_sweep", False),)),
-        ("drain_headroom=0.3", (("drain_headroom", 0.3),)),
+        ("drain_headroom=0", (("drain_headroom", 0.0),)),
     )
     seed: int = 0
     register_timeout_s: float = 60.0

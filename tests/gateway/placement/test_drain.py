@@ -24,7 +24,7 @@ from pdgate.gateway.errors import DeadlineExceeded, Overloaded
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.dispatch import client_error
-from pdgate.gateway.placement.drain import DecodeCapacity, Pace, QueueDrain
+from pdgate.gateway.placement.drain import DecodeCapacity, Pace, QueueDrain, RefusedShare
 from pdgate.gateway.placement.forwarder import ForwardingOptions, PrefillForwarder
 from pdgate.gateway.placement.queue import Waiter, WaitQueue
 from pdgate.gateway.upstream.mock import MockUpstream
@@ -285,11 +285,13 @@ async def test_a_slow_second_at_a_backlogs_start_does_not_hide_the_pace() -> Non
         await background.aclose()
 
 
-async def test_admission_keeps_headroom_below_the_reach_the_sweep_judges_by() -> None:
-    """A request the pace reaches with a fifth of its time to spare is queued; with
-    `drain_headroom` 0.3 the same request is refused on arrival, where any dip of the pace
-    past a fifth would have had the sweep refuse it late."""
+async def test_under_heavy_overload_admission_keeps_headroom_below_the_sweeps_reach() -> None:
+    """A request the pace reaches with a fifth of its time to spare is queued while few
+    arrivals are refused. Once four in five are (arrivals at five times what the queue
+    takes), the same request is refused on arrival: `drain_headroom` 0.3 applies, where a
+    dip of the pace past a fifth would have had the sweep refuse it late."""
     async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
+        assert p.fwd._options.drain_headroom == 0.3  # the default
 
         def at_the_edge(i: int) -> Waiter:
             pace = p.fwd._pace(time.monotonic())
@@ -301,9 +303,29 @@ async def test_admission_keeps_headroom_below_the_reach_the_sweep_judges_by() ->
         assert not queued.done()
         queued.cancel()
         await asyncio.gather(queued, return_exceptions=True)
-        p.fwd._options = replace(p.fwd._options, drain_headroom=0.3)
+        for i in range(8):
+            with pytest.raises(Overloaded):
+                await p.fwd.acquire(waiter(200 + i, deadline_s=0.2))
         with pytest.raises(Overloaded, match="would not reach this request"):
             await p.fwd.acquire(at_the_edge(101))
+        # Without the setting, the same arrival is queued however many are refused.
+        p.fwd._options = replace(p.fwd._options, drain_headroom=0.0)
+        queued = asyncio.create_task(p.fwd.acquire(at_the_edge(102)))
+        await asyncio.sleep(0.01)
+        assert not queued.done()
+        queued.cancel()
+        await asyncio.gather(queued, return_exceptions=True)
+
+
+def test_the_refused_share_weighs_recent_arrivals_most() -> None:
+    share = RefusedShare(half_life_s=1.0)
+    assert share.share == 0.0
+    for _ in range(4):
+        share.judged(10.0, refused=True)
+    share.judged(10.0, refused=False)
+    assert share.share == pytest.approx(0.8)
+    share.judged(12.0, refused=False)  # two half-lives on: it counts four times as much
+    assert share.share == pytest.approx(1.0 / (1.25 + 1.0))
 
 
 async def test_requests_queued_before_the_pace_was_known_are_refused_once_it_is() -> None:
