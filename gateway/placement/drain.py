@@ -230,6 +230,13 @@ class RefusedShare:
     def share(self) -> float:
         return self._refused / self._judged if self._judged else 0.0
 
+    @property
+    def headroom_part(self) -> float:
+        """How much of the headroom applies: none while at most half the arrivals are
+        refused, all of it from four in five on (arrivals at five times what the queue
+        takes)."""
+        return min(1.0, max(0.0, (self.share - 0.5) / 0.3))
+
 
 @dataclass(frozen=True, slots=True)
 class Pace:

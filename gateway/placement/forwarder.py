@@ -310,7 +310,7 @@ class PrefillForwarder:
         # The sweep judges by the reach itself, admission with headroom below it under heavy
         # overload: a request admitted at the edge of the reach would be refused later by
         # any dip in the pace (drain.py).
-        headroom = self._options.drain_headroom * _overload_scale(self._refused.share)
+        headroom = self._options.drain_headroom * self._refused.headroom_part
         reachable = pace.reach(waiter.deadline - now) * (1.0 - headroom)
         refused = len(self.queue) > reachable and self.queue.ahead(waiter) > reachable
         self._refused.judged(now, refused=refused)
@@ -878,12 +878,6 @@ class PrefillForwarder:
             return  # acquire() is about to time out and answer 503
         self.queue.requeue(waiter)
         self._wake()
-
-
-def _overload_scale(refused_share: float) -> float:
-    """How much of the headroom applies: none while at most half the arrivals are refused,
-    all of it from four in five on (arrivals at five times what the queue takes)."""
-    return min(1.0, max(0.0, (refused_share - 0.5) / 0.3))
 
 
 def _end(span: Span, outcome: str, status: int | None = None) -> None:
