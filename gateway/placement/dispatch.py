@@ -84,9 +84,12 @@ from pdgate.policies.base import InstanceLoad, Ranker, RequestInfo
 
 # Queues exist only for (model, group) pairs the registry knows, so this bound is a backstop.
 _MAX_QUEUES = 1024
-# Packed sample entries kept per queue this gateway has not served yet (each entry: one
-# gateway's samples of one sync).
-_EARLY_SAMPLES = 64
+# Samples kept per queue this gateway has not served yet, counted one by one: a sync's entry
+# may carry a single sample, and a type's pace is known only from `min_samples` of its own.
+# Twice a forwarder's window, since prefill and compute times come in pairs.
+_EARLY_SAMPLES = 512
+# Queues heard of but not served yet whose samples are kept (the least recently heard go).
+_EARLY_QUEUES = 256
 
 
 _NOT_FOR_PREFILL = ("stream_options", "return_token_ids")
@@ -221,9 +224,9 @@ class Dispatcher:
             fwd.samples_in(packed, fresh=fresh)
             return
         kept = self._early_samples.pop(queue, None) or deque(maxlen=_EARLY_SAMPLES)
-        kept.extend(packed)
+        kept.extend(item for entry in packed for item in entry.split(";") if item)
         self._early_samples[queue] = kept  # the most recently heard queues last
-        while len(self._early_samples) > _MAX_QUEUES:
+        while len(self._early_samples) > _EARLY_QUEUES:
             del self._early_samples[next(iter(self._early_samples))]
 
     def describe_queues(self) -> list[dict[str, object]]:

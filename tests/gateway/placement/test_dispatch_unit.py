@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 
 from pdgate.config import DispatchMode
 from pdgate.gateway.errors import BadGateway, DeadlineExceeded
+from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.placement.placed import Placement
 from pdgate.gateway.upstream.mock import MockUpstream, Reply
 from tests.gateway._fakes import (
@@ -20,6 +22,7 @@ from tests.gateway._fakes import (
     dispatcher,
     eventually,
     info,
+    records,
     relay,
     tracker_for,
 )
@@ -277,3 +280,30 @@ async def test_a_decode_that_does_not_know_the_prefill_yet_is_tried_again() -> N
     placement.close()
     await eventually(lambda: tracker.totals() == (0, 0))
     await d.close()
+
+
+async def test_the_fleet_s_samples_heard_before_a_queue_s_first_request_all_count() -> None:
+    """Another gateway's sync may carry a single sample, a hand-over time say, so a queue not
+    served here yet keeps samples, not syncs: counted by syncs, the bound dropped most of a
+    hardware type's samples, and the first requests here went to the slower prefill."""
+    tracker = InstanceTracker(reject_hold_s=0.05)
+    recs = records([1, 1], [4])
+    recs["p0"] = dataclasses.replace(recs["p0"], hardware="l20")
+    recs["p1"] = dataclasses.replace(recs["p1"], hardware="h100")
+    tracker.update_membership(recs)
+    d, _ = dispatcher(MockUpstream(FakeCluster(text="abc")), tracker)
+    for _ in range(20):  # per request, its prefill, compute and hand-over times, a sync each
+        for hw, seconds in (("l20", 0.9), ("h100", 0.1)):
+            for entry in (f"p 4800 {seconds} {hw}", f"c 4800 {seconds} {hw}", "p 0 0.01"):
+                d.incoming("m|", [entry])
+    assert speeds(tracker) == {"p0": 1.0, "p1": 1.0}  # no queue yet: kept, not applied
+
+    placement = await place(d)  # the queue's first request finds the fleet's samples
+    placement.close()
+    assert speeds(tracker) == {"p0": pytest.approx(1 / 9), "p1": 1.0}
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await d.close()
+
+
+def speeds(tracker: InstanceTracker) -> dict[str, float]:
+    return {r["id"]: r["speed"] for r in tracker.describe() if r["role"] == "prefill"}
