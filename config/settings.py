@@ -552,7 +552,7 @@ class GatewaySettings(_Settings):
         lt=1.0,
         description="With drain_admission, under heavy overload admit only what the pace "
         "reaches with this fraction of its reach to spare (the sweep judges without): none "
-        "of it while at most half the arrivals are refused, all from four in five.",
+        "of it while arrivals come at most twice the pace, all from five times.",
     )
     drain_decode_bound: bool = Field(
         default=True,

@@ -298,6 +298,7 @@ def build_gateway_app(
             tracker.describe,
             lambda: dispatcher.advisor.advise(tracker.records()),
             lambda: (fleet.calls, fleet.call_seconds),
+            lambda: dispatcher.describe_queues(),
         )
         # Only a policy that scores prefix affinity pays for an index.
         index: PrefixLookup | None = None

@@ -66,6 +66,7 @@ class GatewayMetrics:
         instances: Callable[[], Iterable[Mapping[str, Any]]] = tuple,
         ratio: Callable[[], Iterable[Any]] = tuple,
         fleet: Callable[[], tuple[Mapping[str, int], Mapping[str, float]]] | None = None,
+        queues: Callable[[], Iterable[Mapping[str, Any]]] = tuple,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -200,6 +201,7 @@ class GatewayMetrics:
         ).set_function(lambda: float(pending()))
         r.register(_InstanceCollector(instances))
         r.register(_RatioCollector(ratio))
+        r.register(_QueueCollector(queues))
         if fleet is not None:
             r.register(_FleetCollector(fleet))
 
@@ -329,6 +331,39 @@ class _InstanceCollector(Collector):
                 family.add_metric(values, float(row[name]))
         yield from gauges.values()
         yield from counters.values()
+
+
+class _QueueCollector(Collector):
+    """Per queue, how drain admission judges arrivals now (`Dispatcher.describe_queues`)."""
+
+    def __init__(self, rows: Callable[[], Iterable[Mapping[str, Any]]]) -> None:
+        self._rows = rows
+
+    def describe(self) -> Iterable[Any]:
+        return []  # the series come and go with the queues
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["model", "group", "role"]
+        pace = GaugeMetricFamily(
+            "pdgate_queue_drain_pace",
+            "Grants a second drain admission counts on (absent: no pace yet)",
+            labels=labels,
+        )
+        arrivals = GaugeMetricFamily(
+            "pdgate_queue_arrival_rate", "Requests a second arriving at the queue", labels=labels
+        )
+        headroom = GaugeMetricFamily(
+            "pdgate_queue_headroom",
+            "Fraction of the pace's reach drain admission holds back now",
+            labels=labels,
+        )
+        for row in self._rows():
+            values = [str(row["model"]), str(row["group"] or ""), str(row["role"])]
+            if row["drain_pace_per_s"] is not None:
+                pace.add_metric(values, float(row["drain_pace_per_s"]))
+            arrivals.add_metric(values, float(row["arrivals_per_s"]))
+            headroom.add_metric(values, float(row["headroom"]))
+        yield from (pace, arrivals, headroom)
 
 
 class _FleetCollector(Collector):

@@ -233,6 +233,7 @@ class Dispatcher:
         """Rows for ``GET /admin/queues``; a partial group's with its macro instances."""
         rows: list[dict[str, object]] = []
         for f in self._forwarders.values():
+            pace, arrivals, headroom = f.drain_view()
             row: dict[str, object] = {
                 "model": f.model,
                 "group": f.group,
@@ -241,6 +242,9 @@ class Dispatcher:
                 "queued": len(f.queue),
                 "waiting": f.waiting,
                 "head_ms": f.head_in_ms(),
+                "drain_pace_per_s": pace,
+                "arrivals_per_s": arrivals,
+                "headroom": headroom,
             }
             view = self._phase_views.get((f.model, f.group))
             if f.role is Role.AGGREGATED and view is not None:

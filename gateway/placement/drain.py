@@ -53,10 +53,13 @@ and what it admits then the steady pace may not reach (docs/results/chaos/README
 Under heavy overload admission keeps headroom (`drain_headroom`): it counts on that
 fraction less of the reach than the sweep does. A queue held at the edge of the reach has
 its tail refused late by every dip of the measured pace; a dip within the headroom refuses
-nobody late. The headroom grows with the share of arrivals refused (`RefusedShare`), from
-none at half to all of it at four in five: when arrivals outrun the queue several times
-over, the queue refills at once and keeping it shorter costs no grant. Near capacity it
-would: a lone gateway's shorter queue refused at once requests it would have served.
+nobody late. The headroom grows with how far arrivals outrun the pace (`ArrivalRate`), from
+none at twice the pace to all of it at five times: the queue then refills at once, and
+keeping it shorter costs no grant. Near capacity it would: a lone gateway's shorter queue
+refused at once requests it would have served. The arrivals are measured, not the share of
+them refused, which says the same in the steady state (four in five refused: arrivals at
+five times the pace) but only once the queue has reached the edge: by then a sudden
+overload's first second has filled the queue to the edge, and its tail is refused late.
 
 The decodes bound the pace too (`DecodeCapacity`). A decode that answers 429 when its slots
 are full takes at most slots / (the mean time a request holds one) requests a second:
@@ -80,7 +83,7 @@ from pdgate.config.wire import EXT_QUEUELESS, Role
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.window import TimeWindow
 
-__all__ = ["DecodeCapacity", "Pace", "QueueDrain", "RefusedShare"]
+__all__ = ["ArrivalRate", "DecodeCapacity", "Pace", "QueueDrain"]
 
 # Saturated spans kept: many more than a window holds in practice (each begins when the
 # forwarder finds no room and ends when the queue empties). Past this, the oldest go and
@@ -201,41 +204,38 @@ class QueueDrain:
         return grants / span if grants >= self._min_grants else None
 
 
-class RefusedShare:
-    """The share of the arrivals judged against a backlog that drain admission refused,
-    each arrival's weight halving every `half_life_s`: how far the arrivals outrun what the
-    queue can take (a share of 0.8 is arrivals at five times that)."""
+class ArrivalRate:
+    """A queue's arrivals per second, each arrival's weight halving every `half_life_s`, and
+    how much of the headroom that calls for against the pace the queue drains at."""
 
-    __slots__ = ("_at", "_judged", "_rate", "_refused")
+    __slots__ = ("_at", "_count", "_decay")
 
-    def __init__(self, half_life_s: float = 3.0) -> None:
+    def __init__(self, half_life_s: float = 0.5) -> None:
         if half_life_s <= 0:
             raise ValueError("need half_life_s > 0")
-        self._rate = math.log(2) / half_life_s
-        self._judged = 0.0
-        self._refused = 0.0
+        self._decay = math.log(2) / half_life_s
+        self._count = 0.0  # the arrivals' weights as of `_at`
         self._at = 0.0
 
-    def judged(self, now: float, *, refused: bool) -> None:
-        if now > self._at:
-            decay = math.exp(self._rate * (self._at - now))
-            self._judged *= decay
-            self._refused *= decay
-            self._at = now
-        self._judged += 1.0
-        if refused:
-            self._refused += 1.0
+    def arrived(self, now: float) -> None:
+        self._count = self._weight(now) + 1.0
+        self._at = max(now, self._at)
 
-    @property
-    def share(self) -> float:
-        return self._refused / self._judged if self._judged else 0.0
+    def _weight(self, now: float) -> float:
+        if now <= self._at:
+            return self._count
+        return self._count * math.exp(self._decay * (self._at - now))
 
-    @property
-    def headroom_part(self) -> float:
-        """How much of the headroom applies: none while at most half the arrivals are
-        refused, all of it from four in five on (arrivals at five times what the queue
-        takes)."""
-        return min(1.0, max(0.0, (self.share - 0.5) / 0.3))
+    def per_s(self, now: float) -> float:
+        """Arrivals a second (a steady rate reads as itself once a few half-lives in)."""
+        return self._weight(now) * self._decay
+
+    def headroom_part(self, now: float, pace_per_s: float) -> float:
+        """How much of the headroom applies: none while arrivals come at most twice as fast
+        as the pace serves them, all of it from five times on (four in five refused)."""
+        if pace_per_s <= 0:
+            return 1.0
+        return min(1.0, max(0.0, (self.per_s(now) / pace_per_s - 2.0) / 3.0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +246,12 @@ class Pace:
     rate: float | None
     cap: float | None = None
     free: int = 0
+
+    @property
+    def per_s(self) -> float:
+        """Grants a second to count on past the free slots (inf: unknown)."""
+        measured = math.inf if self.rate is None else self.rate
+        return min(measured, math.inf if self.cap is None else self.cap)
 
     def reach(self, seconds: float) -> float:
         """How many requests ahead it serves in `seconds`."""

@@ -69,7 +69,7 @@ from pdgate.gateway.instances.tracker import InstanceTracker, Lease
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.observe.ratio import RatioAdvisor
 from pdgate.gateway.placement.batching import BatchForming, batch_size
-from pdgate.gateway.placement.drain import DecodeCapacity, Pace, QueueDrain, RefusedShare
+from pdgate.gateway.placement.drain import ArrivalRate, DecodeCapacity, Pace, QueueDrain
 from pdgate.gateway.placement.leases import Fleet, SlotLease, monotonic_ms_left
 from pdgate.gateway.placement.placed import PrefillGrant, release_counts
 from pdgate.gateway.placement.prefill_time import (
@@ -216,7 +216,7 @@ class PrefillForwarder:
         self.compute_times = PrefillTimes()
         self.token_ratio = TokenRatio()
         self._drain = QueueDrain()  # the fleet's grants: ours, and the others' as reported
-        self._refused = RefusedShare()  # of the arrivals drain admission judged
+        self._arrivals = ArrivalRate()  # those drain admission judges
         self._grants_new = 0  # ours since the last `samples_out`
         self._next_sweep = 0.0  # monotonic: when drain admission may sweep the queue next
         self._forming = BatchForming(
@@ -297,10 +297,10 @@ class PrefillForwarder:
         every `_SWEEP_S`, the queued requests the pace cannot reach either are refused too:
         those admitted while the pace still counted a backlog's first grants, which fill
         idle slots."""
-        queued = len(self.queue)
-        if not queued:
-            return False
         now = time.monotonic()
+        self._arrivals.arrived(now)
+        if not self.queue:
+            return False
         pace = self._pace(now)
         if pace is None:
             return False
@@ -310,11 +310,21 @@ class PrefillForwarder:
         # The sweep judges by the reach itself, admission with headroom below it under heavy
         # overload: a request admitted at the edge of the reach would be refused later by
         # any dip in the pace (drain.py).
-        headroom = self._options.drain_headroom * self._refused.headroom_part
+        headroom = self._options.drain_headroom * self._arrivals.headroom_part(now, pace.per_s)
         reachable = pace.reach(waiter.deadline - now) * (1.0 - headroom)
-        refused = len(self.queue) > reachable and self.queue.ahead(waiter) > reachable
-        self._refused.judged(now, refused=refused)
-        return refused
+        return len(self.queue) > reachable and self.queue.ahead(waiter) > reachable
+
+    def drain_view(self) -> tuple[float | None, float, float]:
+        """Drain admission as it judges now: the grants a second it counts on (None: no pace
+        yet, nothing refused), arrivals a second, and the fraction of the reach it holds back
+        (`drain_headroom` as far as the arrivals outrun the pace)."""
+        now = time.monotonic()
+        pace = self._pace(now) if self._options.drain_admission else None
+        arrivals = self._arrivals.per_s(now)
+        if pace is None:
+            return None, arrivals, 0.0
+        part = self._arrivals.headroom_part(now, pace.per_s)
+        return pace.per_s, arrivals, self._options.drain_headroom * part
 
     def _pace(self, now: float) -> Pace | None:
         """The measured pace, bounded by the decodes' (a prefill queue's only: an aggregated

@@ -42,6 +42,11 @@ def test_metrics_pass_promtool_and_carry_per_instance_series() -> None:
     assert "pdgate_inter_token_seconds_count" in text
     for role in ("prefill", "decode"):
         assert f'pdgate_instance_capacity{{group="default",instance="{role}-' in text
+    # Drain admission's view of the queue the traffic went through: no pace yet, no headroom.
+    queue = f'{{group="",model="{MODEL}",role="prefill"}}'
+    assert f"pdgate_queue_headroom{queue} 0.0" in text
+    assert f"pdgate_queue_arrival_rate{queue} " in text
+    assert "pdgate_queue_drain_pace{" not in text
 
 
 @pytest.mark.parametrize("values", [[], [0.1], [0.0005, 0.1, 0.3, 0.5, 0.7, 2.5, 99.0]])

@@ -24,7 +24,7 @@ from pdgate.gateway.errors import DeadlineExceeded, Overloaded
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.dispatch import client_error
-from pdgate.gateway.placement.drain import DecodeCapacity, Pace, QueueDrain, RefusedShare
+from pdgate.gateway.placement.drain import ArrivalRate, DecodeCapacity, Pace, QueueDrain
 from pdgate.gateway.placement.forwarder import ForwardingOptions, PrefillForwarder
 from pdgate.gateway.placement.queue import Waiter, WaitQueue
 from pdgate.gateway.upstream.mock import MockUpstream
@@ -285,10 +285,10 @@ async def test_a_slow_second_at_a_backlogs_start_does_not_hide_the_pace() -> Non
 
 
 async def test_under_heavy_overload_admission_keeps_headroom_below_the_sweeps_reach() -> None:
-    """A request the pace reaches with a fifth of its time to spare is queued while few
-    arrivals are refused. Once four in five are (arrivals at five times what the queue
-    takes), the same request is refused on arrival: `drain_headroom` 0.3 applies, where a
-    dip of the pace past a fifth would have had the sweep refuse it late."""
+    """A request the pace reaches with a fifth of its time to spare is queued while requests
+    arrive about as fast as the queue drains. Once they arrive five times as fast, the same
+    request is refused on arrival: `drain_headroom` 0.3 applies, where a dip of the pace past
+    a fifth would have had the sweep refuse it late."""
     async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
         assert p.fwd._options.drain_headroom == 0.3  # the default
 
@@ -302,9 +302,12 @@ async def test_under_heavy_overload_admission_keeps_headroom_below_the_sweeps_re
         assert not queued.done()
         queued.cancel()
         await asyncio.gather(queued, return_exceptions=True)
-        for i in range(8):
+        assert p.fwd.drain_view()[2] == 0.0  # the headroom in force, as /metrics shows it
+        for i in range(80):  # a burst: 80 arrivals where the queue drains 20 a second
             with pytest.raises(Overloaded):
                 await p.fwd.acquire(waiter(200 + i, deadline_s=0.2))
+        pace, arrivals, headroom = p.fwd.drain_view()
+        assert pace is not None and arrivals > 5 * pace and headroom == 0.3
         with pytest.raises(Overloaded, match="would not reach this request"):
             await p.fwd.acquire(at_the_edge(101))
         # Without the setting, the same arrival is queued however many are refused.
@@ -316,15 +319,16 @@ async def test_under_heavy_overload_admission_keeps_headroom_below_the_sweeps_re
         await asyncio.gather(queued, return_exceptions=True)
 
 
-def test_the_refused_share_weighs_recent_arrivals_most() -> None:
-    share = RefusedShare(half_life_s=1.0)
-    assert share.share == 0.0
-    for _ in range(4):
-        share.judged(10.0, refused=True)
-    share.judged(10.0, refused=False)
-    assert share.share == pytest.approx(0.8)
-    share.judged(12.0, refused=False)  # two half-lives on: it counts four times as much
-    assert share.share == pytest.approx(1.0 / (1.25 + 1.0))
+def test_the_arrival_rate_weighs_recent_arrivals_most() -> None:
+    arrivals = ArrivalRate(half_life_s=1.0)
+    assert arrivals.per_s(0.0) == 0.0
+    for i in range(400):  # 20 a second for 20 s: read as 20 a second
+        arrivals.arrived(i / 20)
+    assert arrivals.per_s(20.0) == pytest.approx(20.0, rel=0.05)
+    assert arrivals.per_s(22.0) == pytest.approx(5.0, rel=0.05)  # two half-lives later
+    assert arrivals.headroom_part(22.0, pace_per_s=2.5) == 0.0  # at twice the pace: none
+    assert arrivals.headroom_part(22.0, pace_per_s=0.9) == 1.0  # past five times: all
+    assert arrivals.headroom_part(22.0, pace_per_s=5.0 / 3.5) == pytest.approx(0.5, rel=0.05)
 
 
 async def test_requests_queued_before_the_pace_was_known_are_refused_once_it_is() -> None:
