@@ -551,7 +551,7 @@ class GatewaySettings(_Settings):
         ge=0.0,
         lt=1.0,
         description="With drain_admission, under heavy overload admit only what the pace "
-        "reaches with this fraction of its reach to spare (the sweep judges without): none "
+        "reaches with this fraction of its reach to spare (the sweep as much past it): none "
         "of it while arrivals come at most twice the pace, all from five times.",
     )
     drain_decode_bound: bool = Field(

@@ -51,9 +51,11 @@ deadlines. It matters at a backlog's start: the runs of the prefills that were i
 it began all answer in its first seconds, so those seconds' pace overstates the fleet's,
 and what it admits then the steady pace may not reach (docs/results/chaos/README.md).
 Under heavy overload admission keeps headroom (`drain_headroom`): it counts on that
-fraction less of the reach than the sweep does. A queue held at the edge of the reach has
-its tail refused late by every dip of the measured pace; a dip within the headroom refuses
-nobody late. The headroom grows with how far arrivals outrun the pace (`ArrivalRate`), from
+fraction less of the reach, and the sweep refuses only what that fraction more misses. A
+queue held at the edge of the reach has its tail refused late by every dip of the measured
+pace; a dip within the headroom refuses nobody late. And a request refused late has waited
+for nothing while its place goes to a new arrival, not to a grant: the queue refills at
+once. The headroom grows with how far arrivals outrun the pace (`ArrivalRate`), from
 none at twice the pace to all of it at five times: the queue then refills at once, and
 keeping it shorter costs no grant. Near capacity it would: a lone gateway's shorter queue
 refused at once requests it would have served. The arrivals are measured, not the share of

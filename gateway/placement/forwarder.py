@@ -304,13 +304,14 @@ class PrefillForwarder:
         pace = self._pace(now)
         if pace is None:
             return False
+        # Under heavy overload admission keeps headroom below the reach, and the sweep as much
+        # above it: a request admitted at the edge would be refused late by any dip in the
+        # pace, and one refused late has waited for nothing while its place goes to a new
+        # arrival, not to a grant (drain.py).
+        headroom = self._options.drain_headroom * self._arrivals.headroom_part(now, pace.per_s)
         if self._options.drain_sweep and now >= self._next_sweep:
             self._next_sweep = now + _SWEEP_S
-            self._sweep(pace, now)
-        # The sweep judges by the reach itself, admission with headroom below it under heavy
-        # overload: a request admitted at the edge of the reach would be refused later by
-        # any dip in the pace (drain.py).
-        headroom = self._options.drain_headroom * self._arrivals.headroom_part(now, pace.per_s)
+            self._sweep(pace, now, 1.0 + headroom)
         reachable = pace.reach(waiter.deadline - now) * (1.0 - headroom)
         return len(self.queue) > reachable and self.queue.ahead(waiter) > reachable
 
@@ -338,8 +339,8 @@ class PrefillForwarder:
             return None if rate is None else Pace(rate)
         return replace(bound, rate=rate)
 
-    def _sweep(self, pace: Pace, now: float) -> None:
-        for late in self.queue.beyond_reach(pace.reach, now):
+    def _sweep(self, pace: Pace, now: float, slack: float) -> None:
+        for late in self.queue.beyond_reach(lambda s: pace.reach(s) * slack, now):
             self.queue.remove(late)
             self._shared.metrics.queue_sheds.labels("drain").inc()
             if not late.future.done():

@@ -355,6 +355,38 @@ async def test_requests_queued_before_the_pace_was_known_are_refused_once_it_is(
         assert sheds == 1
 
 
+async def test_under_heavy_overload_the_sweep_spares_what_the_headroom_covers() -> None:
+    """A queued request some 15% beyond the pace's reach is refused by the sweep near
+    capacity. Under heavy overload the sweep gives as much headroom above the reach as
+    admission keeps below it: a dip of the pace does not refuse late a request admitted
+    near the edge, whose place would only go to a new arrival."""
+    async with _paced_backlog(QueueOrder.FIFO, drain=False) as p:
+        pace = p.fwd._pace(time.monotonic())
+        assert pace is not None and pace.rate
+        kept = asyncio.create_task(
+            _take(p.fwd, waiter(100, deadline_s=len(p.fwd.queue) / (1.15 * pace.rate)))
+        )
+        await asyncio.sleep(0.01)
+        assert not kept.done()  # queued: nothing judged it on arrival
+        p.fwd._options = replace(p.fwd._options, drain_admission=True)
+        for i in range(80):  # a burst, refused on arrival: arrivals at five times the pace
+            with pytest.raises(Overloaded):
+                await p.fwd.acquire(waiter(200 + i, deadline_s=0.2))
+        assert p.fwd.drain_view()[2] == 0.3
+        p.fwd._options = replace(p.fwd._options, drain_sweep=True)
+        with pytest.raises(Overloaded):
+            await p.fwd.acquire(waiter(300, deadline_s=0.2))  # its arrival sweeps the queue
+        await asyncio.sleep(0.01)
+        assert not kept.done()
+        # The same sweep without headroom refuses it.
+        p.fwd._options = replace(p.fwd._options, drain_headroom=0.0)
+        p.fwd._next_sweep = 0.0
+        with pytest.raises(Overloaded):
+            await p.fwd.acquire(waiter(301, deadline_s=0.2))
+        with pytest.raises(Overloaded, match="would not reach this request"):
+            await kept
+
+
 def test_beyond_reach_counts_each_waiter_as_ahead_does() -> None:
     loop = asyncio.new_event_loop()
     try:
