@@ -53,15 +53,15 @@ and what it admits then the steady pace may not reach (docs/results/chaos/README
 Under heavy overload admission keeps headroom (`drain_headroom`): it counts on that
 fraction less of the reach, and the sweep refuses only what that fraction more misses. A
 queue held at the edge of the reach has its tail refused late by every dip of the measured
-pace; a dip within the headroom refuses nobody late. And a request refused late has waited
-for nothing while its place goes to a new arrival, not to a grant: the queue refills at
-once. The headroom grows with how far arrivals outrun the pace (`ArrivalRate`), from
-none at twice the pace to all of it at five times: the queue then refills at once, and
-keeping it shorter costs no grant. Near capacity it would: a lone gateway's shorter queue
-refused at once requests it would have served. The arrivals are measured, not the share of
-them refused, which says the same in the steady state (four in five refused: arrivals at
-five times the pace) but only once the queue has reached the edge: by then a sudden
-overload's first second has filled the queue to the edge, and its tail is refused late.
+pace; a dip within the headroom refuses nobody late. The headroom grows with how far
+arrivals outrun the pace (`ArrivalRate`), from none at twice the pace to all of it at five
+times. The queue then refills at once, so keeping it shorter costs no grant, and a request
+refused late has waited for nothing: its place goes to a new arrival, not to a grant. Near
+capacity a shorter queue would cost: a lone gateway's refused at once requests it would
+have served. The arrivals are measured, not the share of them refused, which says the same
+in the steady state (four in five refused: arrivals at five times the pace) but only once
+the queue has reached the edge: by then a sudden overload's first second has filled the
+queue to the edge, and its tail is refused late.
 
 The decodes bound the pace too (`DecodeCapacity`). A decode that answers 429 when its slots
 are full takes at most slots / (the mean time a request holds one) requests a second:

@@ -308,7 +308,7 @@ class PrefillForwarder:
         # above it: a request admitted at the edge would be refused late by any dip in the
         # pace, and one refused late has waited for nothing while its place goes to a new
         # arrival, not to a grant (drain.py).
-        headroom = self._options.drain_headroom * self._arrivals.headroom_part(now, pace.per_s)
+        headroom = self._headroom(now, pace)
         if self._options.drain_sweep and now >= self._next_sweep:
             self._next_sweep = now + _SWEEP_S
             self._sweep(pace, now, 1.0 + headroom)
@@ -324,8 +324,12 @@ class PrefillForwarder:
         arrivals = self._arrivals.per_s(now)
         if pace is None:
             return None, arrivals, 0.0
-        part = self._arrivals.headroom_part(now, pace.per_s)
-        return pace.per_s, arrivals, self._options.drain_headroom * part
+        return pace.per_s, arrivals, self._headroom(now, pace)
+
+    def _headroom(self, now: float, pace: Pace) -> float:
+        """The fraction of the reach kept to spare now: `drain_headroom` as far as the
+        arrivals outrun the pace (drain.py)."""
+        return self._options.drain_headroom * self._arrivals.headroom_part(now, pace.per_s)
 
     def _pace(self, now: float) -> Pace | None:
         """The measured pace, bounded by the decodes' (a prefill queue's only: an aggregated
