@@ -531,15 +531,13 @@ class GatewaySettings(_Settings):
         default=True,
         description="dispatch=queue: answer 503 at once, instead of sending it, a queued request "
         "whose remaining time is shorter than an estimate of its prefill "
-        "(gateway/placement/prefill_time.py, prefill_estimate_quantile): past capacity it "
-        "would only occupy a prefill and fail.",
+        "(prefill_estimate_quantile).",
     )
     drain_admission: bool = Field(
         default=True,
         description="dispatch=queue: answer 503 with Retry-After on arrival a request that "
         "the fleet's pace would not bring to the front of this gateway's queue before its "
-        "deadline, counting only the requests sure to go first: past capacity clients learn "
-        "at once, not at their deadline (docs/scheduling.md).",
+        "deadline (docs/scheduling.md).",
     )
     drain_sweep: bool = Field(
         default=True,
@@ -560,14 +558,18 @@ class GatewaySettings(_Settings):
         "slots over the mean time a request holds one, beyond those free now (decodes "
         "that answer 429 when full, as pdgate's shims do).",
     )
+    decode_backpressure: bool = Field(
+        default=True,
+        description="dispatch=queue: while a prefilled request waits for a decode (all "
+        "full), hold its queue's prefills (docs/scheduling.md).",
+    )
     prefill_estimate_quantile: float = Field(
         default=0.9,
         ge=0.0,
         le=1.0,
         description="The prefill-time estimate behind early_drop: this quantile of recent "
         "prefill seconds per prompt character (per length class), times the prompt's length "
-        "(lower = fewer drops). 0.9: send a request only if it will likely make its deadline; "
-        "0.1 let shared prefixes with one deadline collapse past capacity (docs/scheduling.md).",
+        "(lower = fewer drops; docs/scheduling.md).",
     )
     prefill_admit: Literal["idle", "room"] = Field(
         default="idle",

@@ -43,7 +43,7 @@ from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.observe.ratio import RatioAdvisor
 from pdgate.gateway.placement.decode_attempt import DecodeAttempts
 from pdgate.gateway.placement.dispatch import Dispatcher, client_error
-from pdgate.gateway.placement.drain import DecodeCapacity
+from pdgate.gateway.placement.drain import DecodeCapacity, DecodeWaits
 from pdgate.gateway.placement.forwarder import ForwardingOptions, Shared
 from pdgate.gateway.placement.leases import Fleet
 from pdgate.gateway.placement.local_prefill import LocalPrefill
@@ -199,6 +199,7 @@ def build_dispatcher(
             drain_admission=settings.drain_admission,
             drain_sweep=settings.drain_sweep,
             drain_headroom=settings.drain_headroom,
+            decode_backpressure=settings.decode_backpressure,
             prefill_estimate_quantile=settings.prefill_estimate_quantile,
             try_timeout_s=settings.prefill_try_timeout_s,
         ),
@@ -211,6 +212,7 @@ def build_dispatcher(
             window_s=settings.ratio_window_s, target_utilization=settings.ratio_target_utilization
         ),
         decode_capacity=DecodeCapacity(tracker) if settings.drain_decode_bound else None,
+        decode_waits=DecodeWaits(tracker),
     )
     dispatcher = Dispatcher(
         settings,
@@ -299,6 +301,7 @@ def build_gateway_app(
             lambda: dispatcher.advisor.advise(tracker.records()),
             lambda: (fleet.calls, fleet.call_seconds),
             lambda: dispatcher.describe_queues(),
+            lambda: dispatcher.decode_waiting(),
         )
         # Only a policy that scores prefix affinity pays for an index.
         index: PrefixLookup | None = None

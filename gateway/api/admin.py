@@ -75,6 +75,7 @@ async def health(request: Request) -> Response:
             "inflight": inflight,
             "pending": endpoint.pending,
             "queued": dispatcher.queued(),
+            "decode_waiting": dispatcher.decode_waiting(),
             "gateway_id": fleet.gateway_id,
             "fleet": {
                 "shared": fleet.shared,

@@ -67,6 +67,7 @@ class GatewayMetrics:
         ratio: Callable[[], Iterable[Any]] = tuple,
         fleet: Callable[[], tuple[Mapping[str, int], Mapping[str, float]]] | None = None,
         queues: Callable[[], Iterable[Mapping[str, Any]]] = tuple,
+        decode_waiting: Callable[[], int] = lambda: 0,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -199,6 +200,11 @@ class GatewayMetrics:
         Gauge(
             "pdgate_pending", "Requests admitted by the gateway and not finished", registry=r
         ).set_function(lambda: float(pending()))
+        Gauge(
+            "pdgate_decode_waiting",
+            "Prefilled requests waiting for a decode slot (their queues hold their prefills)",
+            registry=r,
+        ).set_function(lambda: float(decode_waiting()))
         r.register(_InstanceCollector(instances))
         r.register(_RatioCollector(ratio))
         r.register(_QueueCollector(queues))

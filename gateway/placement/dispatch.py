@@ -257,6 +257,11 @@ class Dispatcher:
         """Requests waiting at the gateway for a prefill (queued or being tried)."""
         return sum(f.waiting for f in self._forwarders.values())
 
+    def decode_waiting(self) -> int:
+        """Prefilled requests waiting for a decode slot."""
+        waits = self._shared.decode_waits
+        return 0 if waits is None else waits.total()
+
     async def prefill(
         self,
         info: RequestInfo,
@@ -587,63 +592,75 @@ class Dispatcher:
         info, deadline = req.info, req.deadline
         round_no = 0
         failures: list[str] = []
-        while True:
-            ranked = self._decode_policy.rank(info, self._decode_candidates(info, extension))
-            if avoid:
-                ranked = [c for c in ranked if c.id not in avoid] + [
-                    c for c in ranked if c.id in avoid
-                ]
-            for inst in ranked[: self._settings.decode_candidates]:
-                if time.monotonic() >= deadline:
-                    break
-                try:
-                    response, stream, inflight = await self._decodes.open(
-                        inst,
-                        body,
-                        path,
-                        request_id=req.request_id,
-                        deadline=deadline,
-                        parent=req.span,
-                    )
-                except UpstreamRejected:
-                    continue
-                except UpstreamStatus as exc:
-                    if upstream_error_code(exc) == UNKNOWN_KV_SOURCE:
-                        # The decode does not know this prefill yet: its view of the
-                        # registry lags ours (as across a Redis failover). It pulled
-                        # nothing, so another decode, or this one after a back-off, may.
-                        failures.append(str(exc))
+        waits = self._shared.decode_waits
+        waiting = False  # counted in `waits`: the queue holds its prefills meanwhile
+        try:
+            while True:
+                candidates = self._decode_candidates(info, extension)
+                ranked = self._decode_policy.rank(info, candidates)
+                if avoid:
+                    ranked = [c for c in ranked if c.id not in avoid] + [
+                        c for c in ranked if c.id in avoid
+                    ]
+                for inst in ranked[: self._settings.decode_candidates]:
+                    if time.monotonic() >= deadline:
+                        break
+                    try:
+                        response, stream, inflight = await self._decodes.open(
+                            inst,
+                            body,
+                            path,
+                            request_id=req.request_id,
+                            deadline=deadline,
+                            parent=req.span,
+                        )
+                    except UpstreamRejected:
                         continue
-                    if exc.is_client_error:
-                        raise client_error(exc) from exc
-                    # It answered: its KV pull may have consumed the prefill's copy, so
-                    # another decode cannot be given the same kv_transfer_params.
-                    raise DecodeLost("the decode instance failed") from exc
-                except UpstreamError as exc:
-                    if out_of_time(deadline):
-                        # The request's own time ran out while the decode was answering
-                        # (a busy decode, past capacity): shed it as the queue does, not as
-                        # a broken decode.
-                        raise DeadlineExceeded(
-                            "no decode instance answered before the TTFT deadline",
-                            retry_after=self._settings.retry_after_s,
-                        ) from exc
-                    failures.append(str(exc))
-                    self._retry_or_fail(exc, "the decode instances are failing")
-                    continue  # never reached it: the KV is still at the prefill
-                return inst, response, [stream, inflight]
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                if failures and not ranked:
-                    raise BadGateway(f"every decode instance failed; last error: {failures[-1]}")
-                what = (
-                    "no decode instance is available"
-                    if not ranked
-                    else "no decode instance accepted the request before its TTFT deadline"
-                )
-                raise DeadlineExceeded(what, retry_after=self._settings.retry_after_s)
-            await self._tracker.wait_freed(min(self._backoff.delay(round_no), remaining))
-            round_no += 1
+                    except UpstreamStatus as exc:
+                        if upstream_error_code(exc) == UNKNOWN_KV_SOURCE:
+                            # The decode does not know this prefill yet: its view of the
+                            # registry lags ours (as across a Redis failover). It pulled
+                            # nothing, so another decode, or this one after a back-off, may.
+                            failures.append(str(exc))
+                            continue
+                        if exc.is_client_error:
+                            raise client_error(exc) from exc
+                        # It answered: its KV pull may have consumed the prefill's copy, so
+                        # another decode cannot be given the same kv_transfer_params.
+                        raise DecodeLost("the decode instance failed") from exc
+                    except UpstreamError as exc:
+                        if out_of_time(deadline):
+                            # The request's own time ran out while the decode was answering
+                            # (a busy decode, past capacity): shed it as the queue does, not as
+                            # a broken decode.
+                            raise DeadlineExceeded(
+                                "no decode instance answered before the TTFT deadline",
+                                retry_after=self._settings.retry_after_s,
+                            ) from exc
+                        failures.append(str(exc))
+                        self._retry_or_fail(exc, "the decode instances are failing")
+                        continue  # never reached it: the KV is still at the prefill
+                    return inst, response, [stream, inflight]
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    if failures and not ranked:
+                        last = failures[-1]
+                        raise BadGateway(f"every decode instance failed; last error: {last}")
+                    what = (
+                        "no decode instance is available"
+                        if not ranked
+                        else "no decode instance accepted the request before its TTFT deadline"
+                    )
+                    raise DeadlineExceeded(what, retry_after=self._settings.retry_after_s)
+                if not waiting and waits is not None and candidates:
+                    # Decodes there are, all full: wait, and hold the queue's prefills.
+                    waiting = True
+                    waits.enter(info.model, info.group)
+                await self._tracker.wait_freed(min(self._backoff.delay(round_no), remaining))
+                round_no += 1
+        finally:
+            if waiting and waits is not None:
+                waits.leave(info.model, info.group)
 
     def _decode_candidates(self, info: RequestInfo, extension: str | None) -> list[InstanceLoad]:
         return self._declaring(Role.DECODE, info, extension)

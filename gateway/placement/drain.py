@@ -85,7 +85,7 @@ from pdgate.config.wire import EXT_QUEUELESS, Role
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.window import TimeWindow
 
-__all__ = ["ArrivalRate", "DecodeCapacity", "Pace", "QueueDrain"]
+__all__ = ["ArrivalRate", "DecodeCapacity", "DecodeWaits", "Pace", "QueueDrain"]
 
 # Saturated spans kept: many more than a window holds in practice (each begins when the
 # forwarder finds no room and ends when the queue empties). Past this, the oldest go and
@@ -354,3 +354,39 @@ class DecodeCapacity:
             cap += rec.capacity / hold
             free += max(0, rec.capacity - d.inflight)
         return Pace(None, cap, free) if loads else None
+
+
+class DecodeWaits:
+    """Prefilled requests waiting for a decode slot, by model and group.
+
+    While one waits, the decodes are the bottleneck, and the prefill queue of its model and
+    group holds its requests (`ForwardingOptions.decode_backpressure`): a request prefilled
+    then would wait for a decode behind the queue, where neither the queue's deadline order
+    nor drain admission sees it, and be refused at its deadline instead of on arrival. The
+    prefills in flight still join the wait, so a decode slot that frees finds a prefilled
+    request ready. The last waiter to leave wakes the forwarders."""
+
+    __slots__ = ("_counts", "_tracker")
+
+    def __init__(self, tracker: InstanceTracker) -> None:
+        self._tracker = tracker
+        self._counts: dict[tuple[str, str | None], int] = {}
+
+    def waiting(self, model: str, group: str | None) -> int:
+        return self._counts.get((model, group), 0)
+
+    def total(self) -> int:
+        return sum(self._counts.values())
+
+    def enter(self, model: str, group: str | None) -> None:
+        key = (model, group)
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    def leave(self, model: str, group: str | None) -> None:
+        key = (model, group)
+        left = self._counts.get(key, 0) - 1
+        if left > 0:
+            self._counts[key] = left
+            return
+        self._counts.pop(key, None)
+        self._tracker.pulse()

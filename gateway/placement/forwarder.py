@@ -69,7 +69,13 @@ from pdgate.gateway.instances.tracker import InstanceTracker, Lease
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.observe.ratio import RatioAdvisor
 from pdgate.gateway.placement.batching import BatchForming, batch_size
-from pdgate.gateway.placement.drain import ArrivalRate, DecodeCapacity, Pace, QueueDrain
+from pdgate.gateway.placement.drain import (
+    ArrivalRate,
+    DecodeCapacity,
+    DecodeWaits,
+    Pace,
+    QueueDrain,
+)
 from pdgate.gateway.placement.leases import Fleet, SlotLease, monotonic_ms_left
 from pdgate.gateway.placement.placed import PrefillGrant, release_counts
 from pdgate.gateway.placement.prefill_time import (
@@ -153,6 +159,9 @@ class ForwardingOptions:
     # Under heavy overload admit only within this fraction below what the pace reaches, so
     # that the pace's usual swings do not make the sweep refuse later what was admitted.
     drain_headroom: float = 0.3
+    # Hold a queue's prefills while a prefilled request of its model and group waits for a
+    # decode (drain.py, `DecodeWaits`).
+    decode_backpressure: bool = True
     # Longest one prefill call may take before the request moves on (a prefill that accepted
     # the connection and hangs); None: adaptive, from recent prefill times.
     try_timeout_s: float | None = None
@@ -179,6 +188,8 @@ class Shared:
     advisor: RatioAdvisor = field(default_factory=RatioAdvisor)
     # What the decodes can take, bounding drain admission's pace (None: no bound).
     decode_capacity: DecodeCapacity | None = None
+    # Prefilled requests waiting for a decode (None: not counted, never held).
+    decode_waits: DecodeWaits | None = None
 
 
 class PrefillForwarder:
@@ -454,6 +465,14 @@ class PrefillForwarder:
                 return  # restarted by the next acquire()
             if self._hopeless(head):
                 continue
+            if self._decodes_full():
+                # A request prefilled now would wait for a decode, out of this queue's
+                # order and out of drain admission's sight (drain.py, `DecodeWaits`). The
+                # fleet is at capacity, the decodes' (drain.py): its grants are the pace.
+                self._drain.saturated(time.monotonic())
+                await self._sleep(self._shared.backoff.delay(round_no), arrivals=False)
+                round_no += 1
+                continue
             loads = self._candidates()
             picked = self._forming.pick(head, loads)
             if picked is None:
@@ -543,6 +562,16 @@ class PrefillForwarder:
         finally:
             for task in waits:
                 task.cancel()
+
+    def _decodes_full(self) -> bool:
+        """Whether a prefilled request of this queue's model and group waits for a decode."""
+        waits = self._shared.decode_waits
+        return (
+            waits is not None
+            and self._options.decode_backpressure
+            and self.role is Role.PREFILL
+            and waits.waiting(self.model, self.group) > 0
+        )
 
     def _hopeless(self, waiter: Waiter) -> bool:
         """Drop `waiter` (503 now) if its prefill would likely end past its deadline."""

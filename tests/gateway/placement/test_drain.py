@@ -24,7 +24,13 @@ from pdgate.gateway.errors import DeadlineExceeded, Overloaded
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.dispatch import client_error
-from pdgate.gateway.placement.drain import ArrivalRate, DecodeCapacity, Pace, QueueDrain
+from pdgate.gateway.placement.drain import (
+    ArrivalRate,
+    DecodeCapacity,
+    DecodeWaits,
+    Pace,
+    QueueDrain,
+)
 from pdgate.gateway.placement.forwarder import ForwardingOptions, PrefillForwarder
 from pdgate.gateway.placement.queue import Waiter, WaitQueue
 from pdgate.gateway.upstream.mock import MockUpstream
@@ -633,3 +639,22 @@ def test_a_burst_past_what_the_decodes_take_is_refused_on_arrival(
         assert not fast, sorted(fast)
     wait_for(lambda: counts_released(target), timeout=10, what="every count released")
     wait_for(lambda: counts_released(url), timeout=10, what="every count released")
+
+
+async def test_the_last_request_to_stop_waiting_for_a_decode_wakes_the_forwarders() -> None:
+    """While one waits the queue is held; the hold must end the moment the last one leaves,
+    not a back-off later."""
+    tracker = InstanceTracker(reject_hold_s=0.05)
+    waits = DecodeWaits(tracker)
+    waits.enter("m", None)
+    waits.enter("m", None)
+    waits.enter("m", "g")
+    assert (waits.waiting("m", None), waits.waiting("m", "g"), waits.total()) == (2, 1, 3)
+    sleeper = asyncio.ensure_future(tracker.wait_freed(10.0))
+    await asyncio.sleep(0)
+    waits.leave("m", None)
+    await asyncio.sleep(0)
+    assert not sleeper.done()  # one of the queue's requests still waits: still held
+    waits.leave("m", None)
+    await asyncio.wait_for(sleeper, 1.0)
+    assert (waits.waiting("m", None), waits.total()) == (0, 1)
