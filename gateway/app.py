@@ -207,12 +207,12 @@ def build_dispatcher(
         fleet=fleet,
         ejector=ejector,
         budget=RetryBudget(settings.retry_budget_ratio, settings.retry_budget_burst),
+        decode_waits=DecodeWaits(tracker),
         tracing=tracing,
         advisor=RatioAdvisor(
             window_s=settings.ratio_window_s, target_utilization=settings.ratio_target_utilization
         ),
         decode_capacity=DecodeCapacity(tracker) if settings.drain_decode_bound else None,
-        decode_waits=DecodeWaits(tracker),
     )
     dispatcher = Dispatcher(
         settings,

@@ -259,8 +259,7 @@ class Dispatcher:
 
     def decode_waiting(self) -> int:
         """Prefilled requests waiting for a decode slot."""
-        waits = self._shared.decode_waits
-        return 0 if waits is None else waits.total()
+        return self._shared.decode_waits.total()
 
     async def prefill(
         self,
@@ -602,45 +601,9 @@ class Dispatcher:
                     ranked = [c for c in ranked if c.id not in avoid] + [
                         c for c in ranked if c.id in avoid
                     ]
-                for inst in ranked[: self._settings.decode_candidates]:
-                    if time.monotonic() >= deadline:
-                        break
-                    try:
-                        response, stream, inflight = await self._decodes.open(
-                            inst,
-                            body,
-                            path,
-                            request_id=req.request_id,
-                            deadline=deadline,
-                            parent=req.span,
-                        )
-                    except UpstreamRejected:
-                        continue
-                    except UpstreamStatus as exc:
-                        if upstream_error_code(exc) == UNKNOWN_KV_SOURCE:
-                            # The decode does not know this prefill yet: its view of the
-                            # registry lags ours (as across a Redis failover). It pulled
-                            # nothing, so another decode, or this one after a back-off, may.
-                            failures.append(str(exc))
-                            continue
-                        if exc.is_client_error:
-                            raise client_error(exc) from exc
-                        # It answered: its KV pull may have consumed the prefill's copy, so
-                        # another decode cannot be given the same kv_transfer_params.
-                        raise DecodeLost("the decode instance failed") from exc
-                    except UpstreamError as exc:
-                        if out_of_time(deadline):
-                            # The request's own time ran out while the decode was answering
-                            # (a busy decode, past capacity): shed it as the queue does, not as
-                            # a broken decode.
-                            raise DeadlineExceeded(
-                                "no decode instance answered before the TTFT deadline",
-                                retry_after=self._settings.retry_after_s,
-                            ) from exc
-                        failures.append(str(exc))
-                        self._retry_or_fail(exc, "the decode instances are failing")
-                        continue  # never reached it: the KV is still at the prefill
-                    return inst, response, [stream, inflight]
+                placed = await self._try_decodes(req, body, path, ranked, failures)
+                if placed is not None:
+                    return placed
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     if failures and not ranked:
@@ -652,15 +615,67 @@ class Dispatcher:
                         else "no decode instance accepted the request before its TTFT deadline"
                     )
                     raise DeadlineExceeded(what, retry_after=self._settings.retry_after_s)
-                if not waiting and waits is not None and candidates:
+                if not waiting and candidates:
                     # Decodes there are, all full: wait, and hold the queue's prefills.
                     waiting = True
                     waits.enter(info.model, info.group)
                 await self._tracker.wait_freed(min(self._backoff.delay(round_no), remaining))
                 round_no += 1
         finally:
-            if waiting and waits is not None:
+            if waiting:
                 waits.leave(info.model, info.group)
+
+    async def _try_decodes(
+        self,
+        req: _Request,
+        body: dict[str, Any],
+        path: str,
+        ranked: list[InstanceLoad],
+        failures: list[str],
+    ) -> tuple[InstanceLoad, DecodeStream, list[Lease]] | None:
+        """One round: the first of `ranked` (up to `decode_candidates`) that accepts the
+        decode leg; None when none did (full, or failing: each failure added to `failures`)."""
+        deadline = req.deadline
+        for inst in ranked[: self._settings.decode_candidates]:
+            if time.monotonic() >= deadline:
+                break
+            try:
+                response, stream, inflight = await self._decodes.open(
+                    inst,
+                    body,
+                    path,
+                    request_id=req.request_id,
+                    deadline=deadline,
+                    parent=req.span,
+                )
+            except UpstreamRejected:
+                continue
+            except UpstreamStatus as exc:
+                if upstream_error_code(exc) == UNKNOWN_KV_SOURCE:
+                    # The decode does not know this prefill yet: its view of the
+                    # registry lags ours (as across a Redis failover). It pulled
+                    # nothing, so another decode, or this one after a back-off, may.
+                    failures.append(str(exc))
+                    continue
+                if exc.is_client_error:
+                    raise client_error(exc) from exc
+                # It answered: its KV pull may have consumed the prefill's copy, so
+                # another decode cannot be given the same kv_transfer_params.
+                raise DecodeLost("the decode instance failed") from exc
+            except UpstreamError as exc:
+                if out_of_time(deadline):
+                    # The request's own time ran out while the decode was answering
+                    # (a busy decode, past capacity): shed it as the queue does, not as
+                    # a broken decode.
+                    raise DeadlineExceeded(
+                        "no decode instance answered before the TTFT deadline",
+                        retry_after=self._settings.retry_after_s,
+                    ) from exc
+                failures.append(str(exc))
+                self._retry_or_fail(exc, "the decode instances are failing")
+                continue  # never reached it: the KV is still at the prefill
+            return inst, response, [stream, inflight]
+        return None
 
     def _decode_candidates(self, info: RequestInfo, extension: str | None) -> list[InstanceLoad]:
         return self._declaring(Role.DECODE, info, extension)

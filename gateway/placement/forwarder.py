@@ -184,12 +184,12 @@ class Shared:
     fleet: Fleet
     ejector: Ejector
     budget: RetryBudget
+    # Prefilled requests waiting for a decode (their queues hold with `decode_backpressure`).
+    decode_waits: DecodeWaits
     tracing: Tracing = field(default_factory=Tracing.off)
     advisor: RatioAdvisor = field(default_factory=RatioAdvisor)
     # What the decodes can take, bounding drain admission's pace (None: no bound).
     decode_capacity: DecodeCapacity | None = None
-    # Prefilled requests waiting for a decode (None: not counted, never held).
-    decode_waits: DecodeWaits | None = None
 
 
 class PrefillForwarder:
@@ -565,12 +565,10 @@ class PrefillForwarder:
 
     def _decodes_full(self) -> bool:
         """Whether a prefilled request of this queue's model and group waits for a decode."""
-        waits = self._shared.decode_waits
         return (
-            waits is not None
-            and self._options.decode_backpressure
+            self._options.decode_backpressure
             and self.role is Role.PREFILL
-            and waits.waiting(self.model, self.group) > 0
+            and self._shared.decode_waits.waiting(self.model, self.group) > 0
         )
 
     def _hopeless(self, waiter: Waiter) -> bool:

@@ -19,7 +19,7 @@ from pdgate.gateway.instances.health import Ejector, RetryBudget
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.dispatch import Dispatcher, client_error
-from pdgate.gateway.placement.drain import DecodeCapacity
+from pdgate.gateway.placement.drain import DecodeCapacity, DecodeWaits
 from pdgate.gateway.placement.forwarder import ForwardingOptions, PrefillForwarder, Shared
 from pdgate.gateway.placement.leases import Fleet
 from pdgate.gateway.placement.placed import DecodeLeg, Placement
@@ -159,6 +159,7 @@ def forwarder(
             fleet or Fleet(LocalFleet("test"), tracker),
             Ejector(tracker, metrics),
             RetryBudget(),
+            DecodeWaits(tracker),
             decode_capacity=decode_capacity,
         ),
     )

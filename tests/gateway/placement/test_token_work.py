@@ -19,6 +19,7 @@ from pdgate.gateway.instances.health import Ejector, RetryBudget
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.dispatch import client_error
+from pdgate.gateway.placement.drain import DecodeWaits
 from pdgate.gateway.placement.forwarder import ForwardingOptions, PrefillForwarder, Shared
 from pdgate.gateway.placement.leases import Fleet
 from pdgate.gateway.placement.prefill_time import TokenRatio, uncached_chars
@@ -57,6 +58,7 @@ def build(
             Fleet(LocalFleet("test"), tracker),
             Ejector(tracker, metrics),
             RetryBudget(),
+            DecodeWaits(tracker),
         ),
     )
     return fwd, background
