@@ -9,7 +9,8 @@ Redis or given stock engines by URL; ``pdgate_plain`` without the shims' batch e
 ``pdgate_wN`` with N workers, each of these its own fleet) and ``vllm_router`` (the
 ``vllm-router`` binary in its vLLM P/D mode, ``--vllm-pd-disaggregation``, given the same
 engines; ``vllm_router_<policy>`` with another ``--policy``) and ``smg`` (SMG, ``smg launch
---pd-disaggregation --backend vllm``, the same engines, round robin). Fronts take turns
+--pd-disaggregation --backend vllm``, the same engines, round robin), and with ``--floor``
+``python_floor`` (floor.py: pdgate's server and client with none of its gateway). Fronts take turns
 (interleaved) so drift in the machine's load hits them alike:
 
 * added TTFT at concurrency 1: TTFT percentiles minus the direct floor's; on stock engines
@@ -95,6 +96,9 @@ class GatewayPlan:
     # Also a one-worker pdgate on aiohttp's client ("pdgate_aiohttp", upstream_client =
     # aiohttp) beside the default one on pdgate's own: what the client costs, in one run.
     aiohttp: bool = False
+    # Also "python_floor" (floor.py): the server, client and event loop pdgate runs on, with
+    # none of pdgate's gateway; what any gateway written this way costs at least.
+    floor: bool = False
     # The engines every front is measured on, in turn: "shim" (pdgate's sim shims) and
     # "stock" (stock.py, a plain OpenAI server with vLLM's handshake only).
     engines: tuple[str, ...] = ("shim", "stock")
@@ -191,6 +195,7 @@ async def running_fronts(
     aiohttp: bool = False,
     router_policies: tuple[str, ...] = ("round_robin",),
     smg: bool = False,
+    floor: bool = False,
     pinning: Pinning | None = None,
 ) -> AsyncIterator[Setup]:
     """The spec's engines + pdgate (+ vllm-router, + SMG) in front of them. Shims register in the
@@ -268,6 +273,15 @@ async def running_fronts(
                 procs[name] = proc
             except RuntimeError as exc:
                 missing[name] = str(exc)
+        if floor:
+            argv = [sys.executable, "-m", "pdgate.loadtest.gateway_cost.floor"]
+            argv += [f"--prefill={u}" for u in urls["prefills"]]
+            argv += [f"--decode={u}" for u in urls["decodes"]]
+            child = Child("python_floor", pinning.wrap(argv) if pinning else argv)
+            stack.push_async_callback(child.stop)
+            found = await child.start(r"python floor on (http://[\w.:]+)")
+            fronts["python_floor"] = Front("python_floor", url=found.group(1) + "/v1/completions")
+            procs["python_floor"] = child
         if pinning is not None:
             log(pinning.describe({name: proc.pid for name, proc in procs.items()}))
         if warm:
@@ -383,7 +397,7 @@ async def _fast_phase(plan: GatewayPlan, run: _Run, engine: str) -> dict[str, An
     stack = running_fronts(
         session, spec, 256, plan.with_router, log, workers_list=plan.workers, plain=plain,
         aiohttp=plan.aiohttp, router_policies=plan.router_policies, smg=plan.with_smg,
-        pinning=pinning,
+        floor=plan.floor, pinning=pinning,
     )  # fmt: skip
     async with stack as setup, aiohttp.ClientSession() as stats_session:
         fronts, procs = setup.fronts, setup.procs

@@ -71,6 +71,12 @@ def configure_gateway(g: argparse.ArgumentParser) -> None:
         help="also pdgate_aiohttp: pdgate on aiohttp's client (upstream_client = aiohttp)",
     )
     g.add_argument(
+        "--floor",
+        action="store_true",
+        help="also python_floor: two legs and a byte relay on pdgate's server and client, "
+        "nothing else (loadtest/gateway_cost/floor.py)",
+    )
+    g.add_argument(
         "--engine",
         choices=("shim", "stock", "both"),
         default="both",
@@ -259,6 +265,8 @@ def gateway_main(args: argparse.Namespace, command: str) -> int:
         plan = replace(plan, plain=False)
     if args.aiohttp:
         plan = replace(plan, aiohttp=True)
+    if args.floor:
+        plan = replace(plan, floor=True)
     if args.prefill_ms is not None:
         plan = replace(plan, prefill_s=args.prefill_ms / 1000)
     if args.token_ms is not None:

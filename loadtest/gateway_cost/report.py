@@ -70,6 +70,8 @@ def _title(front: str) -> str:
         return f"vllm-router ({policy})"
     if front == "smg":
         return "SMG"
+    if front == "python_floor":
+        return "Python floor"
     return front
 
 
@@ -87,6 +89,10 @@ def _pairs(fronts: list[str]) -> list[tuple[str, str]]:
             pairs.append(("pdgate_plain", router))  # the like-for-like pairs on the shims
     if "pdgate" in fronts and "pdgate_aiohttp" in fronts:
         pairs.append(("pdgate", "pdgate_aiohttp"))  # what the upstream client costs
+    if "python_floor" in fronts:
+        # What pdgate's design costs over its stack, and what the stack costs against SMG.
+        pairs += [(p, r) for p, r in (("pdgate", "python_floor"), ("python_floor", "smg"))
+                  if p in fronts and r in fronts]  # fmt: skip
     return pairs
 
 

@@ -146,12 +146,13 @@ async def test_a_tiny_run_has_the_json_shape() -> None:
         # A window long enough that a cold gateway's first requests end inside it.
         ttft_requests=3, concurrencies=(32,), rounds=1, warmup_s=0.1, window_s=0.5,
         idle_streams=20, idle_batch=10, settle_s=0.1, with_router=False, with_smg=False,
-        aiohttp=True,
+        aiohttp=True, floor=True,
     )  # fmt: skip
     result = json_line(await run_gateway_bench(plan, lambda _: None))
     # On the shims pdgate runs three times: with their batch endpoint, plain (vllm-router's
-    # endpoints), and on aiohttp's client. The top-level keys are the first engine's.
-    pdgates = {"pdgate", "pdgate_plain", "pdgate_aiohttp"}
+    # endpoints), and on aiohttp's client; the Python floor is a front like them. The
+    # top-level keys are the first engine's.
+    pdgates = {"pdgate", "pdgate_plain", "pdgate_aiohttp", "python_floor"}
     assert result["engine"] == "shim" and set(result["by_engine"]) == {"shim", "stock"}
     assert set(result["added_ttft_p50_ms"]) == pdgates
     assert set(result["rps_c32"]) == {"direct", *pdgates}
@@ -167,7 +168,7 @@ async def test_a_tiny_run_has_the_json_shape() -> None:
     assert 0 < result["client_cores_c32"]["direct"] <= 1.05  # one event loop: one core at most
     # Stock engines: no batch endpoint to use, so no pdgate_plain; only the handshake's path.
     stock = result["by_engine"]["stock"]
-    on_stock = {"direct", "pdgate", "pdgate_aiohttp"}
+    on_stock = {"direct", "pdgate", "pdgate_aiohttp", "python_floor"}
     assert set(stock["rps_c32"]) == on_stock
     assert stock["failures_c32"] == dict.fromkeys(on_stock, 0)
     assert set(stock["ttft_segments_ms"]) == on_stock
