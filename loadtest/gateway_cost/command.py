@@ -123,6 +123,12 @@ def configure_profile(pr: argparse.ArgumentParser) -> None:
         default="shim",
         help="pdgate's sim shims, or plain OpenAI servers (stock.py) given by URL",
     )
+    pr.add_argument(
+        "--front",
+        choices=("pdgate", "python_floor"),
+        default="pdgate",
+        help="the process profiled: pdgate, or the bench's Python floor (floor.py)",
+    )
 
 
 def profile_main(args: argparse.Namespace, command: str) -> int:
@@ -134,6 +140,7 @@ def profile_main(args: argparse.Namespace, command: str) -> int:
         top=args.top,
         out=args.out,
         engine=args.engine,
+        front=args.front,
     )
     print(run_main(profile_gateway(plan)), end="", flush=True)
     return 0

@@ -2,9 +2,11 @@
 
 The same null-profile shims and pdgate process as ``pdgate bench gateway``; closed-loop
 clients at a chosen concurrency for a while, and py-spy (``pip install py-spy``; a tool, not
-a dependency) sampling only the gateway's process. Prints the functions with the most
-samples, by self time (where the CPU is spent) and inclusive time (which call paths cost
-it), and keeps the raw collapsed stacks for a flame graph (``--out``).
+a dependency) sampling only the gateway's process (``--front python_floor``: the bench's
+Python floor instead, floor.py, to tell pdgate's own cost from its stack's). Prints the
+functions with the most samples, by self time (where the CPU is spent) and inclusive time
+(which call paths cost it), and keeps the raw collapsed stacks for a flame graph
+(``--out``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class ProfilePlan:
     top: int = 25
     out: Path = Path("gateway-profile.txt")
     engine: str = "shim"  # or "stock": plain OpenAI servers (stock.py), given by URL
+    front: str = "pdgate"  # or "python_floor": the bench's floor (floor.py)
 
 
 # Where a sample's innermost frame is, by the start of its path: the layers of a request's
@@ -124,17 +127,18 @@ async def profile_gateway(plan: ProfilePlan) -> str:
     ):
         spec = ShimSpec(registry_url=redis_url, prefill_capacity=1024, decode_capacity=1024,
                         key_prefix="pdgate-profile", engine=plan.engine)  # fmt: skip
-        async with running_fronts(session, spec, 256, False, to_stderr) as setup:
+        floor = plan.front == "python_floor"
+        async with running_fronts(session, spec, 256, False, to_stderr, floor=floor) as setup:
             spy = Child(
                 "py-spy",
-                [pyspy, "record", "--pid", str(setup.procs["pdgate"].pid), "--format", "raw",
+                [pyspy, "record", "--pid", str(setup.procs[plan.front].pid), "--format", "raw",
                  "--rate", str(plan.rate_hz), "--duration", str(round(plan.seconds)),
                  "--nonblocking", "--output", str(plan.out)],
             )  # fmt: skip
             try:
                 await spy.start("")
                 window = await run_window(
-                    session, setup.fronts["pdgate"], concurrency=plan.concurrency, warmup_s=0.5,
+                    session, setup.fronts[plan.front], concurrency=plan.concurrency, warmup_s=0.5,
                     window_s=plan.seconds, max_tokens=plan.max_tokens,
                 )  # fmt: skip
                 # py-spy stops by itself after --duration; the bound covers a hung one.
@@ -144,7 +148,8 @@ async def profile_gateway(plan: ProfilePlan) -> str:
             finally:
                 await spy.stop()
     head = (
-        f"pdgate bench profile: {plan.engine} engines, concurrency {plan.concurrency}, "
+        f"pdgate bench profile: {plan.front} on {plan.engine} engines, "
+        f"concurrency {plan.concurrency}, "
         f"{window.requests} requests in {window.window_s:.1f} s "
         f"({window.requests / window.window_s:.0f}/s), raw stacks in {plan.out}\n"
     )
