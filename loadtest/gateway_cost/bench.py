@@ -522,7 +522,7 @@ async def _idle_phase(plan: GatewayPlan, run: _Run, engine: str) -> dict[str, An
     rss_mib: dict[str, dict[str, float]] = {}
     async with running_fronts(
         session, spec, streams, plan.with_router, log, warm=False, smg=plan.with_smg,
-        pinning=pinning,
+        floor=plan.floor, pinning=pinning,
     ) as setup:  # fmt: skip
         missing = setup.missing
         engine_fds = setup.engine.open_fds()

@@ -177,6 +177,7 @@ async def test_a_tiny_run_has_the_json_shape() -> None:
         assert set(paths) <= {"POST /v1/completions", "GET /health"}, front
     assert result["idle_engine"] == "stock"
     assert result["idle_streams"] == 20 and result["kib_per_idle_stream"] > 0
+    assert set(result["kib_per_idle_stream_by_front"]) == {"pdgate", "python_floor"}
 
 
 async def test_every_front_hits_the_same_stock_endpoints() -> None:
