@@ -27,13 +27,14 @@ import itertools
 from collections.abc import Sequence
 
 import orjson
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from pdgate.config.aio import run_unless, wait_disconnect
 from pdgate.config.server import bind_socket, bound_port, run, serving
 from pdgate.config.wire import prefill_kv_request
 from pdgate.gateway.errors import UpstreamError
 from pdgate.gateway.upstream.h1 import H1Upstream
+from pdgate.loadtest.gateway_cost.stock import _answer, _lifespan
 
 __all__ = ["FloorApp", "main"]
 
@@ -66,10 +67,10 @@ class FloorApp:
         if scope["type"] != "http":
             return
         if scope["path"] == "/health":
-            await _answer(send, 200, b"{}")
+            await _answer(send, 200, b"{}", _JSON)
             return
         if scope["path"] != _PATH or scope["method"] != "POST":
-            await _answer(send, 404, b'{"error":{"message":"not found"}}')
+            await _answer(send, 404, b'{"error":{"message":"not found"}}', _JSON)
             return
         body = b""
         more = True
@@ -82,7 +83,7 @@ class FloorApp:
         try:
             request = orjson.loads(body)
         except orjson.JSONDecodeError:
-            await _answer(send, 400, b'{"error":{"message":"the body is not JSON"}}')
+            await _answer(send, 400, b'{"error":{"message":"the body is not JSON"}}', _JSON)
             return
         watcher = asyncio.ensure_future(wait_disconnect(receive))
         try:
@@ -108,7 +109,7 @@ class FloorApp:
                 connect_timeout_s=5,
             )
         except UpstreamError as exc:
-            await _answer(send, 502, orjson.dumps({"error": {"message": str(exc)}}))
+            await _answer(send, 502, orjson.dumps({"error": {"message": str(exc)}}), _JSON)
             return
         try:
             await send({"type": "http.response.start", "status": 200, "headers": _SSE})
@@ -119,21 +120,6 @@ class FloorApp:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             stream.close()
-
-
-async def _answer(send: Send, status: int, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": _JSON})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        message: Message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
 
 
 async def _serve_forever(args: argparse.Namespace) -> None:
