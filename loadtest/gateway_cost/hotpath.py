@@ -44,7 +44,7 @@ from pdgate.loadtest.gateway_cost._asgi import Lifespan, decode_events, requests
 from pdgate.registry import open_registry
 from pdgate.registry.base import InstanceRecord
 
-__all__ = ["HotpathPlan", "HotpathResult", "run_hotpath"]
+__all__ = ["HotpathPlan", "HotpathResult", "engine_handler", "run_hotpath"]
 
 _MODEL = "sim-llama-3.1-8b"
 
@@ -92,7 +92,9 @@ class HotpathResult:
         return text + ("\n" + self.profile if self.profile else "")
 
 
-def _handler(tokens: int) -> Callable[[Call], Awaitable[Reply]]:
+def engine_handler(tokens: int) -> Callable[[Call], Awaitable[Reply]]:
+    """The mock engines' answers: a prefill's handshake reply, a decode's stream of `tokens`
+    one-token events (one a chunk)."""
     chunks = [*decode_events(tokens, _MODEL), SSE_DONE]
 
     async def handler(call: Call) -> Reply:
@@ -122,7 +124,7 @@ async def run_hotpath(plan: HotpathPlan) -> HotpathResult:
             record = InstanceRecord(id=name, role=role, url=f"http://{name}", model=_MODEL,
                                     capacity=1024, extensions=extensions)  # fmt: skip
             await registry.put(record, ttl_s=3600)
-    upstream = MockUpstream(_handler(plan.tokens), record=False)
+    upstream = MockUpstream(engine_handler(plan.tokens), record=False)
     app = build_gateway_app(GatewaySettings.load(), registry, RegistrySettings(), upstream=upstream)
     body = orjson.dumps({"model": _MODEL, "prompt": "hello world " * 8,
                          "max_tokens": plan.tokens, "stream": plan.stream,
