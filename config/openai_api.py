@@ -41,6 +41,7 @@ from pdgate.config.wire import (
 )
 
 __all__ = [
+    "MAX_JSON_DEPTH",
     "SAMPLING_FIELDS",
     "Api",
     "ApiRequest",
@@ -166,6 +167,11 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
 
 Number = StrictFloat | StrictInt
 _M = TypeVar("_M", bound=BaseModel)
+
+# orjson reads 1,024 levels of nesting but writes at most 255, and every body is written again
+# on its way to an instance (a batch call nests it two levels deeper): a body it could not
+# write would fail there, after it was queued. No OpenAI request comes near this depth.
+MAX_JSON_DEPTH = 128
 # What pdgate cannot honour through the disaggregated path: refused, never silently ignored.
 _UNSUPPORTED = {
     "echo": "echo is not supported by the disaggregated path",
@@ -312,7 +318,23 @@ def _load_object(body: bytes) -> dict[str, Any]:
         raise bad_request("request body is not valid JSON") from None
     if not isinstance(raw, dict):
         raise bad_request("request body must be a JSON object")
+    # Each bracket opens at most one level: most bodies are cleared by two scans in C.
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _deeper_than(raw, MAX_JSON_DEPTH):
+        raise bad_request(f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
     return raw
+
+
+def _deeper_than(value: dict[str, Any], limit: int) -> bool:
+    """Whether `value` nests objects and arrays more than `limit` levels deep (it is one)."""
+    stack: list[tuple[dict[str, Any] | list[Any], int]] = [(value, 1)]
+    while stack:
+        container, depth = stack.pop()
+        if depth > limit:
+            return True
+        for item in container.values() if isinstance(container, dict) else container:
+            if isinstance(item, dict | list):
+                stack.append((item, depth + 1))
+    return False
 
 
 def _validate(model: type[_M], raw: dict[str, Any]) -> _M:

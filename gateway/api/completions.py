@@ -323,11 +323,15 @@ def _tighter(bound: float, headers: Mapping[str, str], name: str) -> float:
     if raw is None:
         return bound
     try:
-        asked = int(raw) / 1000
+        asked_ms = int(raw)
     except ValueError as exc:
         raise BadRequest(f"{name} must be an integer number of milliseconds") from exc
-    if asked <= 0:
+    if asked_ms <= 0:
         raise BadRequest(f"{name} must be positive")
+    try:
+        asked = asked_ms / 1000
+    except OverflowError:
+        return bound  # beyond any float: no tighter than the bound
     # A client may only tighten it: the gateway's own bound protects the fleet.
     return min(bound, asked)
 

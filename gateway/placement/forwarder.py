@@ -654,6 +654,8 @@ class PrefillForwarder:
             self._settle(call, inst, exc.status, exc)
         except UpstreamError as exc:
             self._settle(call, inst, 502, exc)
+        except Exception:
+            self._broke(call, inst)
         except asyncio.CancelledError:
             # Abandoned mid-call (deadline, client gone): the prefill may have finished just
             # now and hold KV for an answer nobody reads. Release it by the id we chose.
@@ -705,6 +707,9 @@ class PrefillForwarder:
         except UpstreamError as exc:
             for call in pending.values():
                 self._settle(call, inst, 502, exc)
+        except Exception:
+            for call in pending.values():
+                self._broke(call, inst)
         except asyncio.CancelledError:  # gateway shutdown
             for call in pending.values():
                 self._release_then_free(call, inst, slot_freed=False)
@@ -713,6 +718,16 @@ class PrefillForwarder:
         else:
             for call in pending.values():  # the prefill never answered for these
                 self._settle(call, inst, 502, UpstreamError(inst.url, "missing from batch answer"))
+
+    def _broke(self, call: _Call, inst: InstanceLoad) -> None:
+        """The call failed on this side (a bug, not the prefill's doing): whatever the prefill
+        may hold for it is released, its counts given back, and its request fails with a 500
+        rather than being tried again elsewhere (it would break there too)."""
+        log.exception("prefill call to %s failed in the gateway", inst.id)
+        self._release_then_free(call, inst, slot_freed=False)
+        _end(call.span, "failed")
+        if not call.waiter.future.done():
+            call.waiter.future.set_exception(GatewayError("internal gateway error"))
 
     def _try_timeout_s(self, call: _Call, inst: InstanceLoad) -> float:
         """How long one prefill call may take: the setting, or four times the slowest recent

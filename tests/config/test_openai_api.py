@@ -7,7 +7,13 @@ from typing import Any
 import orjson
 import pytest
 
-from pdgate.config.openai_api import CompletionRequest, OpenAIError, parse_completion
+from pdgate.config.openai_api import (
+    MAX_JSON_DEPTH,
+    CompletionRequest,
+    OpenAIError,
+    parse_chat,
+    parse_completion,
+)
 
 
 def parse(body: bytes) -> tuple[CompletionRequest, dict[str, Any]]:
@@ -116,3 +122,35 @@ def test_a_conversations_key_extends_its_earlier_turns_key() -> None:
     other = [{"role": "system", "content": "be long"}, {"role": "user", "content": "hi"}]
     key3 = parse_api(Api.CHAT, orjson.dumps({"messages": other}), max_tokens_limit=10)[0]
     assert not key2.prompt_key.startswith(key3.prompt_key)
+
+
+def _nested(levels: int) -> bytes:
+    """An array `levels` deep: the body holding it (an object) is one level more."""
+    return b"[" * levels + b"]" * levels
+
+
+@pytest.mark.parametrize("field", ["x", "response_format", "chat_template_kwargs"])
+def test_a_body_nested_deeper_than_the_limit_is_400_and_one_at_it_is_parsed(field: str) -> None:
+    """orjson reads 1,024 levels but writes only 255: a body the gateway could read but not
+    forward would fail after it was queued, holding a prefill's slot."""
+    body = b'{"prompt":"x","' + field.encode() + b'":' + _nested(MAX_JSON_DEPTH - 1) + b"}"
+    _, forward = parse(body)
+    assert orjson.dumps({"requests": [forward]})  # the batch call's nesting still writes
+    deeper = b'{"prompt":"x","' + field.encode() + b'":' + _nested(MAX_JSON_DEPTH) + b"}"
+    with pytest.raises(OpenAIError) as caught:
+        parse(deeper)
+    assert caught.value.status == 400
+    assert f"nested more than {MAX_JSON_DEPTH} levels" in str(caught.value)
+
+
+def test_brackets_in_text_are_not_nesting() -> None:
+    _, forward = parse(orjson.dumps({"prompt": "[{" * 5000}))
+    assert forward["prompt"] == "[{" * 5000
+
+
+def test_a_chat_with_deeply_nested_tools_is_400() -> None:
+    tools = b'[{"type":"function","function":{"name":"f","parameters":' + _nested(300) + b"}}]"
+    body = b'{"messages":[{"role":"user","content":"hi"}],"tools":' + tools + b"}"
+    with pytest.raises(OpenAIError) as caught:
+        parse_chat(body, max_tokens_limit=1000)
+    assert caught.value.status == 400

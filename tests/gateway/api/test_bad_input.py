@@ -83,6 +83,50 @@ def test_bad_slo_headers_are_400(gateway: str, header: dict[str, str]) -> None:
     assert next(iter(header)) in str(err["message"])
 
 
+def _nested(levels: int) -> bytes:
+    return b"[" * levels + b"]" * levels
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", b'{"prompt":"x","stream":true,"x":' + _nested(254) + b"}"),
+        ("/v1/completions", b'{"prompt":"x","response_format":' + _nested(600) + b"}"),
+        ("/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":'
+         b'"function","function":{"name":"f","parameters":' + _nested(300) + b"}}]}"),
+        ("/v1/chat/completions", b'{"messages":[{"role":"assistant","tool_calls":[{"id":"1","type":'
+         b'"function","function":{"name":"f","arguments":' + _nested(300) + b'}}]},{"role":"user",'
+         b'"content":"x"}]}'),
+    ],
+    ids=["completion-field", "completion-deeper", "chat-tools", "chat-tool-calls"],
+)  # fmt: skip
+def test_a_body_nested_too_deep_is_400_and_holds_nothing(
+    gateway: str, path: str, body: bytes
+) -> None:
+    """Deeper than the gateway can write again (orjson reads 1,024 levels, writes 255): it
+    once took a prefill slot for good, or answered 500 where the chat's key was hashed."""
+    for _ in range(3):  # more than the prefill's slots, were any taken
+        resp = httpx.post(
+            gateway + path, content=body, headers={"content-type": "application/json"}
+        )
+        err = assert_openai_error(resp, 400)
+        assert "nested more than" in str(err["message"])
+    resp = httpx.post(gateway + "/v1/completions", json={"prompt": "fine", "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+
+
+@pytest.mark.parametrize("name", ["x-pdgate-ttft-timeout-ms", "x-pdgate-tpot-slo-ms"])
+def test_an_slo_header_beyond_any_float_is_no_tighter_than_the_bound(
+    gateway: str, name: str
+) -> None:
+    resp = httpx.post(
+        gateway + "/v1/completions",
+        json={"prompt": "x", "max_tokens": 2},
+        headers={name: "1" + "0" * 400},
+    )
+    assert resp.status_code == 200, resp.text
+
+
 def test_gateway_still_serves_after_bad_input(gateway: str) -> None:
     resp = httpx.post(gateway + "/v1/completions", json={"prompt": "fine", "max_tokens": 3})
     assert resp.status_code == 200, resp.text

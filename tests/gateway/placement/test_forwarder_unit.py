@@ -9,16 +9,19 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import orjson
 import pytest
 
 from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER
-from pdgate.gateway.errors import DeadlineExceeded
+from pdgate.gateway.errors import DeadlineExceeded, GatewayError
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.dispatch import client_error
 from pdgate.gateway.placement.forwarder import ForwardingOptions, PrefillForwarder
 from pdgate.gateway.placement.leases import Fleet
-from pdgate.gateway.upstream.mock import MockUpstream, Reply
+from pdgate.gateway.placement.queue import Waiter
+from pdgate.gateway.upstream.base import batch_body
+from pdgate.gateway.upstream.mock import Call, MockUpstream, Reply
 from pdgate.policies import load_policy
 from pdgate.registry.fleet import RedisFleet
 from tests.gateway._fakes import (
@@ -411,3 +414,60 @@ async def test_a_freed_slot_is_left_to_a_more_urgent_gateway_and_counted(
         yields = g.metrics.registry.get_sample_value("pdgate_fleet_yields_total")
         assert yields is not None and yields >= 1
         await eventually(lambda: g.tracker.totals() == (0, 0))
+
+
+class WritesBodies(MockUpstream):
+    """Writes each body before the call as the h1 client does, so that a body orjson cannot
+    write fails where it would in a deployed gateway."""
+
+    async def _post(self, call: Call, timeout_s: float) -> tuple[int, bytes]:
+        orjson.dumps(call.body)
+        return await super()._post(call, timeout_s)
+
+    async def _post_batch(
+        self, url: str, calls: list[Call], timeout_s: float
+    ) -> AsyncIterator[bytes]:
+        batch_body(calls)
+        async for line in super()._post_batch(url, calls, timeout_s):
+            yield line
+
+
+def unwritable_waiter(i: int) -> Waiter:
+    """A waiter whose body is nested past what orjson writes (it reads four times deeper)."""
+    w = waiter(i)
+    nested: list[object] = []
+    for _ in range(300):
+        nested = [nested]
+    w.body = {"prompt": "x", "x": nested}
+    return w
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one-call", "batch-call"])
+async def test_a_call_that_breaks_in_the_gateway_fails_its_request_and_frees_everything(
+    batched: bool,
+) -> None:
+    """A failure of the gateway's own (here, a body its JSON library cannot write) is not the
+    prefill's: the request fails with a 500 instead of waiting out its deadline, it is not
+    tried elsewhere, and its counts and KV id are released; the slots serve the next ones."""
+    upstream = WritesBodies(FakeCluster())
+    tracker = tracker_for([2, 2])
+    if batched:
+        fwd, _, background = batching_forwarder(upstream, tracker)
+    else:
+        fwd, _, background = forwarder(upstream, tracker)
+    began = time.monotonic()
+    outcomes = await asyncio.gather(
+        *(fwd.acquire(unwritable_waiter(i)) for i in range(4)), return_exceptions=True
+    )
+    assert time.monotonic() - began < 1.0  # at once, not at the 5 s deadline
+    for outcome in outcomes:
+        assert isinstance(outcome, GatewayError) and outcome.status == 500, outcome
+    assert len(upstream.released()) == 4  # each KV id, in case the prefill stored any
+    await eventually(lambda: tracker.totals() == (0, 0))
+    assert [c for c in upstream.calls if c.leg == "prefill"] == []  # none tried elsewhere
+    grants = await asyncio.gather(*(fwd.acquire(waiter(i)) for i in range(4)))
+    for grant in grants:
+        grant.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()
