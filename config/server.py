@@ -15,6 +15,10 @@ from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+# As long as an idle keep-alive connection is kept, a client has to send a request's headers.
+HEADER_TIMEOUT_S = 30.0
 
 
 def bind_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
@@ -54,16 +58,71 @@ class _Server(uvicorn.Server):
         yield
 
 
-def make_server(app: ASGIApp, *, access_log: bool = False, graceful_s: int = 5) -> uvicorn.Server:
+class _HeaderDeadline(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol, with a deadline for each request's headers.
+
+    uvicorn times a connection out only while it idles after a response, and stops the clock
+    at the first byte of the next request: a client that connects and sends nothing, or half
+    a request line, holds its connection (a descriptor, a protocol) for ever. Here the
+    headers must be whole `timeout_s` after the connection opened or the last response
+    ended; the body has its own bound (``body_timeout_s``). Pipelined requests, whose headers
+    came during the previous response, are not timed again."""
+
+    timeout_s = HEADER_TIMEOUT_S
+    _late: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_headers()
+
+    def on_headers_complete(self) -> None:
+        self._stop_clock()
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # A pipelined request started just now: its headers are in.
+        if not self.transport.is_closing() and self.cycle.response_complete:
+            self._await_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_clock()
+        super().connection_lost(exc)
+
+    def _await_headers(self) -> None:
+        self._stop_clock()
+        self._late = self.loop.call_later(self.timeout_s, self._headers_late)
+
+    def _stop_clock(self) -> None:
+        if self._late is not None:
+            self._late.cancel()
+            self._late = None
+
+    def _headers_late(self) -> None:
+        self._late = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def make_server(
+    app: ASGIApp,
+    *,
+    access_log: bool = False,
+    graceful_s: int = 5,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+) -> uvicorn.Server:
+    class Protocol(_HeaderDeadline):
+        timeout_s = header_timeout_s
+
     config = uvicorn.Config(
         app,
         loop="none",  # the caller owns the loop (uvloop installed by the CLI)
-        http="httptools",
+        http=Protocol,
         lifespan="on",
         access_log=access_log,
         log_level="warning",
         timeout_graceful_shutdown=graceful_s,
-        timeout_keep_alive=30,
+        timeout_keep_alive=int(HEADER_TIMEOUT_S),
         # X-Forwarded-* from clients are not trusted (and not used): no middleware for them.
         proxy_headers=False,
     )
@@ -72,10 +131,14 @@ def make_server(app: ASGIApp, *, access_log: bool = False, graceful_s: int = 5) 
 
 @contextlib.asynccontextmanager
 async def serving(
-    app: ASGIApp, sock: socket.socket, *, access_log: bool = False
+    app: ASGIApp,
+    sock: socket.socket,
+    *,
+    access_log: bool = False,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
 ) -> AsyncIterator[uvicorn.Server]:
     """Serve `app` on `sock` until the block exits; startup failures raise here."""
-    server = make_server(app, access_log=access_log)
+    server = make_server(app, access_log=access_log, header_timeout_s=header_timeout_s)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():
