@@ -15,7 +15,9 @@ from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from pdgate.config.openai_api import error_json
 
 # As long as an idle keep-alive connection is kept, a client has to send a request's headers.
 HEADER_TIMEOUT_S = 30.0
@@ -58,8 +60,9 @@ class _Server(uvicorn.Server):
         yield
 
 
-class _HeaderDeadline(HttpToolsProtocol):
-    """uvicorn's HTTP/1.1 protocol, with a deadline for each request's headers.
+class _Protocol(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline for each request's headers, and an OpenAI
+    error body for a request it cannot parse.
 
     uvicorn times a connection out only while it idles after a response, and stops the clock
     at the first byte of the next request: a client that connects and sends nothing, or half
@@ -103,6 +106,16 @@ class _HeaderDeadline(HttpToolsProtocol):
         if not self.transport.is_closing():
             self.transport.close()
 
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's own answer is plain text; clients of an OpenAI API expect its error body.
+        body = error_json(msg, "invalid_request_error")
+        head = [STATUS_LINE[400]]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body))
+        self.transport.write(b"".join([*head, b"connection: close\r\n\r\n", body]))
+        self.transport.close()
+
 
 def make_server(
     app: ASGIApp,
@@ -111,7 +124,7 @@ def make_server(
     graceful_s: int = 5,
     header_timeout_s: float = HEADER_TIMEOUT_S,
 ) -> uvicorn.Server:
-    class Protocol(_HeaderDeadline):
+    class Protocol(_Protocol):
         timeout_s = header_timeout_s
 
     config = uvicorn.Config(

@@ -1,13 +1,14 @@
 """The HTTP server every pdgate process runs (config/server.py): a connection that does not
 send a request's headers in time is closed, whether it sent nothing, half a request line,
 or the start of its next request on a kept-alive connection; requests that do arrive are
-served as before, pipelined ones included."""
+served as before, pipelined ones included; one it cannot parse gets an OpenAI error body."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
 
+import orjson
 import pytest
 from starlette.types import Receive, Scope, Send
 
@@ -78,4 +79,27 @@ async def test_a_response_longer_than_the_deadline_and_a_pipelined_one_are_serve
     writer.write(2 * b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
     for _ in range(2):
         assert (await _response(reader)).startswith(b"HTTP/1.1 200")
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: abc\r\n\r\n",
+        b"GET /fast HTTP/1.1\r\nhost: x\r\nx-request-id: \x01\r\n\r\n",
+        b"NOT HTTP AT ALL\r\n\r\n",
+    ],
+    ids=["bad-length", "control-byte", "garbage"],
+)
+async def test_a_request_the_server_cannot_parse_gets_an_openai_error_body(
+    port: int, request_bytes: bytes
+) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request_bytes)
+    answer = await _closed_by_server(reader, 10 * TIMEOUT_S)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head
+    error = orjson.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
     writer.close()
