@@ -52,6 +52,7 @@ __all__ = [
     "OpenAIError",
     "error_body",
     "error_json",
+    "load_object",
     "parse_api",
     "parse_chat",
     "parse_completion",
@@ -311,7 +312,9 @@ class CompletionRequest(_Common):
         return self.logprobs
 
 
-def _load_object(body: bytes) -> dict[str, Any]:
+def load_object(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """A request body that must be a JSON object nested at most `max_depth` levels (400
+    otherwise)."""
     try:
         raw = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -319,8 +322,8 @@ def _load_object(body: bytes) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise bad_request("request body must be a JSON object")
     # Each bracket opens at most one level: most bodies are cleared by two scans in C.
-    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _deeper_than(raw, MAX_JSON_DEPTH):
-        raise bad_request(f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
+    if body.count(b"[") + body.count(b"{") > max_depth and _deeper_than(raw, max_depth):
+        raise bad_request(f"request body is nested more than {max_depth} levels deep")
     return raw
 
 
@@ -352,7 +355,7 @@ def parse_completion(
 ) -> tuple[CompletionRequest, dict[str, Any]]:
     """Validate `body`; the typed request (``max_tokens`` filled in) and the raw dict (to
     forward upstream unchanged but for ``max_tokens``). Raises `OpenAIError` (400)."""
-    raw = _load_object(body)
+    raw = load_object(body)
     if "prompt" not in raw:
         raise bad_request("prompt is required", "prompt")
     for key, why in _UNSUPPORTED.items():
@@ -462,7 +465,7 @@ def parse_chat(
     (``max_completion_tokens``, else ``max_tokens``, else the default) is forwarded as
     ``max_tokens`` alone, so the gateway's ``max_tokens = 1`` on the prefill leg is the only
     limit there. Raises `OpenAIError` (400)."""
-    raw = _load_object(body)
+    raw = load_object(body)
     if "messages" not in raw:
         raise bad_request("messages is required", "messages")
     for key, why in _CHAT_UNSUPPORTED.items():

@@ -251,6 +251,10 @@ class DecodeWorker(ShimService[DecodeBackend]):
         """Admit the request (429 without a free slot or retrieval room), then stream it or
         answer it whole. `kv` is where its KV is pulled from (URL, id); None: computed here."""
         settings = self._settings
+        # Everything read of the request comes before the slot: past it, only `close` ends.
+        shape = shape_for(req, settings.model, caller_request_id(request), tokens)
+        ttft_left_s = _ms_header(request, TTFT_LEFT_HEADER)
+        tpot_slo_s = _ms_header(request, TPOT_SLO_HEADER)
         slot = self._slots.try_acquire()
         if slot is None:
             self._counts["rejected"] += 1
@@ -262,10 +266,9 @@ class DecodeWorker(ShimService[DecodeBackend]):
             self._counts["rejected"] += 1
             raise busy("KV retrieval queue is full", code="kv_queue_full") from None
         self._counts["admitted"] += 1
-        shape = shape_for(req, settings.model, caller_request_id(request), tokens)
         decoding = _Decoding(req, tokens, job, shape, span)
-        decoding.ttft_left_s = _ms_header(request, TTFT_LEFT_HEADER)
-        decoding.tpot_slo_s = _ms_header(request, TPOT_SLO_HEADER)
+        decoding.ttft_left_s = ttft_left_s
+        decoding.tpot_slo_s = tpot_slo_s
 
         def close() -> None:
             self._retriever.abandon(job)
@@ -446,8 +449,8 @@ def _ms_header(request: Request, name: str) -> float | None:
     raw = request.headers.get(name)
     try:
         value = int(raw) / 1000 if raw is not None else None
-    except ValueError:
-        return None  # a header this shim cannot read sets nothing
+    except (ValueError, OverflowError):
+        return None  # a header this shim cannot read (or beyond any float) sets nothing
     return value if value is not None and value > 0 else None
 
 

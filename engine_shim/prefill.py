@@ -28,7 +28,14 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from pdgate.config import PrefillAdmission, Role, ShimSettings
-from pdgate.config.openai_api import Api, ClientGone, error_body, read_body
+from pdgate.config.openai_api import (
+    MAX_JSON_DEPTH,
+    Api,
+    ClientGone,
+    error_body,
+    load_object,
+    read_body,
+)
 from pdgate.config.tracing import Span, SpanKind, Tracing
 from pdgate.config.wire import (
     BATCH_SUFFIX,
@@ -96,16 +103,13 @@ class Batch:
 def parse_batch(body: bytes, *, max_items: int) -> Batch:
     """``{"requests": [completion body, ...], "kv_ids": [...], "request_ids": [...],
     "decode_max_tokens": [...]}``."""
-    try:
-        raw = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise bad_request("request body is not valid JSON") from None
-    items = raw.get("requests") if isinstance(raw, dict) else None
+    # Each request is checked as a body of its own (`parse_completion`): two levels deeper here.
+    raw = load_object(body, max_depth=MAX_JSON_DEPTH + 2)
+    items = raw.get("requests")
     if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
         raise bad_request("requests must be a non-empty list of completion requests", "requests")
     if len(items) > max_items:
         raise bad_request(f"at most {max_items} requests per batch", "requests")
-    assert isinstance(raw, dict)
     limits = raw.get("decode_max_tokens")
     decode_max = [_positive(x) for x in limits] if isinstance(limits, list) else []
     return Batch(items, _strings(raw, "kv_ids"), _strings(raw, "request_ids"), decode_max)

@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from pdgate.config import Role
 from pdgate.config import sim_tokenizer as tokenizer
-from pdgate.config.wire import EXT_QUEUELESS
+from pdgate.config.wire import EXT_QUEUELESS, TPOT_SLO_HEADER, TTFT_LEFT_HEADER
 from pdgate.registry.memory import MemoryRegistry
 from tests.engine_shim._fake_prefill import (
     PROMPT,
@@ -339,6 +339,21 @@ async def test_decode_bad_input(start_shim: StartShim) -> None:
             assert resp.status == status
             assert_openai_error(await resp.json())
     assert (await decode.load())["used"] == 0
+
+
+@pytest.mark.parametrize("header", [TTFT_LEFT_HEADER, TPOT_SLO_HEADER])
+async def test_a_gateway_header_beyond_any_float_sets_nothing_and_holds_no_slot(
+    pair: tuple[Shim, Shim], header: str
+) -> None:
+    """It answered 500 after the slot was taken, and the slot stayed taken for good."""
+    prefill, decode = pair
+    reply = await prefill.prefilled(PROMPT)
+    body = orjson.dumps(_decode_body(reply, max_tokens=3))
+    headers = {header: "1" + "0" * 400}
+    async with decode.http.post(decode.url + "/v1/completions", data=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["usage"]["completion_tokens"] == 3
+    await wait_load(decode, "used", 0)
 
 
 async def test_decode_registers_as_decode(start_shim: StartShim, registry: MemoryRegistry) -> None:

@@ -81,7 +81,21 @@ def test_each_item_is_checked_against_its_own_decode_max_tokens(prefill: str) ->
         assert httpx.delete(f"{prefill}/v1/kv/{rid}").status_code == 204
 
 
-@pytest.mark.parametrize("body", [b"{", b"[]", b'{"requests": []}', b'{"requests": [1]}'])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{",
+        b"[]",
+        b'{"requests": []}',
+        b'{"requests": [1]}',
+        # An item deeper than its own body may be (it answered 500 where it was re-encoded).
+        b'{"requests":[{"prompt":"a","max_tokens":1,"kv_transfer_params":'
+        + b'{"a":' * 300
+        + b"1"
+        + b"}" * 300
+        + b"}]}",
+    ],
+)
 def test_malformed_batches_are_400(prefill: str, body: bytes) -> None:
     resp = httpx.post(prefill + "/v1/completions/batch", content=body, timeout=10)
     assert resp.status_code == 400
