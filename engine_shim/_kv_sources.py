@@ -35,10 +35,13 @@ Endpoint = tuple[str, int]
 
 
 def endpoint(host: object, port: object) -> Endpoint | None:
-    """A normalised (host, port), or None if they are not one."""
-    try:
-        number = int(str(port))
-    except ValueError:
+    """A normalised (host, port), or None if they are not one: a port is a JSON number or
+    decimal digits; a host loses surrounding blanks and an IPv6 literal's brackets."""
+    if isinstance(port, int) and not isinstance(port, bool):
+        number = port
+    elif isinstance(port, str) and port.isascii() and port.isdecimal():
+        number = int(port)
+    else:
         return None
     name = str(host).strip().strip("[]").lower()
     if not name or not 0 < number < 65536:

@@ -57,7 +57,7 @@ from pdgate.engine_shim._http import (
     until_disconnect,
 )
 from pdgate.engine_shim._kv_pull import KvRetriever, KvTransferError, PullJob
-from pdgate.engine_shim._kv_sources import KvSources
+from pdgate.engine_shim._kv_sources import KvSources, endpoint
 from pdgate.engine_shim._phases import PhaseGate
 from pdgate.engine_shim._service import ShimService, caller_request_id, end_span
 from pdgate.engine_shim._slots import SlotPool
@@ -212,8 +212,14 @@ class DecodeWorker(ShimService[DecodeBackend]):
                 "the KV (send them through the gateway)",
                 "kv_transfer_params",
             )
-        url = kv_url(params)
-        if url is None:
+        source = endpoint(params.get("remote_host"), params.get("remote_port"))
+        # The KV is pulled from the endpoint checked below as checked, not another spelling.
+        url = (
+            None
+            if source is None
+            else kv_url({**params, "remote_host": source[0], "remote_port": source[1]})
+        )
+        if source is None or url is None:
             raise bad_request(
                 "kv_transfer_params needs remote_host, remote_port and remote_request_id",
                 "kv_transfer_params",
@@ -225,7 +231,7 @@ class DecodeWorker(ShimService[DecodeBackend]):
                 "kv_transfer_params.remote_request_id must be 8 to 64 ASCII letters and digits",
                 "kv_transfer_params",
             )
-        host, port = params.get("remote_host"), params.get("remote_port")
+        host, port = source
         # Known at once in the usual case; a miss may wait for one more read of the registry.
         if (
             self._sources is not None

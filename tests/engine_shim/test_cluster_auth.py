@@ -212,6 +212,19 @@ def test_the_decode_pulls_kv_only_from_registered_prefills(
     assert head.startswith("get /v1/kv/0123456789abcdef ")
     assert f"authorization: bearer {TOKEN}".lower() in head
 
+    # Another spelling of the same endpoint is pulled from as checked, not as spelt; a port
+    # Python's int() would read but that is no port is refused.
+    for host in (" 127.0.0.1\t", "[127.0.0.1]"):
+        seen = listener.connections
+        spelt = {**body, "kv_transfer_params": {**params, "remote_host": host}}
+        resp = httpx.post(fleet.decode + "/v1/completions", json=spelt, headers=_auth(TOKEN))
+        assert resp.json()["error"]["code"] == "kv_transfer_failed", resp.text
+        assert listener.connections > seen
+    port = "_".join(str(listener.port))
+    odd = {**body, "kv_transfer_params": {**params, "remote_port": port}}
+    resp = httpx.post(fleet.decode + "/v1/completions", json=odd, headers=_auth(TOKEN))
+    assert resp.status_code == 400, resp.text
+
 
 def test_pdgate_up_gives_its_shims_a_generated_token(procs: list[Subprocess]) -> None:
     up = Subprocess(["up", "--port", "0", "--prefills", "1", "--decodes", "1"])
