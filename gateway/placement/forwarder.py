@@ -69,6 +69,7 @@ from pdgate.gateway.instances.tracker import InstanceTracker, Lease
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.observe.ratio import RatioAdvisor
 from pdgate.gateway.placement.batching import BatchForming, batch_size
+from pdgate.gateway.placement.decode_attempt import out_of_time
 from pdgate.gateway.placement.drain import (
     ArrivalRate,
     DecodeCapacity,
@@ -543,7 +544,7 @@ class PrefillForwarder:
                     self._shared.background.spawn(self._attempt_batch(calls, target))
                 else:
                     for call in calls:
-                        call.waiter.attempt_task = asyncio.create_task(self._attempt(call, target))
+                        self._start_attempt(call, target)
             # Let the attempts start (and fast 429s arrive) before ranking again.
             await asyncio.sleep(0)
 
@@ -634,9 +635,15 @@ class PrefillForwarder:
             expected_cached=expected_cached,
         )
 
+    def _start_attempt(self, call: _Call, inst: InstanceLoad) -> None:
+        """`_attempt` in a task of its own, which the waiter cancels when it gives up."""
+        task = asyncio.create_task(self._attempt(call, inst))
+        call.waiter.attempt_task = task
+        task.add_done_callback(lambda done: _never_started(done, call))
+
     async def _attempt(self, call: _Call, inst: InstanceLoad) -> None:
         waiter = call.waiter
-        call.started = time.monotonic()
+        call.started = time.monotonic()  # before any await: `_never_started` reads it
         try:
             remaining = max(waiter.deadline - time.monotonic(), 0.001)
             reply = await self._shared.upstream.prefill(
@@ -653,7 +660,10 @@ class PrefillForwarder:
         except UpstreamStatus as exc:
             self._settle(call, inst, exc.status, exc)
         except UpstreamError as exc:
-            self._settle(call, inst, 502, exc)
+            if out_of_time(waiter.deadline):
+                self._out_of_time(call, inst)
+            else:
+                self._settle(call, inst, 502, exc)
         except Exception:
             self._broke(call, inst)
         except asyncio.CancelledError:
@@ -700,13 +710,16 @@ class PrefillForwarder:
                 # Not a pdgate shim (e.g. plain vLLM): one call per request to it from now on.
                 self._remember_no_batch(inst.url + path)
                 for call in calls:
-                    call.waiter.attempt_task = asyncio.create_task(self._attempt(call, inst))
+                    self._start_attempt(call, inst)
                 return
             for call in pending.values():
                 self._settle(call, inst, 502, exc)
         except UpstreamError as exc:
             for call in pending.values():
-                self._settle(call, inst, 502, exc)
+                if out_of_time(call.waiter.deadline):
+                    self._out_of_time(call, inst)
+                else:
+                    self._settle(call, inst, 502, exc)
         except Exception:
             for call in pending.values():
                 self._broke(call, inst)
@@ -718,6 +731,16 @@ class PrefillForwarder:
         else:
             for call in pending.values():  # the prefill never answered for these
                 self._settle(call, inst, 502, UpstreamError(inst.url, "missing from batch answer"))
+
+    def _out_of_time(self, call: _Call, inst: InstanceLoad) -> None:
+        """The call's time was its request's: the prefill did not answer before the request's
+        deadline. The request is shed (503), and the prefill, which may still be computing
+        a prompt nobody waits for, is not counted as failed (a burst of short deadlines
+        would eject healthy prefills); whatever it holds for the call is released."""
+        self._release_then_free(call, inst, slot_freed=False)
+        self._shared.metrics.prefill_attempts.labels("deadline").inc()
+        _end(call.span, "deadline")
+        self._expire(call.waiter.future)
 
     def _broke(self, call: _Call, inst: InstanceLoad) -> None:
         """The call failed on this side (a bug, not the prefill's doing): whatever the prefill
@@ -935,6 +958,14 @@ class PrefillForwarder:
             return  # acquire() is about to time out and answer 503
         self.queue.requeue(waiter)
         self._wake()
+
+
+def _never_started(task: asyncio.Task[None], call: _Call) -> None:
+    """A task cancelled before its first step runs no line of its coroutine, so none of
+    `_attempt`'s clean-up: nothing was sent, and the counts taken for it go back here."""
+    if task.cancelled() and not call.started:
+        call.release(slot_freed=True)
+        _end(call.span, "abandoned")
 
 
 def _end(span: Span, outcome: str, status: int | None = None) -> None:

@@ -169,6 +169,65 @@ async def test_a_call_abandoned_at_the_deadline_releases_its_kv_then_its_count()
     await background.aclose()
 
 
+async def test_a_call_whose_waiter_gave_up_before_it_started_gives_its_counts_back() -> None:
+    """The deadline fails the waiter just before the forwarder's turn, which still reserves
+    it and starts its call's task; the waiter's clean-up then cancels that task before its
+    first step, when no line of the call has run. Its counts stayed taken for good: with
+    `prefill_admit = idle` the prefill looked busy to every later request."""
+    upstream = MockUpstream(FakeCluster())
+    tracker = tracker_for([1])
+    fwd, _, background = forwarder(upstream, tracker)
+    w = waiter(0)
+    acquiring = asyncio.ensure_future(fwd.acquire(w))
+    await asyncio.sleep(0)  # queued, and the forwarder woken (its turn comes next)
+    w.future.set_exception(DeadlineExceeded("expired"))  # as the deadline's timer does
+    with pytest.raises(DeadlineExceeded):
+        await acquiring
+    await eventually(lambda: tracker.totals() == (0, 0))
+    assert [c for c in upstream.calls if c.leg == "prefill"] == []  # no call was made
+    grant = await fwd.acquire(waiter(1))  # the slot serves the next request
+    grant.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()
+
+
+async def test_a_call_that_runs_out_with_its_requests_deadline_is_no_prefill_failure() -> None:
+    """A call's time is its request's when that is the shorter: a prefill that does not
+    answer before a short deadline was counted as failed, and five such requests ejected a
+    healthy prefill. The request is shed (503); the prefill keeps its standing."""
+    calls = 0
+
+    async def slow_past_the_deadline(call: Call) -> Reply:
+        nonlocal calls
+        if call.leg == "prefill":
+            calls += 1
+            if calls <= 6:
+                # The loop held past the deadline, then the call's own timeout: whichever of
+                # the two timers fires first, deterministically this one.
+                time.sleep(0.03)  # noqa: ASYNC251 - holding the loop is the point
+                return Reply(unreachable=True)
+        return await FakeCluster()(call)
+
+    upstream = MockUpstream(slow_past_the_deadline)
+    tracker = tracker_for([1])
+    options = ForwardingOptions(early_drop=False, client_error=client_error)
+    fwd, metrics, background = forwarder(upstream, tracker, options)
+    for i in range(6):
+        with pytest.raises(DeadlineExceeded):
+            await fwd.acquire(waiter(i, deadline_s=0.02))
+    sample = metrics.registry.get_sample_value
+    assert sample("pdgate_prefill_attempts_total", {"result": "deadline"}) == 6
+    assert sample("pdgate_prefill_attempts_total", {"result": "failed"}) is None
+    assert not tracker.cooling_down("p0")
+    grant = await fwd.acquire(waiter(9))
+    assert grant.instance.id == "p0"
+    grant.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()
+
+
 async def test_a_grant_landing_as_the_caller_is_cancelled_is_closed() -> None:
     """Issue 9: when the cancel and the grant land in the same loop iteration, the grant was
     neither returned nor released: its leases, in-flight count and KV leaked."""
