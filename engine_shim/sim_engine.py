@@ -267,7 +267,11 @@ class SimPrefillEngine(_EngineLoop):
             batch: list[_PrefillJob] = []
             while self._pending and len(batch) < self._max_batch:
                 job = self._pending.popleft()
-                if not job.future.done():
+                if job.future.done():
+                    # Withdrawn and not yet woken: it leaves without a step, and its caller
+                    # (who no longer finds it pending) waits for this.
+                    job.left.set()
+                else:
                     batch.append(job)
             if not batch:
                 continue

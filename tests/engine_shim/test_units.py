@@ -195,6 +195,24 @@ async def test_slot_pool_cancelled_waiter_takes_nothing() -> None:
 # -- sim engines --------------------------------------------------------------------------------
 
 
+async def test_a_prefill_withdrawn_as_the_engine_wakes_for_it_ends() -> None:
+    """The caller leaves in the loop turn that woke the engine for its prompt, and the
+    engine runs first: it skipped the withdrawn prompt without saying it had left, so the
+    call waited for ever (and the shim's slot, freed when it ends, with it)."""
+    prefill = SimPrefillEngine(get_profile("llama-3.1-8b-h100"), max_batch=4, kv_wire_fraction=1)
+    await prefill.start()
+    try:
+        await asyncio.sleep(0.01)  # the engine idles, waiting for work
+        call = asyncio.ensure_future(prefill.prefill(list(range(100))))
+        await asyncio.sleep(0)  # the call queues its prompt and wakes the engine
+        call.cancel()  # in the same turn: the engine runs before the call's clean-up
+        done, _ = await asyncio.wait([call], timeout=5)
+        assert done == {call} and call.cancelled()
+        assert (prefill.stats().running, prefill.stats().waiting) == (0, 0)
+    finally:
+        await prefill.aclose()
+
+
 async def test_sim_prefill_batches_concurrent_prompts_and_matches_decode_token_0() -> None:
     profile = get_profile("llama-3.1-8b-h100")
     prefill = SimPrefillEngine(profile, max_batch=4, kv_wire_fraction=1 / 64)
