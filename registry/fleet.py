@@ -539,13 +539,21 @@ for i = 1, #rows, 2 do
   end
 end
 for q = 1, nq do
-  local due = tonumber(ARGV[6 + q])
-  if due >= 0 then
-    redis.call('ZADD', KEYS[4 + q], now + due, me)
-  else
-    redis.call('ZREM', KEYS[4 + q], me)
+  local hk, due = KEYS[4 + q], tonumber(ARGV[6 + q])
+  -- overdue heads (those requests are gone) and the heads of gateways no longer live go:
+  -- the key is renewed by every sync, and reads see only its first eight entries
+  redis.call('ZREMRANGEBYSCORE', hk, '-inf', '(' .. now)
+  for _, g in ipairs(redis.call('ZRANGE', hk, 0, -1)) do
+    if g ~= me and tonumber(redis.call('ZSCORE', gw, g) or '0') < now then
+      redis.call('ZREM', hk, g)
+    end
   end
-  redis.call('PEXPIRE', KEYS[4 + q], ttl * 4)
+  if due >= 0 then
+    redis.call('ZADD', hk, now + due, me)
+  else
+    redis.call('ZREM', hk, me)
+  end
+  redis.call('PEXPIRE', hk, ttl * 4)
 end
 local b = a + 1 + 2 * nq
 local cutoff = tonumber(ARGV[b]); b = b + 1

@@ -146,6 +146,28 @@ async def test_a_dead_gateways_leases_and_counts_vanish_within_its_ttl(fleet) ->
     dead.gateway_id = "gone"  # its aclose must not touch the live one's state
 
 
+async def test_dead_gateways_leave_the_deadline_order(fleet, redis_url: str) -> None:  # type: ignore[no-untyped-def]
+    """Gateways that died with requests queued stayed in the queue's heads for good (every
+    sync renews the key), and reads see its first eight: nine such hid a live gateway's
+    urgent head, and the fleet's deadline order stopped working."""
+    for i in range(9):  # each died with a request due in 5 s queued
+        await fleet(gateway_id=f"dead{i}", ttl_s=0.3).sync({}, {}, {"m|": 5000}, [])
+    await asyncio.sleep(0.45)
+    urgent = fleet(gateway_id="urgent", ttl_s=0.3, window_s=0.3)
+    relaxed = fleet(gateway_id="relaxed", ttl_s=0.3, window_s=0.3)
+    one = [Candidate("p1", 1)]
+    held = await relaxed.acquire("m|", one, 1, head_in_ms=None, next_head_in_ms=None)
+    await urgent.sync({}, {}, {"m|": 6000}, [])
+    client = redis.asyncio.from_url(redis_url)
+    try:
+        assert await client.zrange(urgent._heads("m|"), 0, -1) == [b"urgent"]
+    finally:
+        await client.aclose()
+    await relaxed.release([("p1", held.lease_ids[0])])
+    y = await relaxed.acquire("m|", one, 1, head_in_ms=8000, next_head_in_ms=None)
+    assert y.instance_id is None and y.yielded  # the live urgent head is seen
+
+
 async def test_renewed_leases_outlive_the_ttl(fleet) -> None:  # type: ignore[no-untyped-def]
     a = fleet(gateway_id="a", ttl_s=0.3)
     grant = await a.acquire("m|", P, 2, head_in_ms=None, next_head_in_ms=None)
