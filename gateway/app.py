@@ -91,6 +91,12 @@ class GatewayApp:
         self.app = app
         self._completions = completions
 
+    def stop(self) -> None:
+        """The process is told to stop: before its server's grace, the completions endpoint
+        sheds what waits and refuses what comes (`CompletionsEndpoint.stop`)."""
+        if self._completions.target is not None:
+            self._completions.target.stop()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] in _API_PATHS and scope["method"] == "POST":
             await self._completions(scope, receive, send)

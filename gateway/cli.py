@@ -107,17 +107,15 @@ async def _serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             else bind_socket(settings.host, settings.port)
         )
         sock.setblocking(False)
-        async with serving(
-            build_gateway_app(settings, registry, reg_settings),
-            sock,
-            access_log=settings.access_log,
-        ):
+        app = build_gateway_app(settings, registry, reg_settings)
+        async with serving(app, sock, access_log=settings.access_log):
             _settle_gc()
             if worker:
                 print(f"{READY} {settings.worker_index}: ready", flush=True)
             else:
                 print(f"pdgate gateway: http://{settings.host}:{bound_port(sock)}/v1", flush=True)
             await stop.wait()
+            app.stop()
     finally:
         await registry.aclose()
 

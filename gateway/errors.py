@@ -80,6 +80,12 @@ class Overloaded(ServiceUnavailable):
     code = "gateway_overloaded"
 
 
+class ShuttingDown(ServiceUnavailable):
+    """The gateway is stopping: another gateway can serve the request."""
+
+    code = "shutting_down"
+
+
 class DeadlineExceeded(ServiceUnavailable):
     """No prefill (or decode) accepted the request before its TTFT deadline."""
 

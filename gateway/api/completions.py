@@ -38,6 +38,7 @@ stall cannot lock everybody else out of `max_pending`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -58,7 +59,7 @@ from pdgate.config.openai_api import (
 )
 from pdgate.config.settings import GatewaySettings
 from pdgate.config.tracing import SpanKind, Tracing
-from pdgate.config.wire import REQUEST_ID_HEADER, TPOT_SLO_HEADER, valid_request_id
+from pdgate.config.wire import REQUEST_ID_HEADER, SSE_DONE, TPOT_SLO_HEADER, valid_request_id
 from pdgate.gateway.admission.auth import PRIORITIES, ApiKey, KeyRing
 from pdgate.gateway.admission.groups import GROUP_HEADER, GroupResolver
 from pdgate.gateway.admission.tenancy import resolve_tenancy
@@ -68,6 +69,7 @@ from pdgate.gateway.errors import (
     ModelNotFound,
     Overloaded,
     ServiceUnavailable,
+    ShuttingDown,
     from_openai_error,
 )
 from pdgate.gateway.instances.tracker import InstanceTracker
@@ -107,6 +109,15 @@ class CompletionsEndpoint:
         self._metrics = metrics
         self.pending = 0  # admitted: body whole, not finished
         self.uploading = 0  # connections whose body is still arriving
+        self.stopping = False  # `stop`: no new request, and none left without an answer
+
+    def stop(self) -> None:
+        """The gateway stops (SIGTERM): requests waiting for a prefill, and new ones, get 503
+        at once, so that their clients can go to another gateway; those placed go on until
+        the server's grace ends, when each still running is answered (503, or an in-band
+        error once it streams) rather than cut."""
+        self.stopping = True
+        self._dispatcher.shed(_shutting_down())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         arrived = time.monotonic()
@@ -125,6 +136,10 @@ class CompletionsEndpoint:
             return
         except ClientGone:
             self._metrics.requests.labels("client_gone", ANY_GROUP).inc()
+            return
+        if self.stopping:
+            self._metrics.requests.labels(ShuttingDown.code, ANY_GROUP).inc()
+            await _shutting_down().response()(scope, receive, send)
             return
         if self.pending >= self._settings.max_pending:
             self._metrics.requests.labels("overloaded", ANY_GROUP).inc()
@@ -187,6 +202,18 @@ class CompletionsEndpoint:
                 await exc.response()(scope, receive, send)
         except ClientGone:
             outcome = "client_gone"
+        except asyncio.CancelledError:
+            if not self.stopping:
+                raise
+            # The server's grace ended (`stop`): an answer, not a cut connection and a 500.
+            stopped = _shutting_down()
+            outcome = _outcome(stopped)
+            with contextlib.suppress(OSError):
+                if relaying:
+                    body = stopped.sse() + SSE_DONE
+                    await send({"type": "http.response.body", "body": body, "more_body": False})
+                else:
+                    await stopped.response()(scope, receive, send)
         except Exception:
             # A bug, not the client's fault. This endpoint runs outside Starlette's error
             # middleware (gateway/app.py), so it answers with an OpenAI error body itself.
@@ -315,6 +342,10 @@ class CompletionsEndpoint:
             tpot_s=_tighter(self._groups.tpot_slo_s(group), headers, TPOT_SLO_HEADER),
             prompt_ids=req.prompt_ids,
         )
+
+
+def _shutting_down() -> ShuttingDown:
+    return ShuttingDown("the gateway is shutting down; retry on another", retry_after=1)
 
 
 def _tighter(bound: float, headers: Mapping[str, str], name: str) -> float:

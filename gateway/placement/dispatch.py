@@ -171,6 +171,7 @@ class Dispatcher:
         self._decodes = decodes
         self._local = local
         self._forwarders: dict[tuple[str, str | None, str], PrefillForwarder] = {}
+        self._shed: GatewayError | None = None  # the gateway stops: `shed`
         self._phase_views: dict[tuple[str, str | None], PhaseView] = {}
         # Queue -> the fleet's recent samples for a queue with no forwarder here yet.
         self._early_samples: dict[str, deque[str]] = {}
@@ -188,6 +189,13 @@ class Dispatcher:
             await fwd.close()
         self._forwarders.clear()
         await self.background.aclose()
+
+    def shed(self, error: GatewayError) -> None:
+        """Every queue's waiting requests, and those that would queue from now on, fail with
+        `error` (the gateway stops: `PrefillForwarder.shed`)."""
+        for fwd in self._forwarders.values():
+            fwd.shed(error)
+        self._shed = error
 
     def heads(self) -> dict[str, float | None]:
         """Per queue, ms to its most urgent request's deadline (the fleet's deadline order)."""
@@ -483,6 +491,8 @@ class Dispatcher:
                 self._shared,
                 role=role,
             )
+            if self._shed is not None:
+                fwd.shed(self._shed)
             # What the fleet measured for this queue before we had one (a warm start).
             fwd.samples_in(self._early_samples.pop(fwd.key, ()), fresh=False)
         return fwd

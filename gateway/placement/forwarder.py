@@ -219,6 +219,7 @@ class PrefillForwarder:
         self._index = shared.index
         self._options = shared.options
         self._task: asyncio.Task[None] | None = None
+        self._shed: GatewayError | None = None  # the gateway stops: what waiters get now
         self.waiting = 0  # requests waiting for a prefill grant: queued or being tried
         # Prefill URL + API path pairs whose batch endpoint answered 404/405 (LRU-bounded).
         self._no_batch_endpoint: OrderedDict[str, None] = OrderedDict()
@@ -254,6 +255,8 @@ class PrefillForwarder:
 
         A grant that lands as the caller gives up (deadline, cancellation) in the same loop
         iteration is closed here: whoever abandons a result closes it."""
+        if self._shed is not None:
+            raise self._shed
         # Started by then, it most likely makes its deadline (the queue's start guard).
         estimate = self.prefill_times.upper_bound_s(waiter.info.prompt_chars, _GUARD_QUANTILE)
         if estimate is not None:
@@ -951,7 +954,18 @@ class PrefillForwarder:
                 return
             self._retry(waiter)
 
+    def shed(self, error: GatewayError) -> None:
+        """The gateway stops: every queued request, and every one that would queue from now on
+        (a new one, a retry), fails with `error` at once, so that its client can go to another
+        gateway; requests already sent to a prefill go on."""
+        self._shed = error
+        for waiter in self.queue.waiters():
+            if not waiter.future.done():
+                waiter.future.set_exception(error)
+
     def _retry(self, waiter: Waiter) -> None:
+        if self._shed is not None and not waiter.future.done():
+            waiter.future.set_exception(self._shed)
         if waiter.future.done() or waiter.state is WaiterState.DONE:
             return
         if time.monotonic() >= waiter.deadline:

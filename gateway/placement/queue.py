@@ -314,6 +314,10 @@ class WaitQueue:
             1 for _, w in tenant.heap.entries if w.state is WaiterState.QUEUED and w.deadline <= due
         )
 
+    def waiters(self) -> list[Waiter]:
+        """Every queued waiter, in no particular order."""
+        return [w for _, w in self._deadlines.entries if w.state is WaiterState.QUEUED]
+
     def beyond_reach(self, reach: Callable[[float], float], now: float) -> list[Waiter]:
         """The queued waiters that the pace cannot reach before their deadlines: more
         requests surely ahead of each (as `ahead` counts them) than `reach(its time left)`,

@@ -1,0 +1,167 @@
+"""A gateway told to stop (SIGTERM) answers every request it holds: those waiting for a
+prefill get 503 ``shutting_down`` at once (their clients can go to another gateway); those
+placed go on until the server's grace ends, and then get the same error, in-band once they
+stream, rather than a cut connection or a plain 500 and a traceback each.
+
+A real ``pdgate gateway`` process fronts a fake prefill of one slot and a fake decode on
+real sockets: the prefill answers at once, except for prompts saying "hang"; the decode
+sends one token and then only keep-alive comments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tests._cluster import Subprocess, gateway_url, start, wait_for
+from tests.gateway._fakes import eventually
+
+MODEL = "stopping-model"
+
+
+class FakeInstances:
+    def __init__(self) -> None:
+        self.prefill_calls = 0
+        self.socks = [_listen(), _listen()]
+        self.prefill_url, self.decode_url = (
+            f"http://127.0.0.1:{s.getsockname()[1]}" for s in self.socks
+        )
+        self._server = uvicorn.Server(
+            uvicorn.Config(self._app(), log_level="warning", lifespan="off")
+        )
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self._server.serve(sockets=self.socks)), daemon=True
+        )
+
+    def _app(self) -> Starlette:
+        prefill_port = self.socks[0].getsockname()[1]
+
+        async def models(request: Request) -> Response:
+            return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+        async def health(request: Request) -> Response:
+            return Response(status_code=200)
+
+        async def completions(request: Request) -> Response:
+            body = orjson.loads(await request.body())
+            if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+                self.prefill_calls += 1
+                if "hang" in body["prompt"]:
+                    await asyncio.sleep(3600)
+                params = {"do_remote_prefill": True, "remote_host": "127.0.0.1",
+                          "remote_port": prefill_port,
+                          "remote_request_id": "kv0123456789"}  # fmt: skip
+                choice = {"index": 0, "text": " a", "finish_reason": "length"}
+                return JSONResponse({"id": "x", "choices": [choice], "kv_transfer_params": params})
+
+            async def one_token_then_nothing() -> Any:
+                choice = {"index": 0, "text": " a", "logprobs": None, "finish_reason": None}
+                event = {"id": "d", "object": "text_completion", "model": MODEL,
+                         "choices": [choice]}  # fmt: skip
+                yield b"data: " + orjson.dumps(event) + b"\n\n"
+                while True:  # alive (a stall would end the stream) but no more tokens
+                    await asyncio.sleep(0.5)
+                    yield b": ping\n\n"
+
+            return StreamingResponse(one_token_then_nothing(), media_type="text/event-stream")
+
+        async def release(request: Request) -> Response:
+            return Response(status_code=204)
+
+        return Starlette(
+            routes=[
+                Route("/v1/models", models, methods=["GET"]),
+                Route("/health", health, methods=["GET"]),
+                Route("/v1/completions", completions, methods=["POST"]),
+                Route("/v1/kv/{kv_id}", release, methods=["DELETE"]),
+            ]
+        )
+
+    def __enter__(self) -> FakeInstances:
+        self._thread.start()
+        wait_for(lambda: self._server.started, what="fake instances up")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = self._server.force_exit = True
+        self._thread.join(10)
+
+
+def _listen() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@pytest.fixture
+def fakes() -> Iterator[FakeInstances]:
+    with FakeInstances() as f:
+        yield f
+
+
+async def _collect(url: str, prompt: str, *, stream: bool, out: dict[str, Any]) -> None:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "stream": stream}
+    async with (
+        httpx.AsyncClient(timeout=60) as client,
+        client.stream("POST", url + "/v1/completions", json=body) as resp,
+    ):
+        out["status"] = resp.status_code
+        out["chunks"] = []
+        async for chunk in resp.aiter_bytes():
+            out["chunks"].append(chunk)
+            out.setdefault("first_at", time.monotonic())
+    out["ended_at"] = time.monotonic()
+
+
+def test_a_stopping_gateway_answers_what_it_holds(
+    fakes: FakeInstances, procs: list[Subprocess]
+) -> None:
+    env = {"PDGATE_GATEWAY_TTFT_TIMEOUT_S": "60", "PDGATE_GATEWAY_DECODE_HEADER_TIMEOUT_S": "60"}
+    args = ["gateway", "--port", "0", "--prefill", f"{fakes.prefill_url} capacity=1"]
+    gw = start(procs, [*args, "--decode", fakes.decode_url], env)
+    url = gateway_url(gw)
+    results: dict[str, dict[str, Any]] = {k: {} for k in ("streaming", "held", "q1", "q2")}
+
+    async def scenario() -> float:
+        streaming = asyncio.create_task(_collect(url, "go", stream=True, out=results["streaming"]))
+        await eventually(lambda: "first_at" in results["streaming"])  # its prefill slot free
+        held = asyncio.create_task(_collect(url, "hang", stream=False, out=results["held"]))
+        await eventually(lambda: fakes.prefill_calls == 2)  # the one slot is the held one's
+        queued = [
+            asyncio.create_task(_collect(url, "hang too", stream=True, out=results[k]))
+            for k in ("q1", "q2")
+        ]
+        await asyncio.sleep(0.5)  # both queued at the gateway
+        stopped = time.monotonic()
+        gw.proc.terminate()
+        await asyncio.gather(streaming, held, *queued)
+        return stopped
+
+    stopped = asyncio.run(scenario())
+    assert gw.proc.wait(timeout=20) == 0
+    for key in ("q1", "q2"):  # refused at once, not at the grace's end
+        queued = results[key]
+        assert queued["status"] == 503, queued
+        assert orjson.loads(b"".join(queued["chunks"]))["error"]["code"] == "shutting_down"
+        assert queued["ended_at"] - stopped < 2.0
+    held = results["held"]  # placed: answered when the grace ended
+    assert held["status"] == 503
+    assert orjson.loads(b"".join(held["chunks"]))["error"]["code"] == "shutting_down"
+    stream = b"".join(results["streaming"]["chunks"])  # streaming: an in-band error, then DONE
+    assert results["streaming"]["status"] == 200
+    assert b'"code":"shutting_down"' in stream and stream.endswith(b"data: [DONE]\n\n")
+    output = "".join(gw.lines)
+    assert "Traceback" not in output and "Exception in ASGI application" not in output, output
