@@ -13,48 +13,41 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import orjson
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tests._cluster import Subprocess, gateway_url, start, wait_for
+from tests.gateway._threaded import ThreadedInstances
 
 MODEL = "shutdown-model"
 RELEASE_S = 1.0  # how long the prefill takes to answer a release
 
 
-class FakeInstances:
+class FakeInstances(ThreadedInstances):
     """One app on two ports: a prefill (accepts, names itself for the KV) and a decode that
     never answers. Counts what happened to each release."""
 
     def __init__(self) -> None:
+        super().__init__(ports=2)
+        self.prefill_url, self.decode_url = self.urls
         self.state: dict[str, int] = {
             "decode_legs": 0,
             "release_started": 0,
             "release_completed": 0,
             "release_cut": 0,
         }
-        self.socks = [_listen(), _listen()]
-        self.prefill_url, self.decode_url = (
-            f"http://127.0.0.1:{s.getsockname()[1]}" for s in self.socks
-        )
-        self._server = uvicorn.Server(
-            uvicorn.Config(self._app(), log_level="warning", lifespan="off")
-        )
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _app(self) -> Starlette:
+    def app(self) -> Starlette:
         state = self.state
-        prefill_port = self.socks[0].getsockname()[1]
+        prefill_port = self.port(0)
 
         async def models(request: Request) -> Response:
             return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
@@ -96,24 +89,6 @@ class FakeInstances:
                 Route("/v1/kv/{kv_id}", release, methods=["DELETE"]),
             ]
         )
-
-    def _run(self) -> None:
-        asyncio.run(self._server.serve(sockets=self.socks))
-
-    def __enter__(self) -> FakeInstances:
-        self._thread.start()
-        wait_for(lambda: self._server.started, what="fake instances up")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.should_exit = self._server.force_exit = True  # the decode never ends
-        self._thread.join(10)
-
-
-def _listen() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    return sock
 
 
 @pytest.fixture

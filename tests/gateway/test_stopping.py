@@ -11,8 +11,6 @@ sends one token and then only keep-alive comments.
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,34 +18,26 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tests._cluster import Subprocess, gateway_url, start, wait_for
+from tests._cluster import Subprocess, gateway_url, start
 from tests.gateway._fakes import eventually
+from tests.gateway._threaded import ThreadedInstances
 
 MODEL = "stopping-model"
 
 
-class FakeInstances:
+class FakeInstances(ThreadedInstances):
     def __init__(self) -> None:
+        super().__init__(ports=2)
+        self.prefill_url, self.decode_url = self.urls
         self.prefill_calls = 0
-        self.socks = [_listen(), _listen()]
-        self.prefill_url, self.decode_url = (
-            f"http://127.0.0.1:{s.getsockname()[1]}" for s in self.socks
-        )
-        self._server = uvicorn.Server(
-            uvicorn.Config(self._app(), log_level="warning", lifespan="off")
-        )
-        self._thread = threading.Thread(
-            target=lambda: asyncio.run(self._server.serve(sockets=self.socks)), daemon=True
-        )
 
-    def _app(self) -> Starlette:
-        prefill_port = self.socks[0].getsockname()[1]
+    def app(self) -> Starlette:
+        prefill_port = self.port(0)
 
         async def models(request: Request) -> Response:
             return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
@@ -89,21 +79,6 @@ class FakeInstances:
                 Route("/v1/kv/{kv_id}", release, methods=["DELETE"]),
             ]
         )
-
-    def __enter__(self) -> FakeInstances:
-        self._thread.start()
-        wait_for(lambda: self._server.started, what="fake instances up")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.should_exit = self._server.force_exit = True
-        self._thread.join(10)
-
-
-def _listen() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    return sock
 
 
 @pytest.fixture
