@@ -9,6 +9,7 @@ import pytest
 import redis.asyncio
 
 from pdgate.registry.fleet import Candidate, Freed, HeldLeases, LocalFleet, RedisFleet
+from tests._redis import RedisServer
 
 P = [Candidate("p0", 2), Candidate("p1", 1)]
 
@@ -267,3 +268,12 @@ async def test_a_sync_makes_the_store_agree_with_the_leases_a_gateway_holds(
         {}, {}, {}, ["p0"], leases=HeldLeases(a.lease_cutoff(), {"p0": [(one, True)]})
     )
     assert (view.slots, view.computing) == ({"p0": 2}, {"p0": 2})  # b's is never a's to drop
+
+
+async def test_a_gateway_closes_its_fleet_state_with_redis_away(private_redis: RedisServer) -> None:
+    """Its farewell sync fails (its state then expires in Redis): it used to raise out of
+    the app's shutdown, and the gateway exited with a traceback instead of cleanly."""
+    store = RedisFleet(private_redis.url, key_prefix="t", connect_timeout_s=0.5)
+    await store.sync({"p0": 1}, {}, {}, ["p0"])
+    await private_redis.astop()
+    await store.aclose()
