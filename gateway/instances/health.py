@@ -8,9 +8,10 @@ stays out of the rankings while the probe runs (`InstanceTracker.begin` marks it
 a half-open instance with room for one request only, so batch forwarding sends no more).
 The probe's outcome decides: a success closes it (its whole capacity again) and resets the
 multiplier; a failure ejects it at once for longer; a probe that ends with neither (a 429,
-a cancelled request) lets the next request probe. A success reported during the cool-down
-(a request sent before the ejection, answering late) decides nothing. A 429 is not a
-failure: it is the queue-less design working.
+a cancelled request) lets the next request probe. A success or a failure reported during
+the cool-down (a request sent before the ejection, answering late) decides nothing: the
+requests in flight when an instance dies fail together, and each would have doubled the
+cool-down. A 429 is not a failure: it is the queue-less design working.
 
 Retry budget: failures are retried on other instances (failover), but never beyond a
 fraction of the traffic: each request deposits `ratio` of a retry into a bucket (at most
@@ -87,6 +88,8 @@ class Ejector:
         if instance_id not in self._tracker.records():
             return
         state = self._states.setdefault(instance_id, _State())
+        if state.half_open and self._tracker.cooling_down(instance_id):
+            return  # a straggler from before the ejection: not the probe
         state.failures += 1
         if state.half_open or state.failures >= self._rules.consecutive:
             cool = self._rules.cool_down_s(state.ejections)

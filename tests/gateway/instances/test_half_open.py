@@ -74,6 +74,18 @@ async def test_a_late_success_from_before_the_ejection_does_not_end_it() -> None
     assert _p0(tracker) == (False, 1)  # still only a probe
 
 
+async def test_late_failures_from_before_the_ejection_do_not_lengthen_it() -> None:
+    """The requests in flight when an instance dies fail within a millisecond of each other:
+    each doubled the cool-down (5 s to 300 s at once in a chaos run)."""
+    tracker = tracker_for([4, 4])
+    ejector = _ejector(tracker)
+    ejector.failure("p0", "prefill")
+    for _ in range(5):
+        ejector.failure("p0", "prefill")  # sent before the ejection, failing during it
+    await asyncio.sleep(COOL_S * 1.5)
+    assert _p0(tracker) == (False, 1)  # the first cool-down, not 2**5 of it: a probe now
+
+
 async def test_batch_forwarding_sends_a_half_open_prefill_one_request() -> None:
     """Through the forwarder: p0 (4 slots, ranked first) failed and was ejected. After the
     cool-down a burst of requests arrives while p0's probe hangs: p0 gets that one request
