@@ -103,6 +103,7 @@ class _Request:
     request_id: str
     deadline: float  # time.monotonic() by which the first byte is due
     span: Span | None  # the request's trace span: the legs' spans are its children
+    retry: bool = False  # a failover or a continuation: admitted before (`Waiter.admitted`)
 
 
 class Prefilled:
@@ -290,7 +291,7 @@ class Dispatcher:
         ids in its reply (the first token early reads them)."""
         if not retry:
             self.budget.deposit()
-        req = _Request(info, request_id, deadline, span)
+        req = _Request(info, request_id, deadline, span, retry)
         if self._tracker.aggregated(info.model, info.group):
             return Prefilled(req, avoid, placement=await self._whole(req, forward, api.path))
         local = self._local.plan(info, avoid)
@@ -465,6 +466,7 @@ class Dispatcher:
             future=asyncio.get_running_loop().create_future(),
             span=req.span,
             path=path,
+            admitted=req.retry,
         )
         return await self._forwarder(req.info).acquire(waiter)
 

@@ -261,7 +261,7 @@ class PrefillForwarder:
         estimate = self.prefill_times.upper_bound_s(waiter.info.prompt_chars, _GUARD_QUANTILE)
         if estimate is not None:
             waiter.latest_start = waiter.deadline - estimate
-        if self._options.drain_admission and self._too_late(waiter):
+        if self._options.drain_admission and not waiter.admitted and self._too_late(waiter):
             self._shared.metrics.queue_sheds.labels("drain").inc()
             raise self._out_of_reach()
         admission = self.queue.push(waiter)
@@ -360,6 +360,8 @@ class PrefillForwarder:
 
     def _sweep(self, pace: Pace, now: float, slack: float) -> None:
         for late in self.queue.beyond_reach(lambda s: pace.reach(s) * slack, now):
+            if late.admitted:
+                continue
             self.queue.remove(late)
             self._shared.metrics.queue_sheds.labels("drain").inc()
             if not late.future.done():

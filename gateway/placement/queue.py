@@ -86,6 +86,10 @@ class Waiter:
     charged: float = 0.0  # its tenant's counter was charged this much when it was sent
     held_since: float | None = None  # monotonic: first held for a busy prefill's cache
     path: str = COMPLETIONS_PATH  # the API its prefill leg goes to
+    # Admitted before: a failover, or a stream continuing after its decode broke. Drain
+    # admission judges arrivals: it neither refuses nor sweeps one whose client waited already
+    # (or holds part of its answer).
+    admitted: bool = False
 
     @property
     def done(self) -> bool:

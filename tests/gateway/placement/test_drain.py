@@ -393,6 +393,27 @@ async def test_under_heavy_overload_the_sweep_spares_what_the_headroom_covers() 
             await kept
 
 
+async def test_a_request_admitted_before_is_neither_refused_nor_swept() -> None:
+    """A failover or a stream continuing after its decode broke queues again: drain
+    admission judged it like an arrival and cut streams that had sent hundreds of tokens
+    (chaos run). It waits for its turn, at worst until its deadline."""
+    async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
+        again = waiter(100, deadline_s=1.5)
+        again.admitted = True
+        kept = asyncio.create_task(_take(p.fwd, again))  # the pace cannot reach it in time
+        await asyncio.sleep(0.01)
+        assert not kept.done()
+        p.fwd._next_sweep = 0.0
+        with pytest.raises(Overloaded, match="would not reach this request"):
+            await p.fwd.acquire(waiter(101, deadline_s=1.5))  # an arrival: refused, sweeps
+        await asyncio.sleep(0.01)
+        assert not kept.done()
+        with pytest.raises(DeadlineExceeded):
+            await kept
+        sheds = p.metrics.registry.get_sample_value("pdgate_queue_sheds_total", {"reason": "drain"})
+        assert sheds == 1  # the arrival only
+
+
 def test_beyond_reach_counts_each_waiter_as_ahead_does() -> None:
     loop = asyncio.new_event_loop()
     try:
