@@ -238,9 +238,10 @@ def report(plan: ComparePlan, windows: Sequence[Window], command: str) -> str:
         for build in plan.builds:
             mine = [w for w in of_rate if w.build == build.name]
             cpu = [w.cpu_ms for w in mine]
+            # A window too short for one clock tick of the first build's CPU has no ratio.
+            ratio = f"{statistics.median(cpu) / base:.2f}" if base > 0 else "n/a"
             lines.append(
                 f"| {rate:g} | {build.name} | {_spread([w.achieved for w in mine], '.0f')} | "
-                f"{sum(w.failed + w.lost for w in mine)} | {_spread(cpu, '.3f')} | "
-                f"{statistics.median(cpu) / base:.2f} |"
+                f"{sum(w.failed + w.lost for w in mine)} | {_spread(cpu, '.3f')} | {ratio} |"
             )
     return "\n".join(lines) + "\n"

@@ -80,6 +80,16 @@ def test_report_has_spreads_and_ratios_of_medians() -> None:
     assert "| 100 | b | 100/100/100 | 3 | 3.000/4.000/9.000 | 2.00 |" in text
 
 
+def test_a_first_build_measured_at_no_cpu_has_no_ratio() -> None:
+    """A short window can hold less than one clock tick of a gateway's CPU: the report then
+    says so instead of dividing by zero (a tiny pinned run failed so)."""
+    plan = ComparePlan((GatewayBuild("a", ("x",)), GatewayBuild("b", ("y",))), rates=(20.0,))
+    windows = [Window("a", 20.0, 20.0, 0, 0, 0.0), Window("b", 20.0, 20.0, 0, 0, 1.0)]
+    text = report(plan, windows, "x")
+    assert "| 20 | a | 20/20/20 | 0 | 0.000/0.000/0.000 | n/a |" in text
+    assert "| 20 | b | 20/20/20 | 0 | 1.000/1.000/1.000 | n/a |" in text
+
+
 async def test_a_tiny_run_offers_the_rate_to_each_build_in_rotating_turns() -> None:
     _redis_or_fail()
     plan = ComparePlan(
