@@ -19,10 +19,8 @@ from typing import Any
 
 import orjson
 import pytest
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from tests._cluster import Subprocess, gateway_url, start, wait_for
 from tests.gateway._threaded import ThreadedInstances
@@ -35,6 +33,8 @@ class FakeInstances(ThreadedInstances):
     """One app on two ports: a prefill (accepts, names itself for the KV) and a decode that
     never answers. Counts what happened to each release."""
 
+    model = MODEL
+
     def __init__(self) -> None:
         super().__init__(ports=2)
         self.prefill_url, self.decode_url = self.urls
@@ -45,50 +45,26 @@ class FakeInstances(ThreadedInstances):
             "release_cut": 0,
         }
 
-    def app(self) -> Starlette:
-        state = self.state
-        prefill_port = self.port(0)
+    async def completions(self, request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+            choice = {"index": 0, "text": " a", "finish_reason": "length"}
+            params = self.kv_params("kv-1")
+            return JSONResponse(
+                {"id": "x", "choices": [choice], "kv_transfer_params": params, "model": MODEL}
+            )
+        self.state["decode_legs"] += 1
+        await asyncio.sleep(3600)  # the decode never answers
+        return Response(status_code=500)
 
-        async def models(request: Request) -> Response:
-            return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-
-        async def health(request: Request) -> Response:
-            return Response(status_code=200)
-
-        async def completions(request: Request) -> Response:
-            body = orjson.loads(await request.body())
-            if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
-                params = {
-                    "do_remote_prefill": True,
-                    "remote_host": "127.0.0.1",
-                    "remote_port": prefill_port,
-                    "remote_request_id": "kv-1",
-                }
-                choice = {"index": 0, "text": " a", "finish_reason": "length"}
-                return JSONResponse(
-                    {"id": "x", "choices": [choice], "kv_transfer_params": params, "model": MODEL}
-                )
-            state["decode_legs"] += 1
-            await asyncio.sleep(3600)  # the decode never answers
-            return Response(status_code=500)
-
-        async def release(request: Request) -> Response:
-            state["release_started"] += 1
-            await asyncio.sleep(RELEASE_S)
-            if await request.is_disconnected():
-                state["release_cut"] += 1
-            else:
-                state["release_completed"] += 1
-            return Response(status_code=204)
-
-        return Starlette(
-            routes=[
-                Route("/v1/models", models, methods=["GET"]),
-                Route("/health", health, methods=["GET"]),
-                Route("/v1/completions", completions, methods=["POST"]),
-                Route("/v1/kv/{kv_id}", release, methods=["DELETE"]),
-            ]
-        )
+    async def release(self, request: Request) -> Response:
+        self.state["release_started"] += 1
+        await asyncio.sleep(RELEASE_S)
+        if await request.is_disconnected():
+            self.state["release_cut"] += 1
+        else:
+            self.state["release_completed"] += 1
+        return Response(status_code=204)
 
 
 @pytest.fixture

@@ -18,10 +18,8 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from tests._cluster import Subprocess, gateway_url, start
 from tests.gateway._fakes import eventually
@@ -31,54 +29,32 @@ MODEL = "stopping-model"
 
 
 class FakeInstances(ThreadedInstances):
+    model = MODEL
+
     def __init__(self) -> None:
         super().__init__(ports=2)
         self.prefill_url, self.decode_url = self.urls
         self.prefill_calls = 0
 
-    def app(self) -> Starlette:
-        prefill_port = self.port(0)
+    async def completions(self, request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+            self.prefill_calls += 1
+            if "hang" in body["prompt"]:
+                await asyncio.sleep(3600)
+            choice = {"index": 0, "text": " a", "finish_reason": "length"}
+            params = self.kv_params("kv0123456789")
+            return JSONResponse({"id": "x", "choices": [choice], "kv_transfer_params": params})
 
-        async def models(request: Request) -> Response:
-            return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+        async def one_token_then_nothing() -> Any:
+            choice = {"index": 0, "text": " a", "logprobs": None, "finish_reason": None}
+            event = {"id": "d", "object": "text_completion", "model": MODEL, "choices": [choice]}
+            yield b"data: " + orjson.dumps(event) + b"\n\n"
+            while True:  # alive (a stall would end the stream) but no more tokens
+                await asyncio.sleep(0.5)
+                yield b": ping\n\n"
 
-        async def health(request: Request) -> Response:
-            return Response(status_code=200)
-
-        async def completions(request: Request) -> Response:
-            body = orjson.loads(await request.body())
-            if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
-                self.prefill_calls += 1
-                if "hang" in body["prompt"]:
-                    await asyncio.sleep(3600)
-                params = {"do_remote_prefill": True, "remote_host": "127.0.0.1",
-                          "remote_port": prefill_port,
-                          "remote_request_id": "kv0123456789"}  # fmt: skip
-                choice = {"index": 0, "text": " a", "finish_reason": "length"}
-                return JSONResponse({"id": "x", "choices": [choice], "kv_transfer_params": params})
-
-            async def one_token_then_nothing() -> Any:
-                choice = {"index": 0, "text": " a", "logprobs": None, "finish_reason": None}
-                event = {"id": "d", "object": "text_completion", "model": MODEL,
-                         "choices": [choice]}  # fmt: skip
-                yield b"data: " + orjson.dumps(event) + b"\n\n"
-                while True:  # alive (a stall would end the stream) but no more tokens
-                    await asyncio.sleep(0.5)
-                    yield b": ping\n\n"
-
-            return StreamingResponse(one_token_then_nothing(), media_type="text/event-stream")
-
-        async def release(request: Request) -> Response:
-            return Response(status_code=204)
-
-        return Starlette(
-            routes=[
-                Route("/v1/models", models, methods=["GET"]),
-                Route("/health", health, methods=["GET"]),
-                Route("/v1/completions", completions, methods=["POST"]),
-                Route("/v1/kv/{kv_id}", release, methods=["DELETE"]),
-            ]
-        )
+        return StreamingResponse(one_token_then_nothing(), media_type="text/event-stream")
 
 
 @pytest.fixture
