@@ -50,6 +50,7 @@ __all__ = [
     "ClientGone",
     "CompletionRequest",
     "OpenAIError",
+    "chat_from_object",
     "error_body",
     "error_json",
     "load_object",
@@ -465,7 +466,16 @@ def parse_chat(
     (``max_completion_tokens``, else ``max_tokens``, else the default) is forwarded as
     ``max_tokens`` alone, so the gateway's ``max_tokens = 1`` on the prefill leg is the only
     limit there. Raises `OpenAIError` (400)."""
-    raw = load_object(body)
+    return chat_from_object(
+        load_object(body), max_tokens_limit=max_tokens_limit, default_max_tokens=default_max_tokens
+    )
+
+
+def chat_from_object(
+    raw: dict[str, Any], *, max_tokens_limit: int, default_max_tokens: int = DEFAULT_MAX_TOKENS
+) -> tuple[ChatCompletionRequest, dict[str, Any]]:
+    """`parse_chat` of a body already read as a JSON object (`load_object`): the gateway's
+    translations of other APIs build one (gateway/translate/). `raw` is the dict forwarded."""
     if "messages" not in raw:
         raise bad_request("messages is required", "messages")
     for key, why in _CHAT_UNSUPPORTED.items():

@@ -774,6 +774,30 @@ class GatewaySettings(_Settings):
     default_max_tokens: int = Field(
         default=16, gt=0, description="max_tokens when the client omits it."
     )
+    responses_ttl_s: float = Field(
+        default=86400.0,
+        gt=0,
+        description="How long a stored response of the Responses API (`store`, the default) "
+        "can be read and chained on (`previous_response_id`); in the registry's Redis when "
+        "there is one, else in this process.",
+    )
+    responses_max_entry_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        gt=0,
+        description="Largest stored response (its output, input items and the conversation "
+        "so far); a larger one is answered and not stored.",
+    )
+    responses_max_per_key: int = Field(
+        default=1000,
+        gt=0,
+        description="Stored responses kept per client key; past it the oldest go.",
+    )
+    responses_memory_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        gt=0,
+        description="What stored responses may take in this process (all of them without "
+        "Redis; with Redis, those stored while it was unreachable).",
+    )
     retry_after_s: int = Field(default=1, ge=1, le=120, description="Retry-After sent with 503s.")
     retry_after_max_s: int = Field(
         default=120, ge=1, le=3600, description="Cap of any Retry-After the gateway sends."

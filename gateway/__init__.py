@@ -10,6 +10,7 @@ instances/    what is known of each instance: load and leases, prefix affinity, 
 admission/    who is asking and where they may go: API keys, tenants, scenario groups
 placement/    choosing a prefill and a decode: queue, batch forming, forwarding, fleet leases
 stream/       the client's answer: relaying the decode's stream, failover and migration
+translate/    the other client APIs (Responses, Anthropic Messages) as chat requests and back
 api/          the HTTP surface: completions, admin, the dashboard
 
 app.py        the composition root: builds every part once and hands it down

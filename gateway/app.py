@@ -31,6 +31,7 @@ from pdgate.gateway.admission.groups import GroupResolver
 from pdgate.gateway.api.admin import admin_routes
 from pdgate.gateway.api.completions import CompletionsEndpoint
 from pdgate.gateway.api.dashboard import dashboard_routes
+from pdgate.gateway.api.responses import responses_routes
 from pdgate.gateway.errors import GatewayError
 from pdgate.gateway.instances.affinity import PrefixIndex, PrefixLookup
 from pdgate.gateway.instances.health import Ejection, Ejector, RetryBudget
@@ -47,6 +48,9 @@ from pdgate.gateway.placement.drain import DecodeCapacity, DecodeWaits
 from pdgate.gateway.placement.forwarder import ForwardingOptions, Shared
 from pdgate.gateway.placement.leases import Fleet
 from pdgate.gateway.placement.local_prefill import LocalPrefill
+from pdgate.gateway.translate.base import Front
+from pdgate.gateway.translate.messages import MessagesFront
+from pdgate.gateway.translate.responses import ResponsesFront
 from pdgate.gateway.upstream.base import Upstream
 from pdgate.gateway.upstream.h1 import H1Upstream
 from pdgate.gateway.upstream.http import HttpUpstream
@@ -55,6 +59,12 @@ from pdgate.policies.base import Ranker
 from pdgate.registry.base import InstanceRecord, Registry
 from pdgate.registry.fleet import FleetStore, LocalFleet, RedisFleet, SlotTable
 from pdgate.registry.membership import Listener, Membership
+from pdgate.registry.responses import (
+    MemoryResponseStore,
+    RedisResponseStore,
+    ResponseStore,
+    StoreLimits,
+)
 from pdgate.registry.static import static_api_keys
 
 log = logging.getLogger("pdgate.gateway")
@@ -75,13 +85,15 @@ class _Late:
         await self.target(scope, receive, send)
 
 
-# The paths of the completions endpoint (one endpoint for both APIs).
-_API_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# The paths of the completions endpoint: completions and chat, and the APIs it serves as
+# chat requests (gateway/translate/).
+_API_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
 
 
 class GatewayApp:
-    """The Starlette app, except that ``POST /v1/completions`` and ``POST
-    /v1/chat/completions`` go straight to their endpoint.
+    """The Starlette app, except that ``POST`` to the completions endpoint's paths
+    (``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``, ``/v1/messages``) goes
+    straight to it.
 
     The endpoint is a plain ASGI callable that answers its own errors, so the hot path skips
     Starlette's middleware and router: measured (``pdgate bench profile``), their send
@@ -125,6 +137,39 @@ def open_fleet_store(settings: GatewaySettings, registry_settings: RegistrySetti
     return LocalFleet(settings.gateway_id, table)
 
 
+def open_response_store(
+    settings: GatewaySettings, registry_settings: RegistrySettings
+) -> ResponseStore:
+    """Stored responses in the registry's Redis when there is one (every gateway of the
+    fleet reads them), else in this process."""
+    limits = StoreLimits(
+        ttl_s=settings.responses_ttl_s,
+        max_entry_bytes=settings.responses_max_entry_bytes,
+        max_per_scope=settings.responses_max_per_key,
+        max_bytes=settings.responses_memory_bytes,
+    )
+    if registry_settings.url:
+        return RedisResponseStore(
+            registry_settings.url,
+            key_prefix=registry_settings.key_prefix,
+            limits=limits,
+            connect_timeout_s=registry_settings.connect_timeout_s,
+        )
+    return MemoryResponseStore(limits)
+
+
+def _fronts(settings: GatewaySettings, store: ResponseStore) -> dict[str, Front]:
+    """The APIs the completions endpoint serves as chat requests, by path."""
+    return {
+        "/v1/responses": ResponsesFront(
+            store,
+            max_tokens_limit=settings.max_tokens_limit,
+            default_max_tokens=settings.default_max_tokens,
+        ),
+        "/v1/messages": MessagesFront(max_tokens_limit=settings.max_tokens_limit),
+    }
+
+
 def _upstream_headers(
     settings: GatewaySettings, registry_settings: RegistrySettings
 ) -> dict[str, str]:
@@ -156,6 +201,7 @@ class Gateway:
     fleet: Fleet
     dispatcher: Dispatcher
     endpoint: CompletionsEndpoint
+    responses: ResponseStore  # stored responses of the Responses API
     started: float  # wall clock, for /v1/models' `created`
 
     def state(self) -> dict[str, Any]:
@@ -346,8 +392,16 @@ def build_gateway_app(
             fleet=fleet,
             tracing=traces,
         )
+        responses = open_response_store(settings, registry_settings)
         endpoint = CompletionsEndpoint(
-            settings, dispatcher, tracker, metrics, keys, groups=groups, tracing=traces
+            settings,
+            dispatcher,
+            tracker,
+            metrics,
+            keys,
+            groups=groups,
+            tracing=traces,
+            fronts=_fronts(settings, responses),
         )
         gateway = Gateway(
             settings=settings,
@@ -362,6 +416,7 @@ def build_gateway_app(
             fleet=fleet,
             dispatcher=dispatcher,
             endpoint=endpoint,
+            responses=responses,
             started=started,
         )
         try:
@@ -370,6 +425,7 @@ def build_gateway_app(
             # Refused credentials at start-up: what was opened must not leak.
             if kv_feed is not None:
                 await kv_feed.aclose()
+            await responses.aclose()
             await fleet.aclose()
             if owned:
                 await client.aclose()
@@ -390,6 +446,7 @@ def build_gateway_app(
             # In this order: pending KV releases still need the upstream session, and the
             # last slot leases go back to the fleet before it closes.
             await dispatcher.close()
+            await responses.aclose()
             await fleet.aclose()
             await membership.stop()
             if kv_feed is not None:
@@ -403,6 +460,9 @@ def build_gateway_app(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),  # GatewayApp takes POSTs
             Route("/v1/chat/completions", completions, methods=["POST"]),  # (this one too)
+            Route("/v1/responses", completions, methods=["POST"]),  # (and these)
+            Route("/v1/messages", completions, methods=["POST"]),
+            *responses_routes(),
             *admin_routes(),
             *dashboard_routes(keys),
         ],

@@ -63,6 +63,12 @@ class RateLimited(GatewayError):
     code = "rate_limit_exceeded"
 
 
+class NotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
 class ModelNotFound(GatewayError):
     status = 404
     type = "invalid_request_error"

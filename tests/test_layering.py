@@ -67,7 +67,17 @@ def test_the_wire_modules_import_nothing_of_pdgate_but_each_other() -> None:
 
 
 # gateway/'s stages, lowest first; the top-level modules (app, cli, keys, workers) come last.
-STAGES = ["errors", "observe", "upstream", "instances", "admission", "placement", "stream", "api"]
+STAGES = [
+    "errors",
+    "observe",
+    "upstream",
+    "instances",
+    "admission",
+    "placement",
+    "stream",
+    "translate",
+    "api",
+]
 TOP = {"app", "cli", "keys", "workers", "__init__"}
 
 

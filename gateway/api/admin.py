@@ -28,7 +28,7 @@ from pdgate.gateway.placement.dispatch import Dispatcher
 from pdgate.gateway.placement.leases import Fleet
 from pdgate.registry.membership import Membership
 
-__all__ = ["admin_routes"]
+__all__ = ["ORJSONResponse", "admin_routes"]
 
 RATIO_NOTE = (
     "eq. 1 of P/D-Serve: n_p*b_p/T_p = n_d*b_d/T_d; desired_* are this gateway's share of the "
@@ -36,7 +36,7 @@ RATIO_NOTE = (
 )
 
 
-class _ORJSONResponse(JSONResponse):
+class ORJSONResponse(JSONResponse):
     def render(self, content: Any) -> bytes:
         return orjson.dumps(content)
 
@@ -55,7 +55,7 @@ async def models(request: Request) -> Response:
         {"id": m, "object": "model", "created": created, "owned_by": "pdgate"}
         for m in tracker.models()
     ]
-    return _ORJSONResponse({"object": "list", "data": data})
+    return ORJSONResponse({"object": "list", "data": data})
 
 
 async def health(request: Request) -> Response:
@@ -66,7 +66,7 @@ async def health(request: Request) -> Response:
     dispatcher: Dispatcher = request.state.dispatcher
     fleet: Fleet = request.state.fleet
     streams, inflight = tracker.totals()
-    return _ORJSONResponse(
+    return ORJSONResponse(
         {
             "status": "ok",
             "registry": "ok" if membership.healthy else "unreachable (serving last known view)",
@@ -93,19 +93,19 @@ async def health(request: Request) -> Response:
 async def instances(request: Request) -> Response:
     _admin(request)
     tracker: InstanceTracker = request.state.tracker
-    return _ORJSONResponse({"instances": list(tracker.describe())})
+    return ORJSONResponse({"instances": list(tracker.describe())})
 
 
 async def queues(request: Request) -> Response:
     _admin(request)
     dispatcher: Dispatcher = request.state.dispatcher
-    return _ORJSONResponse({"queues": dispatcher.describe_queues()})
+    return ORJSONResponse({"queues": dispatcher.describe_queues()})
 
 
 async def series(request: Request) -> Response:
     _admin(request)
     endpoint: CompletionsEndpoint = request.state.endpoint
-    return _ORJSONResponse(endpoint.series.snapshot())
+    return ORJSONResponse(endpoint.series.snapshot())
 
 
 async def ratio(request: Request) -> Response:
@@ -114,7 +114,7 @@ async def ratio(request: Request) -> Response:
     fleet: Fleet = request.state.fleet
     dispatcher: Dispatcher = request.state.dispatcher
     advice = [a.as_dict() for a in dispatcher.advisor.advise(tracker.records())]
-    return _ORJSONResponse({"gateways": fleet.gateways, "note": RATIO_NOTE, "groups": advice})
+    return ORJSONResponse({"gateways": fleet.gateways, "note": RATIO_NOTE, "groups": advice})
 
 
 async def metrics(request: Request) -> Response:

@@ -46,7 +46,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from starlette.requests import Request
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdgate.config.aio import run_unless, wait_disconnect
 from pdgate.config.openai_api import (
@@ -59,7 +59,7 @@ from pdgate.config.openai_api import (
 )
 from pdgate.config.settings import GatewaySettings
 from pdgate.config.tracing import SpanKind, Tracing
-from pdgate.config.wire import REQUEST_ID_HEADER, SSE_DONE, TPOT_SLO_HEADER, valid_request_id
+from pdgate.config.wire import REQUEST_ID_HEADER, TPOT_SLO_HEADER, valid_request_id
 from pdgate.gateway.admission.auth import PRIORITIES, ApiKey, KeyRing
 from pdgate.gateway.admission.groups import GROUP_HEADER, GroupResolver
 from pdgate.gateway.admission.tenancy import resolve_tenancy
@@ -78,6 +78,7 @@ from pdgate.gateway.observe.series import Series
 from pdgate.gateway.placement.dispatch import Dispatcher
 from pdgate.gateway.placement.placed import Placement
 from pdgate.gateway.stream.relay import Relay, RelayOptions, RelayRequest
+from pdgate.gateway.translate.base import Front
 from pdgate.policies.base import RequestInfo
 
 log = logging.getLogger("pdgate.completions")
@@ -98,8 +99,11 @@ class CompletionsEndpoint:
         *,
         groups: GroupResolver,
         tracing: Tracing | None = None,
+        fronts: Mapping[str, Front] | None = None,
     ) -> None:
+        """`fronts`: the other APIs served as chat requests, by path (gateway/translate/)."""
         self._settings = settings
+        self._fronts = dict(fronts or {})
         self._keys = keys
         self._groups = groups  # the dispatcher's too: one view of the scenario groups
         self.series = Series()
@@ -123,23 +127,28 @@ class CompletionsEndpoint:
         arrived = time.monotonic()
         request = Request(scope, receive)
         headers = _header_map(scope)
-        api = Api.CHAT if scope["path"] == Api.CHAT.path else Api.COMPLETIONS
+        front = self._fronts.get(scope["path"]) if self._fronts else None
+        api = Api.CHAT if front is not None or scope["path"] == Api.CHAT.path else Api.COMPLETIONS
         request_id = _request_id(headers, api)
+        reply = _reply if front is None else front.error
         try:
             # Before reading a byte of the body: a caller without a key costs nothing.
-            key = self._keys.client(headers.get("authorization"))
+            credentials = (
+                headers.get("authorization") if front is None else front.credentials(headers)
+            )
+            key = self._keys.client(credentials)
             self._keys.admit(key, self._settings.retry_after_max_s)
             body = await self._read(request)
         except GatewayError as exc:
             self._metrics.requests.labels(_outcome(exc), ANY_GROUP).inc()
-            await exc.response()(scope, receive, send)
+            await reply(exc)(scope, receive, send)
             return
         except ClientGone:
             self._metrics.requests.labels("client_gone", ANY_GROUP).inc()
             return
         if self.stopping:
             self._metrics.requests.labels(ShuttingDown.code, ANY_GROUP).inc()
-            await _shutting_down().response()(scope, receive, send)
+            await reply(_shutting_down())(scope, receive, send)
             return
         if self.pending >= self._settings.max_pending:
             self._metrics.requests.labels("overloaded", ANY_GROUP).inc()
@@ -147,7 +156,7 @@ class CompletionsEndpoint:
                 "the gateway is at its limit of pending requests",
                 retry_after=self._settings.retry_after_s,
             )
-            await err.response()(scope, receive, send)
+            await reply(err)(scope, receive, send)
             return
         self.pending += 1
         span = self._tracing.start(
@@ -161,15 +170,22 @@ class CompletionsEndpoint:
         outcome = "ok"
         group = ANY_GROUP
         relaying = False  # the relay sent the response's start: past it, no status to send
+        relay: Relay | None = None
         try:
-            req, forward = self._parse(body, api)
+            out = None
+            if front is None:
+                req, forward = self._parse(body, api)
+            else:
+                translated = await front.translate(body, key)
+                req, forward = translated.req, translated.forward
+                out = translated.out(send)
             info = self._request_info(req, forward, key, headers)
             group = info.group or ANY_GROUP
             deadline = arrived + (info.ttft_s or self._settings.ttft_timeout_s)
             watcher = asyncio.ensure_future(wait_disconnect(receive))
             if span.is_recording():
                 span.set_attribute("pdgate.request_id", request_id)
-                span.set_attribute("pdgate.api", api.value)
+                span.set_attribute("pdgate.api", api.value if front is None else front.name)
                 span.set_attribute("pdgate.model", info.model)
                 span.set_attribute("pdgate.group", info.group or "")
                 span.set_attribute("pdgate.stream", req.stream)
@@ -190,6 +206,7 @@ class CompletionsEndpoint:
                 ),
                 self._metrics,
                 self._tracing,
+                out,
             )
             try:
                 outcome = await run_unless(relay.run(), watcher, lost=ClientGone())
@@ -199,7 +216,7 @@ class CompletionsEndpoint:
         except GatewayError as exc:
             outcome = _outcome(exc)
             if not relaying:
-                await exc.response()(scope, receive, send)
+                await reply(exc)(scope, receive, send)
         except ClientGone:
             outcome = "client_gone"
         except asyncio.CancelledError:
@@ -209,18 +226,17 @@ class CompletionsEndpoint:
             stopped = _shutting_down()
             outcome = _outcome(stopped)
             with contextlib.suppress(OSError):
-                if relaying:
-                    body = stopped.sse() + SSE_DONE
-                    await send({"type": "http.response.body", "body": body, "more_body": False})
+                if relaying and relay is not None:
+                    await relay.out.error(stopped)
                 else:
-                    await stopped.response()(scope, receive, send)
+                    await reply(stopped)(scope, receive, send)
         except Exception:
             # A bug, not the client's fault. This endpoint runs outside Starlette's error
             # middleware (gateway/app.py), so it answers with an OpenAI error body itself.
             log.exception("unhandled error on request %s", request_id)
             outcome = "internal_error"
             if not relaying:
-                await GatewayError("internal gateway error").response()(scope, receive, send)
+                await reply(GatewayError("internal gateway error"))(scope, receive, send)
         finally:
             if placement is not None:
                 placement.close()
@@ -342,6 +358,10 @@ class CompletionsEndpoint:
             tpot_s=_tighter(self._groups.tpot_slo_s(group), headers, TPOT_SLO_HEADER),
             prompt_ids=req.prompt_ids,
         )
+
+
+def _reply(error: OpenAIError) -> ASGIApp:
+    return error.response()
 
 
 def _shutting_down() -> ShuttingDown:

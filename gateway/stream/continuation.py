@@ -28,7 +28,7 @@ import orjson
 from pdgate.config.openai_api import Api
 from pdgate.config.wire import EXT_CONTINUATION
 
-__all__ = ["JoinedStop", "Progress", "open_stop"]
+__all__ = ["JoinedStop", "Progress", "not_continuable", "open_stop"]
 
 # A chat's fields that /v1/completions does not take (the prompt's ids already hold what they
 # shaped); ``logprobs``/``top_logprobs`` become the completions ``logprobs`` count.
@@ -130,6 +130,18 @@ class JoinedStop:
         self.active = False
         self._held = ""
         return held, False
+
+
+def not_continuable(forward: dict[str, Any]) -> str | None:
+    """Why a request with these fields cannot go on as a plain completion from token ids
+    (None: it can, as far as its fields go): its output is shaped by more than its tokens."""
+    for key in _NOT_CONTINUABLE:
+        if forward.get(key):
+            return f"{key} cannot be continued by a plain completion"
+    fmt = forward.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        return "response_format cannot be continued by a plain completion"
+    return None
 
 
 class Progress:
@@ -399,12 +411,8 @@ class Progress:
             return "the decode sent no prompt token ids"
         if not self.ids_complete:
             return "a chunk came without its token ids"
-        for key in _NOT_CONTINUABLE:
-            if forward.get(key):
-                return f"{key} cannot be continued by a plain completion"
-        fmt = forward.get("response_format")
-        if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-            return "response_format cannot be continued by a plain completion"
+        if (why := not_continuable(forward)) is not None:
+            return why
         if self.stops and EXT_CONTINUATION not in extensions:
             # A stock server may hold back text for a stop string while sending its tokens'
             # ids: that text would be lost.

@@ -39,7 +39,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from starlette.types import Send
 
 from pdgate.config.openai_api import Api, ApiRequest, ChatCompletionRequest
@@ -56,14 +55,14 @@ from pdgate.gateway.observe.metrics import ANY_GROUP, GatewayMetrics
 from pdgate.gateway.placement.dispatch import Dispatcher
 from pdgate.gateway.placement.placed import DecodeLeg, Placement, PrefillGrant
 from pdgate.gateway.stream.assemble import (
-    Assembler,
     StreamError,
     one_event,
     parse_event,
     sse_events,
 )
-from pdgate.gateway.stream.continuation import JoinedStop, Progress
+from pdgate.gateway.stream.continuation import JoinedStop, Progress, not_continuable
 from pdgate.gateway.stream.ids import StreamIds
+from pdgate.gateway.stream.out import ClientOut, Item, StreamOut, WholeOut
 from pdgate.policies.base import RequestInfo
 
 __all__ = ["Relay", "RelayOptions", "RelayRequest"]
@@ -74,14 +73,6 @@ log = logging.getLogger("pdgate.relay")
 _DRAIN_S = 0.5
 _DRAIN_BYTES = 4096
 _TAIL = len(SSE_DONE) + 2
-_SSE_HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),  # tell nginx-style proxies in front not to buffer
-]
-# An event of the client's stream: parsed, and its bytes when it goes out unchanged (a
-# stream's usual event is not parsed at all: its bytes alone, `Progress.passthrough_bytes`).
-_Item = tuple[dict[str, Any] | None, bytes | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,16 +113,6 @@ async def _drain(placement: Placement, chunk_bytes: int) -> None:
                     return
 
 
-def _headers(request_id: str, prefill: str | None, decode: str | None) -> list[tuple[bytes, bytes]]:
-    """The request's id and the instances that served it (the decode is unknown when the
-    first token went out early)."""
-    out = [(b"x-request-id", request_id.encode("latin-1"))]
-    for name, value in ((b"x-pdgate-prefill", prefill), (b"x-pdgate-decode", decode)):
-        if value is not None:
-            out.append((name, value.encode("latin-1")))
-    return out
-
-
 @dataclass(frozen=True, slots=True)
 class _Broken:
     """How a leg failed: ``lost``, ``error``, ``truncated`` (metrics' reasons), ``status``."""
@@ -140,90 +121,6 @@ class _Broken:
     message: str
     events: int  # events the leg had relayed
     final: GatewayError | None = None  # not placed again: the client gets this error
-
-
-def _sse(items: Sequence[_Item]) -> bytes:
-    if len(items) == 1:  # the usual chunk: one token's event
-        event, raw = items[0]
-        return b"data: " + (raw if raw is not None else orjson.dumps(event)) + b"\n\n"
-    return b"".join(
-        [
-            b"data: " + (raw if raw is not None else orjson.dumps(event)) + b"\n\n"
-            for event, raw in items
-        ]
-    )
-
-
-class _StreamOut:
-    """The client's SSE response; its status and headers go out with the first event."""
-
-    def __init__(self, send: Send, request_id: str) -> None:
-        self.send = send
-        self._request_id = request_id
-        self.started = False
-        self.prefill_id: str | None = None
-        self.decode_id: str | None = None
-
-    async def raw(self, body: bytes, *, last: bool = False) -> None:
-        if not self.started:
-            self.started = True
-            headers = _SSE_HEADERS + _headers(self._request_id, self.prefill_id, self.decode_id)
-            await self.send({"type": "http.response.start", "status": 200, "headers": headers})
-        await self.send({"type": "http.response.body", "body": body, "more_body": not last})
-
-    async def events(self, items: Sequence[_Item]) -> None:
-        if self.started:  # every chunk but the first: straight to the client
-            await self.send({"type": "http.response.body", "body": _sse(items), "more_body": True})
-        else:
-            await self.raw(_sse(items))
-
-    async def done(self, items: Sequence[_Item] = ()) -> None:
-        """The last events, if any, and ``[DONE]``: one send, the response's last."""
-        await self.raw(_sse(items) + SSE_DONE if items else SSE_DONE, last=True)
-
-    async def error(self, error: GatewayError) -> None:
-        await self.raw(error.sse() + SSE_DONE, last=True)
-
-    async def end(self) -> None:
-        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-class _WholeOut:
-    """A non-streaming client's answer, assembled from every leg's events."""
-
-    def __init__(self, send: Send, request_id: str, client_ids: bool) -> None:
-        self.send = send
-        self._request_id = request_id
-        self._client_ids = client_ids
-        self.assembler = Assembler()
-        self.started = False  # nothing goes out before the answer is whole
-        self.prefill_id: str | None = None
-        self.decode_id: str | None = None
-
-    async def events(self, items: Sequence[_Item]) -> None:
-        for event, _ in items:
-            assert event is not None  # only a stream's events go out unparsed
-            self.assembler.add(event)
-
-    async def done(self, items: Sequence[_Item] = ()) -> None:
-        await self.events(items)
-        answer = self.assembler.result()
-        answer["id"] = self._request_id  # one id: a stock decode answers with its own
-        if not self._client_ids:
-            answer.pop("prompt_token_ids", None)
-            for choice in answer.get("choices") or ():
-                choice.pop("prompt_token_ids", None)
-                choice.pop("token_ids", None)
-        body = orjson.dumps(answer)
-        headers = [(b"content-type", b"application/json"),
-                   (b"content-length", str(len(body)).encode()),
-                   *_headers(self._request_id, self.prefill_id, self.decode_id)]  # fmt: skip
-        self.started = True
-        await self.send({"type": "http.response.start", "status": 200, "headers": headers})
-        await self.send({"type": "http.response.body", "body": body, "more_body": False})
-
-    async def error(self, error: GatewayError) -> None:
-        raise error  # never started: the endpoint answers with the error's status
 
 
 class Relay:
@@ -238,7 +135,10 @@ class Relay:
         options: RelayOptions,
         metrics: GatewayMetrics,
         tracing: Tracing | None = None,
+        out: ClientOut | None = None,
     ) -> None:
+        """`out`: the client's response in another API than the request's (its events all
+        parsed: gateway/translate/); by default the request's own."""
         self._dispatcher = dispatcher
         self._request = request
         self._options = options
@@ -247,11 +147,13 @@ class Relay:
         req = request.req
         self._stream = req.stream
         client_ids = bool(req.return_token_ids)
-        self._out: _StreamOut | _WholeOut = (
-            _StreamOut(send, request.request_id)
-            if req.stream
-            else _WholeOut(send, request.request_id, client_ids)
-        )
+        if out is None:
+            out = (
+                StreamOut(send, request.request_id)
+                if req.stream
+                else WholeOut(send, request.request_id, client_ids)
+            )
+        self._out = out
         top = req.top_logprobs or 0 if isinstance(req, ChatCompletionRequest) else 0
         self._progress = Progress(
             request.api,
@@ -266,19 +168,24 @@ class Relay:
             options.first_token_early
             and req.stream
             and (req.max_tokens or 1) > 1
+            and not_continuable(request.forward) is None
             and dispatcher.decodes_declare(request.info, EXT_CONTINUATION)
         )
         # Token ids are what a continuation is made of: asked of every leg when one may come.
         self._forward = request.forward
         if options.max_migrations > 0 or self._early:
             self._forward = {**request.forward, "return_token_ids": True}
-        self._parse = options.max_migrations > 0 or self._early or not req.stream
+        self._parse = options.max_migrations > 0 or self._early or out.parsed
         self.first: Placement | None = None
         self._current: Placement | None = None
         self.migrations = 0
         self._last_emit = 0.0  # when the client was last sent events (0: never)
         self._received = 0  # bytes of every leg's answer (a whole answer is bounded)
         self._relay_span: Span | None = None
+
+    @property
+    def out(self) -> ClientOut:
+        return self._out
 
     @property
     def started(self) -> bool:
@@ -453,7 +360,7 @@ class Relay:
         await self._emit([(e, None) for e in events])
         return DecodeLeg(self._progress.body(self._forward), Api.COMPLETIONS, EXT_CONTINUATION)
 
-    async def _emit(self, items: Sequence[_Item], placement: Placement | None = None) -> None:
+    async def _emit(self, items: Sequence[Item], placement: Placement | None = None) -> None:
         self._emitted(len(items), placement)
         await self._out.events(items)
 
@@ -488,7 +395,8 @@ class Relay:
         asked for), a continuation leg's events reshaped as the client's stream."""
         progress = self._progress
         stop = JoinedStop(progress.stops, progress.tail) if continuing else None
-        unparsed = self._stream and not continuing  # a stream's usual events as bytes
+        # A stream's usual events as bytes, unless the client's answer is shaped from them.
+        unparsed = self._stream and not continuing and not self._out.parsed
         send = self._out.send
         buffer = bytearray()
         events = 0
@@ -514,7 +422,7 @@ class Relay:
                         continue
                 if one is None:
                     buffer += chunk
-                out: list[_Item] = []
+                out: list[Item] = []
                 done = False
                 for data in [one] if one is not None else sse_events(buffer):
                     if data[:1] == b"[" and data.strip() == b"[DONE]":
@@ -575,7 +483,7 @@ class Relay:
     async def _bytes(self, placement: Placement) -> _Broken | None:
         """Migration off: bytes as they arrive, parsed only until the first event."""
         out = self._out
-        assert isinstance(out, _StreamOut)
+        assert isinstance(out, StreamOut)
         ids = StreamIds(self._request.request_id)
         pending = bytearray()  # what arrived before the first event was whole
         started = False
