@@ -69,7 +69,15 @@ _FIELDS = frozenset(
         "stream",
         "thinking",
         "output_config",
+        # Hints for Anthropic's own service (prompt caching, routing, tiers): nothing to do
+        # for them here, and nothing lost by their absence.
         "service_tier",
+        "cache_control",
+        "inference_geo",
+        "speed",
+        "diagnostics",
+        "user_profile_id",
+        "workspace_id",
         "container",
         "mcp_servers",
         "context_management",
