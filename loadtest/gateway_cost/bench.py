@@ -44,7 +44,7 @@ import orjson
 
 from pdgate.loadtest.gateway_cost._meter import Tally, WindowMeter, engine_stats, stats_delta
 from pdgate.loadtest.gateway_cost._timeline import Probe, read_timeline, segment_medians
-from pdgate.loadtest.gateway_cost.load import Front, open_idle_stream, run_window, send
+from pdgate.loadtest.gateway_cost.load import API_PATHS, Front, open_idle_stream, run_window, send
 from pdgate.loadtest.gateway_cost.load import warm as warm_fronts
 from pdgate.loadtest.gateway_cost.shims import ShimSpec
 from pdgate.loadtest.lib.children import Child, start_all
@@ -99,6 +99,10 @@ class GatewayPlan:
     # Also "python_floor" (floor.py): the server, client and event loop pdgate runs on, with
     # none of pdgate's gateway; what any gateway written this way costs at least.
     floor: bool = False
+    # Also "pdgate_<api>" for each API here (chat, responses, messages): the "pdgate" gateway
+    # asked through that API instead of completions, on the shim engines (the stock ones
+    # serve completions only); what the translation (gateway/translate/) costs.
+    apis: tuple[str, ...] = ()
     # The engines every front is measured on, in turn: "shim" (pdgate's sim shims) and
     # "stock" (stock.py, a plain OpenAI server with vLLM's handshake only).
     engines: tuple[str, ...] = ("shim", "stock")
@@ -196,6 +200,7 @@ async def running_fronts(
     router_policies: tuple[str, ...] = ("round_robin",),
     smg: bool = False,
     floor: bool = False,
+    apis: tuple[str, ...] = (),
     pinning: Pinning | None = None,
 ) -> AsyncIterator[Setup]:
     """The spec's engines + pdgate (+ vllm-router, + SMG) in front of them. Shims register in the
@@ -254,6 +259,17 @@ async def running_fronts(
             fronts[name] = Front(name, url=base + "/v1/completions")
         procs = dict(gateways)
         missing: dict[str, str] = {}
+        for api in apis:
+            name = f"pdgate_{api}"
+            if stock:
+                missing[name] = "stock engines serve completions only"
+                continue
+            url = fronts["pdgate"].url
+            assert url is not None
+            fronts[name] = Front(
+                name, url=url.removesuffix("/v1/completions") + API_PATHS[api], api=api
+            )
+            procs[name] = gateways["pdgate"]  # the same process, measured in its own windows
         routers = [(router_front(p), RouterOptions(policy=p)) for p in router_policies if router]
         if smg:
             routers.append(("smg", RouterOptions(binary=SMG)))
@@ -397,7 +413,7 @@ async def _fast_phase(plan: GatewayPlan, run: _Run, engine: str) -> dict[str, An
     stack = running_fronts(
         session, spec, 256, plan.with_router, log, workers_list=plan.workers, plain=plain,
         aiohttp=plan.aiohttp, router_policies=plan.router_policies, smg=plan.with_smg,
-        floor=plan.floor, pinning=pinning,
+        floor=plan.floor, apis=plan.apis, pinning=pinning,
     )  # fmt: skip
     async with stack as setup, aiohttp.ClientSession() as stats_session:
         fronts, procs = setup.fronts, setup.procs

@@ -105,6 +105,12 @@ def configure_gateway(g: argparse.ArgumentParser) -> None:
         help="stock engines answer 404 to vLLM's /tokenize and /v1/completions/render (as a "
         "plain OpenAI server does; vllm-router's cache_aware policy calls them)",
     )
+    g.add_argument(
+        "--apis",
+        help="comma-separated APIs of chat, responses, messages: also pdgate_<api>, the same "
+        "gateway asked through that API (the translation's cost beside completions'; shim "
+        "engines only)",
+    )
     g.add_argument("--idle-streams", type=int, help="open idle streams (default 10000; 0: skip)")
     g.add_argument("--ttft-requests", type=int, help="c=1 probes per front (default 300)")
     g.add_argument("--concurrencies", help="comma-separated (default 32,256)")
@@ -274,6 +280,8 @@ def gateway_main(args: argparse.Namespace, command: str) -> int:
         plan = replace(plan, aiohttp=True)
     if args.floor:
         plan = replace(plan, floor=True)
+    if args.apis:
+        plan = replace(plan, apis=tuple(args.apis.split(",")))
     if args.prefill_ms is not None:
         plan = replace(plan, prefill_s=args.prefill_ms / 1000)
     if args.token_ms is not None:

@@ -23,9 +23,17 @@ import aiohttp
 import orjson
 
 from pdgate.config.wire import prefill_kv_request
-from pdgate.loadtest.lib.sse import StreamOutcome, post_stream
+from pdgate.loadtest.lib.sse import (
+    MESSAGES,
+    OPENAI,
+    RESPONSES,
+    Dialect,
+    StreamOutcome,
+    post_stream,
+)
 
 __all__ = [
+    "API_PATHS",
     "Front",
     "Outcome",
     "WindowResult",
@@ -38,22 +46,39 @@ __all__ = [
 _JSON = {"content-type": "application/json"}
 
 
+# The path of each API a front may be asked through (gateway/translate/ for the last two).
+API_PATHS = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+    "responses": "/v1/responses",
+    "messages": "/v1/messages",
+}
+_DIALECTS = {"responses": RESPONSES, "messages": MESSAGES}
+
+
 @dataclass(slots=True)
 class Front:
     name: str
-    url: str | None = None  # .../v1/completions of a router; None: direct
+    url: str | None = None  # the API's URL at a router (.../v1/completions); None: direct
     prefills: Sequence[str] = ()
     decodes: Sequence[str] = ()
     turn: itertools.count[int] = field(default_factory=itertools.count)  # round-robin
+    api: str = "completions"  # one of API_PATHS (a router front's only)
 
     def body(self, prompt: str, max_tokens: int) -> dict[str, Any]:
-        return {
-            "model": "sim-llama-3.1-8b",
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "stream": True,
-        }
+        model = "sim-llama-3.1-8b"
+        if self.api == "completions":
+            request: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens}
+        elif self.api == "responses":
+            request = {"model": model, "input": prompt, "max_output_tokens": max_tokens}
+        else:
+            messages = [{"role": "user", "content": prompt}]
+            request = {"model": model, "messages": messages, "max_tokens": max_tokens}
+        return {**request, "temperature": 0, "stream": True}
+
+    @property
+    def dialect(self) -> Dialect:
+        return _DIALECTS.get(self.api, OPENAI)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +102,10 @@ async def send(
     body = front.body(prompt, max_tokens)
     start = time.monotonic()
     if front.url is not None:
-        return _outcome(
-            await post_stream(session, front.url, orjson.dumps(body), start=start), start
+        stream = post_stream(
+            session, front.url, orjson.dumps(body), start=start, dialect=front.dialect
         )
+        return _outcome(await stream, start)
     turn = next(front.turn)
     prefill = front.prefills[turn % len(front.prefills)] + "/v1/completions"
     decode = front.decodes[turn % len(front.decodes)] + "/v1/completions"

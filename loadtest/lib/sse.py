@@ -7,7 +7,9 @@ Two readers of the same format, for two kinds of client:
   measures: the stream is not parsed. It looks for the first token event (``data: {"id"``
   in OpenAI's chunk layout, which an in-band error ``data: {"error"`` is not), for an
   in-band error and for ``data: [DONE]``, and counts ``data:`` events, carrying a few bytes
-  across chunk boundaries so a marker split between two reads is still found.
+  across chunk boundaries so a marker split between two reads is still found. The
+  Responses API's and Anthropic's streams have markers of their own (`Dialect`: a text
+  delta, a failure, the last event).
 * `StreamTimer` (the Locust user, which gets the body line by line from requests) parses
   every event, for inter-token latency, TPOT and the usage chunk:
 
@@ -32,9 +34,13 @@ import orjson
 
 __all__ = [
     "MAX_ITL_SAMPLES",
+    "MESSAGES",
+    "OPENAI",
     "PRIORITY_HEADER",
+    "RESPONSES",
     "TENANT_HEADER",
     "TTFT_HEADER",
+    "Dialect",
     "StreamOutcome",
     "StreamResult",
     "StreamTimer",
@@ -48,14 +54,40 @@ TTFT_HEADER = "x-pdgate-ttft-timeout-ms"  # the gateway may only shorten its dea
 TENANT_HEADER = "x-pdgate-tenant"
 PRIORITY_HEADER = "x-pdgate-priority"
 
-_TOKEN = b'data: {"id"'
-_ERROR = b'data: {"error"'
-_DONE = b"data: [DONE]"
 _DATA = b"data:"
-_CARRY = max(len(_TOKEN), len(_ERROR), len(_DONE)) - 1
-# A whole "data:" cannot fit in this carry, so counting in carry + chunk never counts one twice.
-_DATA_CARRY = len(_DATA) - 1
 _JSON = {"content-type": "application/json"}
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """What marks a token, a failure and the end in one API's stream. `count`: the marker
+    counted once per token event."""
+
+    token: bytes
+    error: bytes
+    done: bytes
+    count: bytes
+
+    @property
+    def carry(self) -> int:
+        return max(len(self.token), len(self.error), len(self.done)) - 1
+
+
+# OpenAI's completions and chat: each event is a chunk; tokens are counted as data events.
+OPENAI = Dialect(b'data: {"id"', b'data: {"error"', b"data: [DONE]", _DATA)
+# The Responses API and Anthropic Messages (gateway/translate/): typed events.
+RESPONSES = Dialect(
+    b"event: response.output_text.delta",
+    b"event: response.failed",
+    b"event: response.completed",
+    b"event: response.output_text.delta",
+)
+MESSAGES = Dialect(
+    b"event: content_block_delta",
+    b"event: error",
+    b"event: message_stop",
+    b"event: content_block_delta",
+)
 
 
 @dataclass(slots=True)
@@ -76,25 +108,33 @@ class StreamOutcome:
         return self.status == 200 and self.done and not self.errored
 
 
-async def _scan(resp: aiohttp.ClientResponse, start: float, out: StreamOutcome) -> None:
+async def _scan(
+    resp: aiohttp.ClientResponse, start: float, out: StreamOutcome, dialect: Dialect
+) -> None:
+    token, error, done, count = dialect.token, dialect.error, dialect.done, dialect.count
+    carry = dialect.carry
+    # A whole marker cannot fit in this carry, so counting in carry + chunk never counts one
+    # twice.
+    count_carry = len(count) - 1
     tail = b""
     data_tail = b""
     events = 0
     try:
         async for chunk in resp.content.iter_any():
             window = tail + chunk
-            if out.ttft_s is None and _TOKEN in window:
+            if out.ttft_s is None and token in window:
                 out.ttft_s = time.monotonic() - start
-            if _ERROR in window:
+            if error in window:
                 out.errored = True
-            if _DONE in window:
+            if done in window:
                 out.done = True
-            tail = window[-_CARRY:]
+            tail = window[-carry:]
             counted = data_tail + chunk
-            events += counted.count(_DATA)
-            data_tail = counted[-_DATA_CARRY:]
+            events += counted.count(count)
+            data_tail = counted[-count_carry:]
     finally:  # a stream that broke still says how far it got
-        out.events = events - out.done
+        # OpenAI's [DONE] is a data event too.
+        out.events = events - (out.done and count is _DATA)
 
 
 async def post_stream(
@@ -105,11 +145,13 @@ async def post_stream(
     headers: Mapping[str, str] | None = None,
     client_timeout: aiohttp.ClientTimeout | None = None,
     start: float | None = None,
+    dialect: Dialect = OPENAI,
 ) -> StreamOutcome:
     """POST a streaming completion and read the answer to its end. Never raises for what the
     server or the network does: a failure is in the outcome (status 0, no [DONE], ...).
     TTFT counts from `start` (a ``time.monotonic()``; default: now), e.g. from an earlier
-    leg of the same request. `client_timeout`: aiohttp's, default the session's."""
+    leg of the same request. `client_timeout`: aiohttp's, default the session's. `dialect`:
+    the API whose stream it is (OpenAI's by default)."""
     out = StreamOutcome()
     start = time.monotonic() if start is None else start
     try:
@@ -121,7 +163,7 @@ async def post_stream(
                 out.retry_after_s = _seconds(resp.headers.get("retry-after"))
                 await resp.read()
             else:
-                await _scan(resp, start, out)
+                await _scan(resp, start, out, dialect)
     except (aiohttp.ClientError, TimeoutError, OSError):
         out.done = False
     out.end = time.monotonic()

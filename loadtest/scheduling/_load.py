@@ -18,7 +18,10 @@ import orjson
 
 from pdgate.config.aio import finish_or_cancel
 from pdgate.loadtest.lib.sse import (
+    MESSAGES,
+    OPENAI,
     PRIORITY_HEADER,
+    RESPONSES,
     TENANT_HEADER,
     TTFT_HEADER,
     post_stream,
@@ -28,6 +31,9 @@ from pdgate.loadtest.lib.stats import RequestResult
 from pdgate.loadtest.scheduling.workload import Prompt, Workload
 
 __all__ = ["LoadGenerator", "send_completion"]
+
+COMPLETIONS_PATH = "/v1/completions"
+_PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
 
 
 async def send_completion(
@@ -39,22 +45,31 @@ async def send_completion(
     gateway: int = 0,
     slack_s: float = 30.0,
 ) -> RequestResult:
-    """POST one streaming request to `url` (…/v1/completions) and time it.
+    """POST one streaming request to `url` (…/v1/completions, or the path of the prompt's
+    other API beside it) and time it.
 
     The request asks the gateway for the scenario's TTFT deadline; the client itself only
     gives up `slack_s` after it, so every failure is the server's verdict, not a client
     timeout. A prompt with a tenant carries its name and priority class as headers.
     """
     scenario = prompt.scenario
-    body = orjson.dumps(
-        {
-            "model": model,
-            "prompt": prompt.text,
-            "max_tokens": scenario.max_tokens,
-            "temperature": 0,
-            "stream": True,
-        }
-    )
+    dialect = OPENAI
+    if prompt.api == "completions":
+        request = {"model": model, "prompt": prompt.text, "max_tokens": scenario.max_tokens}
+    else:
+        url = url.removesuffix(COMPLETIONS_PATH) + _PATHS[prompt.api]
+        if prompt.api == "responses":
+            request = {
+                "model": model,
+                "input": prompt.text,
+                "max_output_tokens": scenario.max_tokens,
+            }
+            dialect = RESPONSES
+        else:
+            messages = [{"role": "user", "content": prompt.text}]
+            request = {"model": model, "messages": messages, "max_tokens": scenario.max_tokens}
+            dialect = MESSAGES if prompt.api == "messages" else OPENAI
+    body = orjson.dumps({**request, "temperature": 0, "stream": True})
     headers = {TTFT_HEADER: str(round(scenario.ttft_deadline_s * 1000))}
     tenant = prompt.tenant
     if tenant is not None:
@@ -67,6 +82,7 @@ async def send_completion(
         body,
         headers=headers,
         client_timeout=aiohttp.ClientTimeout(total=scenario.ttft_deadline_s + slack_s),
+        dialect=dialect,
     )
     e2e = out.end - start
     return RequestResult(

@@ -146,7 +146,7 @@ class Plan:
 
     def workload_for(self, seed: int) -> Workload:
         w = self.workload_spec
-        return Workload(w.scenarios, seed=seed, tenants=w.tenants)
+        return Workload(w.scenarios, seed=seed, tenants=w.tenants, apis=w.apis)
 
     def series(self) -> list[Series]:
         """Mode by mode; within a mode, batch forwarding on then off, deployments, then

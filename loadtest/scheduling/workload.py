@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 __all__ = [
+    "APIS",
     "SCENARIOS",
     "WORKLOADS",
     "Prompt",
@@ -98,12 +99,17 @@ class Tenant:
             raise ValueError(f"tenant {self.name!r}: bad name, weight or priority")
 
 
+# The client APIs a request may go to (gateway/translate/ serves the last two as chat).
+APIS = ("completions", "chat", "responses", "messages")
+
+
 @dataclass(frozen=True, slots=True)
 class WorkloadSpec:
     name: str
     about: str  # one line, for the report
     scenarios: tuple[Scenario, ...]
     tenants: tuple[Tenant, ...] = ()
+    apis: tuple[str, ...] = ("completions",)  # each request goes to one, in turn by chance
 
 
 def _no_prefix(s: Scenario) -> Scenario:
@@ -168,6 +174,11 @@ WORKLOADS: Mapping[str, WorkloadSpec] = MappingProxyType({
                      "shared prefix", _LONG_PROMPT),
         WorkloadSpec("tenants", "the mix, sent for a heavy tenant (3x a light one's "
                      "requests) and three light ones", SCENARIOS, _TENANTS),
+        WorkloadSpec("chat", "the mix, every request a chat completion", SCENARIOS,
+                     apis=("chat",)),
+        WorkloadSpec("api-mix", "the mix, each request to one of completions, chat, the "
+                     "Responses API and Anthropic Messages, in equal shares", SCENARIOS,
+                     apis=APIS),
     )
 })  # fmt: skip
 
@@ -195,6 +206,7 @@ class Prompt:
     text: str
     tokens: int
     tenant: Tenant | None = None
+    api: str = "completions"  # one of `APIS`
 
 
 class Workload:
@@ -207,11 +219,15 @@ class Workload:
         *,
         seed: int = 0,
         tenants: Sequence[Tenant] = (),
+        apis: Sequence[str] = ("completions",),
     ) -> None:
         if not scenarios:
             raise ValueError("a workload needs at least one scenario")
+        if not apis or set(apis) - set(APIS):
+            raise ValueError(f"apis must be some of {', '.join(APIS)}")
         self.scenarios = tuple(scenarios)
         self.tenants = tuple(tenants)
+        self.apis = tuple(apis)
         self.seed = seed
         self._weights = [s.weight for s in self.scenarios]
         self._pattern = _interleave(self.tenants)
@@ -244,7 +260,9 @@ class Workload:
         scenario = rng.choices(self.scenarios, self._weights)[0]
         body, body_tokens = rng.choice(self._bodies[scenario.name])
         text = self._prefix[scenario.name] + words(rng, _TAG_WORDS, self._vocab) + body
-        return Prompt(scenario, text, scenario.prefix_tokens + _TAG_WORDS + body_tokens, tenant)
+        api = self.apis[0] if len(self.apis) == 1 else rng.choice(self.apis)
+        tokens = scenario.prefix_tokens + _TAG_WORDS + body_tokens
+        return Prompt(scenario, text, tokens, tenant, api)
 
     def total_prefix_tokens(self) -> int:
         return sum(s.prefix_tokens for s in self.scenarios)

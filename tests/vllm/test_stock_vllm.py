@@ -29,7 +29,7 @@ import orjson
 import pytest
 
 from tests._redis import free_port
-from tests.vllm.conftest import MODEL, PROMPTS, START_TIMEOUT_S, Proc, _url, wait_healthy
+from tests.vllm.conftest import CHATS, MODEL, PROMPTS, START_TIMEOUT_S, Proc, _url, wait_healthy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -221,3 +221,51 @@ def test_greedy_output_through_the_gateway_equals_one_stock_server(
         f"stock vLLM through pdgate (stream={stream}): {prompt_tokens} prompt tokens, "
         f"{len(got['tokens'])} tokens equal to the reference, {moved} loaded by the decode"
     )
+
+
+def test_responses_and_messages_through_stock_vllm_equal_its_chat(stock_vllm: StockVllm) -> None:
+    """The Responses API and Anthropic Messages, translated at the gateway and served by
+    stock vLLM over P/D, give the greedy text of the reference server's chat for the same
+    conversation, and Messages that of the server's own Messages API."""
+    import anthropic
+    import openai
+
+    system, user = CHATS[0][0]["content"], CHATS[0][1]["content"]
+    chat = httpx.post(
+        stock_vllm.reference_url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": CHATS[0], "max_tokens": MAX_TOKENS, "temperature": 0},
+        timeout=120,
+    ).json()
+    text = chat["choices"][0]["message"]["content"]
+    assert text
+
+    client = openai.OpenAI(base_url=stock_vllm.gateway_url + "/v1", api_key="x", max_retries=0)
+    request = {
+        "model": MODEL,
+        "instructions": system,
+        "input": user,
+        "max_output_tokens": MAX_TOKENS,
+        "temperature": 0,
+    }
+    response = client.responses.create(**request)  # type: ignore[call-overload]
+    assert response.output_text == text
+    events = list(client.responses.create(**request, stream=True))  # type: ignore[call-overload]
+    assert events[-1].type == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+
+    messages = anthropic.Anthropic(base_url=stock_vllm.gateway_url, api_key="x", max_retries=0)
+    body = {
+        "model": MODEL,
+        "system": system,
+        "messages": [{"role": "user", "content": user}],
+        "max_tokens": MAX_TOKENS,
+        # Greedy: the SDK has no temperature argument any more; both APIs take the field.
+        "extra_body": {"temperature": 0},
+    }
+    message = messages.messages.create(**body)  # type: ignore[arg-type]
+    assert message.content[0].text == text  # type: ignore[union-attr]
+    assert message.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    with messages.messages.stream(**body) as stream:  # type: ignore[arg-type]
+        assert "".join(stream.text_stream) == text
+    reference = anthropic.Anthropic(base_url=stock_vllm.reference_url, api_key="x", max_retries=0)
+    assert reference.messages.create(**body).content[0].text == text  # type: ignore[arg-type,union-attr]

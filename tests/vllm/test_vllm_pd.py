@@ -615,3 +615,46 @@ def _value(url: str, name: str) -> float | None:
         if line.startswith(name + " "):
             return float(line.split()[1])
     return None
+
+
+def test_responses_and_messages_through_pd_equal_the_aggregated_chat(
+    vllm_cluster: VllmCluster,
+) -> None:
+    """The Responses API and Anthropic Messages, translated at the gateway, over pdgate's
+    vLLM shims: the greedy text of one engine's ``LLM.chat`` for the same conversation."""
+    import anthropic
+    import openai
+
+    ref = vllm_cluster.chat_reference[0]
+    system, user = CHATS[0][0]["content"], CHATS[0][1]["content"]
+    client = openai.OpenAI(base_url=vllm_cluster.gateway_url + "/v1", api_key="x", max_retries=0)
+    request = {
+        "model": MODEL,
+        "instructions": system,
+        "input": [{"role": "user", "content": user}],
+        "max_output_tokens": REFERENCE_TOKENS,
+        "temperature": 0,
+    }
+    response = client.responses.create(**request)  # type: ignore[call-overload]
+    assert response.output_text == ref["text"]
+    assert response.usage is not None
+    assert response.usage.input_tokens == len(ref["prompt_token_ids"])
+    with client.responses.stream(**request) as stream:  # type: ignore[call-overload]
+        assert (
+            "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+            == (ref["text"])
+        )
+    messages = anthropic.Anthropic(base_url=vllm_cluster.gateway_url, api_key="x", max_retries=0)
+    body = {
+        "model": MODEL,
+        "system": system,
+        "messages": [{"role": "user", "content": user}],
+        "max_tokens": REFERENCE_TOKENS,
+        # Greedy: the SDK has no temperature argument any more; both APIs take the field.
+        "extra_body": {"temperature": 0},
+    }
+    message = messages.messages.create(**body)  # type: ignore[arg-type]
+    assert message.content[0].text == ref["text"]  # type: ignore[union-attr]
+    with messages.messages.stream(**body) as stream:  # type: ignore[arg-type]
+        assert "".join(stream.text_stream) == ref["text"]
+    wait_for(lambda: shim_load(vllm_cluster.prefill_url)["used"] == 0, what="prefill slot free")
