@@ -45,7 +45,7 @@ from pdgate.engine_shim.backend import (
     ToolUse,
 )
 
-__all__ = ["ShimService", "caller_request_id", "end_span", "sampling"]
+__all__ = ["ShimService", "caller_request_id", "end_span", "engine_sampling"]
 
 # Longest engine message passed on to a client (a template's refusal, an unknown token id).
 _MAX_ENGINE_MESSAGE = 300
@@ -229,7 +229,7 @@ class ShimService(Generic[B]):
         return tokens
 
 
-def sampling(req: ApiRequest, tools: ToolUse | None) -> Sampling:
+def engine_sampling(req: ApiRequest, tools: ToolUse | None) -> Sampling:
     """What the engine gets of the request's sampling: the client's fields, and the chat's
     tools for an engine that calls them (as vLLM's structured outputs ride in its sampling
     params)."""

@@ -59,7 +59,7 @@ from pdgate.engine_shim._http import (
 from pdgate.engine_shim._kv_pull import KvRetriever, KvTransferError, PullJob
 from pdgate.engine_shim._kv_sources import KvSources, endpoint
 from pdgate.engine_shim._phases import PhaseGate
-from pdgate.engine_shim._service import ShimService, caller_request_id, end_span, sampling
+from pdgate.engine_shim._service import ShimService, caller_request_id, end_span, engine_sampling
 from pdgate.engine_shim._slots import SlotPool
 from pdgate.engine_shim._sse import EventStream
 from pdgate.engine_shim._stop import StopMatcher
@@ -112,7 +112,7 @@ class _Decoding:
         self.prompt = prompt  # the prompt's token ids
         self.job = job
         self.shape = shape
-        self.sampling = sampling  # what the engine gets (`_service.sampling`)
+        self.sampling = sampling  # what the engine gets (`_service.engine_sampling`)
         self.span = span
         self.generated = 0  # tokens
         self.finish_reason = "length"
@@ -282,7 +282,7 @@ class DecodeWorker(ShimService[DecodeBackend]):
             self._counts["rejected"] += 1
             raise busy("KV retrieval queue is full", code="kv_queue_full") from None
         self._counts["admitted"] += 1
-        decoding = _Decoding(req, tokens, job, shape, span, sampling(req, tools))
+        decoding = _Decoding(req, tokens, job, shape, span, engine_sampling(req, tools))
         decoding.ttft_left_s = ttft_left_s
         decoding.tpot_slo_s = tpot_slo_s
 

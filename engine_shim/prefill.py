@@ -61,7 +61,7 @@ from pdgate.engine_shim._http import (
 )
 from pdgate.engine_shim._kv_store import HeldKv, KvStore
 from pdgate.engine_shim._metrics import Histograms
-from pdgate.engine_shim._service import ShimService, caller_request_id, end_span, sampling
+from pdgate.engine_shim._service import ShimService, caller_request_id, end_span, engine_sampling
 from pdgate.engine_shim._slots import PoolFull, Slot, SlotPool
 from pdgate.engine_shim._stop import StopMatcher
 from pdgate.engine_shim.backend import EngineBusy, InvalidRequest, PrefillBackend, PrefillOutput
@@ -299,7 +299,7 @@ class PrefillShim(ShimService[PrefillBackend]):
         # The engine call runs as its own task so that the slot follows the engine, not the
         # caller: a caller that leaves mid-prefill returns at once, but the slot is freed only
         # when the engine has dropped the prompt (see `_free_when_engine_done`).
-        work = asyncio.ensure_future(self._backend.prefill(tokens, sampling(req, tools)))
+        work = asyncio.ensure_future(self._backend.prefill(tokens, engine_sampling(req, tools)))
         try:
             out = await guard(asyncio.shield(work))
         except BaseException as exc:
