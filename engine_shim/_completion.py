@@ -23,7 +23,8 @@ from pdgate.config.openai_api import (
     sse_event,
 )
 from pdgate.config.wire import valid_request_id
-from pdgate.engine_shim.backend import ChatPrompt, TokenLogprobs
+from pdgate.engine_shim._tool_calls import ToolCallParser
+from pdgate.engine_shim.backend import ChatPrompt, TokenLogprobs, ToolUse
 
 __all__ = [
     "ApiRequest",
@@ -184,12 +185,16 @@ class Shape:
         token_ids: Sequence[int] = (),
         **extra: Any,
     ) -> dict[str, Any]:
-        content = self._content(text, delta=False)
+        content, finish_reason = self._whole(text, finish_reason)
         choice = self._choice(content, finish_reason, logprobs, token_ids, prompt_ids=True)
         out = {**self._head(self.object), "choices": [choice], "usage": usage_}
         if self.with_token_ids and not self.prompt_ids_in_choice:
             out["prompt_token_ids"] = self.prompt_token_ids
         return {**out, **extra}
+
+    def _whole(self, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
+        """A whole answer's choice content and finish reason."""
+        return self._content(text, delta=False), finish_reason
 
     def start(self) -> bytes:
         """The stream's opening event, if the API has one (chat: the role); b"" otherwise.
@@ -203,7 +208,15 @@ class Shape:
         logprobs: Sequence[TokenLogprobs] = (),
         token_ids: Sequence[int] = (),
     ) -> bytes:
-        content = self._content(text, delta=True)
+        return self._event(self._content(text, delta=True), finish_reason, logprobs, token_ids)
+
+    def _event(
+        self,
+        content: dict[str, Any],
+        finish_reason: str | None,
+        logprobs: Sequence[TokenLogprobs],
+        token_ids: Sequence[int],
+    ) -> bytes:
         choice = self._choice(content, finish_reason, logprobs, token_ids, prompt_ids=self._first())
         return sse_event({**self._head(self.chunk_object), "choices": [choice]})
 
@@ -249,11 +262,54 @@ class CompletionShape(Shape):
 class ChatShape(Shape):
     """``chat.completion`` answers and ``chat.completion.chunk`` streams: a first chunk with
     the assistant's role (and the prompt's ids), then content deltas; logprobs as
-    ``{"content": [...]}``."""
+    ``{"content": [...]}``.
+
+    With `tools` (a request whose engine calls tools) the generated text goes through the
+    tool-call parser: content and ``tool_calls`` deltas, the finish reason it gives. A
+    chunk whose text it holds back is not sent; its tokens' logprobs and ids go with the
+    next chunk that is."""
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     prompt_ids_in_choice = False
+
+    def __init__(self, model: str, *, tools: ToolCallParser | None = None, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        self._tools = tools
+        self._held_logprobs: list[TokenLogprobs] = []
+        self._held_ids: list[int] = []
+
+    def _whole(self, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
+        tools = self._tools
+        if tools is None:
+            return super()._whole(text, finish_reason)
+        return {"message": tools.message(text, finish_reason)}, tools.finish_reason(finish_reason)
+
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None,
+        logprobs: Sequence[TokenLogprobs] = (),
+        token_ids: Sequence[int] = (),
+    ) -> bytes:
+        """The stream's event for the next piece; b"" when the tool-call parser has nothing
+        to send for it yet."""
+        tools = self._tools
+        if tools is None:
+            return super().chunk(text, finish_reason, logprobs, token_ids)
+        delta = tools.feed(text, finish_reason)
+        if finish_reason is not None:
+            finish_reason = tools.finish_reason(finish_reason)
+        elif delta is None:
+            self._held_logprobs.extend(logprobs)
+            self._held_ids.extend(token_ids)
+            return b""
+        if self._held_logprobs or self._held_ids:
+            logprobs = [*self._held_logprobs, *logprobs]
+            token_ids = [*self._held_ids, *token_ids]
+            self._held_logprobs.clear()
+            self._held_ids.clear()
+        return self._event({"delta": delta or {}}, finish_reason, logprobs, token_ids)
 
     def _content(self, text: str, *, delta: bool) -> dict[str, Any]:
         if delta:
@@ -296,14 +352,24 @@ def _chat_logprob(token: str, logprob: float) -> dict[str, Any]:
 
 
 def shape_for(
-    req: ApiRequest, served_model: str, request_id: str | None, prompt_tokens: Sequence[int]
+    req: ApiRequest,
+    served_model: str,
+    request_id: str | None,
+    prompt_tokens: Sequence[int],
+    tools: ToolUse | None = None,
 ) -> Shape:
-    """The answer's shape for `req` (its API, logprobs and token ids)."""
+    """The answer's shape for `req` (its API, logprobs and token ids; `tools`: the chat's
+    tool use, for an engine that calls tools)."""
     kwargs: dict[str, Any] = {
         "request_id": request_id,
         "logprobs": req.logprob_count,
         "prompt_token_ids": prompt_tokens if req.return_token_ids else None,
     }
     if isinstance(req, ChatCompletionRequest):
-        return ChatShape(req.model or served_model, id_prefix=Api.CHAT.id_prefix, **kwargs)
+        parser = (
+            None if tools is None else ToolCallParser(prompt_tokens, named=tools.name is not None)
+        )
+        return ChatShape(
+            req.model or served_model, id_prefix=Api.CHAT.id_prefix, tools=parser, **kwargs
+        )
     return CompletionShape(req.model or served_model, **kwargs)

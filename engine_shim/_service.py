@@ -34,14 +34,21 @@ from pdgate.engine_shim._completion import (
 from pdgate.engine_shim._http import ApiError, ClusterAuth, bad_request, draining
 from pdgate.engine_shim._metrics import Histograms
 from pdgate.engine_shim._slots import SlotPool
-from pdgate.engine_shim.backend import ChatTemplate, EngineStats, Prompt
+from pdgate.engine_shim._tool_calls import tool_use
+from pdgate.engine_shim.backend import (
+    TOOL_USE,
+    ChatTemplate,
+    EngineStats,
+    Prompt,
+    Sampling,
+    ToolCalling,
+    ToolUse,
+)
 
-__all__ = ["ShimService", "caller_request_id", "end_span"]
+__all__ = ["ShimService", "caller_request_id", "end_span", "engine_sampling"]
 
 # Longest engine message passed on to a client (a template's refusal, an unknown token id).
 _MAX_ENGINE_MESSAGE = 300
-# Tool choices a pdgate engine can honour: it never forces a call (no structured output).
-_TOOL_CHOICES = (None, "auto", "none")
 
 
 class _Engine(Protocol):
@@ -79,6 +86,8 @@ class ShimService(Generic[B]):
         self._auth = auth or ClusterAuth(None)
         self._tracing = tracing or Tracing.off()
         self._counts = dict.fromkeys(self.counts, 0)
+        # Whether the engine's model calls function tools (engine_shim/_tool_calls.py).
+        self._calls_tools = isinstance(backend, ToolCalling)
         self.draining = False
 
     @property
@@ -190,7 +199,15 @@ class ShimService(Generic[B]):
         check_model(req, self._settings.model)
         if isinstance(req, ChatCompletionRequest):
             _check_chat(req)
+            tool_use(req, can_call=self._calls_tools)
         return req
+
+    def _tool_use(self, req: ApiRequest) -> ToolUse | None:
+        """The chat's tools for an engine whose model calls them (checked by `_parse`);
+        None: the model answers with text."""
+        if not self._calls_tools or not isinstance(req, ChatCompletionRequest) or not req.tools:
+            return None
+        return tool_use(req, can_call=True)
 
     def _tokens(self, req: ApiRequest, max_tokens: int | None = None) -> list[int]:
         """The prompt's token ids (a chat rendered with the model's template), within the
@@ -212,14 +229,19 @@ class ShimService(Generic[B]):
         return tokens
 
 
+def engine_sampling(req: ApiRequest, tools: ToolUse | None) -> Sampling:
+    """What the engine gets of the request's sampling: the client's fields, and the chat's
+    tools for an engine that calls them (as vLLM's structured outputs ride in its sampling
+    params)."""
+    out = req.sampling()
+    if tools is not None:
+        out[TOOL_USE] = tools
+    return out
+
+
 def _check_chat(req: ChatCompletionRequest) -> None:
     """Refuse what pdgate's engines cannot honour rather than answer with less (a stock vLLM
-    behind the gateway gets these fields as the client sent them)."""
-    if req.tool_choice not in _TOOL_CHOICES:
-        raise bad_request(
-            "this engine cannot force a tool call (tool_choice must be auto or none)",
-            "tool_choice",
-        )
+    behind the gateway gets these fields as the client sent them); tools: `tool_use`."""
     fmt = req.response_format
     if fmt is not None and fmt.get("type") != "text":
         raise bad_request("this engine produces text only (response_format)", "response_format")

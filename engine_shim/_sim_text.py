@@ -93,12 +93,12 @@ def next_token(context: Context) -> tuple[int, str]:
     return WORD_IDS[word], WORDS[word]
 
 
-def token_logprobs(context: Context, top: int) -> TokenLogprobs:
+def token_logprobs(context: Context, top: int, forced: str | None = None) -> TokenLogprobs:
     """Log-probabilities of the token that follows `context`, with the `top` most likely
-    words (at least the generated one)."""
+    words (at least the generated one). `forced`: the generated token is this text instead
+    of the context's word (a tool call's), still the most likely one."""
     h = blake2b(context.key, digest_size=32, person=b"pdgate-logprobs").digest()
-    chosen = next_word(context)
-    token = WORDS[chosen]
+    token = WORDS[next_word(context)] if forced is None else forced
     # p(generated) in [0.35, 0.95); alternative j gets at most half of what j-1 could get, so
     # every alternative is less likely than the generated word and the list sums below 1.
     p = 0.35 + 0.6 * h[0] / 256
@@ -109,7 +109,7 @@ def token_logprobs(context: Context, top: int) -> TokenLogprobs:
     while len(entries) < max(top, 1):
         word = (start + j * stride) % len(WORDS)
         j += 1
-        if word == chosen:
+        if WORDS[word] == token:
             continue
         share = 0.5 + 0.5 * h[3 + len(entries) % 29] / 256
         entries.append((WORDS[word], math.log(rest * share / 2 ** len(entries))))

@@ -25,6 +25,16 @@ Chat requests reach an engine as a `ChatPrompt`: a backend that serves
 ``/v1/chat/completions`` also implements `ChatTemplate` (render the conversation with the
 model's chat template and tokenize it); the shims refuse chat for one that does not.
 
+Function tools: a backend whose model calls them implements `ToolCalling`. A chat request
+with ``tools`` (and ``tool_choice`` other than ``"none"``) then reaches it with a `ToolUse`
+in its `Sampling` under `TOOL_USE`, the way vLLM's structured outputs reach vLLM's engine in
+its sampling params; the engine *generates* the call as text tokens in pdgate's tool-call
+syntax (`tool_call_text`: ``<tool_call>NAME\n{arguments}</tool_call>``) and ends the
+sequence, and the shims' chat layer parses that text into OpenAI ``tool_calls``
+(engine_shim/_tool_calls.py), as vLLM's ``--tool-call-parser`` does on its chat layer. Any
+other backend never sees `TOOL_USE`, and the shims refuse a ``tool_choice`` that forces a
+call for it.
+
 Every generated token carries its id (`Generated.token_id`, `PrefillOutput.first_token_id`)
 when the engine knows it, for vLLM's ``return_token_ids``: an engine that does not gets the
 field refused (400), like ``logprobs``.
@@ -42,6 +52,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
+    "TOOL_CALL_CLOSE",
+    "TOOL_CALL_OPEN",
+    "TOOL_USE",
     "ChatPrompt",
     "ChatTemplate",
     "DecodeBackend",
@@ -59,6 +72,9 @@ __all__ = [
     "Prompt",
     "Sampling",
     "TokenLogprobs",
+    "ToolCalling",
+    "ToolUse",
+    "tool_call_text",
 ]
 
 # A prompt as the OpenAI API carries it: text, or token ids.
@@ -158,6 +174,41 @@ class ChatTemplate(Protocol):
     def render_chat(self, chat: ChatPrompt) -> list[int]:
         """The token ids of `chat` rendered with the model's chat template; raises
         ValueError for a conversation the template refuses."""
+        ...
+
+
+# The `Sampling` key of a chat's `ToolUse` (given only to engines that implement `ToolCalling`).
+TOOL_USE = "tool_use"
+# pdgate's tool-call syntax: what a `ToolCalling` engine generates for one call.
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+
+def tool_call_text(name: str, arguments: str) -> str:
+    """One call in pdgate's syntax: the function's name on the opening line, then its
+    arguments as a JSON object (OpenAI function names hold no newline)."""
+    return f"{TOOL_CALL_OPEN}{name}\n{arguments}{TOOL_CALL_CLOSE}"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolUse:
+    """A chat request's function tools and choice, checked (engine_shim/_tool_calls.py)."""
+
+    # OpenAI function tools as sent, each ``{"type": "function", "function": {"name": ...}}``.
+    tools: Sequence[Mapping[str, Any]]
+    name: str | None = None  # ``tool_choice`` names this function: the model must call it
+    required: bool = False  # ``tool_choice: "required"``: the model must call a function
+    last_role: str = "user"  # the role of the conversation's last message
+
+
+@runtime_checkable
+class ToolCalling(Protocol):
+    def tool_call(self, tokens: Sequence[int], use: ToolUse) -> str | None:
+        """The call the model makes after the prompt `tokens` (`tool_call_text`), or None
+        when it answers with text. A function of its arguments only, so that every engine
+        that computes the prompt (a prefill and its decode) decides alike: given `use` under
+        ``sampling[TOOL_USE]``, `PrefillBackend.prefill` and `DecodeBackend.generate`
+        generate this text's tokens and then end the sequence."""
         ...
 
 

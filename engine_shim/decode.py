@@ -59,7 +59,7 @@ from pdgate.engine_shim._http import (
 from pdgate.engine_shim._kv_pull import KvRetriever, KvTransferError, PullJob
 from pdgate.engine_shim._kv_sources import KvSources, endpoint
 from pdgate.engine_shim._phases import PhaseGate
-from pdgate.engine_shim._service import ShimService, caller_request_id, end_span
+from pdgate.engine_shim._service import ShimService, caller_request_id, end_span, engine_sampling
 from pdgate.engine_shim._slots import SlotPool
 from pdgate.engine_shim._sse import EventStream
 from pdgate.engine_shim._stop import StopMatcher
@@ -69,6 +69,7 @@ from pdgate.engine_shim.backend import (
     EngineBusy,
     InvalidRequest,
     LocalPrefill,
+    Sampling,
     TokenLogprobs,
 )
 
@@ -91,6 +92,7 @@ class _Decoding:
         "outcome",
         "prompt",
         "req",
+        "sampling",
         "shape",
         "span",
         "tpot_slo_s",
@@ -98,12 +100,19 @@ class _Decoding:
     )
 
     def __init__(
-        self, req: ApiRequest, prompt: list[int], job: PullJob, shape: Shape, span: Span
+        self,
+        req: ApiRequest,
+        prompt: list[int],
+        job: PullJob,
+        shape: Shape,
+        span: Span,
+        sampling: Sampling,
     ) -> None:
         self.req = req
         self.prompt = prompt  # the prompt's token ids
         self.job = job
         self.shape = shape
+        self.sampling = sampling  # what the engine gets (`_service.engine_sampling`)
         self.span = span
         self.generated = 0  # tokens
         self.finish_reason = "length"
@@ -258,7 +267,8 @@ class DecodeWorker(ShimService[DecodeBackend]):
         answer it whole. `kv` is where its KV is pulled from (URL, id); None: computed here."""
         settings = self._settings
         # Everything read of the request comes before the slot: past it, only `close` ends.
-        shape = shape_for(req, settings.model, caller_request_id(request), tokens)
+        tools = self._tool_use(req)
+        shape = shape_for(req, settings.model, caller_request_id(request), tokens, tools)
         ttft_left_s = _ms_header(request, TTFT_LEFT_HEADER)
         tpot_slo_s = _ms_header(request, TPOT_SLO_HEADER)
         slot = self._slots.try_acquire()
@@ -272,7 +282,7 @@ class DecodeWorker(ShimService[DecodeBackend]):
             self._counts["rejected"] += 1
             raise busy("KV retrieval queue is full", code="kv_queue_full") from None
         self._counts["admitted"] += 1
-        decoding = _Decoding(req, tokens, job, shape, span)
+        decoding = _Decoding(req, tokens, job, shape, span, engine_sampling(req, tools))
         decoding.ttft_left_s = ttft_left_s
         decoding.tpot_slo_s = tpot_slo_s
 
@@ -350,7 +360,7 @@ class DecodeWorker(ShimService[DecodeBackend]):
                 await gate.admit(
                     seq, len(decoding.prompt), decoding.ttft_left_s, decoding.tpot_slo_s
                 )
-            job = DecodeJob(decoding.prompt, max_tokens, sink, req.sampling())
+            job = DecodeJob(decoding.prompt, max_tokens, sink, decoding.sampling)
             generate = self._backend.generate(job)
             async with aclosing(generate) as generated:
                 async for token in generated:
@@ -404,7 +414,8 @@ class DecodeWorker(ShimService[DecodeBackend]):
                             started = True
                             if head := shape.start():
                                 yield head
-                        yield shape.chunk(text, finish, logprobs, token_ids)
+                        if event := shape.chunk(text, finish, logprobs, token_ids):
+                            yield event
             except (KvTransferError, EngineBusy, InvalidRequest) as exc:
                 decoding.outcome = "failed"
                 yield self._failed(exc, decoding.job).sse()

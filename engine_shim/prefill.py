@@ -61,7 +61,7 @@ from pdgate.engine_shim._http import (
 )
 from pdgate.engine_shim._kv_store import HeldKv, KvStore
 from pdgate.engine_shim._metrics import Histograms
-from pdgate.engine_shim._service import ShimService, caller_request_id, end_span
+from pdgate.engine_shim._service import ShimService, caller_request_id, end_span, engine_sampling
 from pdgate.engine_shim._slots import PoolFull, Slot, SlotPool
 from pdgate.engine_shim._stop import StopMatcher
 from pdgate.engine_shim.backend import EngineBusy, InvalidRequest, PrefillBackend, PrefillOutput
@@ -291,6 +291,7 @@ class PrefillShim(ShimService[PrefillBackend]):
         span: Span,
     ) -> dict[str, Any]:
         settings = self._settings
+        tools = self._tool_use(req)
         slot = await self._admit(guard, span)
         compute = self._tracing.start("pdgate.shim.prefill_compute", parent=span)
         if compute.is_recording():
@@ -298,7 +299,7 @@ class PrefillShim(ShimService[PrefillBackend]):
         # The engine call runs as its own task so that the slot follows the engine, not the
         # caller: a caller that leaves mid-prefill returns at once, but the slot is freed only
         # when the engine has dropped the prompt (see `_free_when_engine_done`).
-        work = asyncio.ensure_future(self._backend.prefill(tokens, req.sampling()))
+        work = asyncio.ensure_future(self._backend.prefill(tokens, engine_sampling(req, tools)))
         try:
             out = await guard(asyncio.shield(work))
         except BaseException as exc:
@@ -333,7 +334,7 @@ class PrefillShim(ShimService[PrefillBackend]):
         if not stopped:
             text += matcher.flush()
         n_blocks = -(-out.prompt_tokens // BLOCK_SIZE)
-        shape = shape_for(req, settings.model, rid, tokens)
+        shape = shape_for(req, settings.model, rid, tokens, tools)
         return shape.completion(
             text,
             "stop" if stopped else "length",

@@ -35,6 +35,13 @@ like any text prompt::
 With ``continue_final_message`` the last (assistant) message is left open: no ``<|end|>``
 and no generation prompt. ``chat_template_kwargs`` are accepted and unused (the template
 has no variables).
+
+Function tools (`ToolCalling`): given a chat's `ToolUse` (``sampling[TOOL_USE]``), the model
+decides whether to call one from the prompt alone (`_sim_tools`: the rule and the
+arguments). A call is generated as the tokens of its text in pdgate's syntax
+(``<tool_call>NAME\n{"arg":"value"}</tool_call>``, cut by the sim tokenizer like any text),
+then the sequence ends: a prefill's one token is the call's first, and a decode that computes
+the same prompt generates the same call from its first token on.
 """
 
 from __future__ import annotations
@@ -54,7 +61,9 @@ from pdgate.config import sim_tokenizer as tokenizer
 from pdgate.config.server import is_wildcard
 from pdgate.engine_shim._sim_kv import KvLink, SimKvBuffer, SimKvSink
 from pdgate.engine_shim._sim_text import Context, next_token, token_logprobs
+from pdgate.engine_shim._sim_tools import tool_call
 from pdgate.engine_shim.backend import (
+    TOOL_USE,
     ChatPrompt,
     DecodeJob,
     EngineBusy,
@@ -65,6 +74,7 @@ from pdgate.engine_shim.backend import (
     PrefillOutput,
     Prompt,
     Sampling,
+    ToolUse,
 )
 from pdgate.engine_shim.kv_events import KvEventPublisher
 from pdgate.engine_shim.prefix_cache import PrefixCache
@@ -117,6 +127,16 @@ def _top_logprobs(sampling: Sampling | None) -> int | None:
     return None if value is None else int(value)
 
 
+def _forced(tokens: Sequence[int], sampling: Sampling | None) -> list[str] | None:
+    """The pieces (tokens) of the tool call the model makes after `tokens`, when the request
+    gave it tools (`TOOL_USE`) and it calls one; None: it generates text."""
+    use = (sampling or {}).get(TOOL_USE)
+    if not isinstance(use, ToolUse):
+        return None
+    text = tool_call(tokens, use)
+    return None if text is None else tokenizer.pieces(text)
+
+
 def tokenize(prompt: Prompt) -> list[int]:
     """Token ids of a text or token-id prompt (ids must be inside the vocabulary)."""
     if isinstance(prompt, str):
@@ -165,6 +185,9 @@ class _EngineLoop:
     def render_chat(self, chat: ChatPrompt) -> list[int]:
         return render_chat(chat)
 
+    def tool_call(self, tokens: Sequence[int], use: ToolUse) -> str | None:
+        return tool_call(tokens, use)
+
     async def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name=type(self).__name__)
@@ -189,6 +212,7 @@ class _PrefillJob:
     tokens: Sequence[int]
     future: asyncio.Future[PrefillOutput]
     top_logprobs: int | None
+    forced: str | None  # the first token of the tool call the model makes, if it makes one
     # Set when the job's batch is over (or the engine stopped): the prompt has left the engine.
     left: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -242,8 +266,12 @@ class SimPrefillEngine(_EngineLoop):
         # Bounded: the shim admits at most one batch of prompts at a time.
         if len(self._pending) >= self._max_batch:
             raise EngineBusy("prefill batch is full")
+        forced = _forced(tokens, sampling)
         job = _PrefillJob(
-            tokens, asyncio.get_running_loop().create_future(), _top_logprobs(sampling)
+            tokens,
+            asyncio.get_running_loop().create_future(),
+            _top_logprobs(sampling),
+            None if forced is None else forced[0],
         )
         self._pending.append(job)
         self._wakeup.set()
@@ -300,8 +328,15 @@ class SimPrefillEngine(_EngineLoop):
             nbytes = self._profile.kv_wire_bytes(len(job.tokens), self._wire_fraction)
             kv = await SimKvBuffer.build(job.tokens, nbytes)
             context = Context(job.tokens)
-            token_id, text = next_token(context)
-            lp = None if job.top_logprobs is None else token_logprobs(context, job.top_logprobs)
+            if job.forced is None:
+                token_id, text = next_token(context)
+            else:
+                token_id, text = tokenizer.piece_id(job.forced), job.forced
+            lp = (
+                None
+                if job.top_logprobs is None
+                else token_logprobs(context, job.top_logprobs, job.forced)
+            )
             outputs.append(PrefillOutput(text, len(job.tokens), hit, kv, lp, token_id))
         await self._sleep_until(started + duration)
         if self._events is not None:
@@ -320,6 +355,7 @@ class _Sequence:
     prompt_len: int
     max_tokens: int
     top_logprobs: int | None
+    forced: list[str] | None = None  # the tool call's tokens, when the model makes one
     produced: int = 0
     to_prefill: int = 0  # prompt tokens still to compute here (a local prefill)
     left: bool = False
@@ -378,7 +414,12 @@ class SimDecodeEngine(_EngineLoop):
         if len(self._running) + len(self._prefilling) + len(self._joining) >= self._max_batch:
             raise EngineBusy("decode batch is full")
         # The sim does not sample: of the sampling fields only ``logprobs`` is read.
-        seq = _Sequence(Context(tokens), len(tokens), job.max_tokens, _top_logprobs(job.sampling))
+        forced = _forced(tokens, job.sampling)
+        # A tool call ends the sequence after its last token (the model's end of sequence).
+        max_tokens = job.max_tokens if forced is None else min(job.max_tokens, len(forced))
+        seq = _Sequence(
+            Context(tokens), len(tokens), max_tokens, _top_logprobs(job.sampling), forced
+        )
         cached = self._cache.lookup_and_insert(tokens)
         if local:
             self._hit_tokens += cached
@@ -388,7 +429,7 @@ class SimDecodeEngine(_EngineLoop):
         self._wakeup.set()
         try:
             # At most max_tokens items are ever queued for a sequence: bounded.
-            for _ in range(job.max_tokens):
+            for _ in range(max_tokens):
                 piece = await seq.out.get()
                 if piece is None:
                     raise RuntimeError("decode engine stopped")
@@ -407,8 +448,12 @@ class SimDecodeEngine(_EngineLoop):
     def _token(seq: _Sequence) -> Generated:
         """The sequence's next token; its context moves past it."""
         context = seq.context
-        token_id, text = next_token(context)
-        lp = None if seq.top_logprobs is None else token_logprobs(context, seq.top_logprobs)
+        forced = None if seq.forced is None else seq.forced[seq.produced]
+        if forced is None:
+            token_id, text = next_token(context)
+        else:
+            token_id, text = tokenizer.piece_id(forced), forced
+        lp = None if seq.top_logprobs is None else token_logprobs(context, seq.top_logprobs, forced)
         context.append(token_id)
         return Generated(text, lp, token_id)
 

@@ -2,7 +2,8 @@
 
 The decode leg always streams (gateway/placement/dispatch.py), so a client that asked for one JSON
 answer gets the chunks put together the way OpenAI's own clients accumulate a stream: text
-and message fields concatenated, logprobs lists joined, tool-call fragments merged by index,
+and message fields concatenated, logprobs lists joined, tool-call fragments merged by index
+(a message with calls and no text has null content, as a whole answer does),
 ``token_ids`` (vLLM's ``return_token_ids``) joined, the first event's ``prompt_token_ids``,
 the last finish reason and the usage chunk kept.
 """
@@ -225,6 +226,9 @@ class Assembler:
                 message = {"role": "assistant", "content": None, **c.message}
                 if c.tool_calls:
                     message["tool_calls"] = c.tool_calls
+                    # The role's chunk carries "" as content; a call with no text before
+                    # it has null content in a whole answer (OpenAI's and the shims').
+                    message["content"] = message["content"] or None
                 item["message"] = message
             else:
                 item["text"] = "".join(c.text)

@@ -166,6 +166,7 @@ async def test_continue_final_message_continues_the_assistant(pair: tuple[Shim, 
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
+        # A tool choice without tools (as vLLM); tools themselves: test_tool_calls.py.
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),

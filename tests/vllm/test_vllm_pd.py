@@ -261,6 +261,31 @@ def test_sampling_vllm_refuses_is_a_400(vllm_cluster: VllmCluster) -> None:
     assert shim_load(vllm_cluster.prefill_url)["used"] == 0
 
 
+def test_a_forced_tool_choice_is_refused_saying_why(vllm_cluster: VllmCluster) -> None:
+    """pdgate's vLLM shim has no tool-call parser: a forced call is a 400 on both roles,
+    through the gateway too, and the message points at stock `vllm serve`."""
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    body = {"model": MODEL, "messages": CHATS[0], "max_tokens": 4, "tools": tools}
+    kv = {"do_remote_decode": True, "do_remote_prefill": False}
+    for url in (vllm_cluster.prefill_url, vllm_cluster.decode_url, vllm_cluster.gateway_url):
+        resp = httpx.post(
+            url + "/v1/chat/completions",
+            json={**body, "tool_choice": "required", "kv_transfer_params": kv}
+            if url != vllm_cluster.gateway_url
+            else {**body, "tool_choice": "required"},
+            timeout=30,
+        )
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert err["param"] == "tool_choice"
+        assert "tool-call parser" in err["message"] and "vllm serve" in err["message"]
+    # "auto": the tools reach the model's template and its text comes back as content.
+    resp = httpx.post(vllm_cluster.gateway_url + "/v1/chat/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"]
+    assert shim_load(vllm_cluster.prefill_url)["used"] == 0
+
+
 def test_the_gateway_serves_again_after_a_client_left_mid_prefill(
     vllm_cluster: VllmCluster,
 ) -> None:

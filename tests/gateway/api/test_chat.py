@@ -232,7 +232,8 @@ BAD_CHATS: list[tuple[dict[str, Any] | bytes, str | None]] = [
     ),
     ({"model": MODEL, "messages": MESSAGES, "chat_template": "{{ 7*7 }}"}, "chat_template"),
     ({"model": MODEL, "messages": MESSAGES, "kv_transfer_params": {}}, "kv_transfer_params"),
-    # Refused by the shims (their engines cannot honour them), still a 400 to the client.
+    # Refused by the shims (a tool choice without tools, an output format their engines
+    # cannot honour), still a 400 to the client.
     ({"model": MODEL, "messages": MESSAGES, "tool_choice": "required"}, None),
     ({"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_object"}}, None),
 ]

@@ -115,6 +115,21 @@ def test_chat_message_and_tool_calls_are_merged() -> None:
         {"id": "call_1", "type": "function", "function": {"name": "get", "arguments": '{"q": 1}'}}
     ]
     assert out["choices"][0]["finish_reason"] == "tool_calls"
+    # A call with no text before it: null content, as a whole answer has it.
+    calls_only = feed(
+        [
+            delta({"role": "assistant", "content": ""}),
+            delta({"tool_calls": [{"index": 0, "id": "call_2", "type": "function",
+                                   "function": {"name": "get", "arguments": ""}},
+                                  {"index": 0, "function": {"arguments": "{}"}}]}),
+            delta({}, "tool_calls"),
+        ]
+    )  # fmt: skip
+    message = calls_only["choices"][0]["message"]
+    assert message["content"] is None
+    assert message["tool_calls"] == [
+        {"id": "call_2", "type": "function", "function": {"name": "get", "arguments": "{}"}}
+    ]
 
 
 def test_an_in_band_error_or_garbage_is_a_stream_error() -> None:
