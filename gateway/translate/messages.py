@@ -221,9 +221,11 @@ class MessagesFront:
                 name = text_of(tool.get("name"), f"tools[{i}].name")
                 assert name is not None
                 schema = object_of(tool.get("input_schema"), f"tools[{i}].input_schema")
-                function: dict[str, Any] = {"name": name, "parameters": schema}
+                # In the order clients write them: a template renders them as JSON.
+                function: dict[str, Any] = {"name": name}
                 if (description := tool.get("description")) is not None:
                     function["description"] = text_of(description, f"tools[{i}].description")
+                function["parameters"] = schema
                 tools.append({"type": "function", "function": function})
                 names.append(name)
             if tools:

@@ -331,9 +331,12 @@ def _tools(value: object) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         if parameters is not None:
             object_of(parameters, f"tools[{i}].parameters")
         strict = flag_of(tool.get("strict"), f"tools[{i}].strict", False)
-        function: dict[str, Any] = {"name": name, "parameters": parameters or {}}
+        # In the order clients write them (and vLLM's own translation keeps): a chat
+        # template renders the tools as JSON, key order included.
+        function: dict[str, Any] = {"name": name}
         if description is not None:
             function["description"] = description
+        function["parameters"] = parameters or {}
         if tool.get("strict") is not None:
             function["strict"] = strict
         chat.append({"type": "function", "function": function})

@@ -113,3 +113,48 @@ def test_keys_errors_and_versions_as_anthropic_clients_see_them(stack: Stack) ->
     )
     assert resp.status_code == 200, resp.text
     assert resp.json()["type"] == "message"
+
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+
+
+def test_a_tool_use_round_trip_streamed_and_not(stack: Stack) -> None:
+    c = client(stack)
+    ask = [{"role": "user", "content": "Weather in Oslo?"}]
+    whole = c.messages.create(model=MODEL, max_tokens=64, messages=ask, tools=[WEATHER])  # type: ignore[arg-type,list-item]
+    assert whole.stop_reason == "tool_use"
+    [use] = [b for b in whole.content if b.type == "tool_use"]
+    assert use.name == "get_weather"
+    assert set(use.input) >= {"city"}  # type: ignore[arg-type]
+    with c.messages.stream(model=MODEL, max_tokens=64, messages=ask, tools=[WEATHER]) as stream:  # type: ignore[arg-type,list-item]
+        kinds = [e.type for e in stream]
+        streamed = stream.get_final_message()
+    assert "input_json" in kinds  # the SDK's event for input_json_delta
+    assert streamed.stop_reason == "tool_use"
+    assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in whole.content]
+    answer = c.messages.create(
+        model=MODEL,
+        max_tokens=8,
+        tools=[WEATHER],  # type: ignore[list-item]
+        messages=[
+            *ask,
+            {"role": "assistant", "content": [b.model_dump() for b in whole.content]},  # type: ignore[misc]
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": use.id, "content": "12 C, rain"}
+                ],
+            },
+        ],
+    )
+    assert answer.stop_reason == "max_tokens"
+    assert answer.content[0].type == "text" and answer.content[0].text
+    stack.settled()

@@ -177,3 +177,80 @@ def test_input_items_page_as_openai_lists_them(stack: Stack) -> None:
     assert [i.content[0].text for i in rest.data] == ["part 2", "part 3", "part 4"]  # type: ignore[union-attr]
     newest = c.responses.input_items.list(response.id, limit=1)
     assert newest.data[0].content[0].text == "part 4"  # type: ignore[union-attr]
+
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_function_tool_round_trip(stack: Stack, stream: bool) -> None:
+    """The model calls the tool (over P/D: the call's first token at the prefill, the rest
+    at the decode), the client runs it and answers with its output, chained through the
+    other gateway; the model answers in text."""
+    import json
+
+    legs = stack.legs()
+    one, two = client(stack.gateways[0]), client(stack.gateways[1])
+    request = {
+        "model": MODEL,
+        "input": "Weather in Oslo?",
+        "tools": [WEATHER],
+        "max_output_tokens": 64,
+    }
+    if stream:
+        with one.responses.stream(**request) as events:  # type: ignore[arg-type]
+            kinds = [e.type for e in events]
+            first = events.get_final_response()
+        assert "response.function_call_arguments.delta" in kinds
+        assert kinds.index("response.function_call_arguments.done") < kinds.index(
+            "response.completed"
+        )
+    else:
+        first = one.responses.create(**request)  # type: ignore[call-overload]
+    assert first.status == "completed"
+    [call] = first.output
+    assert call.type == "function_call"
+    assert call.name == "get_weather"
+    assert set(json.loads(call.arguments)) >= {"city"}
+    assert stack.legs() == (legs[0] + 1, legs[1] + 1)
+    second = two.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "12 C, rain"}],
+        tools=[WEATHER],  # type: ignore[list-item]
+        max_output_tokens=8,
+    )
+    assert second.output[0].type == "message"
+    assert second.output_text
+    # The conversation went to the model whole: the same as a chat of the same turns.
+    chat = one.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "user", "content": "Weather in Oslo?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call.call_id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.call_id, "content": "12 C, rain"},
+        ],
+        tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}],  # type: ignore[list-item]
+        max_tokens=8,
+    )
+    assert second.output_text == chat.choices[0].message.content
+    stack.settled()

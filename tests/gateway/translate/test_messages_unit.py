@@ -124,8 +124,8 @@ async def test_tool_use_and_tool_result_blocks_become_tool_calls_and_tool_messag
             "type": "function",
             "function": {
                 "name": "get_weather",
-                "parameters": {"type": "object"},
                 "description": "d",
+                "parameters": {"type": "object"},
             },
         }
     ]
