@@ -178,7 +178,9 @@ class CompletionsEndpoint:
             else:
                 translated = await front.translate(body, key)
                 req, forward = translated.req, translated.forward
-                out = translated.out(send)
+                if not valid_request_id(headers.get(REQUEST_ID_HEADER, "")):
+                    request_id = translated.request_id  # one id: the answer's, both legs'
+                out = translated.out(send, request_id)
             info = self._request_info(req, forward, key, headers)
             group = info.group or ANY_GROUP
             deadline = arrived + (info.ttft_s or self._settings.ttft_timeout_s)

@@ -51,10 +51,11 @@ class Translated:
     shaper: Shaper
     request_id: str  # the answer's id (``resp_...``, ``msg_...``)
 
-    def out(self, send: Send) -> ClientOut:
+    def out(self, send: Send, request_id: str) -> ClientOut:
+        """The client's response; `request_id` goes in its ``x-request-id``."""
         if self.req.stream:
-            return ShapedStreamOut(send, self.request_id, self.shaper)
-        return ShapedWholeOut(send, self.request_id, self.shaper)
+            return ShapedStreamOut(send, request_id, self.shaper)
+        return ShapedWholeOut(send, request_id, self.shaper)
 
 
 class Front(Protocol):

@@ -38,6 +38,14 @@ def test_a_response_goes_through_both_legs(stack: Stack) -> None:
     assert response.usage.output_tokens == 12
     assert response.usage.input_tokens > 0
     assert raw.headers["x-pdgate-prefill"] and raw.headers["x-pdgate-decode"]
+    assert raw.headers["x-request-id"] == response.id  # one id, the legs' too
+    mine = client(stack.gateways[0]).responses.with_raw_response.create(
+        model=MODEL, input="Again.", max_output_tokens=2, extra_headers={"x-request-id": "trace-7"}
+    )
+    assert mine.headers["x-request-id"] == "trace-7"
+    assert mine.parse().id.startswith("resp_")
+    legs = (legs[0] + 1, legs[1] + 1)
+    fetched += 1
     # The prefill computed the prompt, the decode pulled its KV and generated.
     prefilled, decoded = stack.legs()
     assert (prefilled, decoded) == (legs[0] + 1, legs[1] + 1)

@@ -120,7 +120,7 @@ async def _relay(api: str, faults: list[Fault | None]) -> tuple[str, Sink]:
         req, forward = parse_chat(orjson.dumps(raw), max_tokens_limit=64)
         out = None
     else:
-        req, forward, out = translated.req, translated.forward, translated.out(sink)
+        req, forward, out = translated.req, translated.forward, translated.out(sink, "req-1")
     now = time.monotonic()
     info = RequestInfo(model=MODEL, group=None, prompt=req.prompt_key,
                        prompt_chars=len(req.prompt_key), max_tokens=16)  # fmt: skip
