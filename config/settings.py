@@ -27,7 +27,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from pdgate.config._toml import TomlTableSource
 from pdgate.config.kv_events import connectable_endpoint
-from pdgate.config.wire import HARDWARE_PATTERN, Role
+from pdgate.config.wire import HARDWARE_PATTERN, MAX_ADAPTERS, MAX_MODEL_NAME_CHARS, Role
 
 
 class _Settings(BaseSettings):
@@ -224,6 +224,14 @@ class ShimSettings(_Settings):
         gt=0,
         description="Prompt + max_tokens limit (the vllm engine is started with it too).",
     )
+    sim_lora_adapters: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_ADAPTERS,
+        description="sim engine: LoRA adapters served on top of `model`, by name. A request "
+        "for one gets text of its own (the name seeds it); GET /v1/models lists each with "
+        "parent = model, and the registry record declares them, so gateways send an "
+        "adapter's requests only to instances that hold it.",
+    )
     drain_timeout_s: float = Field(
         default=30.0,
         ge=0,
@@ -282,6 +290,18 @@ class ShimSettings(_Settings):
         description="vllm engine: more vLLM engine arguments (a JSON object), e.g. "
         '{"max_num_batched_tokens": 256, "gpu_memory_utilization": 0.4}.',
     )
+
+    @model_validator(mode="after")
+    def _adapters(self) -> Self:
+        names = self.sim_lora_adapters
+        if any(not 0 < len(n) <= MAX_MODEL_NAME_CHARS or n.strip() != n for n in names):
+            raise ValueError(
+                f"sim_lora_adapters: each name is 1 to {MAX_MODEL_NAME_CHARS} characters, "
+                "without leading or trailing spaces"
+            )
+        if len(set(names)) != len(names) or self.model in names:
+            raise ValueError("sim_lora_adapters: names must differ from each other and the model")
+        return self
 
 
 class DispatchMode(StrEnum):

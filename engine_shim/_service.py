@@ -34,7 +34,7 @@ from pdgate.engine_shim._completion import (
 from pdgate.engine_shim._http import ApiError, ClusterAuth, bad_request, draining
 from pdgate.engine_shim._metrics import Histograms
 from pdgate.engine_shim._slots import SlotPool
-from pdgate.engine_shim.backend import ChatTemplate, EngineStats, Prompt
+from pdgate.engine_shim.backend import ChatTemplate, EngineStats, Prompt, ReportsModel
 
 __all__ = ["ShimService", "caller_request_id", "end_span"]
 
@@ -79,6 +79,7 @@ class ShimService(Generic[B]):
         self._auth = auth or ClusterAuth(None)
         self._tracing = tracing or Tracing.off()
         self._counts = dict.fromkeys(self.counts, 0)
+        self._adapters: frozenset[str] | None = None
         self.draining = False
 
     @property
@@ -185,9 +186,23 @@ class ShimService(Generic[B]):
         body = await read_body(request, self._max_body_bytes, self._settings.body_timeout_s)
         return self._parse(body, api)
 
+    @property
+    def adapters(self) -> frozenset[str]:
+        """The LoRA adapters the engine serves (`ReportsModel`), read once it runs."""
+        if self._adapters is None:
+            backend = self._backend
+            served = backend.served_model() if isinstance(backend, ReportsModel) else None
+            self._adapters = frozenset(served.adapters if served is not None else ())
+        return self._adapters
+
+    def _adapter(self, req: ApiRequest) -> str | None:
+        """The adapter `req` is for (None: the model itself), as `_parse` checked it."""
+        model = req.model
+        return None if model is None or model == self._settings.model else model
+
     def _parse(self, body: bytes, api: Api) -> ApiRequest:
         req = parse_request(body, max_model_len=self._settings.max_model_len, api=api)
-        check_model(req, self._settings.model)
+        check_model(req.model, self._settings.model, self.adapters)
         if isinstance(req, ChatCompletionRequest):
             _check_chat(req)
         return req
