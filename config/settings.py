@@ -790,6 +790,39 @@ class GatewaySettings(_Settings):
         gt=0,
         description="Largest answer read whole from an instance (non-streaming clients).",
     )
+    side_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Longest an instance may take to answer a side endpoint's request "
+        "(/v1/embeddings, /pooling, /score, /rerank, /tokenize, /detokenize) once sent; the "
+        "wait for a slot before it is bounded by the TTFT deadline.",
+    )
+    token_count_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="Counting a prompt's tokens with an engine's POST /tokenize (the context "
+        "check, /v1/messages/count_tokens): longest one try may take.",
+    )
+    token_count_tries: int = Field(
+        default=2,
+        ge=1,
+        le=16,
+        description="Instances tried, one after another, to count a prompt's tokens.",
+    )
+    context_template_tokens: int = Field(
+        default=1024,
+        ge=0,
+        description="Tokens a tokenizer and chat template may add to a request beyond its text "
+        "(BOS, a default system prompt, tool instructions): with context_message_tokens, the "
+        "allowance of the cheap bound under which a request is taken to fit its model's "
+        "max_model_len without counting its tokens (docs/api.md).",
+    )
+    context_message_tokens: int = Field(
+        default=32,
+        ge=0,
+        description="Tokens a chat template may add per message (role markers, separators), "
+        "in the same bound.",
+    )
     max_tokens_limit: int = Field(default=32768, gt=0, description="Largest max_tokens accepted.")
     default_max_tokens: int = Field(
         default=16, gt=0, description="max_tokens when the client omits it."

@@ -122,8 +122,8 @@ def context_tokens(raw: object) -> int:
 
 def adapter_names(raw: object) -> tuple[str, ...]:
     """LoRA adapters' served names: at most `MAX_ADAPTERS`, each 1 to
-    `MAX_MODEL_NAME_CHARS` characters."""
-    return _names(raw, "adapters", MAX_ADAPTERS, MAX_MODEL_NAME_CHARS)
+    `MAX_MODEL_NAME_CHARS` characters (a name listed twice counts once)."""
+    return tuple(dict.fromkeys(_names(raw, "adapters", MAX_ADAPTERS, MAX_MODEL_NAME_CHARS)))
 
 
 def endpoint_paths(raw: object) -> tuple[str, ...]:

@@ -4,7 +4,8 @@ and ends.
 The life of a request, each step with the module that does it (docs/architecture.md):
 
 1. admission, here: the client's key (admission/auth.py), the body read within its bounds and
-   parsed (config/openai_api.py), counted against ``max_pending``;
+   parsed (config/openai_api.py), counted against ``max_pending``; a prompt that cannot fit
+   in its model's context gets its 400 now (admission/context.py), before it queues;
 2. its group, tenant and TTFT deadline (admission/groups.py, admission/tenancy.py);
 3. the relay takes it (stream/relay.py, `Relay.run`) and asks the dispatcher for its legs;
 4. the prefill leg (placement/dispatch.py, `Dispatcher.prefill`): the request waits in its
@@ -61,14 +62,13 @@ from pdgate.config.settings import GatewaySettings
 from pdgate.config.tracing import SpanKind, Tracing
 from pdgate.config.wire import REQUEST_ID_HEADER, SSE_DONE, TPOT_SLO_HEADER, valid_request_id
 from pdgate.gateway.admission.auth import PRIORITIES, ApiKey, KeyRing
+from pdgate.gateway.admission.context import ContextLimit
 from pdgate.gateway.admission.groups import GROUP_HEADER, GroupResolver
 from pdgate.gateway.admission.tenancy import resolve_tenancy
 from pdgate.gateway.errors import (
     BadRequest,
     GatewayError,
-    ModelNotFound,
     Overloaded,
-    ServiceUnavailable,
     ShuttingDown,
     from_openai_error,
 )
@@ -98,8 +98,11 @@ class CompletionsEndpoint:
         *,
         groups: GroupResolver,
         tracing: Tracing | None = None,
+        context: ContextLimit | None = None,
     ) -> None:
+        """`context`: the context-length check (None: none)."""
         self._settings = settings
+        self._context = context
         self._keys = keys
         self._groups = groups  # the dispatcher's too: one view of the scenario groups
         self.series = Series()
@@ -129,7 +132,7 @@ class CompletionsEndpoint:
             # Before reading a byte of the body: a caller without a key costs nothing.
             key = self._keys.client(headers.get("authorization"))
             self._keys.admit(key, self._settings.retry_after_max_s)
-            body = await self._read(request)
+            body = await self.read(request)
         except GatewayError as exc:
             self._metrics.requests.labels(_outcome(exc), ANY_GROUP).inc()
             await exc.response()(scope, receive, send)
@@ -165,6 +168,10 @@ class CompletionsEndpoint:
             req, forward = self._parse(body, api)
             info = self._request_info(req, forward, key, headers)
             group = info.group or ANY_GROUP
+            if self._context is not None and self._context.may_exceed(
+                info.model, len(body), req, info.max_tokens
+            ):
+                await self._context.check(info.model, req, forward, info.max_tokens)
             deadline = arrived + (info.ttft_s or self._settings.ttft_timeout_s)
             watcher = asyncio.ensure_future(wait_disconnect(receive))
             if span.is_recording():
@@ -263,7 +270,9 @@ class CompletionsEndpoint:
             if len(groups) == 1:
                 advisor.arrival(groups[0])
 
-    async def _read(self, request: Request) -> bytes:
+    async def read(self, request: Request) -> bytes:
+        """The request's body within the gateway's bounds, counted against ``max_uploads``
+        while it arrives (the side endpoints read theirs here too)."""
         settings = self._settings
         if self.uploading >= settings.max_uploads:
             raise Overloaded(
@@ -306,21 +315,9 @@ class CompletionsEndpoint:
         """What the policies and the queue know of the request: its model, group, prompt,
         tenant, priority class and share weight (gateway/admission/tenancy.py), and its TTFT
         budget."""
-        models = self._tracker.models()
-        model = req.model
-        if model is None:
-            if len(models) != 1:
-                raise BadRequest(
-                    "model is required when the gateway serves several models", param="model"
-                )
-            model = models[0]
+        model = self._groups.model(req.model)
+        if req.model is None:
             forward["model"] = model
-        elif model not in models:
-            if not models:
-                raise ServiceUnavailable(
-                    "no instances are registered", retry_after=self._settings.retry_after_s
-                )
-            raise ModelNotFound(f"the model {model!r} does not exist", param="model")
         prompt = req.prompt_key
         group = self._groups.resolve(model, key, headers.get(GROUP_HEADER), len(prompt))
         who = resolve_tenancy(
