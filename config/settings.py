@@ -227,10 +227,8 @@ class ShimSettings(_Settings):
     sim_lora_adapters: list[str] = Field(
         default_factory=list,
         max_length=MAX_ADAPTERS,
-        description="sim engine: LoRA adapters served on top of `model`, by name. A request "
-        "for one gets text of its own (the name seeds it); GET /v1/models lists each with "
-        "parent = model, and the registry record declares them, so gateways send an "
-        "adapter's requests only to instances that hold it.",
+        description="sim engine: LoRA adapter names served on top of `model` (each answers "
+        "in text of its own).",
     )
     drain_timeout_s: float = Field(
         default=30.0,
@@ -793,35 +791,28 @@ class GatewaySettings(_Settings):
     side_timeout_s: float = Field(
         default=60.0,
         gt=0,
-        description="Longest an instance may take to answer a side endpoint's request "
-        "(/v1/embeddings, /pooling, /score, /rerank, /tokenize, /detokenize) once sent; the "
-        "wait for a slot before it is bounded by the TTFT deadline.",
+        description="Longest an instance may take to answer a side-endpoint request once sent.",
     )
     token_count_timeout_s: float = Field(
         default=2.0,
         gt=0,
-        description="Counting a prompt's tokens with an engine's POST /tokenize (the context "
-        "check, /v1/messages/count_tokens): longest one try may take.",
+        description="Longest one try to count a prompt's tokens by POST /tokenize may take.",
     )
     token_count_tries: int = Field(
         default=2,
         ge=1,
         le=16,
-        description="Instances tried, one after another, to count a prompt's tokens.",
+        description="Instances tried to count a prompt's tokens.",
     )
     context_template_tokens: int = Field(
         default=1024,
         ge=0,
-        description="Tokens a tokenizer and chat template may add to a request beyond its text "
-        "(BOS, a default system prompt, tool instructions): with context_message_tokens, the "
-        "allowance of the cheap bound under which a request is taken to fit its model's "
-        "max_model_len without counting its tokens (docs/api.md).",
+        description="Tokens a chat template may add to a request (docs/api.md, the cheap bound).",
     )
     context_message_tokens: int = Field(
         default=32,
         ge=0,
-        description="Tokens a chat template may add per message (role markers, separators), "
-        "in the same bound.",
+        description="Tokens a chat template may add per message, in the same bound.",
     )
     max_tokens_limit: int = Field(default=32768, gt=0, description="Largest max_tokens accepted.")
     default_max_tokens: int = Field(
