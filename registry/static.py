@@ -110,10 +110,15 @@ async def _get(
     # The session's own timeout unless this call has one.
     timeout = session.timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
     async with session.get(url, headers=headers, allow_redirects=False, timeout=timeout) as resp:
-        body = await resp.content.read(limit + 1)
-        if len(body) > limit:
-            raise ProbeError(f"GET {url}: answer larger than {limit} bytes")
-        return resp.status, body
+        # Read to the end: one read returns only what has arrived so far.
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in resp.content.iter_chunked(1 << 16):
+            size += len(chunk)
+            if size > limit:
+                raise ProbeError(f"GET {url}: answer larger than {limit} bytes")
+            chunks.append(chunk)
+        return resp.status, b"".join(chunks)
 
 
 async def check_health(

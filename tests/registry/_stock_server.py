@@ -279,7 +279,16 @@ def _app(
             p: {"post" if p not in ("/v1/models", "/health") else "get": {}}
             for p in openapi_paths()
         }
-        return JSONResponse({"openapi": "3.1.0", "info": {"title": "stock"}, "paths": paths})
+        # As large as vLLM's (its request schemas, a few hundred KiB): read in many chunks.
+        schemas = {f"Schema{i}": {"type": "object", "description": "x" * 1000} for i in range(300)}
+        return JSONResponse(
+            {
+                "openapi": "3.1.0",
+                "info": {"title": "stock"},
+                "paths": paths,
+                "components": {"schemas": schemas},
+            }
+        )
 
     async def health(request: Request) -> Response:
         return Response(status_code=200 if state["healthy"] else 503)
