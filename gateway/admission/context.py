@@ -40,6 +40,7 @@ model's ``max_model_len`` is unknown, nothing is checked.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -152,15 +153,14 @@ class EngineTokenCounter:
         if not candidates:
             return None
         failed: list[str] = []
-        deadline = time.monotonic() + self._timeout_s * self._tries
         for inst in candidates[: self._tries]:
             answer = await call_first(
                 self._upstream,
                 [inst],
                 TOKENIZE_PATH,
                 body,
-                request_id=f"count-{time.monotonic_ns()}",
-                deadline=min(deadline, time.monotonic() + self._timeout_s),
+                request_id=f"count-{secrets.token_hex(8)}",
+                deadline=time.monotonic() + self._timeout_s,
                 tries=1,
                 failed=failed,
             )

@@ -12,9 +12,10 @@ import pytest
 
 from pdgate.config.openai_api import parse_chat, parse_completion
 from pdgate.config.wire import Role
-from pdgate.gateway.admission.context import ContextLimit, FakeTokenCounter
+from pdgate.gateway.admission.context import ContextLimit, EngineTokenCounter, FakeTokenCounter
 from pdgate.gateway.errors import ContextLengthExceeded
 from pdgate.gateway.instances.tracker import InstanceTracker
+from pdgate.gateway.upstream.mock import Call, MockUpstream, Reply
 from pdgate.registry.base import InstanceRecord
 
 LIMIT = 2048
@@ -106,3 +107,62 @@ async def test_nothing_changes_when_nobody_can_count_or_the_context_is_unknown()
     unknown = FakeTokenCounter(_count_words)
     await _check(ContextLimit(_tracker(0), unknown), {"prompt": "w " * 9000, "max_tokens": 16})
     assert unknown.calls == []
+
+
+def _fleet() -> InstanceTracker:
+    tracker = InstanceTracker()
+    records = {
+        name: InstanceRecord(
+            id=name,
+            role=Role.DECODE,
+            url=f"http://{name}:1",
+            model="m",
+            adapters=("m-lora",),
+            max_model_len=LIMIT,
+            endpoints=("/tokenize",),
+        )
+        for name in ("d1", "d2", "d3")
+    }
+    tracker.update_membership(records)
+    return tracker
+
+
+async def test_the_engine_counter_asks_tokenize_and_moves_on_from_a_failing_instance() -> None:
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    async def handler(call: Call) -> Reply:
+        assert call.leg == "side" and call.path == "/tokenize" and call.body is not None
+        seen.append((call.url, call.body))
+        if call.url == "http://d1:1":
+            return Reply(unreachable=True)
+        return Reply(json={"count": 42, "max_model_len": LIMIT, "tokens": [1] * 42})
+
+    counter = EngineTokenCounter(_fleet(), MockUpstream(handler), tries=2)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "stream": True}
+    assert await counter.count("m-lora", {**chat, "add_generation_prompt": True}) == 42
+    # Only what shapes the rendered prompt is sent, for the model asked (an adapter here).
+    assert seen[-1][1] == {
+        "model": "m-lora",
+        "messages": chat["messages"],
+        "add_generation_prompt": True,
+    }
+    assert [url for url, _ in seen] == ["http://d1:1", "http://d2:1"]  # d1 down: the next
+    assert await counter.count("m", {"prompt": [5, 6, 7]}) == 3  # ids: nobody asked
+    calls = len(seen)
+    assert await counter.count("m", {"prompt": "text"}) == 42  # no gateway tokenizer: asked
+    assert len(seen) > calls
+
+
+async def test_the_engine_counter_says_none_when_nobody_can_count() -> None:
+    async def refuses(call: Call) -> Reply:
+        return Reply(status=400, json={"error": {"message": "bad template"}})
+
+    async def down(call: Call) -> Reply:
+        return Reply(unreachable=True)
+
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    for handler in (refuses, down):
+        upstream = MockUpstream(handler)
+        assert await EngineTokenCounter(_fleet(), upstream, tries=2).count("m", body) is None
+        assert len(upstream.calls) == (1 if handler is refuses else 2)  # bounded failover
+    assert await EngineTokenCounter(InstanceTracker(), MockUpstream(down)).count("m", body) is None
