@@ -59,6 +59,7 @@ __all__ = [
     "parse_completion",
     "read_body",
     "sse_event",
+    "validate",
 ]
 
 # -- errors --------------------------------------------------------------------------------
@@ -341,7 +342,8 @@ def _deeper_than(value: dict[str, Any], limit: int) -> bool:
     return False
 
 
-def _validate(model: type[_M], raw: dict[str, Any]) -> _M:
+def validate(model: type[_M], raw: dict[str, Any]) -> _M:
+    """`raw` as `model`, or a 400 naming the first field that does not fit."""
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
@@ -362,7 +364,7 @@ def parse_completion(
     for key, why in _UNSUPPORTED.items():
         if raw.get(key) not in (None, False):
             raise bad_request(why, key)
-    req = _validate(CompletionRequest, raw)
+    req = validate(CompletionRequest, raw)
     if req.max_tokens is None:
         req = req.model_copy(update={"max_tokens": default_max_tokens})
     elif req.max_tokens > max_tokens_limit:
@@ -492,7 +494,7 @@ def chat_from_object(
                     "only text content parts are supported by the disaggregated path",
                     "messages",
                 )
-    req = _validate(ChatCompletionRequest, raw)
+    req = validate(ChatCompletionRequest, raw)
     if req.continue_final_message:
         if req.add_generation_prompt:
             raise bad_request(

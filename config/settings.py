@@ -27,7 +27,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from pdgate.config._toml import TomlTableSource
 from pdgate.config.kv_events import connectable_endpoint
-from pdgate.config.wire import HARDWARE_PATTERN, Role
+from pdgate.config.wire import HARDWARE_PATTERN, MAX_ADAPTERS, MAX_MODEL_NAME_CHARS, Role
 
 
 class _Settings(BaseSettings):
@@ -224,6 +224,12 @@ class ShimSettings(_Settings):
         gt=0,
         description="Prompt + max_tokens limit (the vllm engine is started with it too).",
     )
+    sim_lora_adapters: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_ADAPTERS,
+        description="sim engine: LoRA adapter names served on top of `model` (each answers "
+        "in text of its own).",
+    )
     drain_timeout_s: float = Field(
         default=30.0,
         ge=0,
@@ -282,6 +288,18 @@ class ShimSettings(_Settings):
         description="vllm engine: more vLLM engine arguments (a JSON object), e.g. "
         '{"max_num_batched_tokens": 256, "gpu_memory_utilization": 0.4}.',
     )
+
+    @model_validator(mode="after")
+    def _adapters(self) -> Self:
+        names = self.sim_lora_adapters
+        if any(not 0 < len(n) <= MAX_MODEL_NAME_CHARS or n.strip() != n for n in names):
+            raise ValueError(
+                f"sim_lora_adapters: each name is 1 to {MAX_MODEL_NAME_CHARS} characters, "
+                "without leading or trailing spaces"
+            )
+        if len(set(names)) != len(names) or self.model in names:
+            raise ValueError("sim_lora_adapters: names must differ from each other and the model")
+        return self
 
 
 class DispatchMode(StrEnum):
@@ -769,6 +787,32 @@ class GatewaySettings(_Settings):
         default=16 * 1024 * 1024,
         gt=0,
         description="Largest answer read whole from an instance (non-streaming clients).",
+    )
+    side_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Longest an instance may take to answer a side-endpoint request once sent.",
+    )
+    token_count_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="Longest one try to count a prompt's tokens by POST /tokenize may take.",
+    )
+    token_count_tries: int = Field(
+        default=2,
+        ge=1,
+        le=16,
+        description="Instances tried to count a prompt's tokens.",
+    )
+    context_template_tokens: int = Field(
+        default=1024,
+        ge=0,
+        description="Tokens a chat template may add to a request (docs/api.md, the cheap bound).",
+    )
+    context_message_tokens: int = Field(
+        default=32,
+        ge=0,
+        description="Tokens a chat template may add per message, in the same bound.",
     )
     max_tokens_limit: int = Field(default=32768, gt=0, description="Largest max_tokens accepted.")
     default_max_tokens: int = Field(

@@ -44,6 +44,25 @@ BATCH_PATH = COMPLETIONS_PATH + BATCH_SUFFIX
 CHAT_BATCH_PATH = CHAT_PATH + BATCH_SUFFIX
 LOAD_PATH = "/load"
 HEALTH_PATH = "/health"
+MODELS_PATH = "/v1/models"
+OPENAPI_PATH = "/openapi.json"  # a FastAPI server's routes (vLLM's: what its model serves)
+
+# Side endpoints: requests that go whole to one instance of their model, never in two legs.
+# vLLM's API server answers the first two itself (no batch slot); the others are computed
+# by a pooling model (vLLM registers them only for one).
+TOKENIZE_PATH = "/tokenize"
+DETOKENIZE_PATH = "/detokenize"
+TOKEN_ENDPOINTS = (TOKENIZE_PATH, DETOKENIZE_PATH)
+POOLING_ENDPOINTS = (
+    "/v1/embeddings",
+    "/pooling",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+)
+SIDE_ENDPOINTS = TOKEN_ENDPOINTS + POOLING_ENDPOINTS
 
 # -- extensions ----------------------------------------------------------------------------
 
@@ -77,6 +96,13 @@ MAX_EXTENSION_CHARS = 64
 # What an instance declares it runs on, GPU[/tpN][/ppN] (engine_shim/hardware.py): the
 # settings and the registry's record check it by the same rule.
 HARDWARE_PATTERN = r"^[a-z0-9/._-]{0,64}$"
+# What a record may say of the model it serves: LoRA adapters (served names) on top of it,
+# and the side endpoints (paths) it answers.
+MAX_ADAPTERS = 256
+MAX_MODEL_NAME_CHARS = 256
+MAX_ENDPOINTS = 32
+MAX_ENDPOINT_CHARS = 64
+MAX_CONTEXT_TOKENS = 1 << 32  # a model's max_model_len beyond this is not believed
 
 # -- headers -------------------------------------------------------------------------------
 

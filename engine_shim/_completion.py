@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, Protocol
 
 from pdgate.config.openai_api import (
     Api,
     ApiRequest,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     OpenAIError,
     parse_api,
@@ -29,6 +30,7 @@ from pdgate.engine_shim.backend import ChatPrompt, TokenLogprobs, ToolUse
 __all__ = [
     "ApiRequest",
     "ChatCompletionRequest",
+    "ChatFields",
     "ChatShape",
     "CompletionRequest",
     "CompletionShape",
@@ -49,11 +51,15 @@ def parse_request(body: bytes, *, max_model_len: int, api: Api = Api.COMPLETIONS
     return req
 
 
-def check_model(req: ApiRequest, served: str) -> None:
-    if req.model is not None and req.model != served:
-        raise OpenAIError(
-            404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found"
-        )
+def check_model(model: str | None, served: str, adapters: Collection[str] = ()) -> str | None:
+    """The LoRA adapter `model` names (None: the served model itself); 404 for any other."""
+    if model is None or model == served:
+        return None
+    if model in adapters:
+        return model
+    raise OpenAIError(
+        404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+    )
 
 
 def check_length(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
@@ -66,7 +72,27 @@ def check_length(prompt_tokens: int, max_tokens: int, max_model_len: int) -> Non
         )
 
 
-def chat_prompt(req: ChatCompletionRequest) -> ChatPrompt:
+class ChatFields(Protocol):
+    """What shapes a rendered conversation: a chat request's fields, or a chat ``/tokenize``
+    request's."""
+
+    @property
+    def messages(self) -> Sequence[ChatMessage]: ...
+
+    @property
+    def tools(self) -> Sequence[Mapping[str, Any]] | None: ...
+
+    @property
+    def add_generation_prompt(self) -> bool: ...
+
+    @property
+    def continue_final_message(self) -> bool: ...
+
+    @property
+    def chat_template_kwargs(self) -> Mapping[str, Any] | None: ...
+
+
+def chat_prompt(req: ChatFields) -> ChatPrompt:
     """What an engine's chat template needs of a chat request (content as plain text)."""
     messages: list[dict[str, Any]] = []
     for message in req.messages:

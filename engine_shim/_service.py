@@ -40,6 +40,7 @@ from pdgate.engine_shim.backend import (
     ChatTemplate,
     EngineStats,
     Prompt,
+    ReportsModel,
     Sampling,
     ToolCalling,
     ToolUse,
@@ -88,6 +89,7 @@ class ShimService(Generic[B]):
         self._counts = dict.fromkeys(self.counts, 0)
         # Whether the engine's model calls function tools (engine_shim/_tool_calls.py).
         self._calls_tools = isinstance(backend, ToolCalling)
+        self._adapters: frozenset[str] | None = None
         self.draining = False
 
     @property
@@ -194,9 +196,23 @@ class ShimService(Generic[B]):
         body = await read_body(request, self._max_body_bytes, self._settings.body_timeout_s)
         return self._parse(body, api)
 
+    @property
+    def adapters(self) -> frozenset[str]:
+        """The LoRA adapters the engine serves (`ReportsModel`), read once it runs."""
+        if self._adapters is None:
+            backend = self._backend
+            served = backend.served_model() if isinstance(backend, ReportsModel) else None
+            self._adapters = frozenset(served.adapters if served is not None else ())
+        return self._adapters
+
+    def _adapter(self, req: ApiRequest) -> str | None:
+        """The adapter `req` is for (None: the model itself), as `_parse` checked it."""
+        model = req.model
+        return None if model is None or model == self._settings.model else model
+
     def _parse(self, body: bytes, api: Api) -> ApiRequest:
         req = parse_request(body, max_model_len=self._settings.max_model_len, api=api)
-        check_model(req, self._settings.model)
+        check_model(req.model, self._settings.model, self.adapters)
         if isinstance(req, ChatCompletionRequest):
             _check_chat(req)
             tool_use(req, can_call=self._calls_tools)

@@ -10,9 +10,12 @@ ids and every token generated after them), like a real model's greedy choice, so
   have produced: what moving a stream to another decode mid-way needs.
 
 `Context` is that hash, a 64-bit FNV-1a over the token ids, extended one token at a time
-(hashing a prompt is one pass over its ids). Each word of `WORDS` is one token of the sim's
-vocabulary; its id is the tokenizer's id of the word as one piece (`tokenizer.piece_id`),
-so a word the tokenizer also keeps whole (`` the``, ``.``) has the same id both ways.
+(hashing a prompt is one pass over its ids). A LoRA adapter's text differs from its base
+model's: its name salts the hash's start (`adapter_salt`), so the same prompt continues
+differently, and alike on every instance that holds the adapter. Each word of `WORDS` is
+one token of the sim's vocabulary; its id is the tokenizer's id of the word as one piece
+(`tokenizer.piece_id`), so a word the tokenizer also keeps whole (`` the``, ``.``) has the
+same id both ways.
 Whitespace, punctuation and newlines are in the word list so stop sequences have something
 to match.
 
@@ -67,8 +70,8 @@ class Context:
 
     __slots__ = ("value",)
 
-    def __init__(self, tokens: Sequence[int] = ()) -> None:
-        value = _FNV_OFFSET
+    def __init__(self, tokens: Sequence[int] = (), salt: int = 0) -> None:
+        value = _FNV_OFFSET ^ salt
         for token in tokens:
             value = ((value ^ (token + 1)) * _FNV_PRIME) & _MASK
         self.value = value
@@ -79,6 +82,14 @@ class Context:
     @property
     def key(self) -> bytes:
         return self.value.to_bytes(8, "little")
+
+
+def adapter_salt(adapter: str | None) -> int:
+    """The salt of a LoRA adapter's contexts (0: the base model)."""
+    if adapter is None:
+        return 0
+    digest = blake2b(adapter.encode(), digest_size=8, person=b"pdgate-lora").digest()
+    return int.from_bytes(digest, "little") or 1
 
 
 def next_word(context: Context) -> int:

@@ -5,10 +5,16 @@ aiohttp session and follows the registry's prefills (decode: KV pulls, from regi
 prefills only), registers the instance with a `Heartbeat`, and on shutdown advertises
 DRAINING, deregisters and stops everything.
 
+What the engine serves (`ReportsModel`: its context length, its LoRA adapters) is read
+once it has started, into the registry record and ``GET /v1/models`` (vLLM's shape: the
+model, then each adapter with ``parent`` = the model); a backend with `Tokenization` serves
+``/tokenize`` and ``/detokenize`` (engine_shim/_tokenize.py) and its record declares them.
+
 With the registry's ``cluster_token`` set, the request paths (completions, chat, batch,
-``/v1/kv/{id}``) need it as a bearer token; ``/health``, ``/load`` and ``/metrics`` stay
-open (probes and scrapers; they carry counts, never request content). Without it, a shim
-refuses to listen beyond loopback unless ``allow_unauthenticated`` (`check_exposure`).
+``/tokenize``, ``/detokenize``, ``/v1/kv/{id}``) need it as a bearer token; ``/health``,
+``/load`` and ``/metrics`` stay open (probes and scrapers; they carry counts, never request
+content). Without it, a shim refuses to listen beyond loopback unless
+``allow_unauthenticated`` (`check_exposure`).
 
 ``app.state.shim`` is the `ShimRuntime`; its `drain()` lets an owner stop new work and wait
 for in-flight work before stopping the server (by the time the lifespan shuts down, the
@@ -22,7 +28,10 @@ import contextlib
 import importlib
 import logging
 import secrets
+import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import replace
 from importlib import metadata
 from urllib.parse import urlsplit
 
@@ -46,11 +55,14 @@ from pdgate.config.wire import (
     EXT_SIM_TOKENIZER,
     HEALTH_PATH,
     LOAD_PATH,
+    MODELS_PATH,
+    TOKEN_ENDPOINTS,
 )
 from pdgate.engine_shim._http import ApiError, ClusterAuth, json_response
 from pdgate.engine_shim._kv_sources import KvSources
 from pdgate.engine_shim._metrics import metrics_registry
-from pdgate.engine_shim.backend import DecodeBackend, PrefillBackend
+from pdgate.engine_shim._tokenize import TokenizeEndpoints
+from pdgate.engine_shim.backend import DecodeBackend, PrefillBackend, ReportsModel, Tokenization
 from pdgate.engine_shim.decode import AggregatedWorker, DecodeWorker, local_prefill
 from pdgate.engine_shim.prefill import PrefillShim
 from pdgate.registry.base import InstanceRecord, InstanceState, Registry
@@ -136,7 +148,55 @@ def instance_record(
         extensions=_extensions(settings, backend),
         hardware=settings.hardware or _sim_hardware(settings),
         kv_events=_kv_events(settings),
+        max_model_len=settings.max_model_len,
+        endpoints=TOKEN_ENDPOINTS if isinstance(backend, Tokenization) else (),
     )
+
+
+def served_record(
+    record: InstanceRecord, backend: PrefillBackend | DecodeBackend
+) -> InstanceRecord:
+    """`record` with what the started engine reports of its model (`ReportsModel`)."""
+    if not isinstance(backend, ReportsModel):
+        return record
+    served = backend.served_model()
+    return replace(
+        record,
+        max_model_len=served.max_model_len or record.max_model_len,
+        adapters=served.adapters,
+    )
+
+
+def model_list(record: InstanceRecord, root: str) -> dict[str, object]:
+    """``GET /v1/models`` as vLLM answers it (vllm/entrypoints/openai/models/serving.py,
+    `show_available_models`): the model with its ``max_model_len``, then each LoRA adapter
+    with ``parent`` = the model (an adapter's card has no ``max_model_len``: the model's
+    holds). `root`: what the model was loaded from."""
+    created = int(time.time())
+    permission = {
+        "id": f"modelperm-{uuid.uuid4().hex}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+    card = {"object": "model", "created": created, "owned_by": "vllm", "permission": [permission]}
+    data = [
+        {**card, "id": record.model, "root": root, "parent": None,
+         "max_model_len": record.max_model_len or None},
+        *(
+            {**card, "id": name, "root": name, "parent": record.model, "max_model_len": None}
+            for name in record.adapters
+        ),
+    ]  # fmt: skip
+    return {"object": "list", "data": data}
 
 
 def _free_port(host: str) -> int:
@@ -227,6 +287,8 @@ class ShimRuntime:
 
     async def startup(self) -> None:
         await self.backend.start()
+        self.record = served_record(self.record, self.backend)
+        await self._heartbeat.update(self.record)  # not started yet: the record it registers
         if self._sources is not None:
             await self._sources.start()
         if isinstance(self.service, DecodeWorker):
@@ -359,27 +421,27 @@ def build_shim_app(
 
     # What vLLM's OpenAI server answers, so that routers which identify a vLLM backend by
     # these (SMG, vllm-router) can front the shims as they front vLLM.
-    served = {
-        "object": "list",
-        "data": [
-            {
-                "id": settings.model,
-                "object": "model",
-                "created": int(record.started_at),
-                "owned_by": "vllm",
-                "root": settings.model,
-                "parent": None,
-                "max_model_len": settings.max_model_len,
-                "permission": [],
-            }
-        ],
-    }
+    root = (settings.vllm_model if settings.engine == "vllm" else None) or settings.model
 
     async def models(request: Request) -> Response:
-        return json_response(served)
+        return json_response(model_list(runtime.record, root))
 
     async def version(request: Request) -> Response:
         return json_response({"version": record.version or "0"})
+
+    tokenize_routes = (
+        TokenizeEndpoints(
+            backend,
+            settings.model,
+            lambda: runtime.record.adapters,
+            lambda: runtime.record.max_model_len,
+            auth=auth,
+            max_body_bytes=max_body_bytes,
+            body_timeout_s=settings.body_timeout_s,
+        ).routes()
+        if isinstance(backend, Tokenization)
+        else []
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -403,9 +465,10 @@ def build_shim_app(
             Route(HEALTH_PATH, health, methods=["GET"]),
             Route(LOAD_PATH, load, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),
-            Route("/v1/models", models, methods=["GET"]),
+            Route(MODELS_PATH, models, methods=["GET"]),
             Route("/version", version, methods=["GET"]),
             *service.routes(),
+            *tokenize_routes,
         ],
         lifespan=lifespan,
     )

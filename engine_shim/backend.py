@@ -39,6 +39,12 @@ Every generated token carries its id (`Generated.token_id`, `PrefillOutput.first
 when the engine knows it, for vLLM's ``return_token_ids``: an engine that does not gets the
 field refused (400), like ``logprobs``.
 
+A backend that knows its model's context length or serves LoRA adapters on top of it says
+so (`ReportsModel`): the shim lists them at ``GET /v1/models`` and in its registry record,
+takes requests for an adapter by its name, and gives the adapter to `PrefillBackend.prefill`
+and `DecodeJob`. One that implements `Tokenization` serves ``/tokenize`` and
+``/detokenize`` in vLLM's shapes.
+
 Sampling fields come as the client sent them (`Sampling`); an engine applies the ones it
 can. ``logprobs`` is one an engine must honour: asked for k, it attaches a `TokenLogprobs` to
 every token (the prefill's first token included); the shim refuses a request whose engine
@@ -70,8 +76,11 @@ __all__ = [
     "PrefillBackend",
     "PrefillOutput",
     "Prompt",
+    "ReportsModel",
     "Sampling",
+    "ServedModel",
     "TokenLogprobs",
+    "Tokenization",
     "ToolCalling",
     "ToolUse",
     "tool_call_text",
@@ -209,6 +218,39 @@ class ToolCalling(Protocol):
         that computes the prompt (a prefill and its decode) decides alike: given `use` under
         ``sampling[TOOL_USE]``, `PrefillBackend.prefill` and `DecodeBackend.generate`
         generate this text's tokens and then end the sequence."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What an engine serves besides its model's name."""
+
+    max_model_len: int  # prompt + max_tokens limit
+    adapters: tuple[str, ...] = ()  # LoRA adapters on top of the model, by served name
+
+
+@runtime_checkable
+class ReportsModel(Protocol):
+    def served_model(self) -> ServedModel:
+        """The engine's model as it runs (called once it has started)."""
+        ...
+
+
+@runtime_checkable
+class Tokenization(Protocol):
+    """``/tokenize`` and ``/detokenize`` as vLLM serves them. The token strings are what
+    vLLM's ``return_token_strs`` lists (its tokenizer's pieces)."""
+
+    def tokenize_text(self, text: str, *, add_special_tokens: bool) -> tuple[list[int], list[str]]:
+        """Token ids of `text` (with the tokenizer's special tokens, e.g. BOS, or without)
+        and each one's token string."""
+        ...
+
+    def tokenize_chat(self, chat: ChatPrompt) -> tuple[list[int], list[str]]:
+        """As `ChatTemplate.render_chat`, with each token's string."""
+        ...
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of `ids`; raises ValueError for an id the tokenizer cannot write."""
         ...
 
 
@@ -219,9 +261,11 @@ class PrefillBackend(Protocol):
         ...
 
     async def prefill(
-        self, tokens: Sequence[int], sampling: Sampling | None = None
+        self, tokens: Sequence[int], sampling: Sampling | None = None, *, adapter: str | None = None
     ) -> PrefillOutput:
-        """Compute a prompt in the next batch. Cancelling it withdraws the prompt.
+        """Compute a prompt in the next batch (with the LoRA `adapter` named, one of
+        `ServedModel.adapters`; the shim passes it only when set). Cancelling it withdraws
+        the prompt.
 
         A cancelled call ends only once the prompt has left the engine: at once if it has
         not started, otherwise at the engine's next step boundary (the shim holds the
@@ -288,6 +332,7 @@ class DecodeJob:
     max_tokens: int
     kv: KvSink  # committed: the prompt's KV pulled from a prefill, or `local_kv`'s
     sampling: Sampling | None = None
+    adapter: str | None = None  # a LoRA adapter of `ServedModel.adapters`; None: the model
 
 
 @runtime_checkable

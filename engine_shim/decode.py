@@ -360,7 +360,9 @@ class DecodeWorker(ShimService[DecodeBackend]):
                 await gate.admit(
                     seq, len(decoding.prompt), decoding.ttft_left_s, decoding.tpot_slo_s
                 )
-            job = DecodeJob(decoding.prompt, max_tokens, sink, decoding.sampling)
+            job = DecodeJob(
+                decoding.prompt, max_tokens, sink, decoding.sampling, self._adapter(req)
+            )
             generate = self._backend.generate(job)
             async with aclosing(generate) as generated:
                 async for token in generated:

@@ -299,7 +299,14 @@ class PrefillShim(ShimService[PrefillBackend]):
         # The engine call runs as its own task so that the slot follows the engine, not the
         # caller: a caller that leaves mid-prefill returns at once, but the slot is freed only
         # when the engine has dropped the prompt (see `_free_when_engine_done`).
-        work = asyncio.ensure_future(self._backend.prefill(tokens, engine_sampling(req, tools)))
+        adapter = self._adapter(req)
+        sampling = engine_sampling(req, tools)
+        call = (
+            self._backend.prefill(tokens, sampling)
+            if adapter is None
+            else self._backend.prefill(tokens, sampling, adapter=adapter)
+        )
+        work = asyncio.ensure_future(call)
         try:
             out = await guard(asyncio.shield(work))
         except BaseException as exc:

@@ -42,6 +42,15 @@ arguments). A call is generated as the tokens of its text in pdgate's syntax
 (``<tool_call>NAME\n{"arg":"value"}</tool_call>``, cut by the sim tokenizer like any text),
 then the sequence ends: a prefill's one token is the call's first, and a decode that computes
 the same prompt generates the same call from its first token on.
+
+LoRA adapters (``sim_lora_adapters``) are names: a request for one generates from contexts
+salted with its name (engine_shim/_sim_text.py), so its text differs from the base model's
+and is the same on every instance holding it. Its timing is the base model's.
+
+``/detokenize``: the sim's tokenizer is a hash (config/sim_tokenizer.py), so only pieces it
+can name are written back: its generated words, the chat template's markers, single
+characters, digit groups and short runs of whitespace (`_known_pieces`); any other id is
+refused.
 """
 
 from __future__ import annotations
@@ -49,7 +58,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
+import string
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
@@ -60,7 +71,7 @@ from pdgate.config import Role, ShimSettings
 from pdgate.config import sim_tokenizer as tokenizer
 from pdgate.config.server import is_wildcard
 from pdgate.engine_shim._sim_kv import KvLink, SimKvBuffer, SimKvSink
-from pdgate.engine_shim._sim_text import Context, next_token, token_logprobs
+from pdgate.engine_shim._sim_text import WORDS, Context, adapter_salt, next_token, token_logprobs
 from pdgate.engine_shim._sim_tools import tool_call
 from pdgate.engine_shim.backend import (
     TOOL_USE,
@@ -74,6 +85,7 @@ from pdgate.engine_shim.backend import (
     PrefillOutput,
     Prompt,
     Sampling,
+    ServedModel,
     ToolUse,
 )
 from pdgate.engine_shim.kv_events import KvEventPublisher
@@ -100,6 +112,7 @@ def make_backend(settings: ShimSettings) -> SimPrefillEngine | SimDecodeEngine:
         profile = dataclasses.replace(
             profile, kv_bandwidth_bytes_s=settings.sim_kv_bandwidth_gbps * 1e9 / 8
         )
+    served = ServedModel(settings.max_model_len, tuple(settings.sim_lora_adapters))
     if settings.role == Role.PREFILL:
         events = None
         if settings.kv_events_port is not None:
@@ -111,8 +124,9 @@ def make_backend(settings: ShimSettings) -> SimPrefillEngine | SimDecodeEngine:
             max_batch=settings.capacity,
             kv_wire_fraction=settings.sim_kv_wire_fraction,
             events=events,
+            served=served,
         )
-    return SimDecodeEngine(profile, max_batch=settings.capacity)
+    return SimDecodeEngine(profile, max_batch=settings.capacity, served=served)
 
 
 def _bind_host(host: str) -> str:
@@ -171,13 +185,39 @@ def render_chat(chat: ChatPrompt) -> list[int]:
     return tokenizer.encode(render_chat_text(chat))
 
 
-class _EngineLoop:
-    """What both sim engines are: the sim tokenizer and chat template, and a background loop
-    task with a wake-up event; subclasses implement `_run`."""
+@functools.cache
+def _known_pieces() -> dict[int, str]:
+    """Token id -> text, for the pieces the sim can write back (see the module docstring);
+    where two share an id, the first listed wins."""
+    pieces: list[str] = list(WORDS)
+    for role in ("tools", "system", "developer", "user", "assistant", "tool", "end"):
+        pieces += tokenizer.pieces(f"<|{role}|>\n")
+    pieces += tokenizer.pieces("<tool_calls></tool_calls>")
+    for char in string.printable:
+        pieces += [char, " " + char, "\n" + char]
+    for n in range(1000):
+        pieces += [str(n), " " + str(n), f"{n:02d}", f"{n:03d}"]
+    for k in range(1, 9):
+        pieces += [" " * k, "\n" * k, "\t" * k]
+    known: dict[int, str] = {}
+    for piece in pieces:
+        if tokenizer.pieces(piece) == [piece]:  # the tokenizer cuts it as one token
+            known.setdefault(tokenizer.piece_id(piece), piece)
+    return known
 
-    def __init__(self) -> None:
+
+class _EngineLoop:
+    """What both sim engines are: the sim tokenizer and chat template, the model it serves
+    (`ReportsModel`, `Tokenization`), and a background loop task with a wake-up event;
+    subclasses implement `_run`."""
+
+    def __init__(self, served: ServedModel | None = None) -> None:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._served = served or ServedModel(0)
+
+    def served_model(self) -> ServedModel:
+        return self._served
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         return tokenize(prompt)
@@ -187,6 +227,26 @@ class _EngineLoop:
 
     def tool_call(self, tokens: Sequence[int], use: ToolUse) -> str | None:
         return tool_call(tokens, use)
+
+    def tokenize_text(self, text: str, *, add_special_tokens: bool) -> tuple[list[int], list[str]]:
+        pieces = tokenizer.pieces(text)  # no special tokens in the sim's vocabulary
+        return tokenizer.ids(pieces), pieces
+
+    def tokenize_chat(self, chat: ChatPrompt) -> tuple[list[int], list[str]]:
+        return self.tokenize_text(render_chat_text(chat), add_special_tokens=False)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        known = _known_pieces()
+        out: list[str] = []
+        for token in ids:
+            piece = known.get(token)
+            if piece is None:
+                raise ValueError(
+                    f"token id {token} has no text the sim can write (its tokenizer is a "
+                    "hash: only its generated words and simple pieces are known)"
+                )
+            out.append(piece)
+        return "".join(out)
 
     async def start(self) -> None:
         if self._task is None:
@@ -213,6 +273,7 @@ class _PrefillJob:
     future: asyncio.Future[PrefillOutput]
     top_logprobs: int | None
     forced: str | None  # the first token of the tool call the model makes, if it makes one
+    salt: int  # the LoRA adapter's (0: the base model)
     # Set when the job's batch is over (or the engine stopped): the prompt has left the engine.
     left: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -227,8 +288,9 @@ class SimPrefillEngine(_EngineLoop):
         max_batch: int,
         kv_wire_fraction: float,
         events: KvEventPublisher | None = None,
+        served: ServedModel | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(served)
         if max_batch <= 0:
             raise ValueError("max_batch must be positive")
         self._profile = profile
@@ -259,7 +321,7 @@ class SimPrefillEngine(_EngineLoop):
         )
 
     async def prefill(
-        self, tokens: Sequence[int], sampling: Sampling | None = None
+        self, tokens: Sequence[int], sampling: Sampling | None = None, *, adapter: str | None = None
     ) -> PrefillOutput:  # the sim does not sample: only `logprobs` is read
         if self._task is None:
             raise RuntimeError("engine is not started")
@@ -272,6 +334,7 @@ class SimPrefillEngine(_EngineLoop):
             asyncio.get_running_loop().create_future(),
             _top_logprobs(sampling),
             None if forced is None else forced[0],
+            adapter_salt(adapter),
         )
         self._pending.append(job)
         self._wakeup.set()
@@ -327,7 +390,7 @@ class SimPrefillEngine(_EngineLoop):
         for job, hit in zip(batch, cached, strict=True):
             nbytes = self._profile.kv_wire_bytes(len(job.tokens), self._wire_fraction)
             kv = await SimKvBuffer.build(job.tokens, nbytes)
-            context = Context(job.tokens)
+            context = Context(job.tokens, job.salt)
             if job.forced is None:
                 token_id, text = next_token(context)
             else:
@@ -365,8 +428,10 @@ class _Sequence:
 class SimDecodeEngine(_EngineLoop):
     """`DecodeBackend` of the sim engine."""
 
-    def __init__(self, profile: SimProfile, *, max_batch: int) -> None:
-        super().__init__()
+    def __init__(
+        self, profile: SimProfile, *, max_batch: int, served: ServedModel | None = None
+    ) -> None:
+        super().__init__(served)
         if max_batch <= 0:
             raise ValueError("max_batch must be positive")
         self._profile = profile
@@ -418,7 +483,11 @@ class SimDecodeEngine(_EngineLoop):
         # A tool call ends the sequence after its last token (the model's end of sequence).
         max_tokens = job.max_tokens if forced is None else min(job.max_tokens, len(forced))
         seq = _Sequence(
-            Context(tokens), len(tokens), max_tokens, _top_logprobs(job.sampling), forced
+            Context(tokens, adapter_salt(job.adapter)),
+            len(tokens),
+            max_tokens,
+            _top_logprobs(job.sampling),
+            forced,
         )
         cached = self._cache.lookup_and_insert(tokens)
         if local:

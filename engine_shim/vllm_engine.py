@@ -17,6 +17,14 @@ the gateway cannot tell the two apart:
   Given `local_kv` instead (a plain request), `generate` submits the prompt without any KV:
   vLLM prefills it in its running batch (chunked prefill, its prefix cache first).
 
+The model's context length is the engine's own (``max_model_len``, which
+``vllm_engine_args`` may override), reported once the engine has started (`ReportsModel`).
+LoRA adapters are out of reach here: no setting loads one into the shim's engine, so a
+vllm shim reports none and refuses requests for one; a fleet that serves adapters runs
+stock ``vllm serve --enable-lora`` behind ``--prefill/--decode/--aggregated`` or ``pdgate
+announce``, whose ``GET /v1/models`` the gateway reads. ``/tokenize`` and ``/detokenize``
+use the engine's tokenizer and chat template (`Tokenization`).
+
 Cancelling `prefill` or closing a `generate` generator (the client left) aborts the vLLM
 request: vLLM's ``AsyncLLM.generate`` aborts when its consumer is cancelled or closed, and the
 backends count those aborts for ``/load``. Prompts are never logged.
@@ -57,6 +65,7 @@ from pdgate.engine_shim.backend import (
     PrefillOutput,
     Prompt,
     Sampling,
+    ServedModel,
     TokenLogprobs,
 )
 from pdgate.engine_shim.vllm_connector import LOAD_KEY, LOAD_TOKENS_KEY, SAVE_KEY
@@ -249,6 +258,30 @@ class _VllmEngine:
                 raise ValueError(f"token id {t} is outside the vocabulary [0, {self._vocab})")
         return ids
 
+    def served_model(self) -> ServedModel:
+        if self._llm is None:
+            raise RuntimeError("engine is not started")
+        return ServedModel(int(self._llm.model_config.max_model_len))
+
+    def _no_adapter(self, adapter: str | None) -> None:
+        if adapter is not None:
+            raise InvalidRequest("this engine serves no LoRA adapters")
+
+    def tokenize_text(self, text: str, *, add_special_tokens: bool) -> tuple[list[int], list[str]]:
+        if self._tokenizer is None:
+            raise RuntimeError("engine is not started")
+        ids = list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return ids, list(self._tokenizer.convert_ids_to_tokens(ids))
+
+    def tokenize_chat(self, chat: ChatPrompt) -> tuple[list[int], list[str]]:
+        ids = self.render_chat(chat)
+        return ids, list(self._tokenizer.convert_ids_to_tokens(ids))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        if self._tokenizer is None:
+            raise RuntimeError("engine is not started")
+        return str(self._tokenizer.decode(self.tokenize(ids)))  # ids checked as a prompt's
+
     def render_chat(self, chat: ChatPrompt) -> list[int]:
         """The conversation in the model's chat template, tokenized as vLLM's chat API does
         it: rendered to text, then encoded without adding special tokens (the template
@@ -351,8 +384,9 @@ class VllmPrefillEngine(_VllmEngine):
         self._computing = 0
 
     async def prefill(
-        self, tokens: Sequence[int], sampling: Sampling | None = None
+        self, tokens: Sequence[int], sampling: Sampling | None = None, *, adapter: str | None = None
     ) -> PrefillOutput:
+        self._no_adapter(adapter)
         # Bounded: the shim admits at most one batch of prompts (its slots) at a time.
         if self._computing >= self._max_batch:
             raise EngineBusy("prefill batch is full")
@@ -404,6 +438,7 @@ class VllmDecodeEngine(_VllmEngine):
         return LocalKv()
 
     async def generate(self, job: DecodeJob) -> AsyncGenerator[Generated, None]:
+        self._no_adapter(job.adapter)
         tokens, kv = job.tokens, job.kv
         load: dict[str, Any] = {}  # a local prefill: no KV to load, vLLM computes the prompt
         if isinstance(kv, FileKvSink) and kv.committed:

@@ -27,11 +27,14 @@ from pdgate.config.aio import Background, Backoff, ExponentialBackoff
 from pdgate.config.openai_api import error_json
 from pdgate.config.tracing import Tracing
 from pdgate.gateway.admission.auth import KeyRing
+from pdgate.gateway.admission.context import ContextLimit, EngineTokenCounter, TokenCounter
 from pdgate.gateway.admission.groups import GroupResolver
 from pdgate.gateway.api.admin import admin_routes
 from pdgate.gateway.api.completions import CompletionsEndpoint
 from pdgate.gateway.api.dashboard import dashboard_routes
+from pdgate.gateway.api.messages import messages_routes
 from pdgate.gateway.api.responses import responses_routes
+from pdgate.gateway.api.side import SIDE_PATHS, SideEndpoint
 from pdgate.gateway.errors import GatewayError
 from pdgate.gateway.instances.affinity import PrefixIndex, PrefixLookup
 from pdgate.gateway.instances.health import Ejection, Ejector, RetryBudget
@@ -74,7 +77,7 @@ class _Late:
     """An ASGI endpoint bound in the lifespan (routes are declared before it runs)."""
 
     def __init__(self) -> None:
-        self.target: CompletionsEndpoint | None = None
+        self.target: CompletionsEndpoint | SideEndpoint | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.target is None:
@@ -99,19 +102,25 @@ class GatewayApp:
     Starlette's middleware and router: measured (``pdgate bench profile``), their send
     wrappers cost more per relayed SSE chunk than the relay itself."""
 
-    def __init__(self, app: Starlette, completions: _Late) -> None:
+    def __init__(self, app: Starlette, completions: _Late, side: _Late | None = None) -> None:
+        """`side`: the side endpoints (gateway/api/side.py), likewise outside Starlette."""
         self.app = app
         self._completions = completions
+        self._side = side or _Late()
 
     def stop(self) -> None:
         """The process is told to stop: before its server's grace, the completions endpoint
-        sheds what waits and refuses what comes (`CompletionsEndpoint.stop`)."""
-        if self._completions.target is not None:
-            self._completions.target.stop()
+        sheds what waits and refuses what comes (`CompletionsEndpoint.stop`; the side
+        endpoints share its admission)."""
+        target = self._completions.target
+        if isinstance(target, CompletionsEndpoint):
+            target.stop()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] in _API_PATHS and scope["method"] == "POST":
             await self._completions(scope, receive, send)
+        elif scope["type"] == "http" and scope["path"] in SIDE_PATHS and scope["method"] == "POST":
+            await self._side(scope, receive, send)
         else:
             await self.app(scope, receive, send)
 
@@ -202,6 +211,9 @@ class Gateway:
     dispatcher: Dispatcher
     endpoint: CompletionsEndpoint
     responses: ResponseStore  # stored responses of the Responses API
+    side: SideEndpoint
+    # A prompt's tokens as the engines count them (gateway/admission/context.py).
+    tokens: TokenCounter
     started: float  # wall clock, for /v1/models' `created`
 
     def state(self) -> dict[str, Any]:
@@ -307,6 +319,7 @@ def build_gateway_app(
     # has no release endpoint).
     instance_keys = static_api_keys(settings)
     completions = _Late()
+    side = _Late()
     started = time.time()
     owns_tracing = tracing is None
     traces = Tracing.from_env("pdgate-gateway") if tracing is None else tracing
@@ -355,6 +368,8 @@ def build_gateway_app(
             lambda: dispatcher.describe_queues(),
             lambda: dispatcher.decode_waiting(),
         )
+        # The served models' tokenizers, loaded on first use (prefix matching, token counts).
+        tokenizers = PromptTokenizers(settings.tokenizers)
         # Only a policy that scores prefix affinity pays for an index.
         index: PrefixLookup | None = None
         kv_feed: KvEventFeed | None = None
@@ -367,7 +382,6 @@ def build_gateway_app(
             index = chars
             if "kv_prefix" in prefill_policy.needs:
                 # The engines' KV events, with the character history for those without.
-                tokenizers = PromptTokenizers(settings.tokenizers)
                 kv_index = KvBlockIndex(
                     tokenizers,
                     chars,
@@ -393,6 +407,19 @@ def build_gateway_app(
             tracing=traces,
         )
         responses = open_response_store(settings, registry_settings)
+        counter = EngineTokenCounter(
+            tracker,
+            client,
+            tokenizers,
+            timeout_s=settings.token_count_timeout_s,
+            tries=settings.token_count_tries,
+        )
+        context = ContextLimit(
+            tracker,
+            counter,
+            template_tokens=settings.context_template_tokens,
+            message_tokens=settings.context_message_tokens,
+        )
         endpoint = CompletionsEndpoint(
             settings,
             dispatcher,
@@ -402,6 +429,18 @@ def build_gateway_app(
             groups=groups,
             tracing=traces,
             fronts=_fronts(settings, responses),
+            context=context,
+        )
+        side_endpoint = SideEndpoint(
+            settings,
+            endpoint,
+            dispatcher,
+            tracker,
+            client,
+            metrics,
+            keys,
+            groups=groups,
+            tracing=traces,
         )
         gateway = Gateway(
             settings=settings,
@@ -417,6 +456,8 @@ def build_gateway_app(
             dispatcher=dispatcher,
             endpoint=endpoint,
             responses=responses,
+            side=side_endpoint,
+            tokens=counter,
             started=started,
         )
         try:
@@ -437,10 +478,12 @@ def build_gateway_app(
             loop_lag = LoopLagMonitor(metrics.loop_lag.observe, settings.loop_lag_interval_s)
             loop_lag.start()
         completions.target = endpoint
+        side.target = side_endpoint
         try:
             yield gateway.state()
         finally:
             completions.target = None
+            side.target = None
             if loop_lag is not None:
                 await loop_lag.stop()
             # In this order: pending KV releases still need the upstream session, and the
@@ -463,6 +506,8 @@ def build_gateway_app(
             Route("/v1/responses", completions, methods=["POST"]),  # (and these)
             Route("/v1/messages", completions, methods=["POST"]),
             *responses_routes(),
+            *messages_routes(),
+            *(Route(path, side, methods=["POST"]) for path in sorted(SIDE_PATHS)),
             *admin_routes(),
             *dashboard_routes(keys),
         ],
@@ -473,7 +518,7 @@ def build_gateway_app(
             Exception: _internal_error,
         },
     )
-    return GatewayApp(app, completions)
+    return GatewayApp(app, completions, side)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -31,6 +31,12 @@ class BadRequest(GatewayError):
     type = "invalid_request_error"
 
 
+class ContextLengthExceeded(BadRequest):
+    """The prompt plus ``max_tokens`` do not fit in the model's context: no retry can help."""
+
+    code = "context_length_exceeded"
+
+
 class RequestTimeout(GatewayError):
     status = 408
     type = "invalid_request_error"

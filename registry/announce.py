@@ -4,9 +4,12 @@ any OpenAI server with vLLM's ``kv_transfer_params`` handshake) in the Redis reg
 A sidecar next to the server:
 
 1. waits until the server's ``GET /health`` answers 200, reads the served model from
-   ``GET /v1/models`` (unless ``--model`` is given), then registers the record and keeps it
-   alive with a `Heartbeat`;
-2. while it runs, probes ``/health`` every ``--probe-interval-s``; after ``--down-after``
+   ``GET /v1/models`` (unless ``--model`` is given) with its ``max_model_len`` and LoRA
+   adapters, and the side endpoints it answers from ``GET /openapi.json``, then registers
+   the record and keeps it alive with a `Heartbeat`;
+2. while it runs, probes ``/health`` every ``--probe-interval-s`` and re-reads
+   ``/v1/models`` (an adapter loaded or unloaded at run time changes the record at once);
+   after ``--down-after``
    failed probes in a row it stops heartbeating and deregisters (the record is gone at once,
    or expires within the registry's ``ttl_s`` if Redis cannot take the removal), and
    registers again, model re-read, once the server answers;
@@ -28,6 +31,7 @@ import contextlib
 import logging
 import os
 import signal
+from dataclasses import replace
 
 import aiohttp
 
@@ -47,7 +51,14 @@ from pdgate.registry import (
     open_registry,
 )
 from pdgate.registry.redis import redact_url
-from pdgate.registry.static import StockInstance, check_health, served_model
+from pdgate.registry.static import (
+    ServedModels,
+    StockInstance,
+    check_health,
+    reread_models,
+    served_endpoints,
+    served_model,
+)
 
 log = logging.getLogger("pdgate.announce")
 
@@ -185,13 +196,19 @@ class _Announcer:
         loop = asyncio.get_running_loop()
         while not stop.is_set():
             started = loop.time()
+            model: str | None = None
+            served: ServedModels | None = None
+            endpoints: tuple[str, ...] = ()
             try:
                 async with asyncio.timeout(self._timeout_s):
                     await check_health(session, self._server.spec.url, self._server.headers)
-                    model = (
-                        None
-                        if self._heartbeat is not None
-                        else await served_model(session, self._server, self._name)
+                    if self._heartbeat is None:
+                        model, served = await served_model(session, self._server, self._name)
+                    else:
+                        served = await reread_models(session, self._server)
+                if self._heartbeat is None:  # its routes change only with a restart
+                    endpoints = await served_endpoints(
+                        session, self._server, self._name, self._timeout_s
                     )
             except Exception as exc:  # whatever the server does, the sidecar carries on
                 failures += 1
@@ -211,26 +228,51 @@ class _Announcer:
                     log.warning("%s is not ready (%s); registering once it is", self._name, reason)
             else:
                 failures, warned = 0, False
+                if self._heartbeat is not None and served is not None:
+                    await self._follow_models(self._heartbeat, served)
                 if self._heartbeat is None:
                     assert model is not None
+                    record = self._server.ready_record(
+                        model, _VERSION, served=served, endpoints=endpoints
+                    )
                     heartbeat = Heartbeat(
                         registry,
-                        self._server.ready_record(model, _VERSION),
+                        record,
                         interval_s=self._reg.heartbeat_interval_s,
                         ttl_s=self._reg.ttl_s,
                     )
                     await heartbeat.start()
                     self._heartbeat = heartbeat
                     log.info(
-                        "%s registered as %r: model %r, capacity %d",
+                        "%s registered as %r: model %r (max_model_len %s, adapters %s), "
+                        "capacity %d",
                         self._name,
                         self._server.id,
                         model,
+                        record.max_model_len or "unknown",
+                        list(record.adapters[:8]),
                         self._server.capacity,
                     )
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, started + self._interval_s - loop.time())):
                     await stop.wait()
+
+    async def _follow_models(self, heartbeat: Heartbeat, served: ServedModels) -> None:
+        """The record as the server's model list now says (adapters loaded or unloaded)."""
+        old = heartbeat.record
+        record = replace(
+            old,
+            max_model_len=served.context.get(old.model, 0),
+            adapters=served.adapters.get(old.model, ()),
+        )
+        if record != old:
+            log.info(
+                "%s now serves adapters %s (max_model_len %s)",
+                self._name,
+                list(record.adapters[:8]),
+                record.max_model_len or "unknown",
+            )
+            await heartbeat.update(record)
 
     async def _drain(self, heartbeat: Heartbeat, session: aiohttp.ClientSession) -> None:
         """DRAINING while the server still answers, at most ``drain_s``; a second signal

@@ -19,7 +19,16 @@ import orjson
 
 from pdgate.config import Role
 from pdgate.config.kv_events import connectable_endpoint
-from pdgate.config.wire import HARDWARE_PATTERN, MAX_EXTENSION_CHARS, MAX_EXTENSIONS
+from pdgate.config.wire import (
+    HARDWARE_PATTERN,
+    MAX_ADAPTERS,
+    MAX_CONTEXT_TOKENS,
+    MAX_ENDPOINT_CHARS,
+    MAX_ENDPOINTS,
+    MAX_EXTENSION_CHARS,
+    MAX_EXTENSIONS,
+    MAX_MODEL_NAME_CHARS,
+)
 
 
 class InstanceState(StrEnum):
@@ -48,6 +57,13 @@ class InstanceRecord:
     # Where it publishes its KV-cache events (vLLM's ZMQ PUB, config/kv_events.py), as
     # tcp://host:port or ipc://path; "" when it publishes none.
     kv_events: str = ""
+    # What the engine reports of its model (its GET /v1/models, or a shim's own engine):
+    # prompt + max_tokens limit (0 unknown), and the LoRA adapters it serves on top of
+    # `model`, by their served names.
+    max_model_len: int = 0
+    adapters: tuple[str, ...] = ()
+    # The side endpoints (config/wire.py SIDE_ENDPOINTS) it answers, by path.
+    endpoints: tuple[str, ...] = ()
     # HMAC of the other fields with the fleet's cluster token (registry/signing.py).
     signature: str = ""
 
@@ -83,6 +99,9 @@ class InstanceRecord:
             extensions=_extensions(data.get("extensions", ())),
             hardware=hardware_name(data.get("hardware", "")),
             kv_events=connectable_endpoint(data.get("kv_events", "")),
+            max_model_len=context_tokens(data.get("max_model_len", 0)),
+            adapters=adapter_names(data.get("adapters", ())),
+            endpoints=endpoint_paths(data.get("endpoints", ())),
             signature=str(data.get("signature", "")),
         )
 
@@ -92,6 +111,36 @@ def hardware_name(raw: object) -> str:
     if not isinstance(raw, str) or not _HARDWARE.fullmatch(raw):
         raise ValueError("hardware must be at most 64 of a-z, 0-9 and /._- (e.g. l40s/tp2)")
     return raw
+
+
+def context_tokens(raw: object) -> int:
+    """A model's ``max_model_len`` as an engine reports it (0: unknown)."""
+    if type(raw) is not int or not 0 <= raw <= MAX_CONTEXT_TOKENS:
+        raise ValueError(f"max_model_len must be an integer in [0, {MAX_CONTEXT_TOKENS}]")
+    return raw
+
+
+def adapter_names(raw: object) -> tuple[str, ...]:
+    """LoRA adapters' served names: at most `MAX_ADAPTERS`, each 1 to
+    `MAX_MODEL_NAME_CHARS` characters (a name listed twice counts once)."""
+    return tuple(dict.fromkeys(_names(raw, "adapters", MAX_ADAPTERS, MAX_MODEL_NAME_CHARS)))
+
+
+def endpoint_paths(raw: object) -> tuple[str, ...]:
+    """Side endpoints' paths: at most `MAX_ENDPOINTS`, each ``/...`` of at most
+    `MAX_ENDPOINT_CHARS` characters."""
+    paths = _names(raw, "endpoints", MAX_ENDPOINTS, MAX_ENDPOINT_CHARS)
+    if any(not p.startswith("/") for p in paths):
+        raise ValueError("an endpoint is a path starting with /")
+    return paths
+
+
+def _names(raw: object, what: str, count: int, chars: int) -> tuple[str, ...]:
+    if not isinstance(raw, list | tuple) or len(raw) > count:
+        raise ValueError(f"{what} must be a list of at most {count} names")
+    if any(not isinstance(x, str) or not 0 < len(x) <= chars for x in raw):
+        raise ValueError(f"each of {what} is a string of 1 to {chars} characters")
+    return tuple(raw)
 
 
 def _extensions(raw: object) -> tuple[str, ...]:

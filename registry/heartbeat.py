@@ -71,6 +71,20 @@ class Heartbeat:
             raise failure
         self._task = asyncio.create_task(self._run(), name=f"heartbeat:{self._record.id}")
 
+    async def update(self, record: InstanceRecord) -> None:
+        """Advertise `record` (same id) from now on, in the state the current one is in; a
+        change is announced at once (what the instance serves changed, e.g. an adapter
+        loaded), an equal record costs nothing."""
+        if record.id != self._record.id:
+            raise ValueError("a heartbeat keeps one instance id")
+        record = record.with_state(self._record.state)
+        if record == self._record:
+            return
+        self._record = record
+        self._announce = True
+        if self._task is not None and not self._stopped:
+            await self._beat()
+
     async def set_state(self, state: InstanceState) -> None:
         """Change the advertised state and announce it (retried by the loop if it fails)."""
         self._record = self._record.with_state(state)

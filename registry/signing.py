@@ -24,6 +24,9 @@ __all__ = ["RecordSigner", "SigningRegistry"]
 logger = logging.getLogger(__name__)
 
 _MAX_WARNED = 1024
+# Fields added after v1 enter the signed form only when set, so records written before they
+# existed still verify (and every field a record carries is signed).
+_LATER = ("extensions", "hardware", "kv_events", "max_model_len", "adapters", "endpoints")
 
 
 class RecordSigner:
@@ -37,9 +40,7 @@ class RecordSigner:
     def _mac(self, record: InstanceRecord) -> str:
         fields = asdict(record)
         fields.pop("signature", None)
-        # Fields added after v1 enter the signed form only when set, so records written
-        # before they existed still verify.
-        for later in ("extensions", "hardware", "kv_events"):
+        for later in _LATER:
             if not fields[later]:
                 del fields[later]
         payload = orjson.dumps(fields, option=orjson.OPT_SORT_KEYS)

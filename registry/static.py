@@ -3,12 +3,19 @@
 and ``--aggregated URL`` (``static_aggregated``) for servers that serve whole requests.
 
 `StaticRegistry` is a read-only `Registry` over those servers. A background task probes each
-one every ``probe_interval_s`` (``GET /health``, and ``GET /v1/models`` for the served model
-when none is given) with a ``probe_timeout_s`` bound; a server is listed once it has answered,
+one every ``probe_interval_s`` (``GET /health`` and ``GET /v1/models``) with a
+``probe_timeout_s`` bound; a server is listed once it has answered,
 READY while it answers and DRAINING (no new requests, its open streams still counted) after
 ``down_after`` failed probes in a row, until it answers again. `MergedRegistry` shows it
 together with the configured registry (Redis or in-memory), so `Membership` and the rest of
 the gateway see one membership and need no change.
+
+What the server serves is read from it: the model (the first ``GET /v1/models`` lists without
+a ``parent``, unless the declaration names one), its ``max_model_len`` and the LoRA adapters
+listed with it as ``parent`` (vLLM's shape), re-read at every probe so that adapters loaded
+or unloaded at run time (vLLM's ``/v1/load_lora_adapter``) follow within a probe interval;
+and the side endpoints it answers, from the paths of its ``GET /openapi.json`` (vLLM registers
+the pooling routes only for a pooling model), read once per (re)connection.
 
 Ids are derived from role and URL (`static_instance_id`), so every gateway of a fleet names
 a server alike and shares its slot leases, and a server that `pdgate announce` also registers
@@ -23,7 +30,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 import orjson
@@ -35,7 +42,16 @@ from pdgate.config.settings import (
     GatewaySettings,
     StaticInstance,
 )
-from pdgate.config.wire import HEALTH_PATH, Role
+from pdgate.config.wire import (
+    HEALTH_PATH,
+    MAX_ADAPTERS,
+    MAX_CONTEXT_TOKENS,
+    MAX_MODEL_NAME_CHARS,
+    MODELS_PATH,
+    OPENAPI_PATH,
+    SIDE_ENDPOINTS,
+    Role,
+)
 from pdgate.registry.base import (
     EventStream,
     InstanceRecord,
@@ -50,10 +66,13 @@ from pdgate.registry.memory import MemoryRegistry
 __all__ = [
     "MergedRegistry",
     "ProbeError",
+    "ServedModels",
     "StaticRegistry",
     "StockInstance",
     "check_health",
     "list_models",
+    "read_endpoints",
+    "read_models",
     "served_model",
     "static_api_keys",
     "static_instance_id",
@@ -62,9 +81,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MODELS_PATH = "/v1/models"
 STATIC_VERSION = "static"  # InstanceRecord.version of static instances (shown by /admin)
 _MAX_BODY_BYTES = 1 << 20  # a /v1/models answer; vLLM's is a few hundred bytes per model
+# An /openapi.json answer: vLLM's is a few hundred KiB (its request schemas).
+_MAX_OPENAPI_BYTES = 8 << 20
+_OPENAPI_TIMEOUTS = 5  # probe timeouts reading it may take
 _MAX_WARNED = 1024
 _EVENT_QUEUE = 256
 
@@ -80,13 +101,24 @@ def static_instance_id(role: Role, url: str) -> str:
 
 
 async def _get(
-    session: aiohttp.ClientSession, url: str, headers: Mapping[str, str]
+    session: aiohttp.ClientSession,
+    url: str,
+    headers: Mapping[str, str],
+    limit: int = _MAX_BODY_BYTES,
+    timeout_s: float | None = None,
 ) -> tuple[int, bytes]:
-    async with session.get(url, headers=headers, allow_redirects=False) as resp:
-        body = await resp.content.read(_MAX_BODY_BYTES + 1)
-        if len(body) > _MAX_BODY_BYTES:
-            raise ProbeError(f"GET {url}: answer larger than {_MAX_BODY_BYTES} bytes")
-        return resp.status, body
+    # The session's own timeout unless this call has one.
+    timeout = session.timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
+    async with session.get(url, headers=headers, allow_redirects=False, timeout=timeout) as resp:
+        # Read to the end: one read returns only what has arrived so far.
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in resp.content.iter_chunked(1 << 16):
+            size += len(chunk)
+            if size > limit:
+                raise ProbeError(f"GET {url}: answer larger than {limit} bytes")
+            chunks.append(chunk)
+        return resp.status, b"".join(chunks)
 
 
 async def check_health(
@@ -98,24 +130,91 @@ async def check_health(
         raise ProbeError(f"GET {HEALTH_PATH} answered HTTP {status}")
 
 
-async def list_models(
+@dataclass(frozen=True, slots=True)
+class ServedModels:
+    """What a server's ``GET /v1/models`` lists: its models in order, each one's
+    ``max_model_len`` where it says one, and the LoRA adapters listed with it as ``parent``
+    (an adapter whose parent is not listed is left out: nothing could serve it)."""
+
+    bases: tuple[str, ...]
+    context: Mapping[str, int] = field(default_factory=dict)
+    adapters: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        """Every name listed, models first."""
+        return [*self.bases, *(a for b in self.bases for a in self.adapters.get(b, ()))]
+
+
+def _name(raw: object) -> str | None:
+    return raw if isinstance(raw, str) and 0 < len(raw) <= MAX_MODEL_NAME_CHARS else None
+
+
+async def read_models(
     session: aiohttp.ClientSession, base_url: str, headers: Mapping[str, str]
-) -> list[str]:
-    """The models ``GET {base_url}/v1/models`` lists, base models first (vLLM lists LoRA
-    adapters too, with a ``parent``). Raises `ProbeError` or aiohttp's errors."""
+) -> ServedModels:
+    """``GET {base_url}/v1/models`` read (see `ServedModels`); entries that are not a model
+    card are skipped, names beyond the record's bounds too. Raises `ProbeError` or aiohttp's
+    errors."""
     status, body = await _get(session, base_url + MODELS_PATH, headers)
     if status != 200:
         raise ProbeError(f"GET {MODELS_PATH} answered HTTP {status}")
     try:
         data = orjson.loads(body)["data"]
-        entries = [(e["id"], e.get("parent")) for e in data if isinstance(e, dict)]
-    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        entries = [e for e in data if isinstance(e, dict)]
+    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
         raise ProbeError(f"GET {MODELS_PATH}: not an OpenAI model list") from exc
-    names = [i for i, parent in entries if isinstance(i, str) and i and parent is None]
-    names += [i for i, parent in entries if isinstance(i, str) and i and parent is not None]
-    if not names:
+    bases: list[str] = []
+    context: dict[str, int] = {}
+    for entry in entries:
+        name = _name(entry.get("id"))
+        if name is None or entry.get("parent") is not None or name in context:
+            continue
+        bases.append(name)
+        length = entry.get("max_model_len")
+        context[name] = length if type(length) is int and 0 < length <= MAX_CONTEXT_TOKENS else 0
+    adapters: dict[str, list[str]] = {}
+    for entry in entries:
+        name, parent = _name(entry.get("id")), _name(entry.get("parent"))
+        if name is None or parent not in context or name in context:
+            continue
+        listed = adapters.setdefault(parent, [])
+        if name not in listed and len(listed) < MAX_ADAPTERS:
+            listed.append(name)
+    if not bases:
         raise ProbeError(f"GET {MODELS_PATH} lists no model")
-    return names
+    return ServedModels(tuple(bases), context, {b: tuple(a) for b, a in adapters.items()})
+
+
+async def list_models(
+    session: aiohttp.ClientSession, base_url: str, headers: Mapping[str, str]
+) -> list[str]:
+    """The models ``GET {base_url}/v1/models`` lists, base models first (vLLM lists LoRA
+    adapters too, with a ``parent``). Raises `ProbeError` or aiohttp's errors."""
+    return (await read_models(session, base_url, headers)).names
+
+
+async def read_endpoints(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    headers: Mapping[str, str],
+    timeout_s: float,
+) -> tuple[str, ...]:
+    """The side endpoints (config/wire.py ``SIDE_ENDPOINTS``) among the paths of
+    ``GET {base_url}/openapi.json``, in that order. Raises `ProbeError` or aiohttp's
+    errors."""
+    status, body = await _get(
+        session, base_url + OPENAPI_PATH, headers, _MAX_OPENAPI_BYTES, timeout_s
+    )
+    if status != 200:
+        raise ProbeError(f"GET {OPENAPI_PATH} answered HTTP {status}")
+    try:
+        paths = orjson.loads(body)["paths"]
+        if not isinstance(paths, dict):
+            raise TypeError("paths is not an object")
+    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ProbeError(f"GET {OPENAPI_PATH}: not an OpenAPI document") from exc
+    return tuple(p for p in SIDE_ENDPOINTS if p in paths)
 
 
 def static_api_keys(
@@ -159,9 +258,16 @@ class StockInstance:
         return self.spec.capacity or default
 
     def ready_record(
-        self, model: str, version: str, started_at: float | None = None
+        self,
+        model: str,
+        version: str,
+        started_at: float | None = None,
+        *,
+        served: ServedModels | None = None,
+        endpoints: tuple[str, ...] = (),
     ) -> InstanceRecord:
-        """Its record, ready and serving `model` (started now unless `started_at`)."""
+        """Its record, ready and serving `model` (started now unless `started_at`), with
+        what `served` says of the model and the side `endpoints` it answers."""
         return InstanceRecord(
             id=self.id,
             role=self.role,
@@ -174,6 +280,9 @@ class StockInstance:
             started_at=time.time() if started_at is None else started_at,
             hardware=self.spec.hardware,
             kv_events=self.spec.kv_events,
+            max_model_len=served.context.get(model, 0) if served is not None else 0,
+            adapters=served.adapters.get(model, ()) if served is not None else (),
+            endpoints=endpoints,
         )
 
 
@@ -191,21 +300,24 @@ class _Target(StockInstance):
         return f"static {self.role.value} {self.spec.url}"
 
 
-async def served_model(session: aiohttp.ClientSession, server: StockInstance, name: str) -> str:
-    """The model to register `server` under: the one its declaration names, else the first
-    the server lists.
+async def served_model(
+    session: aiohttp.ClientSession, server: StockInstance, name: str
+) -> tuple[str, ServedModels | None]:
+    """The model to register `server` under (the one its declaration names, else the first
+    the server lists), with what the server lists (None: it could not be read).
     A named model stands even when the server's list cannot be read (logged) or lacks it
     (a warning); with none named, a failed list raises (`ProbeError`, aiohttp's errors)."""
     given = server.spec.model
     try:
-        names = await list_models(session, server.spec.url, server.headers)
+        served = await read_models(session, server.spec.url, server.headers)
     except (ProbeError, aiohttp.ClientError) as exc:
         if given is None:
             raise
         logger.info("%s: %s; using the given model %r", name, _describe(exc), given)
-        return given
+        return given, None
     if given is None:
-        return names[0]
+        return served.bases[0], served
+    names = served.names
     if given not in names:
         logger.warning(
             "%s: model %r given, but the server lists %s: requests for %r will fail there",
@@ -214,7 +326,32 @@ async def served_model(session: aiohttp.ClientSession, server: StockInstance, na
             names[:8],
             given,
         )
-    return given
+    return given, served
+
+
+async def reread_models(
+    session: aiohttp.ClientSession, server: StockInstance
+) -> ServedModels | None:
+    """What the server lists now, re-read at a probe (None: not readable now; the caller
+    keeps what it knew, and the probe of /health decides whether the server is up)."""
+    try:
+        return await read_models(session, server.spec.url, server.headers)
+    except (ProbeError, aiohttp.ClientError, UnicodeError):
+        return None
+
+
+async def served_endpoints(
+    session: aiohttp.ClientSession, server: StockInstance, name: str, probe_timeout_s: float
+) -> tuple[str, ...]:
+    """The side endpoints `server` answers (`read_endpoints`, within a few probe timeouts:
+    a server renders its document on first ask); none when its OpenAPI document cannot be
+    read (logged: its side endpoints are then not used)."""
+    timeout_s = _OPENAPI_TIMEOUTS * probe_timeout_s
+    try:
+        return await read_endpoints(session, server.spec.url, server.headers, timeout_s)
+    except (ProbeError, aiohttp.ClientError, TimeoutError, UnicodeError) as exc:
+        logger.info("%s: no side endpoints (%s)", name, _describe(exc))
+        return ()
 
 
 class StaticRegistry:
@@ -337,29 +474,52 @@ class StaticRegistry:
         session = self._session
         assert session is not None
         model: str | None = None
+        served: ServedModels | None = None
+        endpoints: tuple[str, ...] | None = None
+        learn = target.learn or target.record is None
         try:
             async with asyncio.timeout(self._timeout_s):
                 await check_health(session, target.spec.url, target.headers)
-                if target.learn or target.record is None:
-                    model = await served_model(session, target, target.name)
+                if learn:
+                    model, served = await served_model(session, target, target.name)
+                else:
+                    served = await reread_models(session, target)
+            if learn:  # its routes change only with a restart: once per (re)connection
+                endpoints = await served_endpoints(session, target, target.name, self._timeout_s)
         except Exception as exc:  # the prober must outlive anything a server answers
             await self._failed(target, _describe(exc))
             return
-        await self._answered(target, model)
+        await self._answered(target, model, served, endpoints)
 
-    async def _answered(self, target: _Target, model: str | None) -> None:
+    async def _answered(
+        self,
+        target: _Target,
+        model: str | None,
+        served: ServedModels | None,
+        endpoints: tuple[str, ...] | None,
+    ) -> None:
+        """`model`, `served`, `endpoints`: None where this probe did not learn them (the
+        record keeps what it had)."""
         old = target.record
         model = model or (old.model if old is not None else None)
         assert model is not None  # learned when there was no record
         record = target.ready_record(
-            model, STATIC_VERSION, started_at=old.started_at if old is not None else None
+            model,
+            STATIC_VERSION,
+            started_at=old.started_at if old is not None else None,
+            served=served,
+            endpoints=old.endpoints if endpoints is None and old is not None else endpoints or (),
         )
+        if served is None and old is not None:
+            record = replace(record, max_model_len=old.max_model_len, adapters=old.adapters)
         changed = record != old
         if changed:
             logger.info(
-                "%s is up: model %r, %d %s",
+                "%s is up: model %r (max_model_len %s, %d adapters), %d %s",
                 target.name,
                 model,
+                record.max_model_len or "unknown",
+                len(record.adapters),
                 target.capacity,
                 "slots" if target.role is Role.PREFILL else "running sequences",
             )

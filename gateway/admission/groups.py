@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from pdgate.config.settings import GatewaySettings, ScenarioGroup
 from pdgate.gateway.admission.auth import PRIORITIES, ApiKey
-from pdgate.gateway.errors import BadRequest, Forbidden, ServiceUnavailable
+from pdgate.gateway.errors import BadRequest, Forbidden, ModelNotFound, ServiceUnavailable
 from pdgate.gateway.instances.tracker import InstanceTracker
 
 __all__ = ["GROUP_HEADER", "GroupResolver"]
@@ -26,6 +26,26 @@ class GroupResolver:
         self._settings = settings
         self._tracker = tracker
         self._rules: Mapping[str, ScenarioGroup] = {g.name: g for g in settings.groups}
+
+    def model(self, requested: str | None) -> str:
+        """The model a request is for: the one it names (a model or an adapter ready
+        instances serve), else the one model served. Raises 400 (none named, several
+        served), 404 (nobody serves it) or 503 (no instance at all)."""
+        if requested is None:
+            model = self._tracker.default_model()
+            if model is None:
+                raise BadRequest(
+                    "model is required when the gateway serves several models", param="model"
+                )
+            return model
+        models = self._tracker.models()
+        if requested not in models:
+            if not models:
+                raise ServiceUnavailable(
+                    "no instances are registered", retry_after=self._settings.retry_after_s
+                )
+            raise ModelNotFound(f"the model {requested!r} does not exist", param="model")
+        return requested
 
     def resolve(
         self, model: str, key: ApiKey | None, header: str | None, prompt_chars: int

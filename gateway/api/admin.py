@@ -47,14 +47,29 @@ def _admin(request: Request) -> None:
 
 
 async def models(request: Request) -> Response:
+    """Every model and LoRA adapter ready instances serve, in vLLM's shape (its ``ModelCard``,
+    which OpenAI's clients parse): a model with its ``max_model_len`` (the smallest a ready
+    instance reports; null when none does), an adapter with its ``parent`` (its context is
+    its model's, null here as vLLM lists it)."""
     keys: KeyRing = request.state.keys
     keys.client(request.headers.get("authorization"))
     tracker: InstanceTracker = request.state.tracker
     created = int(request.state.started)
-    data = [
-        {"id": m, "object": "model", "created": created, "owned_by": "pdgate"}
-        for m in tracker.models()
-    ]
+    data = []
+    for name in tracker.models():
+        parent = tracker.parent(name)
+        data.append(
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "pdgate",
+                "root": name,
+                "parent": parent,
+                "max_model_len": None if parent is not None else tracker.max_model_len(name),
+                "permission": [],
+            }
+        )
     return ORJSONResponse({"object": "list", "data": data})
 
 

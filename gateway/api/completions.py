@@ -4,7 +4,8 @@ and ends.
 The life of a request, each step with the module that does it (docs/architecture.md):
 
 1. admission, here: the client's key (admission/auth.py), the body read within its bounds and
-   parsed (config/openai_api.py), counted against ``max_pending``;
+   parsed (config/openai_api.py), counted against ``max_pending``; a prompt that cannot fit
+   in its model's context gets its 400 now (admission/context.py), before it queues;
 2. its group, tenant and TTFT deadline (admission/groups.py, admission/tenancy.py);
 3. the relay takes it (stream/relay.py, `Relay.run`) and asks the dispatcher for its legs;
 4. the prefill leg (placement/dispatch.py, `Dispatcher.prefill`): the request waits in its
@@ -61,14 +62,13 @@ from pdgate.config.settings import GatewaySettings
 from pdgate.config.tracing import SpanKind, Tracing
 from pdgate.config.wire import REQUEST_ID_HEADER, TPOT_SLO_HEADER, valid_request_id
 from pdgate.gateway.admission.auth import PRIORITIES, ApiKey, KeyRing
+from pdgate.gateway.admission.context import ContextLimit
 from pdgate.gateway.admission.groups import GROUP_HEADER, GroupResolver
 from pdgate.gateway.admission.tenancy import resolve_tenancy
 from pdgate.gateway.errors import (
     BadRequest,
     GatewayError,
-    ModelNotFound,
     Overloaded,
-    ServiceUnavailable,
     ShuttingDown,
     from_openai_error,
 )
@@ -100,10 +100,13 @@ class CompletionsEndpoint:
         groups: GroupResolver,
         tracing: Tracing | None = None,
         fronts: Mapping[str, Front] | None = None,
+        context: ContextLimit | None = None,
     ) -> None:
-        """`fronts`: the other APIs served as chat requests, by path (gateway/translate/)."""
+        """`fronts`: the other APIs served as chat requests, by path (gateway/translate/);
+        `context`: the context-length check (None: none)."""
         self._settings = settings
         self._fronts = dict(fronts or {})
+        self._context = context
         self._keys = keys
         self._groups = groups  # the dispatcher's too: one view of the scenario groups
         self.series = Series()
@@ -138,7 +141,7 @@ class CompletionsEndpoint:
             )
             key = self._keys.client(credentials)
             self._keys.admit(key, self._settings.retry_after_max_s)
-            body = await self._read(request)
+            body = await self.read(request)
         except GatewayError as exc:
             self._metrics.requests.labels(_outcome(exc), ANY_GROUP).inc()
             await reply(exc)(scope, receive, send)
@@ -173,6 +176,7 @@ class CompletionsEndpoint:
         relay: Relay | None = None
         try:
             out = None
+            prompt_bytes = len(body)
             if front is None:
                 req, forward = self._parse(body, api)
             else:
@@ -181,8 +185,13 @@ class CompletionsEndpoint:
                 if not valid_request_id(headers.get(REQUEST_ID_HEADER, "")):
                     request_id = translated.request_id  # one id: the answer's, both legs'
                 out = translated.out(send, request_id)
+                prompt_bytes = translated.prompt_bytes
             info = self._request_info(req, forward, key, headers)
             group = info.group or ANY_GROUP
+            if self._context is not None and self._context.may_exceed(
+                info.model, prompt_bytes, req, info.max_tokens
+            ):
+                await self._context.check(info.model, req, forward, info.max_tokens)
             deadline = arrived + (info.ttft_s or self._settings.ttft_timeout_s)
             watcher = asyncio.ensure_future(wait_disconnect(receive))
             if span.is_recording():
@@ -281,7 +290,9 @@ class CompletionsEndpoint:
             if len(groups) == 1:
                 advisor.arrival(groups[0])
 
-    async def _read(self, request: Request) -> bytes:
+    async def read(self, request: Request) -> bytes:
+        """The request's body within the gateway's bounds, counted against ``max_uploads``
+        while it arrives (the side endpoints read theirs here too)."""
         settings = self._settings
         if self.uploading >= settings.max_uploads:
             raise Overloaded(
@@ -324,21 +335,9 @@ class CompletionsEndpoint:
         """What the policies and the queue know of the request: its model, group, prompt,
         tenant, priority class and share weight (gateway/admission/tenancy.py), and its TTFT
         budget."""
-        models = self._tracker.models()
-        model = req.model
-        if model is None:
-            if len(models) != 1:
-                raise BadRequest(
-                    "model is required when the gateway serves several models", param="model"
-                )
-            model = models[0]
+        model = self._groups.model(req.model)
+        if req.model is None:
             forward["model"] = model
-        elif model not in models:
-            if not models:
-                raise ServiceUnavailable(
-                    "no instances are registered", retry_after=self._settings.retry_after_s
-                )
-            raise ModelNotFound(f"the model {model!r} does not exist", param="model")
         prompt = req.prompt_key
         group = self._groups.resolve(model, key, headers.get(GROUP_HEADER), len(prompt))
         who = resolve_tenancy(

@@ -2,6 +2,11 @@
 prompt work in flight and recent rejections, plus the rest of the fleet's share of the same
 counts (gateway/placement/leases.py), combined with registry membership into policy snapshots.
 
+A ready instance serves its model and each LoRA adapter its record lists: it is indexed under
+every one of those names, so a request for an adapter is ranked among the instances that
+hold it only (on both legs), and `models` lists adapters with the models. Each name's context
+length is the smallest any ready instance of it reports (an adapter's is its model's).
+
 Counts are changed only through `Lease`s, released exactly once whatever path a request
 takes; a lease holds its counter object, not an id, so an instance that leaves and rejoins
 under the same id starts from zero and old leases cannot drive it negative.
@@ -121,6 +126,11 @@ class InstanceTracker:
     _aggregated: set[tuple[str, str | None]] = field(default_factory=set)
     # Of those, the ones whose every ready aggregated instance alternates phases (partial).
     _partial: set[tuple[str, str | None]] = field(default_factory=set)
+    # Per served name (model or adapter): the smallest max_model_len a ready instance reports
+    # (names none reports are absent), and each adapter's model.
+    _context: dict[str, int] = field(default_factory=dict)
+    _parents: dict[str, str] = field(default_factory=dict)
+    _default: str | None = None  # the one model ready instances serve (None: none or several)
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
     _sleepers: int = 0  # in `wait_freed` now: a pulse with none wakes nobody
     _work_ids: Iterator[int] = field(default_factory=itertools.count)
@@ -136,16 +146,32 @@ class InstanceTracker:
         for gone in [i for i in self._counters if i not in self._records]:
             del self._counters[gone]
         ready: dict[tuple[Role, str], list[tuple[InstanceRecord, _Counters]]] = {}
+        context: dict[str, int] = {}
+        parents: dict[str, str] = {}
         for rec in self._records.values():
             if rec.state == InstanceState.READY:
                 counters = self._counters.setdefault(rec.id, _Counters())
                 ready.setdefault((rec.role, rec.model), []).append((rec, counters))
+                for adapter in rec.adapters:
+                    if adapter != rec.model:
+                        ready.setdefault((rec.role, adapter), []).append((rec, counters))
+                        parents.setdefault(adapter, rec.model)
+                if rec.max_model_len:
+                    for name in (rec.model, *rec.adapters):
+                        known = context.get(name)
+                        if known is None or rec.max_model_len < known:
+                            context[name] = rec.max_model_len
         self._ready = ready
         self._by_start = {
             key: sorted((rec for rec, _ in xs), key=lambda r: (r.started_at, r.id))
             for key, xs in ready.items()
         }
         self._models = tuple(sorted({model for _, model in ready}))
+        for rec in self._records.values():  # a name some instance serves as its model is one
+            parents.pop(rec.model, None)
+        self._context, self._parents = context, parents
+        bases = {model for _, model in ready if model not in parents}
+        self._default = next(iter(bases)) if len(bases) == 1 else None
         prefilled: set[tuple[str, str | None]] = set()
         aggregated: set[tuple[str, str | None]] = set()
         steady: set[tuple[str, str | None]] = set()  # an aggregated one there does not alternate
@@ -258,12 +284,27 @@ class InstanceTracker:
         return c.busy_until <= time.monotonic() and c.inflight + c.others_slots < capacity
 
     def groups(self, model: str) -> set[str]:
-        return {r.group for r in self._records.values() if r.model == model}
+        return {r.group for r in self._records.values() if r.model == model or model in r.adapters}
 
     def models(self) -> tuple[str, ...]:
-        """The models ready instances serve, sorted (kept per membership change: it was a set
-        and a sort over the whole registry view on every request)."""
+        """The models and LoRA adapters ready instances serve, sorted (kept per membership
+        change: it was a set and a sort over the whole registry view on every request)."""
         return self._models
+
+    def default_model(self) -> str | None:
+        """The model a request that names none is for: the one model ready instances serve
+        (its adapters aside, as vLLM takes a request without a model for its base model);
+        None when they serve none or several."""
+        return self._default
+
+    def max_model_len(self, model: str) -> int | None:
+        """The context length of `model` (a model or an adapter): the smallest a ready
+        instance of it reports; None when none reports one."""
+        return self._context.get(model)
+
+    def parent(self, model: str) -> str | None:
+        """The model `model` is a LoRA adapter of (None: a model, or not served)."""
+        return self._parents.get(model)
 
     def open_stream(self, instance_id: str) -> Lease:
         return Lease(instance_id, self._for(instance_id), "open_streams", self.pulse)
@@ -461,6 +502,9 @@ class InstanceTracker:
                 "started_at": rec.started_at,
                 "hardware": rec.hardware,
                 "kv_events": rec.kv_events,
+                "max_model_len": rec.max_model_len or None,
+                "adapters": list(rec.adapters),
+                "endpoints": list(rec.endpoints),
                 "speed": self._speed(rec),
             }
 

@@ -79,6 +79,15 @@ class GatewayMetrics:
                 registry=r,
             )
         )
+        self.side_requests = Labelled(
+            Counter(
+                "pdgate_side_requests",
+                "Completed side-endpoint requests (/v1/embeddings, /tokenize, ...) by path, "
+                "outcome and scenario group ('*': any group)",
+                ["endpoint", "outcome", "group"],
+                registry=r,
+            )
+        )
         self.prefill_attempts = Labelled(
             Counter("pdgate_prefill_attempts", "Prefill calls by result", ["result"], registry=r)
         )

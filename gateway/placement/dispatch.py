@@ -74,6 +74,7 @@ from pdgate.gateway.placement.placed import (
     whole,
 )
 from pdgate.gateway.placement.queue import Waiter, WaitQueue
+from pdgate.gateway.placement.side import Declaring
 from pdgate.gateway.upstream.base import (
     DecodeStream,
     upstream_error_code,
@@ -351,6 +352,32 @@ class Dispatcher:
             return bool(self._declaring(Role.AGGREGATED, info, extension))
         return bool(self._decode_candidates(info, extension))
 
+    async def side_slot(
+        self,
+        info: RequestInfo,
+        endpoint: str,
+        *,
+        request_id: str,
+        deadline: float,
+        span: Span | None = None,
+    ) -> PrefillGrant:
+        """A slot for a side request (``/v1/embeddings``, ``/pooling``, ``/score``,
+        ``/rerank``...) on an aggregated instance of its model that declares `endpoint`: it
+        waits in that endpoint's queue of its model and group, until `deadline`, as an
+        aggregated request does (`_whole`: deadline order, fleet slot leases, drain
+        admission). The grant's leases hold the instance's open stream and slot; the caller
+        sends the request and releases them."""
+        waiter = Waiter(
+            info=info,
+            body={},
+            request_id=request_id,
+            deadline=deadline,
+            future=asyncio.get_running_loop().create_future(),
+            span=span,
+            path=endpoint,
+        )
+        return await self._forwarder(info, Role.AGGREGATED, endpoint=endpoint).acquire(waiter)
+
     def extensions(self, instance_id: str) -> tuple[str, ...]:
         """What the instance's registry record declares (nothing once it left)."""
         record = self._tracker.records().get(instance_id)
@@ -471,11 +498,20 @@ class Dispatcher:
         return await self._forwarder(req.info).acquire(waiter)
 
     def _forwarder(
-        self, info: RequestInfo, role: Role = Role.PREFILL, phases: PhaseView | None = None
+        self,
+        info: RequestInfo,
+        role: Role = Role.PREFILL,
+        phases: PhaseView | None = None,
+        endpoint: str | None = None,
     ) -> PrefillForwarder:
         """The queue of `info`'s model and group towards instances of `role`; with `phases`,
-        a partial group's, ranked by rolling activation."""
-        key = (info.model, info.group, role.value + ("+phases" if phases else ""))
+        a partial group's, ranked by rolling activation; with `endpoint`, a side endpoint's,
+        among the instances that declare it (side.py)."""
+        key = (
+            info.model,
+            info.group,
+            role.value + ("+phases" if phases else "") + (endpoint or ""),
+        )
         fwd = self._forwarders.get(key)
         if fwd is None:
             if len(self._forwarders) >= _MAX_QUEUES:
@@ -489,10 +525,14 @@ class Dispatcher:
                     self._settings.queue_order,
                     guard_s=self._settings.queue_guard_s,
                 ),
-                self._policy_for(info, role, phases),
+                self._policy_for(info, role, phases)
+                if endpoint is None
+                else Declaring(self._aggregated_policy, self._tracker, endpoint),
                 self._shared,
                 role=role,
             )
+            if endpoint is not None:
+                fwd.key += endpoint  # its own name in the fleet
             if self._shed is not None:
                 fwd.shed(self._shed)
             # What the fleet measured for this queue before we had one (a warm start).

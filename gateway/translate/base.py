@@ -50,6 +50,9 @@ class Translated:
     forward: dict[str, Any]  # the chat body as it goes upstream
     shaper: Shaper
     request_id: str  # the answer's id (``resp_...``, ``msg_...``)
+    # At least the prompt's bytes: the request's, and a stored conversation's it continues
+    # (what the context-length check's cheap bound counts).
+    prompt_bytes: int = 0
 
     def out(self, send: Send, request_id: str) -> ClientOut:
         """The client's response; `request_id` goes in its ``x-request-id``."""

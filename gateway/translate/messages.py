@@ -202,7 +202,8 @@ class MessagesFront:
             chat, max_tokens_limit=self._max_tokens_limit, default_max_tokens=1
         )
         message_id = _new_id("msg")
-        return Translated(req, forward, MessagesShaper(message_id, str(chat["model"])), message_id)
+        shaper = MessagesShaper(message_id, str(chat["model"]))
+        return Translated(req, forward, shaper, message_id, prompt_bytes=len(body))
 
     @staticmethod
     def _tools(raw: dict[str, Any], chat: dict[str, Any]) -> None:

@@ -127,12 +127,16 @@ async def stored_response(
     store: ResponseStore, key: ApiKey | None, response_id: str
 ) -> dict[str, Any] | None:
     """The stored record of `response_id` in the key's scope: ``response``, ``input`` (its
-    input items) and ``context`` (the conversation, as chat messages)."""
+    input items) and ``context`` (the conversation, as chat messages); its size in bytes
+    under ``size``."""
     data = await store.get(scope_of(key), response_id)
     if data is None:
         return None
     record = orjson.loads(data)
-    return record if isinstance(record, dict) else None
+    if not isinstance(record, dict):
+        return None
+    record["size"] = len(data)
+    return record
 
 
 class ResponsesFront:
@@ -196,11 +200,13 @@ class ResponsesFront:
             raw.get("previous_response_id"), "previous_response_id", required=False
         )
         context: list[dict[str, Any]] = []
+        context_bytes = 0
         if previous_id is not None:
             record = await stored_response(self._store, key, previous_id)
             if record is None:
                 raise previous_not_found(previous_id)
             context = [m for m in record.get("context") or () if isinstance(m, dict)]
+            context_bytes = record["size"]
         items, messages = input_items(raw.get("input"))
         if not context and not messages:
             raise invalid("input", "must not be empty")
@@ -270,7 +276,8 @@ class ResponsesFront:
         recorder = None
         if store:
             recorder = self._recorder(scope_of(key), response_id, items, context + messages)
-        return Translated(req, forward, ResponsesShaper(draft, recorder), response_id)
+        shaper = ResponsesShaper(draft, recorder)
+        return Translated(req, forward, shaper, response_id, prompt_bytes=len(body) + context_bytes)
 
     def _recorder(
         self,

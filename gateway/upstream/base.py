@@ -45,7 +45,7 @@ __all__ = [
     "upstream_error_message",
 ]
 
-Leg = Literal["prefill", "decode", "release"]
+Leg = Literal["prefill", "decode", "release", "side"]
 
 _MAX_ERROR_BODY = 64 * 1024
 
@@ -130,6 +130,22 @@ class Upstream(Protocol):
 
     async def release_kv_id(self, base_url: str, kv_id: str, *, request_id: str) -> None:
         """Release KV by the id this gateway chose for it; best effort, never raises."""
+        ...
+
+    async def post(
+        self,
+        base_url: str,
+        path: str,
+        body: dict[str, Any],
+        *,
+        request_id: str,
+        timeout_s: float,
+        headers: Mapping[str, str] | None = None,
+    ) -> tuple[int, bytes]:
+        """POST `body` to `path` whole (a side endpoint: ``/tokenize``, ``/v1/embeddings``,
+        ...); the answer's status and body, whatever the status. Raises
+        `UpstreamUnreachable` (connect failure, reset, `timeout_s` passed) or
+        `UpstreamProtocolError` (an answer larger than the transport's bound)."""
         ...
 
     async def release_kv(self, kv_params: dict[str, Any], *, request_id: str) -> None:
@@ -239,6 +255,19 @@ class BaseUpstream:
 
     async def release_kv_id(self, base_url: str, kv_id: str, *, request_id: str) -> None:
         await self._delete(kv_release_url(base_url, kv_id), request_id)
+
+    async def post(
+        self,
+        base_url: str,
+        path: str,
+        body: dict[str, Any],
+        *,
+        request_id: str,
+        timeout_s: float,
+        headers: Mapping[str, str] | None = None,
+    ) -> tuple[int, bytes]:
+        call = Call("side", base_url, body, request_id, None, headers or {}, path)
+        return await self._post(call, timeout_s)
 
     async def release_kv(self, kv_params: dict[str, Any], *, request_id: str) -> None:
         url = kv_url(kv_params)

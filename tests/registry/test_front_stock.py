@@ -298,6 +298,23 @@ def test_announce_registers_heartbeats_drains_and_deregisters(
     assert pid not in shared.records()
 
 
+def test_announce_registers_what_the_server_serves_and_follows_its_adapters(
+    procs: list[Subprocess], servers: list[StockServer], model: str, shared: Shared
+) -> None:
+    server = StockServer(model, max_model_len=4096, loras=(f"{model}-a",)).start()
+    servers.append(server)
+    _announce(procs, server, Role.AGGREGATED, shared.env(ttl=1.0, heartbeat=0.25))
+    sid = f"aggregated@127.0.0.1:{server.port}"
+    wait_for(lambda: sid in shared.records(), 10, "registered")
+    record = shared.records()[sid]
+    assert (record.max_model_len, record.adapters) == (4096, (f"{model}-a",))
+    assert record.endpoints == ("/tokenize", "/detokenize")
+    server.load_lora(f"{model}-b")
+    wait_for(lambda: shared.records()[sid].adapters == (f"{model}-a", f"{model}-b"), 5, "loaded")
+    server.unload_lora(f"{model}-a")
+    wait_for(lambda: shared.records()[sid].adapters == (f"{model}-b",), 5, "unloaded")
+
+
 def test_a_killed_announce_sidecar_lets_the_record_expire(
     procs: list[Subprocess], servers: list[StockServer], model: str, shared: Shared
 ) -> None:

@@ -155,6 +155,26 @@ async def test_state_change_during_outage_announced_later() -> None:
     await hb.stop()
 
 
+async def test_an_updated_record_is_announced_once_and_keeps_the_state() -> None:
+    from dataclasses import replace
+
+    reg = FlakyRegistry()
+    hb = Heartbeat(reg, make_record("p1"), interval_s=10, ttl_s=30)
+    await hb.start()
+    await hb.set_state(InstanceState.DRAINING)
+    served = replace(make_record("p1"), adapters=("m-lora",), max_model_len=2048)
+    before = len(reg.puts)
+    await hb.update(served)  # announced at once, still draining
+    record, announced = reg.puts[-1]
+    assert announced and record.adapters == ("m-lora",) and record.max_model_len == 2048
+    assert record.state is InstanceState.DRAINING
+    await hb.update(served)  # nothing changed: nothing written
+    assert len(reg.puts) == before + 1
+    with pytest.raises(ValueError, match="one instance id"):
+        await hb.update(make_record("p2"))
+    await hb.stop()
+
+
 async def test_stop_is_bounded_when_remove_hangs() -> None:
     reg = HangingRemoveRegistry()
     hb = Heartbeat(reg, make_record("p1"), interval_s=0.05, ttl_s=0.5, stop_timeout_s=0.2)

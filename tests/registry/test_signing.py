@@ -49,6 +49,39 @@ def test_signatures_survive_json_and_catch_any_change() -> None:
     assert signer.verify(InstanceRecord.from_json(events.to_json()))
     assert not signer.verify(replace(events, kv_events="tcp://10.6.6.6:5557"))
     assert signed.signature == signer.sign(replace(RECORD, kv_events="")).signature
+    # And what the engine reports of its model: a forged adapter list would draw requests
+    # for an adapter to a server that does not hold it; a forged limit would refuse prompts.
+    served = signer.sign(
+        replace(RECORD, max_model_len=2048, adapters=("m-lora",), endpoints=("/tokenize",))
+    )
+    again = InstanceRecord.from_json(served.to_json())
+    assert again == served and signer.verify(again)
+    assert not signer.verify(replace(served, max_model_len=4096))
+    assert not signer.verify(replace(served, adapters=("m-lora", "other")))
+    assert not signer.verify(replace(served, endpoints=("/tokenize", "/v1/embeddings")))
+    unset = replace(RECORD, max_model_len=0, adapters=(), endpoints=())
+    assert signed.signature == signer.sign(unset).signature
+
+
+def test_records_written_before_the_model_fields_parse() -> None:
+    raw = RECORD.to_dict()
+    for later in ("max_model_len", "adapters", "endpoints"):
+        del raw[later]
+    old = InstanceRecord.from_dict(raw)
+    assert (old.max_model_len, old.adapters, old.endpoints) == (0, (), ())
+
+
+def test_bad_model_fields_are_refused() -> None:
+    raw = RECORD.to_dict()
+    for bad in (-1, 1.5, "2048", True, 1 << 40):
+        with pytest.raises(ValueError, match="max_model_len"):
+            InstanceRecord.from_dict({**raw, "max_model_len": bad})
+    for bad in ("m-lora", ["x"] * 257, [""], ["y" * 257], [3]):
+        with pytest.raises(ValueError, match="adapters"):
+            InstanceRecord.from_dict({**raw, "adapters": bad})
+    for bad in ("/tokenize", ["tokenize"], ["/x"] * 33, ["/" + "y" * 64]):
+        with pytest.raises(ValueError, match="endpoint"):
+            InstanceRecord.from_dict({**raw, "endpoints": bad})
 
 
 def test_bad_extension_lists_are_refused() -> None:

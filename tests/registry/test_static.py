@@ -133,7 +133,7 @@ def _static(
 async def test_model_capacity_and_id_come_from_the_server_and_defaults(
     model: str, servers: list[StockServer]
 ) -> None:
-    prefill = StockServer(model).start()
+    prefill = StockServer(model, loras=(f"{model}-lora",)).start()
     decode = StockServer(model).start()
     servers += [prefill, decode]
     named = StockServer(model).start()
@@ -167,6 +167,48 @@ async def test_model_capacity_and_id_come_from_the_server_and_defaults(
     )
     x = records["dec-x"]
     assert (x.model, x.capacity, x.group) == ("alias", 3, "chat")  # given: not overwritten
+
+
+async def test_what_the_server_serves_is_read_and_adapters_follow_at_run_time(
+    model: str, servers: list[StockServer]
+) -> None:
+    """max_model_len and the adapters from GET /v1/models, at every probe (vLLM loads and
+    unloads adapters at run time); the side endpoints from GET /openapi.json."""
+    server = StockServer(model, max_model_len=2048, loras=(f"{model}-sql",)).start()
+    pooling = StockServer(f"{model}-embed", pooling=True).start()
+    servers += [server, pooling]
+    reg = _static([], (StaticInstance(url=server.url), StaticInstance(url=pooling.url)))
+    try:
+        records = {r.model: r for r in await reg.snapshot()}
+        record = records[model]
+        assert (record.max_model_len, record.adapters) == (2048, (f"{model}-sql",))
+        assert record.endpoints == ("/tokenize", "/detokenize")
+        embed = records[f"{model}-embed"]
+        assert (embed.max_model_len, embed.adapters) == (8192, ())
+        assert embed.endpoints == (
+            "/tokenize",
+            "/detokenize",
+            "/v1/embeddings",
+            "/pooling",
+            "/score",
+            "/v1/score",
+            "/rerank",
+            "/v1/rerank",
+            "/v2/rerank",
+        )
+        events = reg.events()
+        server.load_lora(f"{model}-poet")
+        event = await _next(events, within=5)
+        assert event.record is not None
+        assert event.record.adapters == (f"{model}-sql", f"{model}-poet")
+        server.unload_lora(f"{model}-sql")
+        event = await _next(events, within=5)
+        assert event.record is not None and event.record.adapters == (f"{model}-poet",)
+        assert event.record.state is InstanceState.READY
+        assert event.record.endpoints == ("/tokenize", "/detokenize")  # kept between reads
+        await _close(events)
+    finally:
+        await reg.aclose()
 
 
 async def test_a_dead_server_does_not_hold_start_up_and_joins_when_it_answers(

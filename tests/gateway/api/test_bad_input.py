@@ -135,25 +135,29 @@ def test_gateway_still_serves_after_bad_input(gateway: str) -> None:
 
 def test_a_prompt_too_long_for_the_model_names_the_clients_max_tokens(gateway: str) -> None:
     """The prefill leg asks for max_tokens=1: the context-length error said "max_tokens is
-    1" whatever the client asked for. The gateway tells the prefill what the decode leg will
-    ask for (the sim tokenizer makes each short word one token)."""
+    1" whatever the client asked for. The gateway counts the prompt against the model's
+    max_model_len with the client's max_tokens (the sim tokenizer makes each short word one
+    token)."""
     body = {"model": "sim-llama-3.1-8b", "prompt": " ab" * 66_000, "max_tokens": 16}
     resp = httpx.post(gateway + "/v1/completions", json=body, timeout=30)
     err = assert_openai_error(resp, 400)
-    assert err["param"] == "prompt"  # the instance's own, passed on
-    assert "the prompt has 66000 tokens and max_tokens is 16" in str(err["message"])
+    assert (err["param"], err["code"]) == ("prompt", "context_length_exceeded")
+    assert "context length is 32768 tokens" in str(err["message"])
+    assert "66016 tokens (66000 in the prompt, 16 in the completion)" in str(err["message"])
 
 
 def test_a_prompt_only_the_clients_max_tokens_makes_too_long_is_refused_before_its_prefill() -> (
     None
 ):
     """32,700 prompt tokens fit the model's 32,768 with the prefill leg's max_tokens=1, not
-    with the client's 100: the prefill computed the prompt, then the decode refused it."""
+    with the client's 100: the prefill computed the prompt, then the decode refused it. Now
+    the gateway refuses it before either leg."""
     with ThreadedCluster(prefills=1, decodes=1) as c:
         (prefill,) = [r["url"] for r in c.instances() if r["role"] == "prefill"]
         computed = shim_load(prefill)["prefix_cache_total_tokens"]
         body = {"model": "sim-llama-3.1-8b", "prompt": " ab" * 32_700, "max_tokens": 100}
         resp = httpx.post(c.url + "/v1/completions", json=body, timeout=30)
         err = assert_openai_error(resp, 400)
-        assert "the prompt has 32700 tokens and max_tokens is 100" in str(err["message"])
+        assert "32800 tokens (32700 in the prompt, 100 in the completion)" in str(err["message"])
+        assert err["param"] == "max_tokens"
         assert shim_load(prefill)["prefix_cache_total_tokens"] == computed

@@ -158,3 +158,33 @@ def test_a_tool_use_round_trip_streamed_and_not(stack: Stack) -> None:
     assert answer.stop_reason == "max_tokens"
     assert answer.content[0].type == "text" and answer.content[0].text
     stack.settled()
+
+
+def test_count_tokens_is_what_the_engine_prefills(stack: Stack) -> None:
+    """The count of the chat template's rendering, tools included: the input tokens the
+    same conversation is then charged."""
+    c = client(stack)
+    conversation = {
+        "model": MODEL,
+        "system": "You are terse.",
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "tools": [WEATHER],
+    }
+    counted = c.messages.count_tokens(**conversation)  # type: ignore[arg-type]
+    message = c.messages.create(max_tokens=64, **conversation)  # type: ignore[arg-type]
+    assert counted.input_tokens == message.usage.input_tokens > 0
+    without_tools = c.messages.count_tokens(
+        model=MODEL,
+        system="You are terse.",
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+    )
+    assert without_tools.input_tokens < counted.input_tokens
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        c.messages.count_tokens(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    assert caught.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    with pytest.raises(anthropic.BadRequestError):
+        c.messages.count_tokens(model=MODEL, messages=[{"role": "robot", "content": "x"}])  # type: ignore[misc,list-item]
+    with pytest.raises(anthropic.AuthenticationError):
+        client(stack, "sk-nobody").messages.count_tokens(
+            model=MODEL, messages=[{"role": "user", "content": "x"}]
+        )
