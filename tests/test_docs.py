@@ -18,7 +18,11 @@ DOCS = ROOT / "docs"
 RESULTS = DOCS / "results"
 
 README_MAX_BYTES = 12 * 1024
-CONCEPT_DOCS_MAX_BYTES = 152 * 1024
+# The hand-written pages. docs/configuration.md's settings table is generated from
+# config/settings.py (`make docs`; tests/config keeps it current), so it grows with the
+# settings, not with prose: it is left out of the budget, which is the tighter for it.
+CONCEPT_DOCS_MAX_BYTES = 140 * 1024
+GENERATED = DOCS / "configuration.md"
 
 TOP_FOLDERS = (
     "gateway",
@@ -107,10 +111,10 @@ def test_readme_is_within_its_budget() -> None:
 
 
 def test_concept_pages_are_within_their_budget() -> None:
-    sizes = {_rel(p): p.stat().st_size for p in _concept_pages()}
+    sizes = {_rel(p): p.stat().st_size for p in _concept_pages() if p != GENERATED}
     total = sum(sizes.values())
     assert total <= CONCEPT_DOCS_MAX_BYTES, (
-        f"docs/ markdown outside docs/results/ is {total} bytes, budget "
+        f"hand-written docs/ markdown outside docs/results/ is {total} bytes, budget "
         f"{CONCEPT_DOCS_MAX_BYTES}: {sorted(sizes.items(), key=lambda kv: -kv[1])}"
     )
 
