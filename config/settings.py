@@ -27,7 +27,14 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from pdgate.config._toml import TomlTableSource
 from pdgate.config.kv_events import connectable_endpoint
-from pdgate.config.wire import HARDWARE_PATTERN, MAX_ADAPTERS, MAX_MODEL_NAME_CHARS, Role
+from pdgate.config.wire import (
+    HARDWARE_PATTERN,
+    MAX_ADAPTERS,
+    MAX_MODEL_NAME_CHARS,
+    MOONCAKE_BOOTSTRAP_PORT,
+    KvConnector,
+    Role,
+)
 
 
 class _Settings(BaseSettings):
@@ -317,7 +324,17 @@ class QueueOrder(StrEnum):
 STATIC_PREFILL_CAPACITY = 8
 # Running sequences of a static decode whose capacity is not given.
 STATIC_DECODE_CAPACITY = 64
-_STATIC_KEYS = ("capacity", "group", "model", "id", "api_key_env", "hardware", "kv_events")
+_STATIC_KEYS = (
+    "capacity",
+    "group",
+    "model",
+    "id",
+    "api_key_env",
+    "hardware",
+    "kv_events",
+    "connector",
+    "bootstrap",
+)
 _MAX_NAME_CHARS = 128
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
@@ -326,10 +343,14 @@ class StaticInstance(BaseModel):
     """A server the gateway fronts by URL, without registration (``--prefill``/``--decode``,
     ``static_prefills``/``static_decodes``). Given as a table or as one string,
     ``"URL [capacity=N] [group=G] [model=M] [id=ID] [api_key_env=VAR] [hardware=GPU]
-    [kv_events=tcp://HOST:PORT]"`` (kv_events: where the server publishes its KV-cache
-    events, vLLM's ``--kv-events-config`` endpoint as others reach it); the model
-    defaults to the first the server lists at ``GET /v1/models``, the id to one derived from
-    role and URL (the same on every gateway, so the fleet shares its slots)."""
+    [kv_events=tcp://HOST:PORT] [connector=NAME] [bootstrap=HOST:PORT]"`` (kv_events: where
+    the server publishes its KV-cache events, vLLM's ``--kv-events-config`` endpoint as
+    others reach it; connector: the KV connector its engine runs, ``nixl``, ``nixl_push``,
+    ``mooncake``, ``example`` or ``pdgate``, unnamed: vLLM's pull handshake, paired only
+    with unnamed others; bootstrap: a Mooncake prefill's bootstrap server, default the URL's
+    host on port 8998); the model defaults to the first the server lists at
+    ``GET /v1/models``, the id to one derived from role and URL (the same on every gateway,
+    so the fleet shares its slots)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -344,11 +365,42 @@ class StaticInstance(BaseModel):
     api_key_env: str | None = None
     hardware: str = Field(default="", pattern=HARDWARE_PATTERN)
     kv_events: str = ""
+    connector: KvConnector | None = None
+    bootstrap: str | None = None
 
     @field_validator("kv_events")
     @classmethod
     def _kv_events(cls, endpoint: str) -> str:
         return connectable_endpoint(endpoint)
+
+    @field_validator("bootstrap")
+    @classmethod
+    def _bootstrap(cls, address: str | None) -> str | None:
+        if address is None:
+            return None
+        parts = urlsplit(address if "://" in address else f"http://{address}")
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
+            raise ValueError(f"{address!r}: bootstrap is HOST:PORT (Mooncake's bootstrap server)")
+        parts.port  # noqa: B018 - raises ValueError for a malformed port
+        return f"{parts.scheme}://{parts.netloc}"
+
+    @model_validator(mode="after")
+    def _bootstrap_for_mooncake(self) -> Self:
+        if self.bootstrap is not None and self.connector is not KvConnector.MOONCAKE:
+            raise ValueError("bootstrap= is for connector=mooncake only")
+        return self
+
+    @property
+    def kv_bootstrap(self) -> str:
+        """A Mooncake server's bootstrap server as its decodes are told it: the one given,
+        else the server's host on vLLM's default port ("" for other connectors)."""
+        if self.connector is not KvConnector.MOONCAKE:
+            return ""
+        if self.bootstrap is not None:
+            return self.bootstrap
+        host = urlsplit(self.url).hostname or ""
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{MOONCAKE_BOOTSTRAP_PORT}"
 
     @model_validator(mode="before")
     @classmethod

@@ -104,6 +104,42 @@ MAX_ENDPOINTS = 32
 MAX_ENDPOINT_CHARS = 64
 MAX_CONTEXT_TOKENS = 1 << 32  # a model's max_model_len beyond this is not believed
 
+# -- KV connectors -------------------------------------------------------------------------
+
+
+class KvConnector(StrEnum):
+    """How an instance's engine hands a prompt's KV to a decode (vLLM's ``kv_connector``),
+    as its record names it. The gateway speaks each one's handshake as vLLM's own proxies
+    do, and pairs a prefill only with decodes of the same connector. A record that names
+    none is a pdgate shim's if it declares extensions (one written before records named
+    their connector), else a stock server's that takes vLLM's pull handshake
+    (`record_connector`)."""
+
+    PDGATE = "pdgate"  # pdgate's shims: a host buffer the decode pulls (GET /v1/kv/{id})
+    EXAMPLE = "example"  # ExampleConnector: shared storage the decode reads by the prompt
+    NIXL = "nixl"  # NixlConnector (NixlPullConnector): the decode reads the prefill's blocks
+    NIXL_PUSH = "nixl_push"  # NixlPushConnector: the prefill writes into the decode's blocks
+    MOONCAKE = "mooncake"  # MooncakeConnector: the decode pulls by a transfer id
+
+
+CONNECTOR_PATTERN = r"^[a-z0-9_]{0,32}$"  # a record's connector name ("" none named)
+# Mooncake: a prefill's bootstrap server (vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default), and
+# the engine ids it lists, one per data-parallel rank.
+MOONCAKE_BOOTSTRAP_PORT = 8998
+MAX_KV_ENGINES = 64
+MAX_KV_ENGINE_CHARS = 128
+MAX_BOOTSTRAP_CHARS = 256
+
+
+def record_connector(named: str, extensions: tuple[str, ...]) -> str:
+    """The connector an instance speaks: the one its record names; for a record naming none,
+    pdgate's if it declares pdgate extensions (a shim from before records named one), else
+    "" (a stock server whose connector was not given: vLLM's pull handshake)."""
+    if named:
+        return named
+    return KvConnector.PDGATE.value if extensions else ""
+
+
 # -- headers -------------------------------------------------------------------------------
 
 REQUEST_ID_HEADER = "x-request-id"

@@ -57,6 +57,7 @@ from pdgate.config.wire import (
     LOAD_PATH,
     MODELS_PATH,
     TOKEN_ENDPOINTS,
+    KvConnector,
 )
 from pdgate.engine_shim._http import ApiError, ClusterAuth, json_response
 from pdgate.engine_shim._kv_sources import KvSources
@@ -150,6 +151,8 @@ def instance_record(
         kv_events=_kv_events(settings),
         max_model_len=settings.max_model_len,
         endpoints=TOKEN_ENDPOINTS if isinstance(backend, Tokenization) else (),
+        # Its KV goes by pdgate's own wire, whatever the engine (an aggregated one hands none).
+        connector="" if settings.role is Role.AGGREGATED else KvConnector.PDGATE.value,
     )
 
 

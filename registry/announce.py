@@ -6,7 +6,8 @@ A sidecar next to the server:
 1. waits until the server's ``GET /health`` answers 200, reads the served model from
    ``GET /v1/models`` (unless ``--model`` is given) with its ``max_model_len`` and LoRA
    adapters, and the side endpoints it answers from ``GET /openapi.json``, then registers
-   the record and keeps it alive with a `Heartbeat`;
+   the record and keeps it alive with a `Heartbeat` (a Mooncake prefill, ``--connector
+   mooncake``, once its bootstrap server lists its engines, as for ``--prefill``);
 2. while it runs, probes ``/health`` every ``--probe-interval-s`` and re-reads
    ``/v1/models`` (an adapter loaded or unloaded at run time changes the record at once);
    after ``--down-after``
@@ -57,6 +58,7 @@ from pdgate.registry.static import (
     check_health,
     reread_models,
     served_endpoints,
+    served_kv_engines,
     served_model,
 )
 
@@ -87,6 +89,15 @@ def configure(p: argparse.ArgumentParser) -> None:
         dest="kv_events",
         help="where the server publishes its KV-cache events, as gateways reach it "
         "(tcp://HOST:PORT, the endpoint of vLLM's --kv-events-config)",
+    )
+    p.add_argument(
+        "--connector",
+        help="the KV connector the server's engine runs: nixl, nixl_push, mooncake, example "
+        "or pdgate (default: none named, vLLM's pull handshake, paired only with the same)",
+    )
+    p.add_argument(
+        "--bootstrap",
+        help="a Mooncake prefill's bootstrap server, HOST:PORT (default: the URL's host, 8998)",
     )
     p.add_argument(
         "--instance-id", dest="instance_id", help="default: ROLE@HOST:PORT, as for --prefill"
@@ -139,6 +150,8 @@ def _checked(args: argparse.Namespace, reg: RegistrySettings) -> tuple[StaticIns
             "id": args.instance_id,
             "hardware": args.hardware or "",
             "kv_events": args.kv_events or "",
+            "connector": args.connector or None,
+            "bootstrap": args.bootstrap or None,
         }
     )
     return spec, Role(args.role)
@@ -199,11 +212,13 @@ class _Announcer:
             model: str | None = None
             served: ServedModels | None = None
             endpoints: tuple[str, ...] = ()
+            engines: tuple[str, ...] = ()
             try:
                 async with asyncio.timeout(self._timeout_s):
                     await check_health(session, self._server.spec.url, self._server.headers)
                     if self._heartbeat is None:
                         model, served = await served_model(session, self._server, self._name)
+                        engines = await served_kv_engines(session, self._server, self._timeout_s)
                     else:
                         served = await reread_models(session, self._server)
                 if self._heartbeat is None:  # its routes change only with a restart
@@ -233,7 +248,7 @@ class _Announcer:
                 if self._heartbeat is None:
                     assert model is not None
                     record = self._server.ready_record(
-                        model, _VERSION, served=served, endpoints=endpoints
+                        model, _VERSION, served=served, endpoints=endpoints, kv_engines=engines
                     )
                     heartbeat = Heartbeat(
                         registry,

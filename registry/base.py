@@ -20,14 +20,19 @@ import orjson
 from pdgate.config import Role
 from pdgate.config.kv_events import connectable_endpoint
 from pdgate.config.wire import (
+    CONNECTOR_PATTERN,
     HARDWARE_PATTERN,
     MAX_ADAPTERS,
+    MAX_BOOTSTRAP_CHARS,
     MAX_CONTEXT_TOKENS,
     MAX_ENDPOINT_CHARS,
     MAX_ENDPOINTS,
     MAX_EXTENSION_CHARS,
     MAX_EXTENSIONS,
+    MAX_KV_ENGINE_CHARS,
+    MAX_KV_ENGINES,
     MAX_MODEL_NAME_CHARS,
+    record_connector,
 )
 
 
@@ -37,6 +42,7 @@ class InstanceState(StrEnum):
 
 
 _HARDWARE = re.compile(HARDWARE_PATTERN)
+_CONNECTOR = re.compile(CONNECTOR_PATTERN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,11 +70,23 @@ class InstanceRecord:
     adapters: tuple[str, ...] = ()
     # The side endpoints (config/wire.py SIDE_ENDPOINTS) it answers, by path.
     endpoints: tuple[str, ...] = ()
+    # The KV connector its engine runs (config/wire.py KvConnector), as declared or as a
+    # shim says; "" none named (`kv_connector` says what that means).
+    connector: str = ""
+    # Mooncake: the prefill's bootstrap server (http://host:port) and the engine ids it
+    # lists, one per data-parallel rank, that a decode is told to pull from.
+    kv_bootstrap: str = ""
+    kv_engines: tuple[str, ...] = ()
     # HMAC of the other fields with the fleet's cluster token (registry/signing.py).
     signature: str = ""
 
     def with_state(self, state: InstanceState) -> InstanceRecord:
         return replace(self, state=state)
+
+    @property
+    def kv_connector(self) -> str:
+        """The connector it speaks (config/wire.py `record_connector`)."""
+        return record_connector(self.connector, self.extensions)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,6 +120,9 @@ class InstanceRecord:
             max_model_len=context_tokens(data.get("max_model_len", 0)),
             adapters=adapter_names(data.get("adapters", ())),
             endpoints=endpoint_paths(data.get("endpoints", ())),
+            connector=connector_name(data.get("connector", "")),
+            kv_bootstrap=bootstrap_url(data.get("kv_bootstrap", "")),
+            kv_engines=engine_ids(data.get("kv_engines", ())),
             signature=str(data.get("signature", "")),
         )
 
@@ -133,6 +154,32 @@ def endpoint_paths(raw: object) -> tuple[str, ...]:
     if any(not p.startswith("/") for p in paths):
         raise ValueError("an endpoint is a path starting with /")
     return paths
+
+
+def connector_name(raw: object) -> str:
+    """A KV connector's name: at most 32 of a-z, 0-9 and ``_`` ("" none named). Names this
+    version does not know are kept: such an instance pairs only with its own kind."""
+    if not isinstance(raw, str) or not _CONNECTOR.fullmatch(raw):
+        raise ValueError("connector must be at most 32 of a-z, 0-9 and _ (e.g. nixl)")
+    return raw
+
+
+def bootstrap_url(raw: object) -> str:
+    """A Mooncake bootstrap server's base URL, ``http://host:port`` ("" none)."""
+    if not isinstance(raw, str) or len(raw) > MAX_BOOTSTRAP_CHARS:
+        raise ValueError(f"kv_bootstrap must be a URL of at most {MAX_BOOTSTRAP_CHARS} chars")
+    if raw and (not raw.startswith(("http://", "https://")) or not raw.isprintable()):
+        raise ValueError("kv_bootstrap must be http://host:port")
+    return raw
+
+
+def engine_ids(raw: object) -> tuple[str, ...]:
+    """A prefill's KV engine ids, one per data-parallel rank: at most `MAX_KV_ENGINES`, each
+    1 to `MAX_KV_ENGINE_CHARS` printable characters."""
+    ids = _names(raw, "kv_engines", MAX_KV_ENGINES, MAX_KV_ENGINE_CHARS)
+    if any(not i.isprintable() for i in ids):
+        raise ValueError("each of kv_engines is printable")
+    return ids
 
 
 def _names(raw: object, what: str, count: int, chars: int) -> tuple[str, ...]:

@@ -26,7 +26,17 @@ logger = logging.getLogger(__name__)
 _MAX_WARNED = 1024
 # Fields added after v1 enter the signed form only when set, so records written before they
 # existed still verify (and every field a record carries is signed).
-_LATER = ("extensions", "hardware", "kv_events", "max_model_len", "adapters", "endpoints")
+_LATER = (
+    "extensions",
+    "hardware",
+    "kv_events",
+    "max_model_len",
+    "adapters",
+    "endpoints",
+    "connector",
+    "kv_bootstrap",
+    "kv_engines",
+)
 
 
 class RecordSigner:

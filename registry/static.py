@@ -15,7 +15,10 @@ a ``parent``, unless the declaration names one), its ``max_model_len`` and the L
 listed with it as ``parent`` (vLLM's shape), re-read at every probe so that adapters loaded
 or unloaded at run time (vLLM's ``/v1/load_lora_adapter``) follow within a probe interval;
 and the side endpoints it answers, from the paths of its ``GET /openapi.json`` (vLLM registers
-the pooling routes only for a pooling model), read once per (re)connection.
+the pooling routes only for a pooling model), read once per (re)connection. A Mooncake
+prefill (``connector=mooncake``) is listed once its bootstrap server names its engines
+(``GET {bootstrap}/query``, as vLLM's Mooncake proxy reads it), re-read at each
+(re)connection: a decode is told the engine to pull from.
 
 Ids are derived from role and URL (`static_instance_id`), so every gateway of a fleet names
 a server alike and shares its slot leases, and a server that `pdgate announce` also registers
@@ -46,6 +49,8 @@ from pdgate.config.wire import (
     HEALTH_PATH,
     MAX_ADAPTERS,
     MAX_CONTEXT_TOKENS,
+    MAX_KV_ENGINE_CHARS,
+    MAX_KV_ENGINES,
     MAX_MODEL_NAME_CHARS,
     MODELS_PATH,
     OPENAPI_PATH,
@@ -72,6 +77,7 @@ __all__ = [
     "check_health",
     "list_models",
     "read_endpoints",
+    "read_kv_engines",
     "read_models",
     "served_model",
     "static_api_keys",
@@ -86,6 +92,8 @@ _MAX_BODY_BYTES = 1 << 20  # a /v1/models answer; vLLM's is a few hundred bytes 
 # An /openapi.json answer: vLLM's is a few hundred KiB (its request schemas).
 _MAX_OPENAPI_BYTES = 8 << 20
 _OPENAPI_TIMEOUTS = 5  # probe timeouts reading it may take
+# Mooncake's bootstrap server: GET /query (vLLM's MooncakeBootstrapServer.query).
+BOOTSTRAP_QUERY_PATH = "/query"
 _MAX_WARNED = 1024
 _EVENT_QUEUE = 256
 
@@ -217,6 +225,30 @@ async def read_endpoints(
     return tuple(p for p in SIDE_ENDPOINTS if p in paths)
 
 
+async def read_kv_engines(
+    session: aiohttp.ClientSession, bootstrap: str, timeout_s: float
+) -> tuple[str, ...]:
+    """The engine ids a Mooncake prefill's bootstrap server lists, by data-parallel rank
+    (``GET {bootstrap}/query``: ``{rank: {"engine_id": ..., "worker_addr": ...}}``, vLLM's
+    ``MooncakeBootstrapServer.query``). None listed yet (its workers register as they
+    start) is a `ProbeError`, as are ranks with gaps. The server's API key is not sent: the
+    bootstrap server is another server, and takes none."""
+    status, body = await _get(session, bootstrap + BOOTSTRAP_QUERY_PATH, {}, timeout_s=timeout_s)
+    if status != 200:
+        raise ProbeError(f"GET {bootstrap}{BOOTSTRAP_QUERY_PATH} answered HTTP {status}")
+    try:
+        data = orjson.loads(body)
+        ranks = {int(rank): entry["engine_id"] for rank, entry in data.items()}
+    except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise ProbeError(f"GET {bootstrap}{BOOTSTRAP_QUERY_PATH}: not a bootstrap answer") from exc
+    if not ranks or sorted(ranks) != list(range(len(ranks))) or len(ranks) > MAX_KV_ENGINES:
+        raise ProbeError(f"{bootstrap}: no engines registered yet, or ranks {sorted(ranks)[:8]}")
+    engines = tuple(ranks[r] for r in range(len(ranks)))
+    if any(not (isinstance(e, str) and 0 < len(e) <= MAX_KV_ENGINE_CHARS) for e in engines):
+        raise ProbeError(f"{bootstrap}: an engine id is not a string of 1-128 characters")
+    return engines
+
+
 def static_api_keys(
     settings: GatewaySettings, environ: Mapping[str, str] = os.environ
 ) -> dict[str, str]:
@@ -265,9 +297,11 @@ class StockInstance:
         *,
         served: ServedModels | None = None,
         endpoints: tuple[str, ...] = (),
+        kv_engines: tuple[str, ...] = (),
     ) -> InstanceRecord:
         """Its record, ready and serving `model` (started now unless `started_at`), with
-        what `served` says of the model and the side `endpoints` it answers."""
+        what `served` says of the model, the side `endpoints` it answers, its connector and
+        (Mooncake) the `kv_engines` its bootstrap server lists."""
         return InstanceRecord(
             id=self.id,
             role=self.role,
@@ -283,7 +317,27 @@ class StockInstance:
             max_model_len=served.context.get(model, 0) if served is not None else 0,
             adapters=served.adapters.get(model, ()) if served is not None else (),
             endpoints=endpoints,
+            connector=self.spec.connector.value if self.spec.connector else "",
+            kv_bootstrap=self.spec.kv_bootstrap,
+            kv_engines=kv_engines,
         )
+
+    @property
+    def bootstrap(self) -> str:
+        """Where its KV engines are listed ("": it needs none listed): a Mooncake prefill's
+        bootstrap server (a decode pulls; only a prefill's is asked)."""
+        return self.spec.kv_bootstrap if self.role is Role.PREFILL else ""
+
+
+async def served_kv_engines(
+    session: aiohttp.ClientSession, server: StockInstance, timeout_s: float
+) -> tuple[str, ...]:
+    """The KV engines `server`'s bootstrap server lists (`read_kv_engines`); none for a
+    server that has no bootstrap server. Raises as `read_kv_engines` does: a Mooncake
+    prefill is not listed before its decodes can be told whom to pull from."""
+    if not server.bootstrap:
+        return ()
+    return await read_kv_engines(session, server.bootstrap, timeout_s)
 
 
 @dataclass(slots=True)
@@ -476,12 +530,15 @@ class StaticRegistry:
         model: str | None = None
         served: ServedModels | None = None
         endpoints: tuple[str, ...] | None = None
+        engines: tuple[str, ...] | None = None
         learn = target.learn or target.record is None
         try:
             async with asyncio.timeout(self._timeout_s):
                 await check_health(session, target.spec.url, target.headers)
                 if learn:
                     model, served = await served_model(session, target, target.name)
+                    # Its engine ids change only with a restart, as its routes do.
+                    engines = await served_kv_engines(session, target, self._timeout_s)
                 else:
                     served = await reread_models(session, target)
             if learn:  # its routes change only with a restart: once per (re)connection
@@ -489,7 +546,7 @@ class StaticRegistry:
         except Exception as exc:  # the prober must outlive anything a server answers
             await self._failed(target, _describe(exc))
             return
-        await self._answered(target, model, served, endpoints)
+        await self._answered(target, model, served, endpoints, engines)
 
     async def _answered(
         self,
@@ -497,9 +554,10 @@ class StaticRegistry:
         model: str | None,
         served: ServedModels | None,
         endpoints: tuple[str, ...] | None,
+        engines: tuple[str, ...] | None = None,
     ) -> None:
-        """`model`, `served`, `endpoints`: None where this probe did not learn them (the
-        record keeps what it had)."""
+        """`model`, `served`, `endpoints`, `engines`: None where this probe did not learn
+        them (the record keeps what it had)."""
         old = target.record
         model = model or (old.model if old is not None else None)
         assert model is not None  # learned when there was no record
@@ -509,6 +567,7 @@ class StaticRegistry:
             started_at=old.started_at if old is not None else None,
             served=served,
             endpoints=old.endpoints if endpoints is None and old is not None else endpoints or (),
+            kv_engines=old.kv_engines if engines is None and old is not None else engines or (),
         )
         if served is None and old is not None:
             record = replace(record, max_model_len=old.max_model_len, adapters=old.adapters)

@@ -82,6 +82,24 @@ def chat_text(messages: list[dict[str, Any]], add_generation_prompt: bool = True
     return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
+def openai_answer(
+    model: str, rid: str, chat: bool, text: str, finish: str | None, *, chunk: bool = False
+) -> dict[str, Any]:
+    """A completion (chat: a chat completion, or with `chunk` a stream's chunk) in OpenAI's
+    shape, as vLLM answers it."""
+    head = {"id": rid, "created": int(time.time()), "model": model}
+    if not chat:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**head, "object": "text_completion", "choices": [choice]}
+    if chunk:
+        delta = {"role": "assistant", "content": text}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {**head, "object": "chat.completion.chunk", "choices": [choice]}
+    message = {"role": "assistant", "content": text}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+    return {**head, "object": "chat.completion", "choices": [choice]}
+
+
 def embedding(text: str, dims: int = 8) -> list[float]:
     """The server's deterministic embedding of `text`."""
     digest = hashlib.blake2b(text.encode(), digest_size=dims).digest()
@@ -382,17 +400,7 @@ def _app(
     def answer(
         text: str, finish: str | None, rid: str, chat: bool, *, chunk: bool = False
     ) -> dict[str, Any]:
-        head = {"id": rid, "created": int(time.time()), "model": model}
-        if not chat:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            return {**head, "object": "text_completion", "choices": [choice]}
-        if chunk:
-            delta = {"role": "assistant", "content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {**head, "object": "chat.completion.chunk", "choices": [choice]}
-        message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-        return {**head, "object": "chat.completion", "choices": [choice]}
+        return openai_answer(model, rid, chat, text, finish, chunk=chunk)
 
     async def stream(text: str, rid: str, chat: bool) -> AsyncIterator[bytes]:
         pieces = text.split(" ")[1:]
@@ -485,26 +493,13 @@ def serve(argv: list[str]) -> int:
     return 0
 
 
-class StockServer:
-    """One `_stock_server` process; `kill()` and `start()` again keep its port."""
+class ServerProcess:
+    """A test server run as a child process: started until it prints its ready line (its
+    output kept, bounded, and drained so it never blocks), stopped with `kill()`."""
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        prefill_s: float = 0.05,
-        port: int = 0,
-        api_key: str | None = None,
-        max_model_len: int = 8192,
-        loras: tuple[str, ...] = (),
-        pooling: bool = False,
-    ) -> None:
-        self.model = model
-        self.prefill_s = prefill_s
-        self.port = port
-        self.api_key = api_key
-        self.flags = [f"--max-model-len={max_model_len}", *(f"--lora={n}" for n in loras)]
-        self.flags += ["--pooling"] * pooling
+    port: int
+
+    def __init__(self) -> None:
         self.proc: subprocess.Popen[str] | None = None
         self.lines: list[str] = []
 
@@ -512,33 +507,27 @@ class StockServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 20.0) -> StockServer:
-        args = [sys.executable, "-m", "tests.registry._stock_server", "--model", self.model]
-        args += ["--port", str(self.port), "--prefill-s", str(self.prefill_s), *self.flags]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("VLLM_API_KEY", None)
-        if self.api_key is not None:
-            env["VLLM_API_KEY"] = self.api_key
+    def _spawn(self, args: list[str], env: dict[str, str], ready: str, timeout: float) -> str:
+        """Start `args` (a Python module and its flags); the rest of its ready line."""
         self.proc = subprocess.Popen(
-            args,
+            [sys.executable, "-m", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=env,
+            env={**env, "PYTHONUNBUFFERED": "1"},
         )
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
             if not line:
-                raise RuntimeError("stock server exited:\n" + "".join(self.lines))
+                raise RuntimeError(f"{args[0]} exited:\n" + "".join(self.lines))
             self.lines.append(line)
-            if line.startswith(READY):
-                self.port = int(line.strip().rsplit(":", 1)[1])
+            if line.startswith(ready):
                 threading.Thread(target=self._drain, args=(self.proc,), daemon=True).start()
-                return self
+                return line[len(ready) :].strip()
         self.kill()
-        raise RuntimeError("stock server did not start:\n" + "".join(self.lines))
+        raise RuntimeError(f"{args[0]} did not start:\n" + "".join(self.lines))
 
     def _drain(self, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
@@ -558,11 +547,44 @@ class StockServer:
         data: dict[str, Any] = resp.json()
         return data
 
-    def set_health(self, ok: bool) -> None:
-        httpx.post(self.url + f"/_health?ok={int(ok)}", timeout=5).raise_for_status()
-
     def set_prefill_s(self, seconds: float) -> None:
         httpx.post(self.url + f"/_prefill_s?s={seconds}", timeout=5).raise_for_status()
+
+
+class StockServer(ServerProcess):
+    """One `_stock_server` process; `kill()` and `start()` again keep its port."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        prefill_s: float = 0.05,
+        port: int = 0,
+        api_key: str | None = None,
+        max_model_len: int = 8192,
+        loras: tuple[str, ...] = (),
+        pooling: bool = False,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.prefill_s = prefill_s
+        self.port = port
+        self.api_key = api_key
+        self.flags = [f"--max-model-len={max_model_len}", *(f"--lora={n}" for n in loras)]
+        self.flags += ["--pooling"] * pooling
+
+    def start(self, timeout: float = 20.0) -> StockServer:
+        args = ["tests.registry._stock_server", "--model", self.model]
+        args += ["--port", str(self.port), "--prefill-s", str(self.prefill_s), *self.flags]
+        env = dict(os.environ)
+        env.pop("VLLM_API_KEY", None)
+        if self.api_key is not None:
+            env["VLLM_API_KEY"] = self.api_key
+        self.port = int(self._spawn(args, env, READY, timeout).rsplit(":", 1)[1])
+        return self
+
+    def set_health(self, ok: bool) -> None:
+        httpx.post(self.url + f"/_health?ok={int(ok)}", timeout=5).raise_for_status()
 
     def load_lora(self, name: str) -> None:
         """Load an adapter as vLLM's ``POST /v1/load_lora_adapter`` does."""

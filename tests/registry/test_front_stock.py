@@ -32,6 +32,7 @@ from tests._cluster import (
     start,
     wait_for,
 )
+from tests.gateway.placement._vllm_connectors import ConnectorServer
 from tests.registry._stock_server import FAST_PROBES, StockServer, completion_text
 
 PROBES = {
@@ -241,7 +242,11 @@ def test_bad_static_instance_is_one_line_and_exit_2() -> None:
 
 
 def _announce(
-    procs: list[Subprocess], server: StockServer, role: Role, env: dict[str, str], *extra: str
+    procs: list[Subprocess],
+    server: StockServer | ConnectorServer,
+    role: Role,
+    env: dict[str, str],
+    *extra: str,
 ) -> Subprocess:
     args = ["announce", "--url", server.url, "--role", role.value, "--probe-interval-s", "0.2"]
     return start(procs, [*args, "--probe-timeout-s", "0.5", *extra], env)
@@ -313,6 +318,32 @@ def test_announce_registers_what_the_server_serves_and_follows_its_adapters(
     wait_for(lambda: shared.records()[sid].adapters == (f"{model}-a", f"{model}-b"), 5, "loaded")
     server.unload_lora(f"{model}-a")
     wait_for(lambda: shared.records()[sid].adapters == (f"{model}-b",), 5, "unloaded")
+
+
+def test_announce_names_the_connector_and_a_mooncake_prefills_engines(
+    procs: list[Subprocess], model: str, shared: Shared
+) -> None:
+    prefill = ConnectorServer("mooncake", "prefill", model, engine_id="engine-9").start()
+    decode = ConnectorServer("nixl_push", "decode", model).start()
+    try:
+        env = shared.env(ttl=1.0, heartbeat=0.25)
+        args = ["--connector", "mooncake", "--bootstrap", prefill.side]
+        _announce(procs, prefill, Role.PREFILL, env, *args)
+        _announce(procs, decode, Role.DECODE, env, "--connector", "nixl_push")
+        pid, did = f"prefill@127.0.0.1:{prefill.port}", f"decode@127.0.0.1:{decode.port}"
+        wait_for(lambda: set(shared.records()) == {pid, did}, 10, "registered")
+        records = shared.records()
+        assert (records[pid].connector, records[pid].kv_engines) == ("mooncake", ("engine-9",))
+        assert records[pid].kv_bootstrap == f"http://{prefill.side}"
+        assert (records[did].connector, records[did].kv_bootstrap) == ("nixl_push", "")
+    finally:
+        prefill.kill()
+        decode.kill()
+    refused(
+        ["announce", "--url", "http://127.0.0.1:9", "--role", "prefill", "--connector", "p2p"],
+        "connector",
+        env={"PATH": "/usr/bin:/bin", "PDGATE_REGISTRY_URL": "redis://127.0.0.1:9/0"},
+    )
 
 
 def test_a_killed_announce_sidecar_lets_the_record_expire(

@@ -84,6 +84,57 @@ def test_bad_model_fields_are_refused() -> None:
             InstanceRecord.from_dict({**raw, "endpoints": bad})
 
 
+def test_the_connector_fields_are_signed_and_older_records_parse() -> None:
+    from dataclasses import replace
+
+    signer = RecordSigner("token-a")
+    # A forged connector or bootstrap server would send decodes to pull KV from elsewhere.
+    mooncake = signer.sign(
+        replace(
+            RECORD,
+            connector="mooncake",
+            kv_bootstrap="http://10.0.0.1:8998",
+            kv_engines=("engine-a", "engine-b"),
+        )
+    )
+    again = InstanceRecord.from_json(mooncake.to_json())
+    assert again == mooncake and signer.verify(again)
+    assert not signer.verify(replace(mooncake, connector="nixl"))
+    assert not signer.verify(replace(mooncake, kv_bootstrap="http://10.6.6.6:8998"))
+    assert not signer.verify(replace(mooncake, kv_engines=("engine-x", "engine-b")))
+    unset = replace(RECORD, connector="", kv_bootstrap="", kv_engines=())
+    assert signer.sign(RECORD).signature == signer.sign(unset).signature
+    raw = RECORD.to_dict()
+    for later in ("connector", "kv_bootstrap", "kv_engines"):
+        del raw[later]
+    old = InstanceRecord.from_dict(raw)
+    assert (old.connector, old.kv_bootstrap, old.kv_engines) == ("", "", ())
+
+
+def test_what_a_record_names_as_its_connector() -> None:
+    from dataclasses import replace
+
+    # Named: as named, even one this version does not know (it pairs only with its kind).
+    assert replace(RECORD, connector="nixl_push").kv_connector == "nixl_push"
+    assert InstanceRecord.from_dict({**RECORD.to_dict(), "connector": "moriio"}).kv_connector
+    # Unnamed: a shim from before the field (it declares extensions), else a stock server.
+    assert replace(RECORD, extensions=("batch_prefill",)).kv_connector == "pdgate"
+    assert RECORD.kv_connector == ""
+
+
+def test_bad_connector_fields_are_refused() -> None:
+    raw = RECORD.to_dict()
+    for bad in ("NIXL", "x" * 33, "a-b", 3):
+        with pytest.raises(ValueError, match="connector"):
+            InstanceRecord.from_dict({**raw, "connector": bad})
+    for bad in ("10.0.0.1:8998", "ftp://x", "http://" + "x" * 256, 5):
+        with pytest.raises(ValueError, match="kv_bootstrap"):
+            InstanceRecord.from_dict({**raw, "kv_bootstrap": bad})
+    for bad in ("engine", [""], ["e"] * 65, ["x" * 129], ["bad\n"]):
+        with pytest.raises(ValueError, match="kv_engines"):
+            InstanceRecord.from_dict({**raw, "kv_engines": bad})
+
+
 def test_bad_extension_lists_are_refused() -> None:
     raw = RECORD.to_dict()
     for bad in ("batch_prefill", ["x"] * 17, [""], ["y" * 65]):

@@ -61,6 +61,31 @@ def test_a_static_prefill_names_where_it_publishes_kv_events() -> None:
         GatewaySettings(static_prefills=["http://10.0.0.5:8000 kv_events=tcp://*:5557"])
 
 
+def test_a_static_instance_names_its_kv_connector() -> None:
+    settings = GatewaySettings(
+        static_prefills=[
+            "http://10.0.0.5:8000 connector=nixl_push",
+            "http://10.0.0.6:8000 connector=mooncake",
+            "http://10.0.0.7:8000 connector=mooncake bootstrap=10.0.0.9:9000",
+        ],
+        static_decodes=["http://10.0.0.8:8000"],
+    )
+    push, mooncake, elsewhere = settings.static_prefills
+    assert (push.connector, push.kv_bootstrap) == ("nixl_push", "")
+    # vLLM's Mooncake proxy: the prefill's host, VLLM_MOONCAKE_BOOTSTRAP_PORT's default.
+    assert mooncake.kv_bootstrap == "http://10.0.0.6:8998"
+    assert elsewhere.kv_bootstrap == "http://10.0.0.9:9000"
+    assert settings.static_decodes[0].connector is None
+    for spec, message in (
+        ("http://a:1 connector=p2p", "Input should be 'pdgate'"),
+        ("http://a:1 connector=nixl bootstrap=b:2", "for connector=mooncake only"),
+        ("http://a:1 connector=mooncake bootstrap=b:x", "Port could not be cast"),
+        ("http://a:1 connector=mooncake bootstrap=b:2/path", "bootstrap is HOST:PORT"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            GatewaySettings(static_prefills=[spec])
+
+
 def test_static_instances_from_env_json(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDGATE_GATEWAY_STATIC_PREFILLS", '["http://a:1 capacity=2"]')
     assert GatewaySettings.load().static_prefills == [StaticInstance(url="http://a:1", capacity=2)]
@@ -209,6 +234,45 @@ async def test_what_the_server_serves_is_read_and_adapters_follow_at_run_time(
         await _close(events)
     finally:
         await reg.aclose()
+
+
+async def test_a_mooncake_prefill_is_listed_with_the_engines_its_bootstrap_server_names(
+    model: str,
+) -> None:
+    """vLLM's Mooncake proxy reads GET {bootstrap}/query before it sends anything: the
+    decode is told the engine id of the prefill's rank. A prefill whose bootstrap server
+    does not answer is not listed (its decodes could not be told whom to pull from)."""
+    from tests.gateway.placement._vllm_connectors import ConnectorServer
+
+    prefill = ConnectorServer("mooncake", "prefill", model, engine_id="engine-7").start()
+    decode = ConnectorServer("mooncake", "decode", model).start()
+    try:
+        listed = StaticInstance.model_validate(
+            f"{prefill.url} connector=mooncake bootstrap={prefill.side}"
+        )
+        dead = StaticInstance.model_validate(
+            f"{decode.url} connector=mooncake bootstrap=127.0.0.1:{free_port()}"
+        )
+        as_decode = StaticInstance.model_validate(f"{decode.url} connector=mooncake")
+        reg = _static([listed, dead], (as_decode,))
+        try:
+            records = {r.id: r for r in await reg.snapshot()}
+        finally:
+            await reg.aclose()
+        p = records[f"prefill@127.0.0.1:{prefill.port}"]
+        assert (p.connector, p.kv_bootstrap, p.kv_engines) == (
+            "mooncake",
+            f"http://{prefill.side}",
+            ("engine-7",),
+        )
+        assert f"prefill@127.0.0.1:{decode.port}" not in records  # its bootstrap is dead
+        # A decode pulls: it is listed without a bootstrap server of its own.
+        d = records[f"decode@127.0.0.1:{decode.port}"]
+        assert (d.connector, d.kv_engines) == ("mooncake", ())
+        assert prefill.stats()["violations"] == []  # probes are no legs
+    finally:
+        prefill.kill()
+        decode.kill()
 
 
 async def test_a_dead_server_does_not_hold_start_up_and_joins_when_it_answers(
