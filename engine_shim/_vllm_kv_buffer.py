@@ -27,10 +27,12 @@ the network: names are checked against `NAME_RE` and joined to the spool directo
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import struct
+import threading
 from dataclasses import dataclass
 from hashlib import blake2b
 from pathlib import Path
@@ -153,15 +155,27 @@ def _map(path: Path, writable: bool, layout: KvLayout, tokens: int) -> torch.Ten
 
 
 def _create(path: Path, layout: KvLayout, tokens: int) -> None:
-    with open(path, "wb") as f:
-        f.write(_header(layout, tokens))
-        f.truncate(layout.nbytes(tokens))
+    """Create the buffer once: the ranks of a tensor-parallel engine each create the buffer
+    of a prompt's first chunk, for their own heads. The file is made whole under a name of
+    its own and linked in; where one is there already, it is written into, never truncated
+    under another rank's rows."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(_header(layout, tokens))
+            f.truncate(layout.nbytes(tokens))
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def create_buffer(path: Path, layout: KvLayout, tokens: int) -> torch.Tensor:
-    """Create (or truncate) the buffer file for `tokens` tokens; returns its writable
-    view (`KvLayout.shape`), backed by the file."""
+    """Create the buffer file for `tokens` tokens (or take the one another rank created,
+    checked as `open_buffer` checks a writer's); returns its writable view
+    (`KvLayout.shape`), backed by the file."""
     _create(path, layout, tokens)
+    _check(path, layout, tokens, True)
     return _map(path, True, layout, tokens)
 
 
@@ -190,8 +204,7 @@ class BufferFile:
         chunk created, after the checks of `open_buffer` for a writer."""
         if create:
             _create(path, layout, tokens)
-        else:
-            _check(path, layout, tokens, True)
+        _check(path, layout, tokens, True)
         self._fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
         # A layer holds `_units` token rows or kernel blocks, each `_unit_bytes` long.
         _, self._units, *unit = layout.shape(tokens)

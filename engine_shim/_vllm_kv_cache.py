@@ -16,6 +16,10 @@ may be permuted, as FlashInfer's ``HND`` layout does; indexing follows the logic
 A kernel block may be smaller than the scheduler's block (the CPU kernel keeps 32-token
 kernel blocks under 128-token scheduler blocks): scheduler block b is kernel blocks
 ``[b*r, b*r + r)``, ``r`` = scheduler block size / kernel block size.
+
+Under tensor parallelism each rank's cache holds some of the model's KV heads
+(`rank_heads`): it writes and reads only those columns of a buffer's token rows, which hold
+every head, so a prefill and a decode need not split the heads alike.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ __all__ = [
     "kernel_blocks",
     "load_blocks",
     "load_rows",
+    "rank_heads",
     "save_blocks",
     "save_rows",
     "stack_blocks",
@@ -60,6 +65,22 @@ def _kv_axis(kv: torch.Tensor) -> int | None:
     # A 5-dimensional cache of exactly two blocks cannot be told apart, nor can MLA's
     # 3-dimensional latent cache be read as keys and values.
     raise CacheShapeError(f"KV cache layout {tuple(kv.shape)} not supported")
+
+
+def rank_heads(rank: int, ranks: int, total: int, held: int) -> tuple[slice, bool]:
+    """The KV heads of a model's `total` that tensor-parallel rank `rank` of `ranks` holds,
+    as a slice of them, and whether it writes them; `held`, the heads its cache has, is
+    checked against vLLM's split: ``total // ranks`` each, or, with fewer heads than ranks,
+    one each, a head on ``ranks // total`` ranks in a row (vLLM replicates it), of which
+    only the first writes it (the others hold the same values)."""
+    if not 0 <= rank < ranks or total < 1 or max(1, total // ranks) != held:
+        raise CacheShapeError(
+            f"rank {rank} of {ranks} holds {held} of {total} KV heads: not vLLM's split"
+        )
+    if (total % ranks if total >= ranks else ranks % total) != 0:
+        raise CacheShapeError(f"{total} KV heads do not split evenly over {ranks} ranks")
+    first = rank * total // ranks
+    return slice(first, first + held), rank * total % ranks < total
 
 
 def kernel_block_tokens(kv: torch.Tensor) -> int:

@@ -27,6 +27,14 @@ Requests opt in through ``kv_transfer_params`` (set by the shims, never taken fr
   missing or mismatched buffer is reported as failed blocks, which vLLM recomputes
   (``kv_load_failure_policy=recompute``).
 
+Under tensor parallelism every rank's worker saves and loads only the KV heads its cache
+holds, into and out of token rows that hold the model's every head (`rank_heads`): a TP-2
+prefill feeds a TP-1 decode, and the reverse. The ranks share one buffer file (the first to
+create it wins; the others write their heads into it). Whole blocks hold one rank's heads
+only, so an engine whose blocks cannot be read as rows refuses tensor parallelism at its
+start. From a GPU under tensor parallelism a rank's columns are written through the file's
+mapping, not staged (they are not contiguous in the file).
+
 Configuration: ``kv_connector="PdgateConnector"``,
 ``kv_connector_module_path="pdgate.engine_shim.vllm_connector"``, ``kv_role="kv_both"`` and
 ``kv_connector_extra_config={"spool_dir": DIR}`` (`pdgate.engine_shim.vllm_engine` sets all of it).
@@ -64,6 +72,7 @@ from pdgate.engine_shim._vllm_kv_cache import (
     kernel_block_tokens,
     load_blocks,
     load_rows,
+    rank_heads,
     save_blocks,
     save_rows,
     stack_blocks,
@@ -125,6 +134,13 @@ def _params(obj: Any) -> dict[str, Any]:
 
 
 class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyped
+    # Tensor parallelism: ranks, and the model's KV heads (0: the cache's, one rank).
+    _ranks = 1
+    _total_heads = 0
+    # This rank's KV heads among the model's, and whether it writes them (`rank_heads`).
+    _heads = slice(None)
+    _writes = True
+
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
@@ -139,6 +155,9 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
 
         self._cpu = current_platform.is_cpu()  # see `_interior`
         self._cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        self._ranks = vllm_config.parallel_config.tensor_parallel_size
+        if self._ranks > 1:
+            self._total_heads = vllm_config.model_config.get_total_num_kv_heads()
         # Scheduler side: saves in progress and loads decided but not yet scheduled. Both are
         # bounded by the engine's running requests and emptied by request_finished.
         self._saves: dict[str, _SaveState] = {}
@@ -243,23 +262,38 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # One fixed layer order on both sides: the same model gives the same names.
         self._layer_index = {name: i for i, name in enumerate(sorted(kv_caches))}
+        rank = 0
+        if self._ranks > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
         # An engine whose cache cannot be handed over fails here, at its start, not at
         # its first prefill.
         try:
-            self._layout_of(next(iter(kv_caches.values())))
+            self._layout_of(next(iter(kv_caches.values())), rank)
         except (KvBufferError, StopIteration) as exc:
             raise ValueError(f"PdgateConnector cannot serve this engine: {exc}") from None
 
-    def _layout_of(self, kv_layer: torch.Tensor) -> KvLayout:
+    def _layout_of(self, kv_layer: torch.Tensor, rank: int = 0) -> KvLayout:
+        """The buffers' layout for this engine (worked out at registration, for `rank`)."""
         if self._layout is None:
             if not self._layer_index:
                 raise KvBufferError("KV caches were never registered with the connector")
             try:
                 kv_heads, head_size = heads(kv_layer)
                 size = kernel_block_tokens(kv_layer)
+                if self._ranks > 1:
+                    self._heads, self._writes = rank_heads(
+                        rank, self._ranks, self._total_heads, kv_heads
+                    )
+                    kv_heads = self._total_heads
             except CacheShapeError as exc:
                 raise KvBufferError(str(exc)) from None
             interior = self._interior(kv_layer, head_size)
+            if interior is not None and self._ranks > 1:
+                raise KvBufferError(
+                    f"tensor parallelism needs a cache read as token rows, not {interior}"
+                )
             self._layout = KvLayout(
                 layers=len(self._layer_index),
                 kv_heads=kv_heads,
@@ -323,7 +357,8 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
         load = load_rows if theirs.rows else load_blocks
         span = Span(job.block_ids, job.start, job.end, self._block_size)
         for name, kv in layers.items():
-            load(kv, data[self._layer_index[name]], span)
+            held = data[self._layer_index[name]]
+            load(kv, held[:, :, self._heads] if theirs.rows else held, span)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are synchronous, done in start_load_kv
@@ -337,14 +372,15 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
     ) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, _Meta)
-        if not meta.saves or layer_name not in self._layer_index:
+        if not meta.saves or layer_name not in self._layer_index or not self._writes:
             return
         layout = self._layout_of(kv_layer)
         index = self._layer_index[layer_name]
         # From a GPU, a layer's rows or blocks cross in one copy into page-locked memory and
         # are written with pwrite; written straight into the file's mapping they would take
-        # about twice as long, inside the step (docs/vllm.md, "GPU").
-        staged = kv_layer.device.type != "cpu"
+        # about twice as long, inside the step (docs/vllm.md, "GPU"). A rank's heads are
+        # not contiguous in the file: they go through the mapping.
+        staged = kv_layer.device.type != "cpu" and self._ranks == 1
         for job in meta.saves:
             if job.name in self._gone:
                 continue
@@ -360,7 +396,7 @@ class PdgateConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is unty
                         first, data = stack_blocks(kv_layer, span)
                     sink.write(index, first, self._staging.hold(data))
                 elif layout.rows:
-                    save_rows(kv_layer, sink[index], span)
+                    save_rows(kv_layer, sink[index][:, :, self._heads], span)
                 else:
                     save_blocks(kv_layer, sink[index], span)
             except OSError as exc:

@@ -293,3 +293,80 @@ def test_whole_blocks_hand_a_prompt_to_an_engine_of_the_same_interior(
     for mine, at_prefill in ((1, 6), (7, 2), (3, 4)):
         assert torch.equal(decode[:, mine], prefill[:, at_prefill])
     assert not decode[:, 0].any()
+
+
+def test_each_rank_holds_vllms_split_of_the_kv_heads() -> None:
+    from pdgate.engine_shim._vllm_kv_cache import CacheShapeError, rank_heads
+
+    # 8 heads on 2 ranks: 4 each; 2 heads on 4 ranks: one each, each head on two ranks in a
+    # row (vLLM replicates it), of which the first writes.
+    assert [rank_heads(r, 2, 8, 4) for r in (0, 1)] == [(slice(0, 4), True), (slice(4, 8), True)]
+    assert [rank_heads(r, 4, 2, 1) for r in range(4)] == [
+        (slice(0, 1), True),
+        (slice(0, 1), False),
+        (slice(1, 2), True),
+        (slice(1, 2), False),
+    ]
+    assert rank_heads(0, 1, 8, 8) == (slice(0, 8), True)
+    for bad in ((0, 2, 8, 8), (2, 2, 8, 4), (0, 3, 8, 2), (0, 3, 2, 1)):
+        with pytest.raises(CacheShapeError):
+            rank_heads(*bad)
+
+
+@pytest.mark.parametrize("ranks", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_tensor_parallel_ranks_hand_their_heads_over_whatever_the_other_side_splits(
+    tmp_path: object, ranks: tuple[int, int]
+) -> None:
+    """Each rank of a prefill writes its own heads' columns of the token rows into one
+    buffer (every rank creates it: the first file stands, the others write into it), and
+    each rank of a decode reads its own: a TP-2 prefill feeds a TP-1 decode and the
+    reverse, every row of every head arriving where it belongs (the connector's
+    save and load, as `PdgateConnector` makes them per rank)."""
+    import torch
+
+    from pdgate.engine_shim._vllm_kv_buffer import KvLayout, buffer_path, create_buffer
+    from pdgate.engine_shim._vllm_kv_buffer import open_buffer as open_
+    from pdgate.engine_shim._vllm_kv_cache import (
+        Span,
+        load_rows,
+        rank_heads,
+        save_rows,
+        token_views,
+    )
+
+    tokens, block, ids = 40, 16, [2, 0, 1]
+    heads = 4
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randn(LAYERS, tokens, 2, heads, HEAD_SIZE, generator=gen)
+    layout = KvLayout(LAYERS, heads, HEAD_SIZE, "float32", 4)  # every head, whatever the TP
+    path = buffer_path(str(tmp_path), "ef" * 16)
+    span = Span(ids, 0, tokens, block)
+    p_ranks, d_ranks = ranks
+    for rank in range(p_ranks):
+        held, writes = rank_heads(rank, p_ranks, heads, heads // p_ranks)
+        assert writes
+        caches = [
+            torch.zeros(4, 2, block, heads // p_ranks, HEAD_SIZE, dtype=torch.float32)
+            for _ in range(LAYERS)
+        ]
+        for layer, cache in enumerate(caches):  # this rank's forward pass: its heads
+            keys, values = token_views(cache)
+            for t in range(tokens):
+                keys[ids[t // block], t % block] = rows[layer, t, 0, held]
+                values[ids[t // block], t % block] = rows[layer, t, 1, held]
+        buf = create_buffer(path, layout, tokens)  # each rank: only the first creates
+        for layer, cache in enumerate(caches):
+            save_rows(cache, buf[layer][:, :, held], span)
+        del buf
+    data, theirs = open_(path, layout, tokens)
+    assert theirs == layout and torch.equal(data, rows)
+    for rank in range(d_ranks):
+        held, _ = rank_heads(rank, d_ranks, heads, heads // d_ranks)
+        for layer in range(LAYERS):
+            cache = torch.zeros(4, 2, block, heads // d_ranks, HEAD_SIZE, dtype=torch.float16)
+            load_rows(cache, data[layer][:, :, held], Span(ids, 0, tokens - 1, block))
+            keys, values = token_views(cache)
+            for t in range(tokens - 1):
+                want = rows[layer, t, :, held].to(torch.float16)
+                assert torch.equal(keys[ids[t // block], t % block], want[0]), (rank, t)
+                assert torch.equal(values[ids[t // block], t % block], want[1]), (rank, t)

@@ -181,6 +181,36 @@ def test_the_connector_picks_a_form_for_each_engines_cache_or_refuses_at_start()
             connector(cpu=cpu).register_kv_caches({"layer.0": torch.zeros(10, 16, 576)})
 
 
+def test_a_tensor_parallel_rank_lays_out_every_head_and_keeps_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 1 of 2 of a model with 8 KV heads: its cache holds heads 4-7, its buffers all 8
+    (a decode of any TP reads them); a cache read only as whole blocks refuses TP at start."""
+    import torch
+    import vllm.distributed.parallel_state as parallel_state
+
+    from pdgate.engine_shim.vllm_connector import PdgateConnector
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 1)
+
+    def connector(cache_dtype: str = "auto") -> PdgateConnector:
+        made = object.__new__(PdgateConnector)
+        made._cpu, made._cache_dtype, made._layout = False, cache_dtype, None
+        made._ranks, made._total_heads = 2, 8
+        return made
+
+    rank1 = connector()
+    rank1.register_kv_caches({"layer.0": torch.zeros(2, 10, 16, 4, 64, dtype=torch.bfloat16)})
+    assert rank1._layout is not None and rank1._layout.model() == (1, 8, 64)
+    assert (rank1._heads, rank1._writes) == (slice(4, 8), True)
+    with pytest.raises(ValueError, match="tensor parallelism needs a cache read as token rows"):
+        connector("fp8").register_kv_caches(
+            {"layer.0": torch.zeros(10, 2, 16, 4, 64, dtype=torch.uint8)}
+        )
+    with pytest.raises(ValueError, match="not vLLM's split"):
+        connector().register_kv_caches({"layer.0": torch.zeros(2, 10, 16, 8, 64)})
+
+
 @pytest.mark.vllm
 def test_tiny_model_is_deterministic(tmp_path: Path) -> None:
     from pdgate.engine_shim.tiny_model import write_tiny_llama
