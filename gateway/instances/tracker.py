@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from pdgate.config.wire import EXT_PHASES, Role
+from pdgate.config.wire import EXT_PHASES, KvConnector, Role
 from pdgate.policies.base import InstanceLoad
 from pdgate.registry.base import InstanceRecord, InstanceState
 
@@ -126,6 +126,8 @@ class InstanceTracker:
     _aggregated: set[tuple[str, str | None]] = field(default_factory=set)
     # Of those, the ones whose every ready aggregated instance alternates phases (partial).
     _partial: set[tuple[str, str | None]] = field(default_factory=set)
+    # (model, group) keys with a ready prefill that pushes its KV (`pushed`).
+    _pushed: set[tuple[str, str | None]] = field(default_factory=set)
     # Per served name (model or adapter): the smallest max_model_len a ready instance reports
     # (names none reports are absent), and each adapter's model.
     _context: dict[str, int] = field(default_factory=dict)
@@ -175,17 +177,21 @@ class InstanceTracker:
         prefilled: set[tuple[str, str | None]] = set()
         aggregated: set[tuple[str, str | None]] = set()
         steady: set[tuple[str, str | None]] = set()  # an aggregated one there does not alternate
+        pushed: set[tuple[str, str | None]] = set()
         for (role, model), xs in ready.items():
             for rec, _ in xs:
                 keys = ((model, None), (model, rec.group))
                 if role is Role.PREFILL:
                     prefilled.update(keys)
+                    if rec.connector == KvConnector.NIXL_PUSH:
+                        pushed.update(keys)
                 elif role is Role.AGGREGATED:
                     aggregated.update(keys)
                     if EXT_PHASES not in rec.extensions:
                         steady.update(keys)
         self._aggregated = aggregated - prefilled
         self._partial = self._aggregated - steady
+        self._pushed = pushed
         self.pulse()  # a new instance is new capacity
 
     def _for(self, instance_id: str) -> _Counters:
@@ -274,6 +280,12 @@ class InstanceTracker:
         """Whether an aggregated group is served partially disaggregated: its every ready
         instance alternates prefill and decode phases (``EXT_PHASES``)."""
         return (model, group) in self._partial
+
+    def pushed(self, model: str, group: str | None) -> bool:
+        """Whether a ready prefill of `model` in `group` (None: any) pushes its KV into its
+        decode's blocks (NixlPushConnector): its requests' decodes are chosen first
+        (gateway/placement/push.py)."""
+        return (model, group) in self._pushed
 
     def has_room(self, instance_id: str, capacity: int) -> bool:
         """Worth a try: not recently rejected and fewer requests in flight (this gateway's
