@@ -41,12 +41,13 @@ from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.loop_lag import LoopLagMonitor
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.observe.ratio import RatioAdvisor
+from pdgate.gateway.placement.admission import AdmissionOptions
 from pdgate.gateway.placement.decode_attempt import DecodeAttempts
 from pdgate.gateway.placement.dispatch import Dispatcher, client_error
 from pdgate.gateway.placement.drain import DecodeCapacity, DecodeWaits
-from pdgate.gateway.placement.forwarder import ForwardingOptions, Shared
 from pdgate.gateway.placement.leases import Fleet
 from pdgate.gateway.placement.local_prefill import LocalPrefill
+from pdgate.gateway.placement.shared import ForwardingOptions, Shared
 from pdgate.gateway.upstream.base import Upstream
 from pdgate.gateway.upstream.h1 import H1Upstream
 from pdgate.gateway.upstream.http import HttpUpstream
@@ -199,14 +200,7 @@ def build_dispatcher(
             batch_forwarding=settings.batch_forwarding,
             batch_endpoint=settings.prefill_batch_endpoint,
             admit_idle=settings.prefill_admit == "idle",
-            retry_after_s=settings.retry_after_s,
             client_error=client_error,
-            early_drop=settings.early_drop,
-            drain_admission=settings.drain_admission,
-            drain_sweep=settings.drain_sweep,
-            drain_headroom=settings.drain_headroom,
-            decode_backpressure=settings.decode_backpressure,
-            prefill_estimate_quantile=settings.prefill_estimate_quantile,
             try_timeout_s=settings.prefill_try_timeout_s,
         ),
         background=Background("pdgate-dispatch"),
@@ -219,6 +213,15 @@ def build_dispatcher(
             window_s=settings.ratio_window_s, target_utilization=settings.ratio_target_utilization
         ),
         decode_capacity=DecodeCapacity(tracker) if settings.drain_decode_bound else None,
+        admission=AdmissionOptions(
+            retry_after_s=settings.retry_after_s,
+            early_drop=settings.early_drop,
+            drain_admission=settings.drain_admission,
+            drain_sweep=settings.drain_sweep,
+            drain_headroom=settings.drain_headroom,
+            decode_backpressure=settings.decode_backpressure,
+            prefill_estimate_quantile=settings.prefill_estimate_quantile,
+        ),
     )
     dispatcher = Dispatcher(
         settings,

@@ -60,10 +60,7 @@ from pdgate.gateway.errors import (
 )
 from pdgate.gateway.instances.tracker import Lease
 from pdgate.gateway.placement.decode_attempt import DecodeAttempts, out_of_time, release_after
-from pdgate.gateway.placement.forwarder import (
-    PrefillForwarder,
-    Shared,
-)
+from pdgate.gateway.placement.forwarder import PrefillForwarder
 from pdgate.gateway.placement.local_prefill import LocalPlan, LocalPrefill
 from pdgate.gateway.placement.partial import Mitosis, PhaseView, RollingActivation
 from pdgate.gateway.placement.placed import (
@@ -74,6 +71,7 @@ from pdgate.gateway.placement.placed import (
     whole,
 )
 from pdgate.gateway.placement.queue import Waiter, WaitQueue
+from pdgate.gateway.placement.shared import Shared
 from pdgate.gateway.upstream.base import (
     DecodeStream,
     upstream_error_code,
@@ -193,7 +191,7 @@ class Dispatcher:
 
     def shed(self, error: GatewayError) -> None:
         """Every queue's waiting requests, and those that would queue from now on, fail with
-        `error` (the gateway stops: `PrefillForwarder.shed`)."""
+        `error` (the gateway stops: `QueueAdmission.shed`)."""
         for fwd in self._forwarders.values():
             fwd.shed(error)
         self._shed = error
@@ -242,7 +240,7 @@ class Dispatcher:
         """Rows for ``GET /admin/queues``; a partial group's with its macro instances."""
         rows: list[dict[str, object]] = []
         for f in self._forwarders.values():
-            pace, arrivals, headroom = f.drain_view()
+            pace, arrivals, headroom = f.admission.drain_view()
             row: dict[str, object] = {
                 "model": f.model,
                 "group": f.group,
