@@ -42,11 +42,15 @@ from pdgate.gateway.observe.loop_lag import LoopLagMonitor
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.observe.ratio import RatioAdvisor
 from pdgate.gateway.placement.admission import AdmissionOptions
-from pdgate.gateway.placement.decode_attempt import DecodeAttempts
-from pdgate.gateway.placement.dispatch import Dispatcher, client_error
+from pdgate.gateway.placement.aggregated import WholeRequests
+from pdgate.gateway.placement.decode_attempt import DecodeAttempts, client_error
+from pdgate.gateway.placement.decode_leg import DecodeLegs
+from pdgate.gateway.placement.direct import DirectPrefill
+from pdgate.gateway.placement.dispatch import Dispatcher
 from pdgate.gateway.placement.drain import DecodeCapacity, DecodeWaits
 from pdgate.gateway.placement.leases import Fleet
 from pdgate.gateway.placement.local_prefill import LocalPrefill
+from pdgate.gateway.placement.queues import Queues
 from pdgate.gateway.placement.shared import ForwardingOptions, Shared
 from pdgate.gateway.upstream.base import Upstream
 from pdgate.gateway.upstream.h1 import H1Upstream
@@ -164,30 +168,19 @@ class Gateway:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def build_dispatcher(
+def queue_parts(
     settings: GatewaySettings,
     *,
     tracker: InstanceTracker,
     upstream: Upstream,
     metrics: GatewayMetrics,
-    prefill_policy: Ranker,
-    decode_policy: Ranker,
-    index: PrefixLookup | None = None,
-    fleet: Fleet | None = None,
-    groups: GroupResolver | None = None,
-    backoff: Backoff | None = None,
-    tracing: Tracing | None = None,
-) -> Dispatcher:
-    """The placement stage: the dispatcher and the parts its forwarders share."""
-    tracing = tracing or Tracing.off()
-    fleet = fleet or Fleet(LocalFleet(settings.gateway_id), tracker)
-    ejector = Ejector(
-        tracker,
-        metrics,
-        Ejection(settings.eject_after_failures, settings.eject_base_s, settings.eject_max_s),
-    )
-    decodes = DecodeAttempts(tracker, upstream, metrics.decode_attempts, ejector, tracing)
-    shared = Shared(
+    index: PrefixLookup | None,
+    fleet: Fleet,
+    backoff: Backoff | None,
+    tracing: Tracing,
+) -> Shared:
+    """What every queue of the gateway shares (gateway/placement/shared.py)."""
+    return Shared(
         tracker=tracker,
         upstream=upstream,
         backoff=backoff
@@ -205,7 +198,11 @@ def build_dispatcher(
         ),
         background=Background("pdgate-dispatch"),
         fleet=fleet,
-        ejector=ejector,
+        ejector=Ejector(
+            tracker,
+            metrics,
+            Ejection(settings.eject_after_failures, settings.eject_base_s, settings.eject_max_s),
+        ),
         budget=RetryBudget(settings.retry_budget_ratio, settings.retry_budget_burst),
         decode_waits=DecodeWaits(tracker),
         tracing=tracing,
@@ -223,16 +220,66 @@ def build_dispatcher(
             prefill_estimate_quantile=settings.prefill_estimate_quantile,
         ),
     )
+
+
+def build_dispatcher(
+    settings: GatewaySettings,
+    *,
+    tracker: InstanceTracker,
+    upstream: Upstream,
+    metrics: GatewayMetrics,
+    prefill_policy: Ranker,
+    decode_policy: Ranker,
+    index: PrefixLookup | None = None,
+    fleet: Fleet | None = None,
+    groups: GroupResolver | None = None,
+    backoff: Backoff | None = None,
+    tracing: Tracing | None = None,
+) -> Dispatcher:
+    """The placement stage: the parts that place each leg, built in order and handed to the
+    dispatcher (gateway/placement/dispatch.py)."""
+    fleet = fleet or Fleet(LocalFleet(settings.gateway_id), tracker)
+    shared = queue_parts(
+        settings,
+        tracker=tracker,
+        upstream=upstream,
+        metrics=metrics,
+        index=index,
+        fleet=fleet,
+        backoff=backoff,
+        tracing=tracing or Tracing.off(),
+    )
+    ejector, budget = shared.ejector, shared.budget
+    decodes = DecodeAttempts(tracker, upstream, metrics.decode_attempts, ejector, shared.tracing)
+    # An aggregated group's instances always compute: never the `idle` filter for them.
+    ranking = admit_idle(prefill_policy) if settings.prefill_admit == "idle" else prefill_policy
+    queues = Queues(
+        settings,
+        shared,
+        groups or GroupResolver(settings, tracker),
+        prefill_policy=ranking,
+        aggregated_policy=prefill_policy,
+    )
     dispatcher = Dispatcher(
         settings,
         shared,
-        prefill_policy=(
-            admit_idle(prefill_policy) if settings.prefill_admit == "idle" else prefill_policy
+        queues=queues,
+        direct=DirectPrefill(
+            settings, tracker, ranking, upstream, metrics, shared.background, index
         ),
-        decode_policy=decode_policy,
-        aggregated_policy=prefill_policy,
-        groups=groups or GroupResolver(settings, tracker),
-        decodes=decodes,
+        whole=WholeRequests(
+            settings, tracker, queues, decodes, ejector=ejector, budget=budget, metrics=metrics
+        ),
+        decode_legs=DecodeLegs(
+            settings,
+            tracker,
+            decodes,
+            decode_policy,
+            waits=shared.decode_waits,
+            backoff=shared.backoff,
+            budget=budget,
+            metrics=metrics,
+        ),
         # Conditional disaggregation (gateway/placement/local_prefill.py).
         local=LocalPrefill(settings, tracker, decodes, decode_policy, metrics, ejector),
     )

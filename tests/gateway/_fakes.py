@@ -19,7 +19,8 @@ from pdgate.gateway.instances.health import Ejection, Ejector, RetryBudget
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.admission import AdmissionOptions
-from pdgate.gateway.placement.dispatch import Dispatcher, client_error
+from pdgate.gateway.placement.decode_attempt import client_error
+from pdgate.gateway.placement.dispatch import Dispatcher
 from pdgate.gateway.placement.drain import DecodeCapacity, DecodeWaits
 from pdgate.gateway.placement.forwarder import PrefillForwarder
 from pdgate.gateway.placement.leases import Fleet

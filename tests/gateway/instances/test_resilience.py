@@ -17,7 +17,7 @@ import pytest
 from pdgate.config import Role
 from pdgate.gateway.errors import BadGateway
 from pdgate.gateway.instances.health import Ejection, Ejector, RetryBudget
-from pdgate.gateway.placement.dispatch import client_error
+from pdgate.gateway.placement.decode_attempt import client_error
 from pdgate.gateway.placement.shared import ForwardingOptions
 from pdgate.gateway.upstream.mock import Call, MockUpstream, Reply
 from pdgate.registry import InstanceRecord, RedisRegistry

@@ -17,7 +17,7 @@ from pdgate.gateway.errors import DeadlineExceeded, GatewayError
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.admission import AdmissionOptions
-from pdgate.gateway.placement.dispatch import client_error
+from pdgate.gateway.placement.decode_attempt import client_error
 from pdgate.gateway.placement.forwarder import PrefillForwarder
 from pdgate.gateway.placement.leases import Fleet
 from pdgate.gateway.placement.queue import Waiter

@@ -18,7 +18,7 @@ from pdgate.gateway.instances.affinity import PrefixIndex
 from pdgate.gateway.instances.health import Ejector, RetryBudget
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.metrics import GatewayMetrics
-from pdgate.gateway.placement.dispatch import client_error
+from pdgate.gateway.placement.decode_attempt import client_error
 from pdgate.gateway.placement.drain import DecodeWaits
 from pdgate.gateway.placement.forwarder import PrefillForwarder
 from pdgate.gateway.placement.leases import Fleet
