@@ -1,9 +1,12 @@
 """The composition root: every part of one gateway, built once and handed down.
 
 `build_gateway_app` returns the ASGI app. Its lifespan builds the parts in order (`Gateway`
-names each), starts them, and closes them in the reverse order; `build_dispatcher` builds
-the placement stage's parts. Nothing lives at module level. The life of a request through
-these parts is in gateway/api/completions.py.
+names each), each from a small named function where it takes more than a constructor
+(`watch_membership`, `open_upstream`, `open_fleet`, `open_prefix_index`), starts them, and
+closes them in the reverse order. `build_dispatcher` builds the placement stage the same
+way: what every queue shares (`queue_parts`), then each part that places a leg, handed to
+the `Dispatcher`. Nothing lives at module level. The life of a request through these parts
+is in gateway/api/completions.py.
 """
 
 from __future__ import annotations
@@ -287,6 +290,87 @@ def build_dispatcher(
     return dispatcher
 
 
+def watch_membership(
+    registry: Registry, registry_settings: RegistrySettings, tracker: InstanceTracker
+) -> Membership:
+    """The registry's view of the fleet, which the tracker follows (started by the lifespan)."""
+    membership = Membership(
+        registry,
+        poll_interval_s=registry_settings.poll_interval_s,
+        max_instances=registry_settings.max_instances,
+        hold_s=registry_settings.ttl_s,
+    )
+    membership.add_listener(tracker.update_membership)
+    return membership
+
+
+def open_upstream(
+    settings: GatewaySettings,
+    registry_settings: RegistrySettings,
+    instance_keys: Mapping[str, str],
+) -> Upstream:
+    """The HTTP client towards the instances (``upstream_client``): the cluster's token for
+    every instance, a static server's own key for it (`static_api_keys`)."""
+    transport = H1Upstream if settings.upstream_client == "h1" else HttpUpstream
+    return transport.connect(
+        connections=settings.upstream_connections,
+        connect_timeout_s=settings.upstream_connect_timeout_s,
+        read_timeout_s=settings.upstream_read_timeout_s,
+        headers=_upstream_headers(settings, registry_settings),
+        instance_headers={
+            url: {"authorization": f"Bearer {key}"} for url, key in instance_keys.items()
+        },
+        header_timeout_s=settings.decode_header_timeout_s,
+        stall_timeout_s=settings.decode_stall_timeout_s,
+    )
+
+
+def open_fleet(
+    settings: GatewaySettings, registry_settings: RegistrySettings, tracker: InstanceTracker
+) -> Fleet:
+    """The fleet's slot leases and syncs (gateway/placement/leases.py; started by the
+    lifespan)."""
+    return Fleet(
+        open_fleet_store(settings, registry_settings),
+        tracker,
+        sync_interval_s=settings.fleet_sync_interval_s,
+        ttl_s=settings.fleet_ttl_s,
+        window_s=settings.fleet_window_s,
+    )
+
+
+def open_prefix_index(
+    settings: GatewaySettings, policy: Ranker, membership: Membership, metrics: GatewayMetrics
+) -> tuple[PrefixLookup | None, KvEventFeed | None]:
+    """The prefix index, for a policy that scores prefix affinity only (None otherwise): the
+    prompts' character history, and with ``kv_prefix`` the engines' KV events over it (the
+    feed, which the lifespan closes, follows the membership). Departed instances took their
+    prefix caches with them: the index forgets them."""
+    if "kv_prefix" not in policy.needs and "prefix" not in policy.needs:
+        return None, None
+    chars = PrefixIndex(
+        block_chars=settings.affinity_block_chars,
+        max_blocks=settings.affinity_max_blocks,
+        max_bytes=settings.affinity_max_bytes,
+    )
+    index: PrefixLookup = chars
+    kv_feed: KvEventFeed | None = None
+    if "kv_prefix" in policy.needs:
+        # The engines' KV events, with the character history for those without.
+        tokenizers = PromptTokenizers(settings.tokenizers)
+        kv_index = KvBlockIndex(
+            tokenizers,
+            chars,
+            max_blocks=settings.kv_index_max_blocks,
+            pending_s=settings.kv_index_pending_s,
+        )
+        kv_feed = KvEventFeed(kv_index, tokenizers, metrics.registry)
+        membership.add_listener(kv_feed.on_change)
+        index = kv_index
+    membership.add_listener(_forget_departed(index))
+    return index, kv_feed
+
+
 def build_gateway_app(
     settings: GatewaySettings,
     registry: Registry,
@@ -317,38 +401,16 @@ def build_gateway_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
+        # The parts in order, each handed those it needs; started below, stopped in reverse.
         tracker = InstanceTracker(reject_hold_s=settings.reject_hold_s)
-        membership = Membership(
-            registry,
-            poll_interval_s=registry_settings.poll_interval_s,
-            max_instances=registry_settings.max_instances,
-            hold_s=registry_settings.ttl_s,
-        )
-        membership.add_listener(tracker.update_membership)
+        membership = watch_membership(registry, registry_settings, tracker)
         owned = upstream is None
-        transport = H1Upstream if settings.upstream_client == "h1" else HttpUpstream
-        client: Upstream = (
-            transport.connect(
-                connections=settings.upstream_connections,
-                connect_timeout_s=settings.upstream_connect_timeout_s,
-                read_timeout_s=settings.upstream_read_timeout_s,
-                headers=_upstream_headers(settings, registry_settings),
-                instance_headers={
-                    url: {"authorization": f"Bearer {key}"} for url, key in instance_keys.items()
-                },
-                header_timeout_s=settings.decode_header_timeout_s,
-                stall_timeout_s=settings.decode_stall_timeout_s,
-            )
-            if upstream is None
-            else upstream
+        client = (
+            upstream
+            if upstream is not None
+            else open_upstream(settings, registry_settings, instance_keys)
         )
-        fleet = Fleet(
-            open_fleet_store(settings, registry_settings),
-            tracker,
-            sync_interval_s=settings.fleet_sync_interval_s,
-            ttl_s=settings.fleet_ttl_s,
-            window_s=settings.fleet_window_s,
-        )
+        fleet = open_fleet(settings, registry_settings, tracker)
         # Late-bound: the gauges read the dispatcher and the endpoint built just below.
         metrics = GatewayMetrics(
             tracker.totals,
@@ -359,30 +421,7 @@ def build_gateway_app(
             lambda: dispatcher.describe_queues(),
             lambda: dispatcher.decode_waiting(),
         )
-        # Only a policy that scores prefix affinity pays for an index.
-        index: PrefixLookup | None = None
-        kv_feed: KvEventFeed | None = None
-        if "kv_prefix" in prefill_policy.needs or "prefix" in prefill_policy.needs:
-            chars = PrefixIndex(
-                block_chars=settings.affinity_block_chars,
-                max_blocks=settings.affinity_max_blocks,
-                max_bytes=settings.affinity_max_bytes,
-            )
-            index = chars
-            if "kv_prefix" in prefill_policy.needs:
-                # The engines' KV events, with the character history for those without.
-                tokenizers = PromptTokenizers(settings.tokenizers)
-                kv_index = KvBlockIndex(
-                    tokenizers,
-                    chars,
-                    max_blocks=settings.kv_index_max_blocks,
-                    pending_s=settings.kv_index_pending_s,
-                )
-                kv_feed = KvEventFeed(kv_index, tokenizers, metrics.registry)
-                membership.add_listener(kv_feed.on_change)
-                index = kv_index
-        if index is not None:
-            membership.add_listener(_forget_departed(index))
+        index, kv_feed = open_prefix_index(settings, prefill_policy, membership, metrics)
         groups = GroupResolver(settings, tracker)
         dispatcher = build_dispatcher(
             settings,
