@@ -1,9 +1,12 @@
 """The composition root: every part of one gateway, built once and handed down.
 
 `build_gateway_app` returns the ASGI app. Its lifespan builds the parts in order (`Gateway`
-names each), starts them, and closes them in the reverse order; `build_dispatcher` builds
-the placement stage's parts. Nothing lives at module level. The life of a request through
-these parts is in gateway/api/completions.py.
+names each), each from a small named function where it takes more than a constructor
+(`watch_membership`, `open_upstream`, `open_fleet`, `open_prefix_index`), starts them, and
+closes them in the reverse order. `build_dispatcher` builds the placement stage the same
+way: what every queue shares (`queue_parts`), then each part that places a leg, handed to
+the `Dispatcher`. Nothing lives at module level. The life of a request through these parts
+is in gateway/api/completions.py.
 """
 
 from __future__ import annotations
@@ -45,12 +48,17 @@ from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.loop_lag import LoopLagMonitor
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.observe.ratio import RatioAdvisor
-from pdgate.gateway.placement.decode_attempt import DecodeAttempts
-from pdgate.gateway.placement.dispatch import Dispatcher, client_error
+from pdgate.gateway.placement.admission import AdmissionOptions
+from pdgate.gateway.placement.aggregated import WholeRequests
+from pdgate.gateway.placement.decode_attempt import DecodeAttempts, client_error
+from pdgate.gateway.placement.decode_leg import DecodeLegs
+from pdgate.gateway.placement.direct import DirectPrefill
+from pdgate.gateway.placement.dispatch import Dispatcher
 from pdgate.gateway.placement.drain import DecodeCapacity, DecodeWaits
-from pdgate.gateway.placement.forwarder import ForwardingOptions, Shared
 from pdgate.gateway.placement.leases import Fleet
 from pdgate.gateway.placement.local_prefill import LocalPrefill
+from pdgate.gateway.placement.queues import Queues
+from pdgate.gateway.placement.shared import ForwardingOptions, Shared
 from pdgate.gateway.translate.base import Front
 from pdgate.gateway.translate.messages import MessagesFront
 from pdgate.gateway.translate.responses import ResponsesFront
@@ -221,6 +229,60 @@ class Gateway:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def queue_parts(
+    settings: GatewaySettings,
+    *,
+    tracker: InstanceTracker,
+    upstream: Upstream,
+    metrics: GatewayMetrics,
+    index: PrefixLookup | None,
+    fleet: Fleet,
+    backoff: Backoff | None,
+    tracing: Tracing,
+) -> Shared:
+    """What every queue of the gateway shares (gateway/placement/shared.py)."""
+    return Shared(
+        tracker=tracker,
+        upstream=upstream,
+        backoff=backoff
+        or ExponentialBackoff(
+            settings.backoff_initial_s, settings.backoff_max_s, settings.backoff_jitter
+        ),
+        metrics=metrics,
+        index=index,
+        options=ForwardingOptions(
+            batch_forwarding=settings.batch_forwarding,
+            batch_endpoint=settings.prefill_batch_endpoint,
+            admit_idle=settings.prefill_admit == "idle",
+            client_error=client_error,
+            try_timeout_s=settings.prefill_try_timeout_s,
+        ),
+        background=Background("pdgate-dispatch"),
+        fleet=fleet,
+        ejector=Ejector(
+            tracker,
+            metrics,
+            Ejection(settings.eject_after_failures, settings.eject_base_s, settings.eject_max_s),
+        ),
+        budget=RetryBudget(settings.retry_budget_ratio, settings.retry_budget_burst),
+        decode_waits=DecodeWaits(tracker),
+        tracing=tracing,
+        advisor=RatioAdvisor(
+            window_s=settings.ratio_window_s, target_utilization=settings.ratio_target_utilization
+        ),
+        decode_capacity=DecodeCapacity(tracker) if settings.drain_decode_bound else None,
+        admission=AdmissionOptions(
+            retry_after_s=settings.retry_after_s,
+            early_drop=settings.early_drop,
+            drain_admission=settings.drain_admission,
+            drain_sweep=settings.drain_sweep,
+            drain_headroom=settings.drain_headroom,
+            decode_backpressure=settings.decode_backpressure,
+            prefill_estimate_quantile=settings.prefill_estimate_quantile,
+        ),
+    )
+
+
 def build_dispatcher(
     settings: GatewaySettings,
     *,
@@ -235,64 +297,139 @@ def build_dispatcher(
     backoff: Backoff | None = None,
     tracing: Tracing | None = None,
 ) -> Dispatcher:
-    """The placement stage: the dispatcher and the parts its forwarders share."""
-    tracing = tracing or Tracing.off()
+    """The placement stage: the parts that place each leg, built in order and handed to the
+    dispatcher (gateway/placement/dispatch.py)."""
     fleet = fleet or Fleet(LocalFleet(settings.gateway_id), tracker)
-    ejector = Ejector(
-        tracker,
-        metrics,
-        Ejection(settings.eject_after_failures, settings.eject_base_s, settings.eject_max_s),
-    )
-    decodes = DecodeAttempts(tracker, upstream, metrics.decode_attempts, ejector, tracing)
-    shared = Shared(
+    shared = queue_parts(
+        settings,
         tracker=tracker,
         upstream=upstream,
-        backoff=backoff
-        or ExponentialBackoff(
-            settings.backoff_initial_s, settings.backoff_max_s, settings.backoff_jitter
-        ),
         metrics=metrics,
         index=index,
-        options=ForwardingOptions(
-            batch_forwarding=settings.batch_forwarding,
-            batch_endpoint=settings.prefill_batch_endpoint,
-            admit_idle=settings.prefill_admit == "idle",
-            retry_after_s=settings.retry_after_s,
-            client_error=client_error,
-            early_drop=settings.early_drop,
-            drain_admission=settings.drain_admission,
-            drain_sweep=settings.drain_sweep,
-            drain_headroom=settings.drain_headroom,
-            decode_backpressure=settings.decode_backpressure,
-            prefill_estimate_quantile=settings.prefill_estimate_quantile,
-            try_timeout_s=settings.prefill_try_timeout_s,
-        ),
-        background=Background("pdgate-dispatch"),
         fleet=fleet,
-        ejector=ejector,
-        budget=RetryBudget(settings.retry_budget_ratio, settings.retry_budget_burst),
-        decode_waits=DecodeWaits(tracker),
-        tracing=tracing,
-        advisor=RatioAdvisor(
-            window_s=settings.ratio_window_s, target_utilization=settings.ratio_target_utilization
-        ),
-        decode_capacity=DecodeCapacity(tracker) if settings.drain_decode_bound else None,
+        backoff=backoff,
+        tracing=tracing or Tracing.off(),
+    )
+    ejector, budget = shared.ejector, shared.budget
+    decodes = DecodeAttempts(tracker, upstream, metrics.decode_attempts, ejector, shared.tracing)
+    # An aggregated group's instances always compute: never the `idle` filter for them.
+    ranking = admit_idle(prefill_policy) if settings.prefill_admit == "idle" else prefill_policy
+    queues = Queues(
+        settings,
+        shared,
+        groups or GroupResolver(settings, tracker),
+        prefill_policy=ranking,
+        aggregated_policy=prefill_policy,
     )
     dispatcher = Dispatcher(
         settings,
         shared,
-        prefill_policy=(
-            admit_idle(prefill_policy) if settings.prefill_admit == "idle" else prefill_policy
+        queues=queues,
+        direct=DirectPrefill(
+            settings, tracker, ranking, upstream, metrics, shared.background, index
         ),
-        decode_policy=decode_policy,
-        aggregated_policy=prefill_policy,
-        groups=groups or GroupResolver(settings, tracker),
-        decodes=decodes,
+        whole=WholeRequests(
+            settings, tracker, queues, decodes, ejector=ejector, budget=budget, metrics=metrics
+        ),
+        decode_legs=DecodeLegs(
+            settings,
+            tracker,
+            decodes,
+            decode_policy,
+            waits=shared.decode_waits,
+            backoff=shared.backoff,
+            budget=budget,
+            metrics=metrics,
+        ),
         # Conditional disaggregation (gateway/placement/local_prefill.py).
         local=LocalPrefill(settings, tracker, decodes, decode_policy, metrics, ejector),
     )
     fleet.serve_queues(dispatcher.heads, dispatcher)
     return dispatcher
+
+
+def watch_membership(
+    registry: Registry, registry_settings: RegistrySettings, tracker: InstanceTracker
+) -> Membership:
+    """The registry's view of the fleet, which the tracker follows (started by the lifespan)."""
+    membership = Membership(
+        registry,
+        poll_interval_s=registry_settings.poll_interval_s,
+        max_instances=registry_settings.max_instances,
+        hold_s=registry_settings.ttl_s,
+    )
+    membership.add_listener(tracker.update_membership)
+    return membership
+
+
+def open_upstream(
+    settings: GatewaySettings,
+    registry_settings: RegistrySettings,
+    instance_keys: Mapping[str, str],
+) -> Upstream:
+    """The HTTP client towards the instances (``upstream_client``): the cluster's token for
+    every instance, a static server's own key for it (`static_api_keys`)."""
+    transport = H1Upstream if settings.upstream_client == "h1" else HttpUpstream
+    return transport.connect(
+        connections=settings.upstream_connections,
+        connect_timeout_s=settings.upstream_connect_timeout_s,
+        read_timeout_s=settings.upstream_read_timeout_s,
+        headers=_upstream_headers(settings, registry_settings),
+        instance_headers={
+            url: {"authorization": f"Bearer {key}"} for url, key in instance_keys.items()
+        },
+        header_timeout_s=settings.decode_header_timeout_s,
+        stall_timeout_s=settings.decode_stall_timeout_s,
+    )
+
+
+def open_fleet(
+    settings: GatewaySettings, registry_settings: RegistrySettings, tracker: InstanceTracker
+) -> Fleet:
+    """The fleet's slot leases and syncs (gateway/placement/leases.py; started by the
+    lifespan)."""
+    return Fleet(
+        open_fleet_store(settings, registry_settings),
+        tracker,
+        sync_interval_s=settings.fleet_sync_interval_s,
+        ttl_s=settings.fleet_ttl_s,
+        window_s=settings.fleet_window_s,
+    )
+
+
+def open_prefix_index(
+    settings: GatewaySettings,
+    policy: Ranker,
+    membership: Membership,
+    metrics: GatewayMetrics,
+    tokenizers: PromptTokenizers,
+) -> tuple[PrefixLookup | None, KvEventFeed | None]:
+    """The prefix index, for a policy that scores prefix affinity only (None otherwise): the
+    prompts' character history, and with ``kv_prefix`` the engines' KV events over it (the
+    feed, which the lifespan closes, follows the membership). Departed instances took their
+    prefix caches with them: the index forgets them."""
+    if "kv_prefix" not in policy.needs and "prefix" not in policy.needs:
+        return None, None
+    chars = PrefixIndex(
+        block_chars=settings.affinity_block_chars,
+        max_blocks=settings.affinity_max_blocks,
+        max_bytes=settings.affinity_max_bytes,
+    )
+    index: PrefixLookup = chars
+    kv_feed: KvEventFeed | None = None
+    if "kv_prefix" in policy.needs:
+        # The engines' KV events, with the character history for those without.
+        kv_index = KvBlockIndex(
+            tokenizers,
+            chars,
+            max_blocks=settings.kv_index_max_blocks,
+            pending_s=settings.kv_index_pending_s,
+        )
+        kv_feed = KvEventFeed(kv_index, tokenizers, metrics.registry)
+        membership.add_listener(kv_feed.on_change)
+        index = kv_index
+    membership.add_listener(_forget_departed(index))
+    return index, kv_feed
 
 
 def build_gateway_app(
@@ -326,38 +463,16 @@ def build_gateway_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
+        # The parts in order, each handed those it needs; started below, stopped in reverse.
         tracker = InstanceTracker(reject_hold_s=settings.reject_hold_s)
-        membership = Membership(
-            registry,
-            poll_interval_s=registry_settings.poll_interval_s,
-            max_instances=registry_settings.max_instances,
-            hold_s=registry_settings.ttl_s,
-        )
-        membership.add_listener(tracker.update_membership)
+        membership = watch_membership(registry, registry_settings, tracker)
         owned = upstream is None
-        transport = H1Upstream if settings.upstream_client == "h1" else HttpUpstream
-        client: Upstream = (
-            transport.connect(
-                connections=settings.upstream_connections,
-                connect_timeout_s=settings.upstream_connect_timeout_s,
-                read_timeout_s=settings.upstream_read_timeout_s,
-                headers=_upstream_headers(settings, registry_settings),
-                instance_headers={
-                    url: {"authorization": f"Bearer {key}"} for url, key in instance_keys.items()
-                },
-                header_timeout_s=settings.decode_header_timeout_s,
-                stall_timeout_s=settings.decode_stall_timeout_s,
-            )
-            if upstream is None
-            else upstream
+        client = (
+            upstream
+            if upstream is not None
+            else open_upstream(settings, registry_settings, instance_keys)
         )
-        fleet = Fleet(
-            open_fleet_store(settings, registry_settings),
-            tracker,
-            sync_interval_s=settings.fleet_sync_interval_s,
-            ttl_s=settings.fleet_ttl_s,
-            window_s=settings.fleet_window_s,
-        )
+        fleet = open_fleet(settings, registry_settings, tracker)
         # Late-bound: the gauges read the dispatcher and the endpoint built just below.
         metrics = GatewayMetrics(
             tracker.totals,
@@ -370,29 +485,9 @@ def build_gateway_app(
         )
         # The served models' tokenizers, loaded on first use (prefix matching, token counts).
         tokenizers = PromptTokenizers(settings.tokenizers)
-        # Only a policy that scores prefix affinity pays for an index.
-        index: PrefixLookup | None = None
-        kv_feed: KvEventFeed | None = None
-        if "kv_prefix" in prefill_policy.needs or "prefix" in prefill_policy.needs:
-            chars = PrefixIndex(
-                block_chars=settings.affinity_block_chars,
-                max_blocks=settings.affinity_max_blocks,
-                max_bytes=settings.affinity_max_bytes,
-            )
-            index = chars
-            if "kv_prefix" in prefill_policy.needs:
-                # The engines' KV events, with the character history for those without.
-                kv_index = KvBlockIndex(
-                    tokenizers,
-                    chars,
-                    max_blocks=settings.kv_index_max_blocks,
-                    pending_s=settings.kv_index_pending_s,
-                )
-                kv_feed = KvEventFeed(kv_index, tokenizers, metrics.registry)
-                membership.add_listener(kv_feed.on_change)
-                index = kv_index
-        if index is not None:
-            membership.add_listener(_forget_departed(index))
+        index, kv_feed = open_prefix_index(
+            settings, prefill_policy, membership, metrics, tokenizers
+        )
         groups = GroupResolver(settings, tracker)
         dispatcher = build_dispatcher(
             settings,

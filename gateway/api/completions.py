@@ -8,12 +8,13 @@ The life of a request, each step with the module that does it (docs/architecture
    in its model's context gets its 400 now (admission/context.py), before it queues;
 2. its group, tenant and TTFT deadline (admission/groups.py, admission/tenancy.py);
 3. the relay takes it (stream/relay.py, `Relay.run`) and asks the dispatcher for its legs;
-4. the prefill leg (placement/dispatch.py, `Dispatcher.prefill`): the request waits in its
-   queue (placement/queue.py) until its forwarder (placement/forwarder.py) takes a slot
-   through the fleet's leases (placement/leases.py), forms a run (placement/batching.py)
-   and posts it to a prefill (upstream/http.py); the grant holds the KV
+4. the prefill leg (placement/dispatch.py, `Dispatcher.prefill`): its queue's admission
+   takes it (placement/admission.py) and it waits in the queue (placement/queue.py) until
+   its forwarder (placement/forwarder.py) takes a slot through the fleet's leases
+   (placement/leases.py), forms a run (placement/batching.py) and posts it to a prefill
+   (placement/prefill_call.py, upstream/h1.py); the grant holds the KV
    (placement/placed.py); the first token may go to the client now;
-5. the decode leg (`Dispatcher.decode`, placement/decode_attempt.py): a decode takes the
+5. the decode leg (`Dispatcher.decode`, placement/decode_leg.py): a decode takes the
    request with the prefill's ``kv_transfer_params`` and streams;
 6. the relay sends the decode's events on (or assembles the answer, stream/assemble.py);
    a decode that breaks is replaced and the stream goes on from the tokens sent

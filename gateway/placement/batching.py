@@ -9,7 +9,8 @@ With a policy that holds (``affinity_hold``, policies/completion.py), a request 
 the busy prefill holding its prefix when that is expected to finish sooner than computing it
 on a free one; the requests behind it may take the free prefill (`BatchForming.pick`).
 
-The forwarder (placement/forwarder.py) asks, sends and settles; this module only chooses.
+The forwarder (placement/forwarder.py) asks, and its calls (placement/prefill_call.py) send
+and settle; this module only chooses.
 """
 
 from __future__ import annotations
@@ -78,10 +79,10 @@ def batch_size(queued: int, ranked: Sequence[InstanceLoad]) -> int:
 class BatchForming:
     """Chooses, for one queue, the request to place next and the members of each run.
 
-    `compute_times` and `token_ratio` are the forwarder's measurements (it records them as
-    answers come). `hopeless(waiter)` is the forwarder's early drop: it answers a request
-    that cannot make its deadline (and takes it out of the queue) and says so, so it is
-    skipped here."""
+    `compute_times` and `token_ratio` are the queue's measurements (its calls record them as
+    answers come). `hopeless(waiter)` is the queue's early drop (admission.py): it answers a
+    request that cannot make its deadline (and takes it out of the queue) and says so, so it
+    is skipped here."""
 
     def __init__(
         self,

@@ -1,10 +1,16 @@
-"""One try at a decode, for both ways the gateway asks one: the decode leg of a disaggregated
-request (gateway/placement/dispatch.py) and a local prefill (gateway/placement/local_prefill.py).
+"""One try at a decode, for every way the gateway asks one: the decode leg of a disaggregated
+request (gateway/placement/decode_leg.py), a local prefill (gateway/placement/local_prefill.py)
+and an aggregated instance's whole request (gateway/placement/aggregated.py).
 
 The try counts against the instance while it runs (open stream, request in flight) and has
 its own trace span. When it fails, it gives those counts back, counts its outcome and notes
 it on the instance (a 429: busy for a while; a failure: towards ejection) before the error
 goes on to the caller, which decides what to try next.
+
+Every leg's tries share the helpers below: whether the request's own time ran out
+(`out_of_time`), the counts of a failed call (`release_after`), an instance's 4xx in the
+client's words (`client_error`) and another try only within the retry budget
+(`retry_or_fail`).
 """
 
 from __future__ import annotations
@@ -17,18 +23,34 @@ from prometheus_client import Counter
 
 from pdgate.config.tracing import Span, Tracing
 from pdgate.gateway.errors import (
+    BadGateway,
+    BadRequest,
+    GatewayError,
+    PayloadTooLarge,
     UpstreamError,
     UpstreamRejected,
     UpstreamStatus,
     UpstreamUnreachable,
 )
-from pdgate.gateway.instances.health import Ejector
+from pdgate.gateway.instances.health import Ejector, RetryBudget
 from pdgate.gateway.instances.tracker import InstanceTracker, Lease
-from pdgate.gateway.observe.metrics import Labelled
-from pdgate.gateway.upstream.base import DecodeStream, Upstream
+from pdgate.gateway.observe.metrics import GatewayMetrics, Labelled
+from pdgate.gateway.upstream.base import (
+    DecodeStream,
+    Upstream,
+    upstream_error_message,
+    upstream_error_param,
+)
 from pdgate.policies.base import InstanceLoad
 
-__all__ = ["PREFILL_PATH", "DecodeAttempts", "out_of_time", "release_after"]
+__all__ = [
+    "PREFILL_PATH",
+    "DecodeAttempts",
+    "client_error",
+    "out_of_time",
+    "release_after",
+    "retry_or_fail",
+]
 
 log = logging.getLogger("pdgate.dispatch")
 
@@ -133,6 +155,24 @@ def release_after(exc: BaseException, *leases: Lease) -> None:
     took_slot = not isinstance(exc, UpstreamRejected | UpstreamUnreachable)
     for lease in leases:
         lease.release(slot_freed=took_slot)
+
+
+def client_error(exc: UpstreamStatus) -> GatewayError:
+    """An instance said the request itself is bad: tell the client in its words."""
+    message = upstream_error_message(exc)
+    if exc.status == 413:
+        return PayloadTooLarge(message)
+    return BadRequest(message, param=upstream_error_param(exc))
+
+
+def retry_or_fail(
+    budget: RetryBudget, metrics: GatewayMetrics, exc: UpstreamError, what: str
+) -> None:
+    """Another try after a failed one, if the retry budget allows."""
+    if not budget.withdraw():
+        # A fleet-wide failure must not multiply the load on what is left.
+        metrics.retry_budget_exhausted.inc()
+        raise BadGateway(f"{what}; not retried") from exc
 
 
 def _end(span: Span, outcome: str) -> None:

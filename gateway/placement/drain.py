@@ -30,7 +30,7 @@ gateways' as each sync reports them (`samples_out`, within one sync interval). `
 a lower bound of the requests that go before it here (queue.py, `WaitQueue.ahead`): more
 urgent classes, and its own tenant's requests due before it. Other tenants' requests are
 not counted (fair sharing may let it pass them), nor are the other gateways', so the
-estimate errs toward admitting; early drop at the head (forwarder.py) still catches what
+estimate errs toward admitting; early drop at the head (admission.py) still catches what
 slips through.
 
 Why the fleet's grants and only this queue's requests. Alone, the two are the queue's own
@@ -360,7 +360,7 @@ class DecodeWaits:
     """Prefilled requests waiting for a decode slot, by model and group.
 
     While one waits, the decodes are the bottleneck, and the prefill queue of its model and
-    group holds its requests (`ForwardingOptions.decode_backpressure`): a request prefilled
+    group holds its requests (`AdmissionOptions.decode_backpressure`): a request prefilled
     then would wait for a decode behind the queue, where neither the queue's deadline order
     nor drain admission sees it, and be refused at its deadline instead of on arrival. The
     prefills in flight still join the wait, so a decode slot that frees finds a prefilled

@@ -1,5 +1,8 @@
 """What a request holds once placed: its prefill's grant, then both legs (`Placement`).
 
+Each leg sees the client's request as a `LegRequest` (its description, id, deadline and
+trace span).
+
 The forwarder hands its caller a `PrefillGrant` (the prefill computed the request and holds
 its KV); the dispatcher turns it into a `Placement` when a decode took the request. Each
 owns the counts it holds and releases them exactly once: a grant nobody takes is closed (its
@@ -15,11 +18,31 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdgate.config.openai_api import Api
+from pdgate.config.tracing import Span
 from pdgate.gateway.instances.tracker import Lease
 from pdgate.gateway.upstream.base import DecodeStream
-from pdgate.policies.base import InstanceLoad
+from pdgate.policies.base import InstanceLoad, RequestInfo
 
-__all__ = ["DecodeLeg", "Placement", "PrefillGrant", "as_stream", "release_counts", "whole"]
+__all__ = [
+    "DecodeLeg",
+    "LegRequest",
+    "Placement",
+    "PrefillGrant",
+    "as_stream",
+    "release_counts",
+    "whole",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class LegRequest:
+    """One client request as each of its legs sees it."""
+
+    info: RequestInfo
+    request_id: str
+    deadline: float  # time.monotonic() by which the first byte is due
+    span: Span | None  # the request's trace span: the legs' spans are its children
+    retry: bool = False  # a failover or a continuation: admitted before (`Waiter.admitted`)
 
 
 class PrefillGrant:

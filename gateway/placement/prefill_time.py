@@ -14,11 +14,13 @@ estimate for a new prompt is a low quantile of its class's rates (the whole wind
 the class has too few samples) times its length: *optimistic* on purpose, since dropping a
 request that could have made it is worse than trying one that cannot.
 
-The forwarder keeps a second `PrefillTimes` keyed by the characters a prefill actually
+Each queue keeps a second `PrefillTimes` keyed by the characters a prefill actually
 computed (its answer says how many prompt tokens its cache held, `uncached_chars`); its
 median (`estimate_s`) is the expected prefill time behind the hold-or-go choice
 (policies/completion.py) and the expected end of each call (`InstanceTracker.work`).
 `TokenRatio` learns tokens per character from the same answers, for the token-work load.
+`QueueTimes` holds a queue's three, records each answer in them and exchanges their new
+samples with the fleet's other gateways.
 
 **Hardware.** Where prefills declare what they run on (the registry record's `hardware`), a
 sample also goes into a window of its type, and an instance's estimates come from its own
@@ -31,13 +33,19 @@ estimated exactly as before: every figure comes from the pooled windows and ever
 from __future__ import annotations
 
 import bisect
+import contextlib
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-__all__ = ["PrefillTimes", "TokenRatio", "cached_tokens", "uncached_chars"]
+from pdgate.registry.base import hardware_name
+
+__all__ = ["PrefillTimes", "QueueTimes", "TokenRatio", "cached_tokens", "uncached_chars"]
 
 _MAX_CLASSES = 40  # 2**40 characters: far beyond any body limit
 _MAX_TYPES = 16  # hardware types with windows of their own; more share the pooled ones
+# The most grants one report of another gateway counts (a sync's worth is far fewer): a
+# garbled report errs toward admitting, and no further.
+_MAX_GRANTS_REPORTED = 100_000
 
 
 class _Window:
@@ -278,3 +286,70 @@ def _prompt_tokens(usage: object) -> int | None:
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
         return None
     return tokens
+
+
+class QueueTimes:
+    """One queue's measurements from its prefill calls, and their exchange with the fleet.
+
+    `prefill_times` by prompt characters (early drop, the start guard, try timeouts),
+    `compute_times` by the characters the prefill computed (batch forming, the hold-or-go
+    choice, the hardware speeds), `token_ratio` tokens per character. Each gateway sends the
+    fleet its own new samples (`samples_out`) and estimates with everyone's (`samples_in`);
+    the queue's grants for the drain pace ride along (drain.py)."""
+
+    __slots__ = ("compute_times", "prefill_times", "token_ratio")
+
+    def __init__(self, quantile: float = 0.9) -> None:
+        """`quantile`: of recent prefill rates, behind the early-drop estimate."""
+        self.prefill_times = PrefillTimes(quantile=quantile)
+        self.compute_times = PrefillTimes()
+        self.token_ratio = TokenRatio()
+
+    def record(self, prompt_chars: int, seconds: float, usage: object, hardware: str) -> None:
+        """An accepted prefill call's share of its run took `seconds` on a prefill of
+        `hardware` ("": undeclared), and it answered with this ``usage``."""
+        self.prefill_times.record(prompt_chars, seconds, hardware=hardware)
+        self.token_ratio.observe(prompt_chars, usage)
+        computed = max(1, uncached_chars(prompt_chars, usage))
+        self.compute_times.record(computed, seconds, hardware=hardware)
+
+    def samples_out(self, grants: int) -> str:
+        """This gateway's new samples and its `grants` since the last sync, packed ("":
+        none)."""
+        parts = [_sample("p", *x) for x in self.prefill_times.take_new()]
+        parts += [_sample("c", *x) for x in self.compute_times.take_new()]
+        if grants:
+            parts.append(f"g {grants}")
+        return ";".join(parts)
+
+    def samples_in(self, packed: Sequence[str]) -> int:
+        """The other gateways' samples (`samples_out` there); returns the grants they report.
+        Malformed entries are skipped: another gateway's version may pack more, and an older
+        one reads "g" as a malformed sample."""
+        targets = {"p": self.prefill_times, "c": self.compute_times}
+        granted = 0
+        for entry in packed:
+            for item in entry.split(";"):
+                # "KIND CHARS SECONDS[ HARDWARE]"; an older gateway sends no hardware.
+                # "g N": N grants since that gateway's last sync.
+                kind, _, rest = item.partition(" ")
+                if kind == "g":
+                    with contextlib.suppress(ValueError):
+                        granted += min(max(0, int(rest)), _MAX_GRANTS_REPORTED)
+                    continue
+                chars, _, rest = rest.partition(" ")
+                secs, _, hardware = rest.partition(" ")
+                target = targets.get(kind)
+                try:
+                    n, t, hw = int(chars), float(secs), hardware_name(hardware)
+                except ValueError:
+                    continue
+                if target is not None and n >= 0 and t >= 0:
+                    target.add_shared(n, t, hw)
+        return granted
+
+
+def _sample(kind: str, chars: int, seconds: float, hardware: str) -> str:
+    """One measured sample as the fleet shares it (`QueueTimes.samples_in` reads it)."""
+    sample = f"{kind} {chars} {seconds:.6g}"
+    return f"{sample} {hardware}" if hardware else sample

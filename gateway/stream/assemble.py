@@ -1,6 +1,6 @@
 """A whole OpenAI response assembled from a decode's SSE stream (for non-streaming clients).
 
-The decode leg always streams (gateway/placement/dispatch.py), so a client that asked for one JSON
+The decode leg always streams (gateway/placement/decode_leg.py), so a client that asked for one JSON
 answer gets the chunks put together the way OpenAI's own clients accumulate a stream: text
 and message fields concatenated, logprobs lists joined, tool-call fragments merged by index
 (a message with calls and no text has null content, as a whole answer does),

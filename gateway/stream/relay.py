@@ -5,7 +5,7 @@ a stream really started (its first data event, or the prefill's first token with
 ``first_token_early``), so a decode that fails before that is invisible:
 
 * it was never reached: the dispatcher gives the next decode the same KV
-  (gateway/placement/dispatch.py);
+  (gateway/placement/decode_leg.py);
 * it answered an error status, or sent its headers and then broke (connection lost, in-band
   error, no ``[DONE]``) before its first event: its KV may be gone, so the request is placed
   again, prefill included, within its deadline (a *failover*).

@@ -13,17 +13,20 @@ import orjson
 from pdgate.config import GatewaySettings, QueueOrder, Role
 from pdgate.config.aio import Background, ConstantBackoff
 from pdgate.config.openai_api import Api, parse_api
-from pdgate.config.wire import EXT_BATCH_PREFILL, SSE_DONE
+from pdgate.config.wire import EXT_BATCH_PREFILL, EXT_QUEUELESS, SSE_DONE
 from pdgate.gateway.app import build_dispatcher
-from pdgate.gateway.instances.health import Ejector, RetryBudget
+from pdgate.gateway.instances.health import Ejection, Ejector, RetryBudget
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.metrics import GatewayMetrics
-from pdgate.gateway.placement.dispatch import Dispatcher, client_error
+from pdgate.gateway.placement.admission import AdmissionOptions
+from pdgate.gateway.placement.decode_attempt import client_error
+from pdgate.gateway.placement.dispatch import Dispatcher
 from pdgate.gateway.placement.drain import DecodeCapacity, DecodeWaits
-from pdgate.gateway.placement.forwarder import ForwardingOptions, PrefillForwarder, Shared
+from pdgate.gateway.placement.forwarder import PrefillForwarder
 from pdgate.gateway.placement.leases import Fleet
 from pdgate.gateway.placement.placed import DecodeLeg, Placement
 from pdgate.gateway.placement.queue import Waiter, WaitQueue
+from pdgate.gateway.placement.shared import ForwardingOptions, Shared
 from pdgate.gateway.stream.relay import Relay, RelayOptions, RelayRequest
 from pdgate.gateway.upstream.mock import Call, MockUpstream, Reply
 from pdgate.policies import load_policy
@@ -111,6 +114,22 @@ def tracker_for(
     return tracker
 
 
+def decode_fleet(*, hard: bool = True, decodes: tuple[int, ...] = (4, 4)) -> InstanceTracker:
+    """One prefill of one slot and decodes of the given slots, which enforce them (429 when
+    full) if `hard`, as pdgate's shims declare."""
+    ext = (EXT_QUEUELESS,) if hard else ()
+    recs = [InstanceRecord(id="p0", role=Role.PREFILL, url="http://p0", model="m")]
+    recs += [
+        InstanceRecord(
+            id=f"d{i}", role=Role.DECODE, url=f"http://d{i}", model="m", capacity=c, extensions=ext
+        )
+        for i, c in enumerate(decodes)
+    ]
+    tracker = InstanceTracker(reject_hold_s=0.05)
+    tracker.update_membership({r.id: r for r in recs})
+    return tracker
+
+
 def info(prompt: str = "p", chars: int | None = None) -> RequestInfo:
     return RequestInfo(
         model="m",
@@ -136,10 +155,13 @@ def forwarder(
     tracker: InstanceTracker,
     options: ForwardingOptions | None = None,
     *,
+    admission: AdmissionOptions | None = None,
     order: QueueOrder = QueueOrder.EDF,
     policy: Ranker | None = None,
     fleet: Fleet | None = None,
     decode_capacity: DecodeCapacity | None = None,
+    ejection: Ejection | None = None,
+    budget: RetryBudget | None = None,
 ) -> tuple[PrefillForwarder, GatewayMetrics, Background]:
     metrics = GatewayMetrics(tracker.totals, lambda: 0)
     background = Background("test")
@@ -157,10 +179,11 @@ def forwarder(
             options or ForwardingOptions(client_error=client_error),
             background,
             fleet or Fleet(LocalFleet("test"), tracker),
-            Ejector(tracker, metrics),
-            RetryBudget(),
+            Ejector(tracker, metrics, ejection or Ejection()),
+            budget or RetryBudget(),
             DecodeWaits(tracker),
             decode_capacity=decode_capacity,
+            admission=admission or AdmissionOptions(),
         ),
     )
     return fwd, metrics, background

@@ -33,6 +33,7 @@ import uvloop
 import pdgate.gateway.api.completions as completions
 import pdgate.gateway.placement.dispatch as dispatch
 import pdgate.gateway.placement.forwarder as forwarder
+import pdgate.gateway.placement.prefill_call as prefill_call
 import pdgate.gateway.stream.relay as relay
 from pdgate.config import GatewaySettings, RegistrySettings, Role
 from pdgate.config.wire import EXT_BATCH_PREFILL, EXT_CONTINUATION, EXT_QUEUELESS
@@ -108,7 +109,7 @@ def _instrument() -> None:
     _stamp_sync(fwd, "_candidates", "candidates", after=True)
     _stamp_sync(fwd, "_reserve", "reserving")
     _stamp_sync(fwd, "_reserve", "reserved", after=True)
-    _stamp_async(fwd, "_attempt", "attempting")
+    _stamp_async(prefill_call.PrefillCalls, "_attempt", "attempting")
     _stamp_async(relay._StreamOut, "raw", "first_event")  # the response's start
 
 

@@ -5,7 +5,6 @@ probe) until that request's outcome; then it is trusted again (success), ejected
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 from pdgate.config import Role
 from pdgate.gateway.instances.health import Ejection, Ejector
@@ -23,9 +22,12 @@ def _p0(tracker: InstanceTracker) -> tuple[bool, int]:
     return row.ejected, row.capacity
 
 
+_EJECTION = Ejection(consecutive=1, base_s=COOL_S, max_s=10 * COOL_S)
+
+
 def _ejector(tracker: InstanceTracker) -> Ejector:
     metrics = GatewayMetrics(tracker.totals, lambda: 0)
-    return Ejector(tracker, metrics, Ejection(consecutive=1, base_s=COOL_S, max_s=10 * COOL_S))
+    return Ejector(tracker, metrics, _EJECTION)
 
 
 async def test_one_probe_after_the_cool_down_and_its_outcome_decides() -> None:
@@ -103,8 +105,7 @@ async def test_batch_forwarding_sends_a_half_open_prefill_one_request() -> None:
 
     upstream = MockUpstream(handler)
     tracker = tracker_for([4, 8], stock=True)
-    fwd, _, _ = forwarder(upstream, tracker)
-    fwd._shared = dataclasses.replace(fwd._shared, ejector=_ejector(tracker))
+    fwd, _, _ = forwarder(upstream, tracker, ejection=_EJECTION)
 
     def at_p0() -> int:
         return sum(1 for c in upstream.calls if c.leg == "prefill" and c.url == "http://p0")

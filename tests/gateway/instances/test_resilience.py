@@ -4,7 +4,6 @@ hung ones are given up on, and a fleet-wide failure is not multiplied by retries
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 import socket
@@ -18,8 +17,8 @@ import pytest
 from pdgate.config import Role
 from pdgate.gateway.errors import BadGateway
 from pdgate.gateway.instances.health import Ejection, Ejector, RetryBudget
-from pdgate.gateway.placement.dispatch import client_error
-from pdgate.gateway.placement.forwarder import ForwardingOptions
+from pdgate.gateway.placement.decode_attempt import client_error
+from pdgate.gateway.placement.shared import ForwardingOptions
 from pdgate.gateway.upstream.mock import Call, MockUpstream, Reply
 from pdgate.registry import InstanceRecord, RedisRegistry
 from tests._cluster import SIM_MODEL, Processes, instances_by_id, wait_instances
@@ -40,9 +39,9 @@ def failing(*bad: str) -> Any:
 async def test_consecutive_failures_eject_then_a_half_open_probe_decides() -> None:
     upstream = MockUpstream(failing("p0"))
     tracker = tracker_for([1, 1])
-    fwd, metrics, background = forwarder(upstream, tracker)
-    ejector = Ejector(tracker, metrics, Ejection(consecutive=3, base_s=1.0, max_s=10))
-    fwd._shared = dataclasses.replace(fwd._shared, ejector=ejector)
+    fwd, metrics, background = forwarder(
+        upstream, tracker, ejection=Ejection(consecutive=3, base_s=1.0, max_s=10)
+    )
 
     def tries_at_p0() -> int:
         return sum(1 for c in upstream.calls if c.leg == "prefill" and c.url == "http://p0")
@@ -88,10 +87,11 @@ async def test_a_success_after_ejection_closes_the_circuit() -> None:
 async def test_when_every_prefill_fails_the_retry_budget_fails_requests_fast() -> None:
     upstream = MockUpstream(failing("p0", "p1"))
     tracker = tracker_for([1, 1])
-    fwd, metrics, background = forwarder(upstream, tracker)
-    fwd._shared = dataclasses.replace(fwd._shared, budget=RetryBudget(ratio=0.0, burst=2))
-    fwd._shared = dataclasses.replace(
-        fwd._shared, ejector=Ejector(tracker, metrics, Ejection(consecutive=100))
+    fwd, metrics, background = forwarder(
+        upstream,
+        tracker,
+        ejection=Ejection(consecutive=100),
+        budget=RetryBudget(ratio=0.0, burst=2),
     )
     began = time.monotonic()
     with pytest.raises(BadGateway, match="failing"):

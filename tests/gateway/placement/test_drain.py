@@ -1,29 +1,18 @@
-"""Drain admission: a request the queue's recent pace cannot reach before its deadline is
-refused on arrival (503, Retry-After), not after waiting out its deadline; one the pace can
-reach, or one that goes first, is queued as before."""
+"""The drain pace drain admission judges by (drain.py): the grants while saturated, the
+arrivals, the decodes' bound, the requests surely ahead in the queue and the decode waits
+that hold it. Drain admission's decisions themselves: test_admission.py."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import random
-import time
-from collections import Counter
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-import aiohttp
 import pytest
 
-from pdgate.config import QueueOrder, Role
-from pdgate.config.aio import Background
-from pdgate.config.wire import EXT_QUEUELESS
-from pdgate.gateway.api.completions import TTFT_HEADER
-from pdgate.gateway.errors import DeadlineExceeded, Overloaded
+from pdgate.config import QueueOrder
 from pdgate.gateway.instances.tracker import InstanceTracker
-from pdgate.gateway.observe.metrics import GatewayMetrics
-from pdgate.gateway.placement.dispatch import client_error
 from pdgate.gateway.placement.drain import (
     ArrivalRate,
     DecodeCapacity,
@@ -31,12 +20,8 @@ from pdgate.gateway.placement.drain import (
     Pace,
     QueueDrain,
 )
-from pdgate.gateway.placement.forwarder import ForwardingOptions, PrefillForwarder
 from pdgate.gateway.placement.queue import Waiter, WaitQueue
-from pdgate.gateway.upstream.mock import MockUpstream
-from pdgate.registry.base import InstanceRecord
-from tests._cluster import SIM_MODEL, Processes, counts_released, wait_for, wait_instances
-from tests.gateway._fakes import FakeCluster, eventually, forwarder, info, tracker_for, waiter
+from tests.gateway._fakes import decode_fleet, info
 
 
 def _saturated(drain: QueueDrain, begin: float, end: float, per_s: float) -> None:
@@ -173,158 +158,6 @@ async def test_ahead_counts_what_surely_goes_first() -> None:
     assert fifo.ahead(w(0.5)) == 4
 
 
-@dataclass
-class _Paced:
-    fwd: PrefillForwarder
-    upstream: MockUpstream
-    metrics: GatewayMetrics
-
-
-@contextlib.asynccontextmanager
-async def _paced_backlog(order: QueueOrder, *, drain: bool) -> AsyncIterator[_Paced]:
-    """One prefill of one slot, 0.05 s a prompt (about 20 grants a second), and 80 requests
-    due in 30 s queued for over a second, so the pace is known; no sweep unless a test
-    turns it on; all of it cancelled and closed on exit."""
-    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.05))
-    fwd, metrics, background = forwarder(
-        upstream,
-        tracker_for([1]),
-        ForwardingOptions(client_error=client_error, drain_admission=drain, drain_sweep=False),
-        order=order,
-    )
-    tasks = [asyncio.create_task(_take(fwd, waiter(i, deadline_s=30))) for i in range(80)]
-    try:
-        await asyncio.sleep(1.3)  # a second of backlog: the pace is known
-        assert len(fwd.queue) > 40
-        yield _Paced(fwd, upstream, metrics)
-    finally:
-        await _stop(fwd, background, tasks)
-
-
-async def _stop(
-    fwd: PrefillForwarder, background: Background, tasks: list[asyncio.Task[None]]
-) -> None:
-    """Cancel `tasks` and close the forwarder once nothing waits in it."""
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await eventually(lambda: fwd.waiting == 0)
-    await fwd.close()
-    await background.aclose()
-
-
-async def _take(fwd: PrefillForwarder, w: Waiter) -> None:
-    (await fwd.acquire(w)).close()
-
-
-async def test_a_request_the_pace_cannot_reach_in_time_is_refused_at_once() -> None:
-    async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
-        calls = len(p.upstream.calls)
-        arrival = p.fwd.acquire(waiter(100, deadline_s=1.0))
-        with pytest.raises(Overloaded, match="would not reach this request") as refused:
-            arrival.send(None)  # refused before its first await: on arrival, not queued
-        assert refused.value.retry_after is not None
-        sheds = p.metrics.registry.get_sample_value("pdgate_queue_sheds_total", {"reason": "drain"})
-        assert sheds == 1
-        # One the pace reaches in time is queued and served.
-        await _take(p.fwd, waiter(101, deadline_s=20.0))
-        assert len(p.upstream.calls) > calls
-
-
-async def _waits_out_its_deadline(p: _Paced) -> None:
-    """A request the pace cannot reach is queued, not refused: a 503 at its deadline."""
-    began = time.monotonic()
-    with pytest.raises(DeadlineExceeded):
-        await p.fwd.acquire(waiter(100, deadline_s=1.0))
-    assert time.monotonic() - began >= 0.95
-    sheds = p.metrics.registry.get_sample_value("pdgate_queue_sheds_total", {"reason": "drain"})
-    assert sheds in (None, 0)
-
-
-async def test_without_drain_admission_it_waits_out_its_deadline() -> None:
-    async with _paced_backlog(QueueOrder.FIFO, drain=False) as p:
-        await _waits_out_its_deadline(p)
-
-
-async def test_an_urgent_request_goes_first_however_long_the_queue() -> None:
-    """EDF: a request due before everything queued has nobody ahead of it; it is admitted
-    and served in time, where counting the whole queue would have refused it."""
-    async with _paced_backlog(QueueOrder.EDF, drain=True) as p:
-        await _take(p.fwd, waiter(100, deadline_s=1.0))
-        assert len(p.fwd.queue) > 20  # it passed the backlog
-
-
-async def test_a_slow_second_at_a_backlogs_start_does_not_hide_the_pace() -> None:
-    """Near capacity a new backlog often begins with a slow second (every prefill has just
-    taken a long run). Judged by that second alone, a request the pace reaches in time
-    would be refused; judged by the saturated seconds before the lull as well, it is
-    queued and served."""
-    cluster = FakeCluster(prefill_delay_s=0.05)
-    upstream = MockUpstream(cluster)
-    fwd, metrics, background = forwarder(
-        upstream,
-        tracker_for([1]),
-        ForwardingOptions(client_error=client_error, drain_sweep=False),
-        order=QueueOrder.FIFO,
-    )
-    slow: list[asyncio.Task[None]] = []
-    try:
-        # Two seconds at capacity, 20 grants a second, until the queue empties.
-        await asyncio.gather(*(_take(fwd, waiter(i, deadline_s=30)) for i in range(40)))
-        cluster.prefill_delay_s = 0.2  # then a slow second and a half: 7 grants
-        slow = [asyncio.create_task(_take(fwd, waiter(100 + i, deadline_s=30))) for i in range(20)]
-        await asyncio.sleep(1.5)
-        assert 9 <= len(fwd.queue) <= 14
-        cluster.prefill_delay_s = 0.05
-        # Some 12 ahead, 1.5 s left: this backlog's 7 grants in 1.5 s reach 7 of them; the
-        # 47 of the last 3.5 saturated seconds reach 20, and 20 a second serve them in 0.8 s.
-        await _take(fwd, waiter(200, deadline_s=1.5))
-        sheds = metrics.registry.get_sample_value("pdgate_queue_sheds_total", {"reason": "drain"})
-        assert sheds in (None, 0)
-        await asyncio.gather(*slow)
-    finally:
-        for t in slow:
-            t.cancel()
-        await asyncio.gather(*slow, return_exceptions=True)
-        await fwd.close()
-        await background.aclose()
-
-
-async def test_under_heavy_overload_admission_keeps_headroom_below_the_sweeps_reach() -> None:
-    """A request the pace reaches with a fifth of its time to spare is queued while requests
-    arrive about as fast as the queue drains. Once they arrive five times as fast, the same
-    request is refused on arrival: `drain_headroom` 0.3 applies, where a dip of the pace past
-    a fifth would have had the sweep refuse it late."""
-    async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
-        assert p.fwd._options.drain_headroom == 0.3  # the default
-
-        def at_the_edge(i: int) -> Waiter:
-            pace = p.fwd._pace(time.monotonic())
-            assert pace is not None and pace.rate
-            return waiter(i, deadline_s=1.25 * len(p.fwd.queue) / pace.rate)
-
-        queued = asyncio.create_task(p.fwd.acquire(at_the_edge(100)))
-        await asyncio.sleep(0.01)
-        assert not queued.done()
-        queued.cancel()
-        await asyncio.gather(queued, return_exceptions=True)
-        assert p.fwd.drain_view()[2] == 0.0  # the headroom in force, as /metrics shows it
-        for i in range(80):  # a burst: 80 arrivals where the queue drains 20 a second
-            with pytest.raises(Overloaded):
-                await p.fwd.acquire(waiter(200 + i, deadline_s=0.2))
-        pace, arrivals, headroom = p.fwd.drain_view()
-        assert pace is not None and arrivals > 5 * pace and headroom == 0.3
-        with pytest.raises(Overloaded, match="would not reach this request"):
-            await p.fwd.acquire(at_the_edge(101))
-        # Without the setting, the same arrival is queued however many are refused.
-        p.fwd._options = replace(p.fwd._options, drain_headroom=0.0)
-        queued = asyncio.create_task(p.fwd.acquire(at_the_edge(102)))
-        await asyncio.sleep(0.01)
-        assert not queued.done()
-        queued.cancel()
-        await asyncio.gather(queued, return_exceptions=True)
-
-
 def test_the_arrival_rate_weighs_recent_arrivals_most() -> None:
     arrivals = ArrivalRate(half_life_s=1.0)
     assert arrivals.per_s(0.0) == 0.0
@@ -335,83 +168,6 @@ def test_the_arrival_rate_weighs_recent_arrivals_most() -> None:
     assert arrivals.headroom_part(22.0, pace_per_s=2.5) == 0.0  # at twice the pace: none
     assert arrivals.headroom_part(22.0, pace_per_s=0.9) == 1.0  # past five times: all
     assert arrivals.headroom_part(22.0, pace_per_s=5.0 / 3.5) == pytest.approx(0.5, rel=0.05)
-
-
-async def test_requests_queued_before_the_pace_was_known_are_refused_once_it_is() -> None:
-    """A request queued when nothing could be judged (here: drain admission off as it came)
-    that the pace shows out of reach is told 503 at the next arrival's sweep, not at its
-    deadline."""
-    async with _paced_backlog(QueueOrder.FIFO, drain=False) as p:
-        doomed = asyncio.create_task(_take(p.fwd, waiter(100, deadline_s=1.5)))
-        await asyncio.sleep(0.01)
-        assert not doomed.done()  # queued behind some forty requests, 20 served a second
-        p.fwd._options = replace(p.fwd._options, drain_admission=True)
-        first = asyncio.create_task(_take(p.fwd, waiter(99, deadline_s=20.0)))
-        await asyncio.sleep(0.01)
-        assert not doomed.done()  # no sweep unless asked for
-        p.fwd._options = replace(p.fwd._options, drain_sweep=True)
-        began = time.monotonic()
-        reached = asyncio.create_task(_take(p.fwd, waiter(101, deadline_s=20.0)))
-        with pytest.raises(Overloaded, match="would not reach this request"):
-            await doomed
-        assert time.monotonic() - began < 0.5  # long before its deadline
-        await reached  # the arrival itself is queued and served
-        await first
-        sheds = p.metrics.registry.get_sample_value("pdgate_queue_sheds_total", {"reason": "drain"})
-        assert sheds == 1
-
-
-async def test_under_heavy_overload_the_sweep_spares_what_the_headroom_covers() -> None:
-    """A queued request some 15% beyond the pace's reach is refused by the sweep near
-    capacity. Under heavy overload the sweep gives as much headroom above the reach as
-    admission keeps below it: a dip of the pace does not refuse late a request admitted
-    near the edge, whose place would only go to a new arrival."""
-    async with _paced_backlog(QueueOrder.FIFO, drain=False) as p:
-        pace = p.fwd._pace(time.monotonic())
-        assert pace is not None and pace.rate
-        kept = asyncio.create_task(
-            _take(p.fwd, waiter(100, deadline_s=len(p.fwd.queue) / (1.15 * pace.rate)))
-        )
-        await asyncio.sleep(0.01)
-        assert not kept.done()  # queued: nothing judged it on arrival
-        p.fwd._options = replace(p.fwd._options, drain_admission=True)
-        for i in range(80):  # a burst, refused on arrival: arrivals at five times the pace
-            with pytest.raises(Overloaded):
-                await p.fwd.acquire(waiter(200 + i, deadline_s=0.2))
-        assert p.fwd.drain_view()[2] == 0.3
-        p.fwd._options = replace(p.fwd._options, drain_sweep=True)
-        with pytest.raises(Overloaded):
-            await p.fwd.acquire(waiter(300, deadline_s=0.2))  # its arrival sweeps the queue
-        await asyncio.sleep(0.01)
-        assert not kept.done()
-        # The same sweep without headroom refuses it.
-        p.fwd._options = replace(p.fwd._options, drain_headroom=0.0)
-        p.fwd._next_sweep = 0.0
-        with pytest.raises(Overloaded):
-            await p.fwd.acquire(waiter(301, deadline_s=0.2))
-        with pytest.raises(Overloaded, match="would not reach this request"):
-            await kept
-
-
-async def test_a_request_admitted_before_is_neither_refused_nor_swept() -> None:
-    """A failover or a stream continuing after its decode broke queues again: drain
-    admission judged it like an arrival and cut streams that had sent hundreds of tokens
-    (chaos run). It waits for its turn, at worst until its deadline."""
-    async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
-        again = waiter(100, deadline_s=1.5)
-        again.admitted = True
-        kept = asyncio.create_task(_take(p.fwd, again))  # the pace cannot reach it in time
-        await asyncio.sleep(0.01)
-        assert not kept.done()
-        p.fwd._next_sweep = 0.0
-        with pytest.raises(Overloaded, match="would not reach this request"):
-            await p.fwd.acquire(waiter(101, deadline_s=1.5))  # an arrival: refused, sweeps
-        await asyncio.sleep(0.01)
-        assert not kept.done()
-        with pytest.raises(DeadlineExceeded):
-            await kept
-        sheds = p.metrics.registry.get_sample_value("pdgate_queue_sheds_total", {"reason": "drain"})
-        assert sheds == 1  # the arrival only
 
 
 def test_beyond_reach_counts_each_waiter_as_ahead_does() -> None:
@@ -446,66 +202,6 @@ def test_beyond_reach_counts_each_waiter_as_ahead_does() -> None:
         loop.close()
 
 
-async def test_in_a_fleet_what_no_share_of_its_pace_reaches_is_refused_at_once() -> None:
-    """One gateway of two takes all the load (the other is quiet): the fleet's pace is this
-    gateway's, and a request it cannot reach is refused on arrival, as when alone."""
-    async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
-        p.fwd._shared.fleet.gateways = 2  # as the sync says once another gateway shares it
-        p.fwd.samples_in(["p 100 0.05"])  # the other gateway's sync: samples, no grants
-        arrival = p.fwd.acquire(waiter(100, deadline_s=1.0))
-        with pytest.raises(Overloaded, match="would not reach this request"):
-            arrival.send(None)  # refused before its first await: on arrival, not queued
-
-
-async def test_the_other_gateways_grants_count_toward_the_pace() -> None:
-    """In a fleet the fleet's deadline order decides whose requests go: this gateway's own
-    grants are only its share, so a request the fleet's pace would reach is queued (early
-    drop and the deadline still bound it), not refused; a gateway that judged by its own
-    grants would refuse ever more of its clients."""
-    async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
-        p.fwd._shared.fleet.gateways = 2
-        p.fwd.samples_out()  # our own so far
-        p.fwd.samples_in(["g 150", "g 100;p 100 0.05"])  # two syncs' worth, fresh
-        assert _grants_in(p.fwd.samples_out()) < 5  # the others' are not sent back
-        await _waits_out_its_deadline(p)
-
-
-async def test_a_warm_starts_history_of_grants_is_not_the_pace() -> None:
-    async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
-        p.fwd._shared.fleet.gateways = 2
-        p.fwd.samples_in(["g 250"], fresh=False)  # what the first sync read: history
-        with pytest.raises(Overloaded, match="would not reach this request"):
-            await p.fwd.acquire(waiter(100, deadline_s=1.0))
-
-
-async def test_own_grants_go_out_with_the_next_sync_once() -> None:
-    async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
-        assert _grants_in(p.fwd.samples_out()) >= 10  # some 26 in 1.3 s at 20 a second
-        assert _grants_in(p.fwd.samples_out()) < 5  # each grant is reported once
-
-
-def _grants_in(packed: str) -> int:
-    grants = [int(x[2:]) for x in packed.split(";") if x.startswith("g ")]
-    assert len(grants) <= 1
-    return sum(grants)
-
-
-def _decode_fleet(*, hard: bool = True, decodes: tuple[int, ...] = (4, 4)) -> InstanceTracker:
-    """One prefill of one slot and decodes of the given slots, which enforce them (429 when
-    full) if `hard`, as pdgate's shims declare."""
-    ext = (EXT_QUEUELESS,) if hard else ()
-    recs = [InstanceRecord(id="p0", role=Role.PREFILL, url="http://p0", model="m")]
-    recs += [
-        InstanceRecord(
-            id=f"d{i}", role=Role.DECODE, url=f"http://d{i}", model="m", capacity=c, extensions=ext
-        )
-        for i, c in enumerate(decodes)
-    ]
-    tracker = InstanceTracker(reject_hold_s=0.05)
-    tracker.update_membership({r.id: r for r in recs})
-    return tracker
-
-
 def test_the_reach_is_the_lower_of_the_measured_pace_and_the_decodes_bound() -> None:
     assert Pace(10.0).reach(2.0) == 20.0
     assert Pace(None, 2.0, 3).reach(2.0) == 7.0  # 2 a second beyond 3 free slots
@@ -515,7 +211,7 @@ def test_the_reach_is_the_lower_of_the_measured_pace_and_the_decodes_bound() -> 
 
 
 def test_decodes_take_at_most_their_slots_over_the_mean_time_one_is_held() -> None:
-    tracker = _decode_fleet()
+    tracker = decode_fleet()
     capacity = DecodeCapacity(tracker, min_samples=4)
     assert capacity.bound("m", None) is None  # nothing measured yet
     for held in (1.0, 3.0, 1.0, 3.0):
@@ -536,15 +232,15 @@ def test_decodes_take_at_most_their_slots_over_the_mean_time_one_is_held() -> No
 def test_no_bound_where_a_decode_does_not_enforce_its_slots() -> None:
     """A stock server queues past its declared slots (a static decode's default is a
     guess): its slots bound nothing, so no pace is made of them."""
-    capacity = DecodeCapacity(_decode_fleet(hard=False), min_samples=1)
+    capacity = DecodeCapacity(decode_fleet(hard=False), min_samples=1)
     capacity.held("d0", 2.0)
     assert capacity.hold_s("m", "default") == 2.0
     assert capacity.bound("m", None) is None
 
 
 def test_hold_times_go_to_the_fleet_once_and_bad_ones_are_skipped() -> None:
-    ours = DecodeCapacity(_decode_fleet(), min_samples=2)
-    theirs = DecodeCapacity(_decode_fleet(), min_samples=2)
+    ours = DecodeCapacity(decode_fleet(), min_samples=2)
+    theirs = DecodeCapacity(decode_fleet(), min_samples=2)
     ours.held("d0", 1.0)
     ours.held("d1", 3.0)
     ours.held("p0", 9.0)  # not a decode
@@ -558,108 +254,6 @@ def test_hold_times_go_to_the_fleet_once_and_bad_ones_are_skipped() -> None:
     assert theirs.hold_s("m", "default") == pytest.approx(2.0)
     assert theirs.hold_s("other", "default") is None  # another model's decodes
     assert theirs.samples_in("p 100 0.05") == "p 100 0.05"
-
-
-async def _judged_at_a_backlogs_start(*, hard: bool) -> bool:
-    """A burst at a backlog's start, before any pace is measured: 12 requests queued
-    behind the one a prefill computes, and the decodes (2 of 2 slots, each held 4 s a
-    request: 1 a second at most, 4 free now). Whether one more with 2 s left is refused on
-    arrival, before its first await."""
-    tracker = _decode_fleet(hard=hard, decodes=(2, 2))
-    capacity = DecodeCapacity(tracker, min_samples=1)
-    for _ in range(5):
-        capacity.held("d0", 4.0)
-    fwd, _, background = forwarder(
-        MockUpstream(FakeCluster(prefill_delay_s=0.5)),
-        tracker,
-        ForwardingOptions(client_error=client_error, drain_sweep=False),
-        order=QueueOrder.FIFO,
-        decode_capacity=capacity,
-    )
-    tasks = [asyncio.create_task(_take(fwd, waiter(i, deadline_s=30))) for i in range(13)]
-    try:
-        await asyncio.sleep(0.05)
-        assert len(fwd.queue) == 12
-        assert fwd._drain.rate(time.monotonic()) is None
-        arrival = fwd.acquire(waiter(100, deadline_s=2.0))
-        try:
-            arrival.send(None)
-        except Overloaded:
-            return True
-        arrival.close()  # queued: it goes, as a client that left would
-        return False
-    finally:
-        await _stop(fwd, background, tasks)
-
-
-async def test_past_what_the_decodes_can_take_in_time_a_request_is_refused_at_once() -> None:
-    """A backlog's first second gives no measured pace, and its grants fill idle slots
-    anyway. The decodes bound what it can reach: 1 a second beyond 4 free slots is 6 in
-    2 s, and 12 are ahead."""
-    assert await _judged_at_a_backlogs_start(hard=True)
-
-
-async def test_decodes_that_do_not_enforce_their_slots_bound_nothing() -> None:
-    assert not await _judged_at_a_backlogs_start(hard=False)  # queued: no evidence either way
-
-
-async def _burst(
-    url: str, n: int, *, max_tokens: int, ttft_ms: int
-) -> list[tuple[int, float, str]]:
-    """`n` requests at once: each one's status, seconds to its answer's status line (to its
-    whole answer for a 200) and Retry-After."""
-    body = {"model": SIM_MODEL, "prompt": "burst", "max_tokens": max_tokens}
-    headers = {TTFT_HEADER: str(ttft_ms)}
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-
-        async def one() -> tuple[int, float, str]:
-            began = time.monotonic()
-            async with session.post(f"{url}/v1/completions", json=body, headers=headers) as r:
-                await r.read()
-                return r.status, time.monotonic() - began, r.headers.get("Retry-After", "")
-
-        return await asyncio.gather(*(one() for _ in range(n)))
-
-
-@pytest.mark.parametrize("case", ["bound", "drain_decode_bound=false", "new gateway in a fleet"])
-def test_a_burst_past_what_the_decodes_take_is_refused_on_arrival(
-    processes: Processes, case: str
-) -> None:
-    """As deployed: a burst of 60 requests with 2 s to their first token, on one decode of
-    2 slots that serves some 5 a second. A second of backlog would pass before the queue's
-    pace is measured, and its grants would fill the idle slots: the decodes' bound is what
-    refuses the requests they cannot take in time at once, with Retry-After, while those it
-    admits are served. Without it none is refused in the first second. A gateway that has
-    relayed no stream yet is bounded by the hold times the fleet's other gateways saw."""
-    bound = case != "drain_decode_bound=false"
-    processes.shim("prefill", "--capacity", "4")
-    processes.shim("decode", "--capacity", "2")
-    url = processes.gateway(env={"PDGATE_GATEWAY_DRAIN_DECODE_BOUND": str(bound).lower()})
-    wait_instances(url, 2)
-    target = url
-    if case == "new gateway in a fleet":
-        target = processes.gateway()
-        wait_instances(target, 2)
-    # Some 0.35 s a stream: the gateway learns how long a request holds a decode slot.
-    warm = asyncio.run(_burst(url, 2, max_tokens=50, ttft_ms=10_000))
-    for _ in range(11):
-        warm += asyncio.run(_burst(url, 2, max_tokens=50, ttft_ms=10_000))
-    assert {status for status, _, _ in warm} == {200}, warm
-    time.sleep(0.5)  # a few fleet syncs: the other gateway hears of those hold times
-
-    answers = asyncio.run(_burst(target, 60, max_tokens=50, ttft_ms=2000))
-    statuses = Counter(status for status, _, _ in answers)
-    assert set(statuses) <= {200, 503}, statuses
-    fast = [took for status, took, after in answers if status == 503 and after and took < 0.6]
-    # About 2 s x 5 a second beyond 2 free slots are served; at least most of the rest
-    # are told at once.
-    assert 5 <= statuses[200] <= 30, statuses
-    if bound:
-        assert len(fast) >= 25, (statuses, sorted(took for _, took, _ in answers))
-    else:
-        assert not fast, sorted(fast)
-    wait_for(lambda: counts_released(target), timeout=10, what="every count released")
-    wait_for(lambda: counts_released(url), timeout=10, what="every count released")
 
 
 async def test_the_last_request_to_stop_waiting_for_a_decode_wakes_the_forwarders() -> None:

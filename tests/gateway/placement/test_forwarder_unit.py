@@ -16,10 +16,12 @@ from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER
 from pdgate.gateway.errors import DeadlineExceeded, GatewayError
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.metrics import GatewayMetrics
-from pdgate.gateway.placement.dispatch import client_error
-from pdgate.gateway.placement.forwarder import ForwardingOptions, PrefillForwarder
+from pdgate.gateway.placement.admission import AdmissionOptions
+from pdgate.gateway.placement.decode_attempt import client_error
+from pdgate.gateway.placement.forwarder import PrefillForwarder
 from pdgate.gateway.placement.leases import Fleet
 from pdgate.gateway.placement.queue import Waiter
+from pdgate.gateway.placement.shared import ForwardingOptions
 from pdgate.gateway.upstream.base import batch_body
 from pdgate.gateway.upstream.mock import Call, MockUpstream, Reply
 from pdgate.policies import load_policy
@@ -29,7 +31,6 @@ from tests.gateway._fakes import (
     batching_forwarder,
     eventually,
     forwarder,
-    info,
     tracker_for,
     waiter,
 )
@@ -66,49 +67,6 @@ async def test_a_prefill_that_declares_no_batch_endpoint_never_gets_a_batch_call
     assert upstream.batches == []
     assert [c.leg for c in upstream.calls] == ["prefill"] * 4
     await eventually(lambda: tracker.totals() == (0, 0))
-    await fwd.close()
-    await background.aclose()
-
-
-def short_waiter(chars: int, deadline_s: float) -> object:
-    w = waiter(0, deadline_s=deadline_s)
-    w.info = info("x" * chars)
-    return w
-
-
-async def test_hopeless_request_is_dropped_without_a_prefill_call() -> None:
-    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.05))
-    fwd, metrics, background = forwarder(
-        upstream, tracker_for([1]), ForwardingOptions(early_drop=True, client_error=client_error)
-    )
-    for _ in range(32):  # recent history: 100 chars took 2 s
-        fwd.prefill_times.record(100, 2.0)
-    began = time.monotonic()
-    with pytest.raises(DeadlineExceeded, match="cannot be prefilled"):
-        await fwd.acquire(short_waiter(100, 1.0))  # type: ignore[arg-type]
-    assert time.monotonic() - began < 0.5  # at once, not at its deadline
-    assert upstream.calls == []
-    assert fwd.queue.peek() is None and fwd.waiting == 0
-    assert metrics.registry.get_sample_value("pdgate_early_drops_total") == 1
-    # A request with time enough is sent as usual (and its call time recorded).
-    grant = await fwd.acquire(short_waiter(100, 5.0))  # type: ignore[arg-type]
-    grant.close()
-    assert len(upstream.calls) == 1 and len(fwd.prefill_times) == 33
-    await fwd.close()
-    await background.aclose()
-
-
-async def test_without_early_drop_the_same_request_is_sent_and_expires() -> None:
-    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.5))
-    fwd, metrics, background = forwarder(
-        upstream, tracker_for([1]), ForwardingOptions(early_drop=False, client_error=client_error)
-    )
-    for _ in range(32):
-        fwd.prefill_times.record(100, 0.2)
-    with pytest.raises(DeadlineExceeded, match="before its TTFT deadline"):
-        await fwd.acquire(short_waiter(100, 0.1))  # type: ignore[arg-type]
-    assert [c.leg for c in upstream.calls] == ["prefill"]
-    assert metrics.registry.get_sample_value("pdgate_early_drops_total") == 0
     await fwd.close()
     await background.aclose()
 
@@ -154,9 +112,7 @@ async def test_a_call_abandoned_at_the_deadline_releases_its_kv_then_its_count()
 
     upstream = SlowRelease(FakeCluster(prefill_delay_s=1.0))
     tracker = tracker_for([1])
-    fwd, _, background = forwarder(
-        upstream, tracker, ForwardingOptions(early_drop=False, client_error=client_error)
-    )
+    fwd, _, background = forwarder(upstream, tracker, admission=AdmissionOptions(early_drop=False))
     with pytest.raises(DeadlineExceeded):
         await fwd.acquire(waiter(0, deadline_s=0.05))
     await asyncio.sleep(0.05)
@@ -211,8 +167,8 @@ async def test_a_call_that_runs_out_with_its_requests_deadline_is_no_prefill_fai
 
     upstream = MockUpstream(slow_past_the_deadline)
     tracker = tracker_for([1])
-    options = ForwardingOptions(early_drop=False, client_error=client_error)
-    fwd, metrics, background = forwarder(upstream, tracker, options)
+    options = AdmissionOptions(early_drop=False)
+    fwd, metrics, background = forwarder(upstream, tracker, admission=options)
     for i in range(6):
         with pytest.raises(DeadlineExceeded):
             await fwd.acquire(waiter(i, deadline_s=0.02))

@@ -18,12 +18,13 @@ from pdgate.gateway.instances.affinity import PrefixIndex
 from pdgate.gateway.instances.health import Ejector, RetryBudget
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.metrics import GatewayMetrics
-from pdgate.gateway.placement.dispatch import client_error
+from pdgate.gateway.placement.decode_attempt import client_error
 from pdgate.gateway.placement.drain import DecodeWaits
-from pdgate.gateway.placement.forwarder import ForwardingOptions, PrefillForwarder, Shared
+from pdgate.gateway.placement.forwarder import PrefillForwarder
 from pdgate.gateway.placement.leases import Fleet
 from pdgate.gateway.placement.prefill_time import TokenRatio, uncached_chars
 from pdgate.gateway.placement.queue import Waiter, WaitQueue
+from pdgate.gateway.placement.shared import ForwardingOptions, Shared
 from pdgate.gateway.upstream.mock import Call, MockUpstream, Reply
 from pdgate.policies import load_policy
 from pdgate.registry.fleet import LocalFleet

@@ -1,0 +1,289 @@
+"""Admission and shedding for one (model, group) queue: take, refuse or shed a request.
+
+The forwarder (forwarder.py) sends what its queue holds; this unit decides what the queue
+holds. On arrival (`QueueAdmission.admit`) a request gets its latest start (the queue's start
+guard: its deadline minus a pessimistic estimate of its prefill, queue.py), then, in order:
+
+1. **Drain admission** (drain.py): refused with 503 and ``Retry-After`` when the fleet's recent
+   pace, bounded by what the decodes can take, cannot bring it to the front of this queue
+   before its deadline. Under heavy overload it keeps headroom below the pace's reach
+   (`drain_headroom`), and at most every `_SWEEP_S` an arrival sweeps the queue for requests
+   the pace cannot reach either (`drain_sweep`). A request admitted before (a failover, a
+   stream continuing after its decode broke) is neither refused nor swept.
+2. **The queue's bound and the tenants' shares** (queue.py, "429 or 503"): a full queue
+   answers 503, unless the request's tenant is under its share, when it takes the place of an
+   over-share tenant's newest request, which is told 429; a tenant over its share gets 429.
+
+Once queued, a request is shed (503, without a prefill call) when its prefill would likely
+end past its deadline (early drop, `hopeless`, checked by the forwarder at the head and while
+it forms a batch) or when its deadline passes (`expire`). While a prefilled request of the
+queue's model and group waits for a decode, the forwarder holds the queue's prefills
+(`decodes_full`, drain.py's `DecodeWaits`). When the gateway stops, every queued request and
+every one that would queue fails at once (`shed`).
+
+The pace is made of what the forwarder reports: each grant (`granted`), the moments it finds
+no prefill for a queued request (`saturated`) and the queue empties (`drained`), and the
+grants the fleet's other gateways report (`reported`; this gateway's go out with its next
+sync, `take_grants`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pdgate.gateway.errors import DeadlineExceeded, GatewayError, Overloaded, OverShare
+from pdgate.gateway.observe.metrics import GatewayMetrics
+from pdgate.gateway.placement.drain import (
+    ArrivalRate,
+    DecodeCapacity,
+    DecodeWaits,
+    Pace,
+    QueueDrain,
+)
+from pdgate.gateway.placement.prefill_time import PrefillTimes
+from pdgate.gateway.placement.queue import Admission, Waiter, WaitQueue
+
+__all__ = ["AdmissionOptions", "QueueAdmission"]
+
+# The prefill-time quantile behind a request's latest start (the queue's start guard).
+_GUARD_QUANTILE = 0.9
+# How often drain admission looks through the whole queue (O(n log n)) for requests the pace
+# cannot reach: often enough that none waits long for a 503 it will get anyway.
+_SWEEP_S = 0.5
+
+
+@dataclass(frozen=True)
+class AdmissionOptions:
+    retry_after_s: int = 1
+    # Answer 503 at once for a queued request even an optimistic prefill cannot serve in time.
+    early_drop: bool = True
+    # The quantile of recent prefill rates behind the early-drop estimate.
+    prefill_estimate_quantile: float = 0.9
+    # Answer 503 on arrival for a request the fleet's recent pace cannot bring to the front
+    # of this queue in time.
+    drain_admission: bool = True
+    # ... and refuse the queued requests it cannot reach either (a sweep twice a second).
+    drain_sweep: bool = True
+    # Under heavy overload admit only within this fraction below what the pace reaches, so
+    # that the pace's usual swings do not make the sweep refuse later what was admitted.
+    drain_headroom: float = 0.3
+    # Hold a queue's prefills while a prefilled request of its model and group waits for a
+    # decode (drain.py, `DecodeWaits`).
+    decode_backpressure: bool = True
+
+
+class QueueAdmission:
+    """What one queue takes, refuses and sheds, with the pace and headroom it judges by.
+
+    `prefill_times` are the queue's measured prefill times (the forwarder records them): the
+    start guard's and early drop's estimates. `decode_capacity` bounds the pace and
+    `decode_waits` holds the queue for a decode; both None for a queue of aggregated
+    instances (a slot there is the whole request: its grants are its pace)."""
+
+    def __init__(
+        self,
+        queue: WaitQueue,
+        prefill_times: PrefillTimes,
+        metrics: GatewayMetrics,
+        options: AdmissionOptions,
+        *,
+        model: str,
+        group: str | None,
+        decode_capacity: DecodeCapacity | None = None,
+        decode_waits: DecodeWaits | None = None,
+    ) -> None:
+        self.queue = queue
+        self._prefill_times = prefill_times
+        self._metrics = metrics
+        self._options = options
+        self._model = model
+        self._group = group
+        self._decode_capacity = decode_capacity
+        self._decode_waits = decode_waits
+        self._shed: GatewayError | None = None  # the gateway stops: what waiters get now
+        self._drain = QueueDrain()  # the fleet's grants: ours, and the others' as reported
+        self._arrivals = ArrivalRate()  # those drain admission judges
+        self._grants_new = 0  # ours since the last `take_grants`
+        self._next_sweep = 0.0  # monotonic: when drain admission may sweep the queue next
+
+    @property
+    def shedding(self) -> GatewayError | None:
+        """What every request that would queue is told now (None: the gateway serves)."""
+        return self._shed
+
+    def admit(self, waiter: Waiter) -> None:
+        """Queue `waiter`, or raise what it is told instead (503 or 429, module docstring)."""
+        if self._shed is not None:
+            raise self._shed
+        # Started by then, it most likely makes its deadline (the queue's start guard).
+        estimate = self._prefill_times.upper_bound_s(waiter.info.prompt_chars, _GUARD_QUANTILE)
+        if estimate is not None:
+            waiter.latest_start = waiter.deadline - estimate
+        if self._options.drain_admission and not waiter.admitted and self._too_late(waiter):
+            self._metrics.queue_sheds.labels("drain").inc()
+            raise self._out_of_reach()
+        admission = self.queue.push(waiter)
+        if admission is Admission.FULL:
+            # Under its tenant's share: it takes the place of an over-share tenant's newest
+            # request (queue.py, "429 or 503").
+            displaced = self.queue.displace_for(waiter)
+            if displaced is not None:
+                if not displaced.future.done():
+                    displaced.future.set_exception(self._over_share(displaced))
+                admission = self.queue.push(waiter)
+        if admission is Admission.FULL:
+            self._metrics.queue_sheds.labels("full").inc()
+            raise Overloaded(
+                "the gateway's queue for this model and group is full",
+                retry_after=self._options.retry_after_s,
+            )
+        if admission is Admission.OVER_SHARE:
+            self._metrics.queue_sheds.labels("over_share").inc()
+            raise self._over_share(waiter)
+
+    def _too_late(self, waiter: Waiter) -> bool:
+        """Would the requests ahead here, drained at the fleet's pace while this queue is
+        saturated (and no faster than its decodes allow), hold `waiter` past its deadline?
+        (drain.py; the exact count only past the cheap bound.) With `drain_sweep`, at most
+        every `_SWEEP_S`, the queued requests the pace cannot reach either are refused too:
+        those admitted while the pace still counted a backlog's first grants, which fill
+        idle slots."""
+        now = time.monotonic()
+        self._arrivals.arrived(now)
+        if not self.queue:
+            return False
+        pace = self._pace(now)
+        if pace is None:
+            return False
+        # Under heavy overload admission keeps headroom below the reach, and the sweep as much
+        # above it: a request admitted at the edge would be refused late by any dip in the
+        # pace, and one refused late has waited for nothing while its place goes to a new
+        # arrival, not to a grant (drain.py).
+        headroom = self._headroom(now, pace)
+        if self._options.drain_sweep and now >= self._next_sweep:
+            self._next_sweep = now + _SWEEP_S
+            self._sweep(pace, now, 1.0 + headroom)
+        reachable = pace.reach(waiter.deadline - now) * (1.0 - headroom)
+        return len(self.queue) > reachable and self.queue.ahead(waiter) > reachable
+
+    def drain_view(self) -> tuple[float | None, float, float]:
+        """Drain admission as it judges now: the grants a second it counts on (None: no pace
+        yet, nothing refused), arrivals a second, and the fraction of the reach it holds back
+        (`drain_headroom` as far as the arrivals outrun the pace)."""
+        now = time.monotonic()
+        pace = self._pace(now) if self._options.drain_admission else None
+        arrivals = self._arrivals.per_s(now)
+        if pace is None:
+            return None, arrivals, 0.0
+        return pace.per_s, arrivals, self._headroom(now, pace)
+
+    def _headroom(self, now: float, pace: Pace) -> float:
+        """The fraction of the reach kept to spare now: `drain_headroom` as far as the
+        arrivals outrun the pace (drain.py)."""
+        return self._options.drain_headroom * self._arrivals.headroom_part(now, pace.per_s)
+
+    def _pace(self, now: float) -> Pace | None:
+        """The measured pace, bounded by the decodes' (a prefill queue's only: an aggregated
+        instance's slot is the whole request, and its grants are its pace)."""
+        rate = self._drain.rate(now)
+        capacity = self._decode_capacity
+        bound = None if capacity is None else capacity.bound(self._model, self._group)
+        if bound is None:
+            return None if rate is None else Pace(rate)
+        return replace(bound, rate=rate)
+
+    def _sweep(self, pace: Pace, now: float, slack: float) -> None:
+        for late in self.queue.beyond_reach(lambda s: pace.reach(s) * slack, now):
+            if late.admitted:
+                continue
+            self.queue.remove(late)
+            self._metrics.queue_sheds.labels("drain").inc()
+            if not late.future.done():
+                late.future.set_exception(self._out_of_reach())
+
+    def granted(self, now: float) -> None:
+        """A prefill accepted one of this gateway's requests of the queue."""
+        self._drain.granted(now)
+        self._grants_new += 1
+
+    def reported(self, now: float, count: int) -> None:
+        """The fleet's other gateways report `count` grants for this queue since their last
+        sync."""
+        self._drain.granted(now, count)
+
+    def take_grants(self) -> int:
+        """This gateway's grants since the last call, for the fleet (`reported` there)."""
+        grants, self._grants_new = self._grants_new, 0
+        return grants
+
+    def saturated(self, now: float) -> None:
+        """The forwarder found no prefill for a queued request: the fleet is at capacity,
+        and its grants from now until the queue empties are its pace (drain.py)."""
+        self._drain.saturated(now)
+
+    def drained(self, now: float) -> None:
+        """The queue emptied."""
+        self._drain.drained(now)
+
+    def decodes_full(self) -> bool:
+        """Whether a prefilled request of this queue's model and group waits for a decode."""
+        waits = self._decode_waits
+        return (
+            waits is not None
+            and self._options.decode_backpressure
+            and waits.waiting(self._model, self._group) > 0
+        )
+
+    def hopeless(self, waiter: Waiter) -> bool:
+        """Drop `waiter` (503 now) if its prefill would likely end past its deadline."""
+        if not self._options.early_drop:
+            return False
+        remaining = waiter.deadline - time.monotonic()
+        if not self._prefill_times.hopeless(waiter.info.prompt_chars, remaining):
+            return False
+        self.queue.remove(waiter)
+        self._metrics.early_drops.inc()
+        if not waiter.future.done():
+            waiter.future.set_exception(
+                DeadlineExceeded(
+                    "the request cannot be prefilled before its TTFT deadline",
+                    retry_after=self._options.retry_after_s,
+                )
+            )
+        return True
+
+    def expire(self, future: asyncio.Future[Any]) -> None:
+        """The request's deadline passed with no prefill granted: 503."""
+        if not future.done():
+            future.set_exception(
+                DeadlineExceeded(
+                    "no prefill instance accepted the request before its TTFT deadline",
+                    retry_after=self._options.retry_after_s,
+                )
+            )
+
+    def shed(self, error: GatewayError) -> None:
+        """The gateway stops: every queued request, and every one that would queue from now on
+        (a new one, a retry), fails with `error` at once, so that its client can go to another
+        gateway; requests already sent to a prefill go on."""
+        self._shed = error
+        for waiter in self.queue.waiters():
+            if not waiter.future.done():
+                waiter.future.set_exception(error)
+
+    def _out_of_reach(self) -> Overloaded:
+        return Overloaded(
+            "the gateway's queue for this model and group would not reach this request "
+            "before its TTFT deadline",
+            retry_after=self._options.retry_after_s,
+        )
+
+    def _over_share(self, waiter: Waiter) -> OverShare:
+        return OverShare(
+            f"the fleet is busy and tenant {waiter.tenant!r} holds its share of the queue; "
+            "back off and retry",
+            retry_after=self._options.retry_after_s,
+        )

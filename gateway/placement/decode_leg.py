@@ -1,0 +1,188 @@
+"""The decode leg of a prefilled request: a decode that takes its KV, until its deadline.
+
+The prefill's ``kv_transfer_params`` go to a decode chosen by the decode policy; a 429 tries
+the next one (up to ``decode_candidates`` a round), then waits for a freed slot or a
+back-off, until the deadline. While it waits for a decode that exists but is full, the
+request counts in `DecodeWaits` and its queue holds its prefills (drain.py). The leg always
+streams, whatever the client asked: its first event is the moment the KV has left the
+prefill (the decode pulls it before it generates), which is when the prefill's slot frees.
+
+Failover: a decode that was never reached (refused, reset, timed out) is replaced by the
+next one with the same ``kv_transfer_params`` (the KV is still at the prefill); one that
+answered with an error status may have consumed the KV, so `place` raises `DecodeLost` and
+the caller places the request again, prefill included (gateway/stream/relay.py). Either
+counts against the retry budget, as prefill failovers do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from typing import Any
+
+from pdgate.config.aio import Backoff
+from pdgate.config.settings import GatewaySettings
+from pdgate.config.wire import UNKNOWN_KV_SOURCE, Role
+from pdgate.gateway.errors import (
+    BadGateway,
+    DeadlineExceeded,
+    DecodeLost,
+    UpstreamError,
+    UpstreamRejected,
+    UpstreamStatus,
+)
+from pdgate.gateway.instances.health import RetryBudget
+from pdgate.gateway.instances.tracker import InstanceTracker, Lease
+from pdgate.gateway.observe.metrics import GatewayMetrics
+from pdgate.gateway.placement.decode_attempt import (
+    DecodeAttempts,
+    client_error,
+    out_of_time,
+    retry_or_fail,
+)
+from pdgate.gateway.placement.drain import DecodeWaits
+from pdgate.gateway.placement.placed import LegRequest
+from pdgate.gateway.upstream.base import DecodeStream, upstream_error_code
+from pdgate.policies.base import InstanceLoad, Ranker, RequestInfo
+
+__all__ = ["DecodeLegs", "declaring"]
+
+
+class DecodeLegs:
+    """Places decode legs: ranks the decodes, tries them in rounds, waits between rounds."""
+
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        tracker: InstanceTracker,
+        attempts: DecodeAttempts,
+        policy: Ranker,
+        *,
+        waits: DecodeWaits,
+        backoff: Backoff,
+        budget: RetryBudget,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self._retry_after_s = settings.retry_after_s
+        self._candidates = settings.decode_candidates
+        self._tracker = tracker
+        self._attempts = attempts
+        self._policy = policy
+        self._waits = waits
+        self._backoff = backoff
+        self._budget = budget
+        self._metrics = metrics
+
+    async def place(
+        self,
+        req: LegRequest,
+        body: dict[str, Any],
+        path: str,
+        *,
+        extension: str | None = None,
+        avoid: Collection[str] = (),
+    ) -> tuple[InstanceLoad, DecodeStream, list[Lease]]:
+        """A decode that opened `req`'s stream with `body` (one declaring `extension`, if
+        given; those in `avoid` tried last), its stream and the leases the caller now owns."""
+        info, deadline = req.info, req.deadline
+        round_no = 0
+        failures: list[str] = []
+        waits = self._waits
+        waiting = False  # counted in `waits`: the queue holds its prefills meanwhile
+        try:
+            while True:
+                candidates = declaring(self._tracker, Role.DECODE, info, extension)
+                ranked = self._policy.rank(info, candidates)
+                if avoid:
+                    ranked = [c for c in ranked if c.id not in avoid] + [
+                        c for c in ranked if c.id in avoid
+                    ]
+                placed = await self._round(req, body, path, ranked, failures)
+                if placed is not None:
+                    return placed
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    if failures and not ranked:
+                        last = failures[-1]
+                        raise BadGateway(f"every decode instance failed; last error: {last}")
+                    what = (
+                        "no decode instance is available"
+                        if not ranked
+                        else "no decode instance accepted the request before its TTFT deadline"
+                    )
+                    raise DeadlineExceeded(what, retry_after=self._retry_after_s)
+                if not waiting and candidates:
+                    # Decodes there are, all full: wait, and hold the queue's prefills.
+                    waiting = True
+                    waits.enter(info.model, info.group)
+                await self._tracker.wait_freed(min(self._backoff.delay(round_no), remaining))
+                round_no += 1
+        finally:
+            if waiting:
+                waits.leave(info.model, info.group)
+
+    async def _round(
+        self,
+        req: LegRequest,
+        body: dict[str, Any],
+        path: str,
+        ranked: list[InstanceLoad],
+        failures: list[str],
+    ) -> tuple[InstanceLoad, DecodeStream, list[Lease]] | None:
+        """One round: the first of `ranked` (up to `decode_candidates`) that accepts the
+        decode leg; None when none did (full, or failing: each failure added to `failures`)."""
+        deadline = req.deadline
+        for inst in ranked[: self._candidates]:
+            if time.monotonic() >= deadline:
+                break
+            try:
+                response, stream, inflight = await self._attempts.open(
+                    inst,
+                    body,
+                    path,
+                    request_id=req.request_id,
+                    deadline=deadline,
+                    parent=req.span,
+                )
+            except UpstreamRejected:
+                continue
+            except UpstreamStatus as exc:
+                if upstream_error_code(exc) == UNKNOWN_KV_SOURCE:
+                    # The decode does not know this prefill yet: its view of the
+                    # registry lags ours (as across a Redis failover). It pulled
+                    # nothing, so another decode, or this one after a back-off, may.
+                    failures.append(str(exc))
+                    continue
+                if exc.is_client_error:
+                    raise client_error(exc) from exc
+                # It answered: its KV pull may have consumed the prefill's copy, so
+                # another decode cannot be given the same kv_transfer_params.
+                raise DecodeLost("the decode instance failed") from exc
+            except UpstreamError as exc:
+                if out_of_time(deadline):
+                    # The request's own time ran out while the decode was answering
+                    # (a busy decode, past capacity): shed it as the queue does, not as
+                    # a broken decode.
+                    raise DeadlineExceeded(
+                        "no decode instance answered before the TTFT deadline",
+                        retry_after=self._retry_after_s,
+                    ) from exc
+                failures.append(str(exc))
+                retry_or_fail(self._budget, self._metrics, exc, "the decode instances are failing")
+                continue  # never reached it: the KV is still at the prefill
+            return inst, response, [stream, inflight]
+        return None
+
+
+def declaring(
+    tracker: InstanceTracker, role: Role, info: RequestInfo, extension: str | None
+) -> list[InstanceLoad]:
+    """The ready instances of `role` for `info`'s model and group, those declaring
+    `extension` only (if given)."""
+    loads = tracker.loads(role, info.model, info.group)
+    if extension is None:
+        return loads
+    records = tracker.records()
+    return [
+        c for c in loads if (rec := records.get(c.id)) is not None and extension in rec.extensions
+    ]

@@ -1,0 +1,141 @@
+"""The prefill leg with ``dispatch = "direct"``: the paper's baseline gateway.
+
+One try at the top-ranked prefill, which may queue the request locally, and no retries: no
+gateway queue, no 429 handling, no early drop. Its ranking sees every ready prefill (the
+baseline does not know which one has room). It exists to be measured against
+(`pdgate bench scheduling`, mode ``baseline``).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pdgate.config.aio import Background, shielded
+from pdgate.config.settings import GatewaySettings
+from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, Role
+from pdgate.gateway.errors import DeadlineExceeded, UpstreamError, UpstreamRejected, UpstreamStatus
+from pdgate.gateway.instances.affinity import PrefixLookup
+from pdgate.gateway.instances.tracker import InstanceTracker, Lease
+from pdgate.gateway.observe.metrics import GatewayMetrics
+from pdgate.gateway.placement.decode_attempt import client_error, release_after
+from pdgate.gateway.placement.placed import LegRequest, PrefillGrant
+from pdgate.gateway.upstream.base import Upstream
+from pdgate.policies.base import Ranker
+
+__all__ = ["DirectPrefill"]
+
+
+class DirectPrefill:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        tracker: InstanceTracker,
+        policy: Ranker,
+        upstream: Upstream,
+        metrics: GatewayMetrics,
+        background: Background,
+        index: PrefixLookup | None = None,
+    ) -> None:
+        """`background`: where the KV releases of its grants run (they outlive requests)."""
+        self._retry_after_s = settings.retry_after_s
+        self._tracker = tracker
+        self._policy = policy
+        self._upstream = upstream
+        self._metrics = metrics
+        self._background = background
+        self._index = index
+
+    async def prefill(self, req: LegRequest, body: dict[str, Any], path: str) -> PrefillGrant:
+        """The top-ranked prefill's grant for `req`, or 503."""
+        info, request_id = req.info, req.request_id
+        loads = self._tracker.loads(Role.PREFILL, info.model, info.group)
+        ranked = self._policy.rank(info, [c for c in loads if not c.ejected]) or loads
+        if not ranked:
+            raise DeadlineExceeded(
+                "no prefill instance is available", retry_after=self._retry_after_s
+            )
+        inst = ranked[0]
+        blocks = None
+        if self._index is not None:
+            blocks = self._index.blocks(info)
+            self._index.routed(blocks, inst.id)
+        stream, inflight = self._tracker.open_stream(inst.id), self._tracker.begin(inst.id)
+        counter = self._metrics.prefill_attempts
+        kv_id = secrets.token_hex(16)
+        upstream = self._upstream
+
+        async def release(
+            params: dict[str, Any] | None,
+            *,
+            slot_freed: bool,
+            leases: Sequence[Lease] = (stream, inflight),
+        ) -> None:
+            try:
+                if params is None:
+                    await upstream.release_kv_id(inst.url, kv_id, request_id=request_id)
+                else:
+                    await upstream.release_kv(params, request_id=request_id)
+            finally:
+                for lease in leases:
+                    lease.release(slot_freed=slot_freed)
+
+        computing = self._tracker.computing(inst.id)  # for the `idle` filter's view
+        try:
+            remaining = max(req.deadline - time.monotonic(), 0.001)
+            try:
+                reply = await upstream.prefill(
+                    inst.url,
+                    body,
+                    request_id=request_id,
+                    timeout_s=remaining,
+                    kv_id=kv_id,
+                    path=path,
+                    headers={DECODE_MAX_TOKENS_HEADER: str(info.max_tokens)},
+                )
+            finally:
+                computing.release(slot_freed=False)
+        except UpstreamRejected as exc:
+            release_after(exc, stream, inflight)
+            self._tracker.rejected(inst.id)
+            counter.labels("rejected").inc()
+            raise DeadlineExceeded(
+                "the prefill instance is busy", retry_after=self._retry_after_s
+            ) from exc
+        except UpstreamStatus as exc:
+            if exc.is_client_error:
+                release_after(exc, stream, inflight)
+                raise client_error(exc) from exc
+            await shielded(release(None, slot_freed=False))
+            counter.labels("failed").inc()
+            raise DeadlineExceeded(
+                "the prefill failed before the TTFT deadline",
+                retry_after=self._retry_after_s,
+            ) from exc
+        except UpstreamError as exc:
+            # Timed out or lost: the prefill may hold KV for an answer we will never read.
+            await shielded(release(None, slot_freed=False))
+            counter.labels("failed").inc()
+            raise DeadlineExceeded(
+                "the prefill did not answer before the TTFT deadline",
+                retry_after=self._retry_after_s,
+            ) from exc
+        except BaseException:
+            await shielded(release(None, slot_freed=False))
+            raise
+        counter.labels("accepted").inc()
+        if self._index is not None and blocks is not None:
+            self._index.record(blocks, inst.id)
+        params: dict[str, Any] = reply["kv_transfer_params"]
+        background = self._background
+        return PrefillGrant(
+            inst,
+            reply,
+            stream,
+            inflight,
+            lambda leases: background.spawn(release(params, slot_freed=True, leases=leases)),
+            attempts=1,
+            rejections=0,
+        )
