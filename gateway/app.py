@@ -55,8 +55,10 @@ from pdgate.gateway.placement.decode_leg import DecodeLegs
 from pdgate.gateway.placement.direct import DirectPrefill
 from pdgate.gateway.placement.dispatch import Dispatcher
 from pdgate.gateway.placement.drain import DecodeCapacity, DecodeWaits
+from pdgate.gateway.placement.handoff import Handoffs
 from pdgate.gateway.placement.leases import Fleet
 from pdgate.gateway.placement.local_prefill import LocalPrefill
+from pdgate.gateway.placement.push import PushDecodes
 from pdgate.gateway.placement.queues import Queues
 from pdgate.gateway.placement.shared import ForwardingOptions, Shared
 from pdgate.gateway.translate.base import Front
@@ -271,6 +273,7 @@ def queue_parts(
             window_s=settings.ratio_window_s, target_utilization=settings.ratio_target_utilization
         ),
         decode_capacity=DecodeCapacity(tracker) if settings.drain_decode_bound else None,
+        handoffs=Handoffs(tracker.records, tracker.loads, upstream),
         admission=AdmissionOptions(
             retry_after_s=settings.retry_after_s,
             early_drop=settings.early_drop,
@@ -310,7 +313,7 @@ def build_dispatcher(
         backoff=backoff,
         tracing=tracing or Tracing.off(),
     )
-    ejector, budget = shared.ejector, shared.budget
+    ejector, budget, handoffs = shared.ejector, shared.budget, shared.handoffs
     decodes = DecodeAttempts(tracker, upstream, metrics.decode_attempts, ejector, shared.tracing)
     # An aggregated group's instances always compute: never the `idle` filter for them.
     ranking = admit_idle(prefill_policy) if settings.prefill_admit == "idle" else prefill_policy
@@ -326,7 +329,7 @@ def build_dispatcher(
         shared,
         queues=queues,
         direct=DirectPrefill(
-            settings, tracker, ranking, upstream, metrics, shared.background, index
+            settings, tracker, ranking, upstream, metrics, shared.background, index, handoffs
         ),
         whole=WholeRequests(
             settings, tracker, queues, decodes, ejector=ejector, budget=budget, metrics=metrics
@@ -340,9 +343,16 @@ def build_dispatcher(
             backoff=shared.backoff,
             budget=budget,
             metrics=metrics,
+            handoffs=handoffs,
         ),
         # Conditional disaggregation (gateway/placement/local_prefill.py).
         local=LocalPrefill(settings, tracker, decodes, decode_policy, metrics, ejector),
+        # NixlPushConnector's decodes, chosen before the prefill leg (push.py).
+        push=None
+        if handoffs is None
+        else PushDecodes(
+            tracker, decodes, handoffs, decode_policy, shared.backoff, settings.retry_after_s
+        ),
     )
     fleet.serve_queues(dispatcher.heads, dispatcher)
     return dispatcher

@@ -41,6 +41,7 @@ from pdgate.gateway.placement.decode_attempt import (
     retry_or_fail,
 )
 from pdgate.gateway.placement.drain import DecodeWaits
+from pdgate.gateway.placement.handoff import Handoffs
 from pdgate.gateway.placement.placed import LegRequest
 from pdgate.gateway.upstream.base import DecodeStream, upstream_error_code
 from pdgate.policies.base import InstanceLoad, Ranker, RequestInfo
@@ -62,8 +63,11 @@ class DecodeLegs:
         backoff: Backoff,
         budget: RetryBudget,
         metrics: GatewayMetrics,
+        handoffs: Handoffs | None = None,
     ) -> None:
+        """`handoffs`: which decodes take a stock prefill's KV (handoff.py)."""
         self._retry_after_s = settings.retry_after_s
+        self._handoffs = handoffs
         self._candidates = settings.decode_candidates
         self._tracker = tracker
         self._attempts = attempts
@@ -81,9 +85,11 @@ class DecodeLegs:
         *,
         extension: str | None = None,
         avoid: Collection[str] = (),
+        connector: str | None = None,
     ) -> tuple[InstanceLoad, DecodeStream, list[Lease]]:
         """A decode that opened `req`'s stream with `body` (one declaring `extension`, if
-        given; those in `avoid` tried last), its stream and the leases the caller now owns."""
+        given; of a stock prefill's `connector`, if given; those in `avoid` tried last), its
+        stream and the leases the caller now owns."""
         info, deadline = req.info, req.deadline
         round_no = 0
         failures: list[str] = []
@@ -92,6 +98,8 @@ class DecodeLegs:
         try:
             while True:
                 candidates = declaring(self._tracker, Role.DECODE, info, extension)
+                if connector is not None and self._handoffs is not None:
+                    candidates = self._handoffs.decodes(connector, candidates)
                 ranked = self._policy.rank(info, candidates)
                 if avoid:
                     ranked = [c for c in ranked if c.id not in avoid] + [

@@ -21,6 +21,7 @@ from pdgate.gateway.instances.affinity import PrefixLookup
 from pdgate.gateway.instances.tracker import InstanceTracker, Lease
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.decode_attempt import client_error, release_after
+from pdgate.gateway.placement.handoff import Handoffs, OnSend
 from pdgate.gateway.placement.placed import LegRequest, PrefillGrant
 from pdgate.gateway.upstream.base import Upstream
 from pdgate.policies.base import Ranker
@@ -38,8 +39,10 @@ class DirectPrefill:
         metrics: GatewayMetrics,
         background: Background,
         index: PrefixLookup | None = None,
+        handoffs: Handoffs | None = None,
     ) -> None:
-        """`background`: where the KV releases of its grants run (they outlive requests)."""
+        """`background`: where the KV releases of its grants run (they outlive requests);
+        `handoffs`: stock servers' legs (handoff.py)."""
         self._retry_after_s = settings.retry_after_s
         self._tracker = tracker
         self._policy = policy
@@ -47,9 +50,18 @@ class DirectPrefill:
         self._metrics = metrics
         self._background = background
         self._index = index
+        self._handoffs = handoffs
 
-    async def prefill(self, req: LegRequest, body: dict[str, Any], path: str) -> PrefillGrant:
-        """The top-ranked prefill's grant for `req`, or 503."""
+    async def prefill(
+        self,
+        req: LegRequest,
+        body: dict[str, Any],
+        path: str,
+        *,
+        on_send: OnSend | None = None,
+    ) -> PrefillGrant:
+        """The top-ranked prefill's grant for `req`, or 503. `on_send`: as
+        `Waiter.on_send`."""
         info, request_id = req.info, req.request_id
         loads = self._tracker.loads(Role.PREFILL, info.model, info.group)
         ranked = self._policy.rank(info, [c for c in loads if not c.ejected]) or loads
@@ -66,6 +78,8 @@ class DirectPrefill:
         counter = self._metrics.prefill_attempts
         kv_id = secrets.token_hex(16)
         upstream = self._upstream
+        handoffs = self._handoffs
+        stock = None if handoffs is None else handoffs.stock_leg(inst.id, request_id)
 
         async def release(
             params: dict[str, Any] | None,
@@ -74,7 +88,11 @@ class DirectPrefill:
             leases: Sequence[Lease] = (stream, inflight),
         ) -> None:
             try:
-                if params is None:
+                if stock is not None:
+                    # vLLM aborted an unanswered one; an answered one's blocks: a release leg.
+                    if params is not None and handoffs is not None:
+                        await handoffs.release(stock, params)
+                elif params is None:
                     await upstream.release_kv_id(inst.url, kv_id, request_id=request_id)
                 else:
                     await upstream.release_kv(params, request_id=request_id)
@@ -82,21 +100,30 @@ class DirectPrefill:
                 for lease in leases:
                     lease.release(slot_freed=slot_freed)
 
+        ended = None if stock is None or on_send is None else on_send(inst, stock)
         computing = self._tracker.computing(inst.id)  # for the `idle` filter's view
         try:
             remaining = max(req.deadline - time.monotonic(), 0.001)
             try:
                 reply = await upstream.prefill(
                     inst.url,
-                    body,
-                    request_id=request_id,
+                    body if stock is None else stock.prefill_body(body),
+                    request_id=request_id if stock is None else stock.leg_id,
                     timeout_s=remaining,
-                    kv_id=kv_id,
+                    kv_id=kv_id if stock is None else None,
                     path=path,
-                    headers={DECODE_MAX_TOKENS_HEADER: str(info.max_tokens)},
+                    headers={DECODE_MAX_TOKENS_HEADER: str(info.max_tokens)}
+                    if stock is None
+                    else stock.prefill_headers(),
                 )
+            except BaseException:
+                if ended is not None:
+                    ended(False)
+                raise
             finally:
                 computing.release(slot_freed=False)
+            if ended is not None:
+                ended(True)
         except UpstreamRejected as exc:
             release_after(exc, stream, inflight)
             self._tracker.rejected(inst.id)
@@ -129,6 +156,8 @@ class DirectPrefill:
         if self._index is not None and blocks is not None:
             self._index.record(blocks, inst.id)
         params: dict[str, Any] = reply["kv_transfer_params"]
+        if stock is not None and handoffs is not None:
+            handoffs.learn(stock, params)
         background = self._background
         return PrefillGrant(
             inst,
@@ -138,4 +167,5 @@ class DirectPrefill:
             lambda leases: background.spawn(release(params, slot_freed=True, leases=leases)),
             attempts=1,
             rejections=0,
+            leg=stock,
         )

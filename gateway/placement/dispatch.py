@@ -15,11 +15,16 @@ built by the composition root (gateway/app.py, `build_dispatcher`):
 - both legs at once where one instance does them: a decode that prefills a short prompt
   itself (conditional disaggregation, local_prefill.py), or an instance of an aggregated or
   partial group, which takes the whole request from the same kind of queue (aggregated.py).
+
+A stock vLLM server's legs are what its KV connector takes (handoff.py); where its prefills
+push the KV into the decode's blocks, the decode is reserved before the prefill leg and may
+be sent with it (push.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -27,10 +32,13 @@ from pdgate.config.openai_api import Api
 from pdgate.config.settings import DispatchMode, GatewaySettings
 from pdgate.config.tracing import Span
 from pdgate.config.wire import Role, prefill_kv_request
-from pdgate.gateway.errors import GatewayError
+from pdgate.gateway.errors import DecodeLost, GatewayError, UpstreamStatus
+from pdgate.gateway.instances.tracker import Lease
 from pdgate.gateway.placement.aggregated import WholeRequests
+from pdgate.gateway.placement.decode_attempt import client_error
 from pdgate.gateway.placement.decode_leg import DecodeLegs, declaring
 from pdgate.gateway.placement.direct import DirectPrefill
+from pdgate.gateway.placement.handoff import OnSend
 from pdgate.gateway.placement.local_prefill import LocalPlan, LocalPrefill
 from pdgate.gateway.placement.placed import (
     DecodeLeg,
@@ -39,10 +47,12 @@ from pdgate.gateway.placement.placed import (
     PrefillGrant,
     as_stream,
 )
+from pdgate.gateway.placement.push import PushDecode, PushDecodes
 from pdgate.gateway.placement.queue import Waiter
 from pdgate.gateway.placement.queues import Queues
 from pdgate.gateway.placement.shared import Shared
-from pdgate.policies.base import RequestInfo
+from pdgate.gateway.upstream.base import DecodeStream
+from pdgate.policies.base import InstanceLoad, RequestInfo
 
 __all__ = ["Dispatcher", "Prefilled"]
 
@@ -54,7 +64,7 @@ class Prefilled:
     its KV; `Dispatcher.decode` places the decode leg) or `placement` (one instance did both
     legs). Whoever holds it and gives up calls `close()`."""
 
-    __slots__ = ("avoid", "grant", "local", "placement", "request")
+    __slots__ = ("avoid", "grant", "local", "placement", "push", "request")
 
     def __init__(
         self,
@@ -64,15 +74,19 @@ class Prefilled:
         grant: PrefillGrant | None = None,
         placement: Placement | None = None,
         local: LocalPlan | None = None,
+        push: PushDecode | None = None,
     ) -> None:
         self.request = request
         self.avoid = avoid
         self.grant = grant
         self.placement = placement
         self.local = local
+        self.push = push  # the decode reserved before the prefill leg (push.py)
 
     def close(self) -> None:
         """Give up before the decode leg: the KV is released at the prefill, then the counts."""
+        if self.push is not None:
+            self.push.release()
         if self.grant is not None:
             self.grant.close()
         if self.placement is not None:
@@ -96,7 +110,9 @@ class Dispatcher:
         whole: WholeRequests,
         decode_legs: DecodeLegs,
         local: LocalPrefill,
+        push: PushDecodes | None = None,
     ) -> None:
+        """`push`: reserves decodes for groups whose prefills push (None: none does)."""
         self._direct_mode = settings.dispatch is DispatchMode.DIRECT
         self._shared = shared
         self._tracker = shared.tracker
@@ -106,6 +122,7 @@ class Dispatcher:
         self._whole = whole
         self._decode_legs = decode_legs
         self._local = local
+        self._push = push
         # KV releases and batch calls outlive the requests that started them; `close` waits
         # for them before the upstream session closes.
         self.background = shared.background
@@ -187,8 +204,20 @@ class Dispatcher:
         drop = ("stream_options",) if token_ids else _NOT_FOR_PREFILL
         body = {k: v for k, v in forward.items() if k not in drop}
         body.update(max_tokens=1, stream=False, kv_transfer_params=prefill_kv_request())
-        grant = await self._prefill(req, body, api.path)
-        return Prefilled(req, avoid, grant=grant, local=local)
+        push: PushDecode | None = None
+        if self._push is not None and self._tracker.pushed(info.model, info.group):
+            push = await self._push.reserve(
+                info, body=forward, path=api.path, deadline=deadline, span=span, avoid=avoid
+            )
+        try:
+            grant = await self._prefill(
+                req, body, api.path, on_send=None if push is None else push.on_send
+            )
+        except BaseException:
+            if push is not None:
+                push.release()
+            raise
+        return Prefilled(req, avoid, grant=grant, local=local, push=push)
 
     async def decode(self, prefilled: Prefilled, leg: DecodeLeg) -> Placement:
         """The decode leg of a prefilled request, with `leg`'s body (``kv_transfer_params``
@@ -200,15 +229,26 @@ class Dispatcher:
             return prefilled.placement
         grant = prefilled.grant
         assert grant is not None
+        stock = grant.leg
         try:
-            decode, stream, decode_leases = await self._decode_legs.place(
-                prefilled.request,
-                as_stream({**leg.body, "kv_transfer_params": grant.kv_params}),
-                leg.api.path,
-                extension=leg.extension,
-                avoid=prefilled.avoid,
-            )
+            placed = None
+            if prefilled.push is not None and leg.extension is None:
+                placed = await self._pushed_decode(prefilled.push, grant, leg)
+            if placed is None:
+                placed = await self._decode_legs.place(
+                    prefilled.request
+                    if stock is None
+                    else dataclasses.replace(prefilled.request, request_id=stock.leg_id),
+                    as_stream(_decode_body(leg.body, grant)),
+                    leg.api.path,
+                    extension=leg.extension,
+                    avoid=prefilled.avoid,
+                    connector=None if stock is None else stock.connector,
+                )
+            decode, stream, decode_leases = placed
         except BaseException:
+            if prefilled.push is not None:
+                prefilled.push.release()
             grant.close()
             raise
         self._metrics.prefill_rejections.observe(grant.rejections)
@@ -222,6 +262,19 @@ class Dispatcher:
         if prefilled.local is not None:
             prefilled.local.served_by(decode.id)
         return placement
+
+    async def _pushed_decode(
+        self, push: PushDecode, grant: PrefillGrant, leg: DecodeLeg
+    ) -> tuple[InstanceLoad, DecodeStream, list[Lease]] | None:
+        """The decode reserved before the prefill leg takes the request (push.py); None when
+        it could not, and another decode is tried as usual."""
+        try:
+            return await push.take(grant.leg, grant.kv_params, leg.body, leg.api.path)
+        except UpstreamStatus as exc:
+            if exc.is_client_error:
+                raise client_error(exc) from exc
+            # It took the leg and may have registered with the prefill: place it again.
+            raise DecodeLost("the decode instance failed") from exc
 
     def decodes_declare(self, info: RequestInfo, extension: str) -> bool:
         """Whether a ready instance that would stream `info` (a decode; an aggregated
@@ -261,9 +314,16 @@ class Dispatcher:
         record = self._tracker.records().get(instance_id)
         return () if record is None else record.extensions
 
-    async def _prefill(self, req: LegRequest, body: dict[str, Any], path: str) -> PrefillGrant:
+    async def _prefill(
+        self,
+        req: LegRequest,
+        body: dict[str, Any],
+        path: str,
+        *,
+        on_send: OnSend | None = None,
+    ) -> PrefillGrant:
         if self._direct_mode:
-            return await self._direct.prefill(req, body, path)
+            return await self._direct.prefill(req, body, path, on_send=on_send)
         waiter = Waiter(
             info=req.info,
             body=body,
@@ -273,5 +333,18 @@ class Dispatcher:
             span=req.span,
             path=path,
             admitted=req.retry,
+            on_send=on_send,
         )
         return await self._queues.get(req.info).acquire(waiter)
+
+
+def _decode_body(body: dict[str, Any], grant: PrefillGrant) -> dict[str, Any]:
+    """The decode leg's body: `body` with the ``kv_transfer_params`` the prefill's
+    connector wants there (a shim's: its answer's; a stock server's: handoff.py's, or none)."""
+    if grant.leg is None:
+        return {**body, "kv_transfer_params": grant.kv_params}
+    params = grant.leg.decode_params(grant.kv_params)
+    out = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    if params is not None:
+        out["kv_transfer_params"] = params
+    return out

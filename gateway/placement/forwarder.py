@@ -335,6 +335,7 @@ class PrefillForwarder:
         if self._index is not None and blocks is not None:
             expected_cached = self._index.expected_cached_tokens(blocks, inst.id)
             self._index.routed(blocks, inst.id)
+        handoffs = self._shared.handoffs
         return PrefillCall(
             waiter,
             self._tracker.open_stream(inst.id),
@@ -344,6 +345,7 @@ class PrefillForwarder:
             secrets.token_hex(16),
             span,
             expected_cached=expected_cached,
+            leg=None if handoffs is None else handoffs.stock_leg(inst.id, waiter.request_id),
         )
 
     def shed(self, error: GatewayError) -> None:

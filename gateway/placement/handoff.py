@@ -50,7 +50,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +59,7 @@ from pdgate.gateway.upstream.base import Upstream
 from pdgate.policies.base import InstanceLoad
 from pdgate.registry.base import InstanceRecord
 
-__all__ = ["Handoffs", "StockLeg", "leg_connector"]
+__all__ = ["Handoffs", "OnSend", "StockLeg", "leg_connector"]
 
 log = logging.getLogger("pdgate.handoff")
 
@@ -147,6 +147,11 @@ class StockLeg:
         if answered and answered.get("do_remote_prefill"):
             return dict(answered)
         return None
+
+
+# Called as a prefill leg goes to a stock server (the prefill, its legs); returns what to
+# call when that attempt ends (True: the prefill answered 200). Push: push.py.
+OnSend = Callable[[InstanceLoad, StockLeg], Callable[[bool], None]]
 
 
 class Handoffs:

@@ -20,6 +20,7 @@ from typing import Any
 from pdgate.config.openai_api import Api
 from pdgate.config.tracing import Span
 from pdgate.gateway.instances.tracker import Lease
+from pdgate.gateway.placement.handoff import StockLeg
 from pdgate.gateway.upstream.base import DecodeStream
 from pdgate.policies.base import InstanceLoad, RequestInfo
 
@@ -57,6 +58,7 @@ class PrefillGrant:
         "attempts",
         "inflight",
         "instance",
+        "leg",
         "on_handover",
         "rejections",
         "reply",
@@ -73,8 +75,11 @@ class PrefillGrant:
         attempts: int,
         rejections: int,
         on_handover: Callable[[float], None] | None = None,
+        leg: StockLeg | None = None,
     ) -> None:
+        """`leg`: a stock server's legs (gateway/placement/handoff.py), None for a shim."""
         self.instance = instance
+        self.leg = leg
         self.answered_at = time.monotonic()
         # Told how long the decode took from here to its first event (early drop learns it).
         self.on_handover = on_handover
@@ -101,7 +106,12 @@ class PrefillGrant:
             self.on_handover(time.monotonic() - self.answered_at)
 
     def release_kv_then(self, leases: Sequence[Lease]) -> None:
-        """Release the KV at the prefill, then `leases` (for an owner that took the grant)."""
+        """Release the KV at the prefill, then `leases` (for an owner that took the grant).
+        A stock server's KV went with the decode leg: a decode that drops the request frees
+        the prefill's blocks itself (its connector's ``request_finished``)."""
+        if self.leg is not None:
+            release_counts(leases)
+            return
         self._release(leases)
 
     def close(self) -> None:

@@ -43,6 +43,7 @@ from pdgate.gateway.errors import (
 from pdgate.gateway.instances.tracker import Lease
 from pdgate.gateway.placement.batching import BatchForming
 from pdgate.gateway.placement.decode_attempt import out_of_time
+from pdgate.gateway.placement.handoff import StockLeg
 from pdgate.gateway.placement.placed import PrefillGrant, release_counts
 from pdgate.gateway.placement.prefill_time import QueueTimes, cached_tokens
 from pdgate.gateway.placement.queue import Waiter
@@ -74,6 +75,10 @@ class PrefillCall:
     run_chars: int = 0
     # Prompt tokens the KV-event index expects the prefill to find cached (None: unknown).
     expected_cached: int | None = None
+    # A stock server's legs (gateway/placement/handoff.py); None: a pdgate shim's wire.
+    leg: StockLeg | None = None
+    # Told when the call ends (True: answered 200), if its waiter asked (`Waiter.on_send`).
+    ended: Callable[[bool], None] | None = None
 
     @property
     def share(self) -> float:
@@ -81,10 +86,20 @@ class PrefillCall:
         return chars / self.run_chars if self.run_chars > chars else 1.0
 
     def headers(self, tracing: Tracing) -> dict[str, str]:
-        """The call's headers: the decode leg's max_tokens, and the trace context."""
-        headers = {DECODE_MAX_TOKENS_HEADER: str(self.waiter.info.max_tokens)}
+        """The call's headers: the decode leg's max_tokens (a shim's), its connector's (a
+        stock server's), and the trace context."""
+        if self.leg is None:
+            headers = {DECODE_MAX_TOKENS_HEADER: str(self.waiter.info.max_tokens)}
+        else:
+            headers = self.leg.prefill_headers()
         tracing.inject(self.span, headers)
         return headers
+
+    def end(self, answered: bool) -> None:
+        """Tell whoever asked (`Waiter.on_send`) that the call ended, once."""
+        ended, self.ended = self.ended, None
+        if ended is not None:
+            ended(answered)
 
     def release(self, *, slot_freed: bool) -> None:
         self.work.release()
@@ -155,14 +170,17 @@ class PrefillCalls:
     async def _attempt(self, call: PrefillCall, inst: InstanceLoad) -> None:
         waiter = call.waiter
         call.started = time.monotonic()  # before any await: `_never_started` reads it
+        leg = call.leg
+        if leg is not None and waiter.on_send is not None:
+            call.ended = waiter.on_send(inst, leg)
         try:
             remaining = max(waiter.deadline - time.monotonic(), 0.001)
             reply = await self._shared.upstream.prefill(
                 inst.url,
-                waiter.body,
-                request_id=waiter.request_id,
+                waiter.body if leg is None else leg.prefill_body(waiter.body),
+                request_id=waiter.request_id if leg is None else leg.leg_id,
                 timeout_s=min(remaining, self._try_timeout_s(call, inst)),
-                kv_id=call.kv_id,
+                kv_id=call.kv_id if leg is None else None,
                 headers=call.headers(self._shared.tracing),
                 path=waiter.path,
             )
@@ -344,9 +362,40 @@ class PrefillCalls:
         when the release arrives, so counting it free earlier invites a 429."""
         held = (call.work, call.computing, call.stream, call.inflight)
         request_id = call.waiter.request_id
+        call.end(False)
+        if call.leg is not None:
+            self._free_stock(call.leg, kv_params, held, slot_freed=slot_freed)
+            return
         self._free_after_release(
             inst, request_id, call.kv_id, kv_params, held, slot_freed=slot_freed
         )
+
+    def _free_stock(
+        self,
+        leg: StockLeg,
+        kv_params: dict[str, Any] | None,
+        held: Sequence[Lease],
+        *,
+        slot_freed: bool,
+    ) -> None:
+        """A stock prefill's counts: without an answer, vLLM aborted the request when the
+        call closed (nothing held); with one, a release leg frees its blocks first
+        (gateway/placement/handoff.py)."""
+        handoffs = self._shared.handoffs
+        if kv_params is None or handoffs is None or leg.release_params(kv_params) is None:
+            for lease in held:
+                lease.release(slot_freed=slot_freed)
+            return
+        held = tuple(held)
+
+        async def run() -> None:
+            try:
+                await handoffs.release(leg, kv_params)
+            finally:
+                for lease in held:
+                    lease.release(slot_freed=slot_freed)
+
+        self._shared.background.spawn(run())
 
     def _free_after_release(
         self,
@@ -379,6 +428,7 @@ class PrefillCalls:
     def _settle(self, call: PrefillCall, inst: InstanceLoad, status: int, answer: Any) -> None:
         """One prefill call's outcome, whichever way it was made."""
         waiter, counter = call.waiter, self._shared.metrics.prefill_attempts
+        call.end(status == 200)
         call.work.release()  # the prefill is no longer computing it, whatever the outcome
         call.computing.release(slot_freed=status == 200)
         _end(
@@ -413,7 +463,9 @@ class PrefillCalls:
                 self._tracker.set_speeds(self._model, self._group, times.compute_times.speeds())
             self._shared.advisor.prefill(inst.group, own, hardware)
             self._remember_prefix(waiter, inst)
-            request_id, kv_id = waiter.request_id, call.kv_id
+            request_id, kv_id, leg = waiter.request_id, call.kv_id, call.leg
+            if leg is not None and self._shared.handoffs is not None:
+                self._shared.handoffs.learn(leg, params)
             waiter.future.set_result(
                 PrefillGrant(
                     inst,
@@ -422,12 +474,17 @@ class PrefillCalls:
                     call.inflight,
                     # Not the call or the waiter: the grant is the waiter's future's result,
                     # and a reference back would make each request a cycle for the GC.
-                    lambda leases: self._free_after_release(
-                        inst, request_id, kv_id, params, leases, slot_freed=True
-                    ),
+                    (
+                        lambda leases: self._free_after_release(
+                            inst, request_id, kv_id, params, leases, slot_freed=True
+                        )
+                    )
+                    if leg is None
+                    else lambda leases: self._free_stock(leg, params, leases, slot_freed=True),
                     waiter.attempts,
                     waiter.rejections,
                     on_handover=times.prefill_times.record_handover,
+                    leg=leg,
                 )
             )
         elif status == 429:

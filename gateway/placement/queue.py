@@ -42,12 +42,15 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdgate.config import QueueOrder
 from pdgate.config.tracing import Span
 from pdgate.config.wire import COMPLETIONS_PATH
 from pdgate.policies.base import RequestInfo
+
+if TYPE_CHECKING:
+    from pdgate.gateway.placement.handoff import OnSend
 
 __all__ = ["Admission", "WaitQueue", "Waiter", "WaiterState"]
 
@@ -90,6 +93,10 @@ class Waiter:
     # admission judges arrivals: it neither refuses nor sweeps one whose client waited already
     # (or holds part of its answer).
     admitted: bool = False
+    # Called as its prefill leg goes to a stock server (the prefill, its legs); returns what
+    # to call when that attempt ends (True: answered 200). The push flow sends the decode
+    # leg with it (gateway/placement/push.py).
+    on_send: OnSend | None = field(default=None, repr=False)
 
     @property
     def done(self) -> bool:

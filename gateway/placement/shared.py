@@ -17,6 +17,7 @@ from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.observe.ratio import RatioAdvisor
 from pdgate.gateway.placement.admission import AdmissionOptions
 from pdgate.gateway.placement.drain import DecodeCapacity, DecodeWaits
+from pdgate.gateway.placement.handoff import Handoffs
 from pdgate.gateway.placement.leases import Fleet
 from pdgate.gateway.upstream.base import Upstream
 
@@ -60,3 +61,5 @@ class Shared:
     decode_capacity: DecodeCapacity | None = None
     # What each queue takes, refuses and sheds (admission.py).
     admission: AdmissionOptions = field(default_factory=AdmissionOptions)
+    # Stock servers' legs by their KV connector (handoff.py; None: shims' wire only).
+    handoffs: Handoffs | None = None

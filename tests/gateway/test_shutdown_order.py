@@ -93,8 +93,9 @@ def test_a_pending_kv_release_finishes_before_the_upstream_session_closes(
         "PDGATE_GATEWAY_TTFT_TIMEOUT_S": "30",
         "PDGATE_GATEWAY_DECODE_HEADER_TIMEOUT_S": "30",
     }
-    args = ["gateway", "--port", "0", "--prefill", fakes.prefill_url]
-    gw = start(procs, [*args, "--decode", fakes.decode_url], env)
+    # They speak pdgate's wire (a stock server's KV is never released by DELETE).
+    args = ["gateway", "--port", "0", "--prefill", f"{fakes.prefill_url} connector=pdgate"]
+    gw = start(procs, [*args, "--decode", f"{fakes.decode_url} connector=pdgate"], env)
     _send_then_leave(gateway_url(gw), fakes)
     # The abandoned request's KV is released at the prefill ...
     wait_for(lambda: fakes.state["release_started"] == 1, what="the release sent")

@@ -28,6 +28,7 @@ import httpx
 import orjson
 import pytest
 
+from tests._cluster import get_instances, wait_for
 from tests._redis import free_port
 from tests.vllm.conftest import CHATS, MODEL, PROMPTS, START_TIMEOUT_S, Proc, _url, wait_healthy
 
@@ -89,14 +90,17 @@ def stock_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
                 "--port",
                 "0",
                 "--prefill",
-                f"{urls['prefill']} capacity=2",
+                f"{urls['prefill']} capacity=2 connector=example",
                 "--decode",
-                urls["decode"],
+                f"{urls['decode']} connector=example",
             ],
             {"PDGATE_GATEWAY_TTFT_TIMEOUT_S": "60"},
             "gateway",
         )
         gateway_url = _url(procs["gateway"].wait_line("pdgate gateway", 60))
+        # Listed once a probe read each one's model and routes (a busy machine's first
+        # round may end before that).
+        wait_for(lambda: len(get_instances(gateway_url)) == 2, 30, "both servers listed")
         yield StockVllm(gateway_url, urls["prefill"], urls["decode"], urls["reference"], procs)
     finally:
         for proc in procs.values():

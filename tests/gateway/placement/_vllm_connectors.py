@@ -51,9 +51,14 @@ refuses a request carrying them (vLLM's ``_with_kv_transfer_rejection_cleanup`` 
 the connector's ``request_finished``, which tells the prefill to free them), or its lease
 ends (``--lease-s``: NIXL's ``kv_lease_duration``, Mooncake's
 ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``). An aborted prefill holds nothing. ``GET /_stats``
-counts the blocks held now and how each was freed. A decode refuses, as vLLM 0.32's
+counts the blocks held now and how each was freed, the legs, the decode legs' bodies, and
+the push registrations that reached the prefill while it computed
+(``registered_while_prefilling``). A decode refuses, as vLLM 0.32's
 ``OpenAIServingCompletion._create_completion`` does, a streamed request with
-``use_beam_search`` (400) before its engine sees it.
+``use_beam_search`` (400) before its engine sees it. For the tests: ``POST /_prefill_s?s=X``
+and ``/_token_s?s=X`` set how long a prefill and a decode's token take, ``POST
+/_refuse?times=N`` makes the next N prefill legs answer 429 (vLLM queues instead; an
+overload stands in).
 """
 
 from __future__ import annotations
@@ -134,13 +139,13 @@ class Fake:
         self.port = 0
         self.held: dict[str, Held] = {}  # pull: internal id; push: internal id; mooncake: xfer id
         self.registrations: dict[str, Registration] = {}  # push: by the decode's base id
-        self.prefill_ids_seen: set[str] = set()  # push: base ids of prefill legs that arrived
         self.violations: list[str] = []
         self.freed: Counter[str] = Counter()
         self.stats: Counter[str] = Counter()
         self.now: Counter[str] = Counter()
         self.peak: Counter[str] = Counter()
         self.decode_bodies: list[dict[str, Any]] = []
+        self.refuse = 0  # prefill legs to answer 429 (vLLM queues; a test's overload)
         self.side = httpx.AsyncClient(timeout=30, headers={"x-fake-peer": "decode"})
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -301,10 +306,13 @@ class Fake:
 
         rid = self.common_headers(request.headers, "prefill leg")
         self.check_prefill_body(body, rid, request.headers)
+        if self.refuse > 0:
+            self.refuse -= 1
+            self.stats["prefill_refused"] += 1
+            return JSONResponse({"error": {"message": "busy", "code": 429}}, 429)
         prompt = prompt_of(body, chat)
         internal = (f"chatcmpl-{rid}" if chat else f"cmpl-{rid}-0") + f"-{uuid.uuid4().hex[:8]}"
         self.stats["prefill_legs"] += 1
-        self.prefill_ids_seen.add(base_request_id(internal))
         self.enter("prefill")
         try:
             if not await computed(request, self.prefill_s):
@@ -369,8 +377,9 @@ class Fake:
         if data["remote_engine_id"] != self.engine_id:
             return JSONResponse({"error": "engine id mismatch"}, 409)
         base = base_request_id(data["request_id"])
-        if base not in self.prefill_ids_seen:
-            self.stats["registered_before_prefill"] += 1
+        if not any(base_request_id(h.internal_id) == base for h in self.held.values()):
+            # Named to the prefill before it was done: it pushes as soon as it is.
+            self.stats["registered_while_prefilling"] += 1
         reg = self.registrations[base] = Registration(data["request_id"], data["decode_engine"])
         self.match_push(base)
         try:
@@ -532,6 +541,14 @@ class Fake:
             self.prefill_s = float(request.query_params["s"])
             return Response(status_code=204)
 
+        async def set_token_s(request: Request) -> Response:
+            self.token_s = float(request.query_params["s"])
+            return Response(status_code=204)
+
+        async def set_refuse(request: Request) -> Response:
+            self.refuse = int(request.query_params["times"])
+            return Response(status_code=204)
+
         async def completions(request: Request) -> Response:
             return await self.leg(request, chat=False)
 
@@ -553,6 +570,8 @@ class Fake:
                 Route("/v1/chat/completions", chat, methods=["POST"]),
                 Route("/_stats", stats, methods=["GET"]),
                 Route("/_prefill_s", set_prefill_s, methods=["POST"]),
+                Route("/_token_s", set_token_s, methods=["POST"]),
+                Route("/_refuse", set_refuse, methods=["POST"]),
             ],
             exception_handlers={404: stranger, 405: stranger},
         )
@@ -561,21 +580,22 @@ class Fake:
             self.violated(f"{request.method} {request.url.path} on the connector's port")
             return JSONResponse({"detail": "Not Found"}, 404)
 
-        async def peer_only(request: Request, handler: Any) -> Response:
-            if request.headers.get("x-fake-peer") != "decode":
-                self.violated(f"{request.method} {request.url.path}: only a decode calls here")
-                return JSONResponse({"detail": "Not Found"}, 404)
-            result: Response = await handler(request)
-            return result
+        def peer_only(handler: Any) -> Any:
+            async def checked(request: Request) -> Response:
+                if request.headers.get("x-fake-peer") != "decode":
+                    self.violated(f"{request.method} {request.url.path}: only a decode calls here")
+                    return JSONResponse({"detail": "Not Found"}, 404)
+                result: Response = await handler(request)
+                return result
+
+            return checked
 
         side = Starlette(
             routes=[
                 Route("/query", self.side_query, methods=["GET"]),
-                Route("/nixl/read", lambda r: peer_only(r, self.side_read), methods=["POST"]),
-                Route(
-                    "/nixl/push_reg", lambda r: peer_only(r, self.side_register), methods=["POST"]
-                ),
-                Route("/mooncake/pull", lambda r: peer_only(r, self.side_pull), methods=["POST"]),
+                Route("/nixl/read", peer_only(self.side_read), methods=["POST"]),
+                Route("/nixl/push_reg", peer_only(self.side_register), methods=["POST"]),
+                Route("/mooncake/pull", peer_only(self.side_pull), methods=["POST"]),
             ],
             exception_handlers={404: side_stranger, 405: side_stranger},
         )
@@ -679,6 +699,13 @@ class ConnectorServer(ServerProcess):
         self.port = int(url.rsplit(":", 1)[1])
         self.side_port = int(side.removeprefix("side="))
         return self
+
+    def set_token_s(self, seconds: float) -> None:
+        httpx.post(self.url + f"/_token_s?s={seconds}", timeout=5).raise_for_status()
+
+    def refuse(self, times: int) -> None:
+        """The next `times` prefill legs answer 429."""
+        httpx.post(self.url + f"/_refuse?times={times}", timeout=5).raise_for_status()
 
 
 if __name__ == "__main__":
