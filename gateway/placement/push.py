@@ -90,7 +90,7 @@ class PushDecode:
         once if the prefill's coordinates are known. Returns what the queue calls when that
         attempt ends (True: the prefill answered 200)."""
         self._drop_opened()
-        params = self._handoffs.push_params(leg)
+        params = self._handoffs.push_params(leg) if leg.connector == PUSH else None
         if params is None or self._leases is None:
             return _ignore
         self._leg = leg
@@ -149,8 +149,11 @@ class PushDecode:
         self._body, self._path = body, path
         try:
             if task is None:
-                params = None if leg is None else leg.decode_params(answered)
-                if leg is None or params is None:
+                # A prefill of another connector (a mixed group) pairs with its own decodes.
+                if leg is None or leg.connector != PUSH:
+                    return None
+                params = leg.decode_params(answered)
+                if params is None:
                     return None
                 task = asyncio.ensure_future(self._open(leg, params))
             try:

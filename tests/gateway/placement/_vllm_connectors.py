@@ -71,7 +71,7 @@ import socket
 import sys
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -144,7 +144,7 @@ class Fake:
         self.stats: Counter[str] = Counter()
         self.now: Counter[str] = Counter()
         self.peak: Counter[str] = Counter()
-        self.decode_bodies: list[dict[str, Any]] = []
+        self.decode_bodies: deque[dict[str, Any]] = deque(maxlen=100)
         self.refuse = 0  # prefill legs to answer 429 (vLLM queues; a test's overload)
         self.side = httpx.AsyncClient(timeout=30, headers={"x-fake-peer": "decode"})
 
@@ -187,7 +187,7 @@ class Fake:
             "counts": dict(self.stats),
             "now": dict(self.now),
             "peak": dict(self.peak),
-            "decode_bodies": self.decode_bodies[-20:],
+            "decode_bodies": list(self.decode_bodies)[-20:],
             "pending_registrations": len(self.registrations),
         }
 
