@@ -24,14 +24,18 @@ from urllib.parse import parse_qsl, unquote, urlencode
 
 from redis.asyncio import Redis
 from redis.asyncio.connection import parse_url
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
+from redis.backoff import ExponentialBackoff, NoBackoff
 
-__all__ = ["SENTINEL_SCHEMES", "SentinelUrl", "open_redis", "parse_sentinel_url"]
+__all__ = ["SENTINEL_SCHEMES", "SentinelUrl", "open_clients", "open_redis", "parse_sentinel_url"]
 
 # Scheme -> TLS.
 SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}
 _SENTINEL_PORT = 26379
 _SENTINEL_ONLY = ("sentinel_username", "sentinel_password")
+# Idle pooled connections are PINGed before reuse after this long (redis-py wants an int).
+_HEALTH_CHECK_INTERVAL_S = 5
 
 
 @dataclass(frozen=True)
@@ -111,3 +115,18 @@ def open_redis(url: str, **options: Any) -> Redis:
     )
     client: Redis = sentinel.master_for(parsed.service, redis_class=Redis, **options)
     return client
+
+
+def open_clients(url: str, timeout_s: float) -> tuple[Redis, Redis]:
+    """The two clients every Redis user of pdgate's keeps: one for calls, with one quick
+    retry (it covers a pooled connection left dead by a Redis restart; more would only
+    stretch every call against a server that is really down), and one for pub/sub, with
+    none (a silent reconnect would hide that events were lost, and the consumer must know so
+    that it re-polls). Both give up on a socket after `timeout_s`."""
+    common: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "health_check_interval": _HEALTH_CHECK_INTERVAL_S,
+    }
+    calls = open_redis(url, retry=Retry(ExponentialBackoff(cap=0.1, base=0.02), 1), **common)
+    return calls, open_redis(url, retry=Retry(NoBackoff(), 0), **common)

@@ -48,11 +48,9 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import RedisError
 
-from pdgate.registry._redis_url import open_redis
+from pdgate.registry._redis_url import open_clients
 from pdgate.registry._slot_table import SlotTable
 from pdgate.registry.base import RegistryUnavailable
 from pdgate.registry.redis import redact_url, redis_unavailable
@@ -653,15 +651,7 @@ class RedisFleet:
         self._seq = itertools.count()
         self._last_seq = -1  # the last acquire's number
         self._pending: set[int] = set()  # acquires not answered yet
-        common: dict[str, Any] = {
-            "socket_timeout": connect_timeout_s,
-            "socket_connect_timeout": connect_timeout_s,
-            "health_check_interval": 5,
-        }
-        self._client = open_redis(
-            url, retry=Retry(ExponentialBackoff(cap=0.1, base=0.02), 1), **common
-        )
-        self._sub_client = open_redis(url, retry=Retry(NoBackoff(), 0), **common)
+        self._client, self._sub_client = open_clients(url, connect_timeout_s)
         self._acquire = self._client.register_script(_ACQUIRE)
         self._computed = self._client.register_script(_COMPUTED)
         self._release = self._client.register_script(_RELEASE)

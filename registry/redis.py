@@ -28,11 +28,9 @@ from typing import Any
 import orjson
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import RedisError
 
-from pdgate.registry._redis_url import open_redis
+from pdgate.registry._redis_url import open_clients
 from pdgate.registry.base import (
     EventKind,
     InstanceRecord,
@@ -49,8 +47,6 @@ _ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 # Index entries whose writer-side expiry is this far in the past are dropped without
 # looking at their key: generous, so that a writer's fast clock cannot hide a live member.
 _INDEX_GRACE_MS = 60_000
-# Idle pooled connections are PINGed before reuse after this long (redis-py wants an int).
-_HEALTH_CHECK_INTERVAL_S = 5
 _PING_PAYLOAD = b"pdgate-events"
 
 # Drops index entries whose record key is gone, atomically: a plain ZREM after MGET could
@@ -265,19 +261,7 @@ class RedisRegistry:
         self._generation_key = f"{key_prefix}:generation"
         self._generation: str | None = None
         self._channel = f"{key_prefix}:events"
-        common: dict[str, Any] = {
-            "socket_timeout": connect_timeout_s,
-            "socket_connect_timeout": connect_timeout_s,
-            "health_check_interval": _HEALTH_CHECK_INTERVAL_S,
-        }
-        # One quick retry covers a pooled connection left dead by a Redis restart; more
-        # would only stretch every call against a server that is really down.
-        self._client = open_redis(
-            url, retry=Retry(ExponentialBackoff(cap=0.1, base=0.02), 1), **common
-        )
-        # No retries for pub/sub: a silent reconnect would hide that events were lost,
-        # and the consumer must know so that it re-polls.
-        self._sub_client = open_redis(url, retry=Retry(NoBackoff(), 0), **common)
+        self._client, self._sub_client = open_clients(url, connect_timeout_s)
         self._prune_missing = self._client.register_script(_PRUNE_MISSING)
         self._streams: set[_RedisEventStream] = set()
         self._warned_ids: set[bytes] = set()

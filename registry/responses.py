@@ -22,13 +22,11 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
 
-from pdgate.registry._redis_url import open_redis
+from pdgate.registry._redis_url import open_clients
 from pdgate.registry.redis import redact_url
 
 __all__ = [
@@ -186,14 +184,7 @@ class RedisResponseStore:
         self.limits = limits or StoreLimits()
         self._safe_url = redact_url(url)
         self._base = f"{key_prefix}:responses:"
-        common: dict[str, Any] = {
-            "socket_timeout": connect_timeout_s,
-            "socket_connect_timeout": connect_timeout_s,
-            "health_check_interval": 5,
-        }
-        self._client = open_redis(
-            url, retry=Retry(ExponentialBackoff(cap=0.1, base=0.02), 1), **common
-        )
+        self._client, _ = open_clients(url, connect_timeout_s)
         self._put = self._client.register_script(_PUT)
         self.fallback = MemoryResponseStore(self.limits)
         self._down = False

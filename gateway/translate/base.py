@@ -20,12 +20,14 @@ from pdgate.gateway.stream.out import ClientOut, ShapedStreamOut, ShapedWholeOut
 __all__ = [
     "ANONYMOUS",
     "ChatReader",
+    "ChatShaper",
     "Front",
     "ToolCall",
     "Translated",
     "Usage",
     "chat_request",
     "named_event",
+    "new_call_id",
     "scope_of",
 ]
 
@@ -230,64 +232,17 @@ class ChatReader:
                 out.append(("arguments", call, arguments))
 
 
-# -- checking the client's JSON --------------------------------------------------------------
+class ChatShaper:
+    """What the shapers share: the chat answer read event by event (`ChatReader`), each
+    event's parts turned into the API's events by `_deltas`."""
 
+    def __init__(self) -> None:
+        self._reader = ChatReader()
 
-def invalid(param: str, message: str) -> BadRequest:
-    """A 400 naming the field (``input[2].content[0].type``) and what is wrong with it."""
-    return BadRequest(f"invalid request: {param}: {message}", param=param)
+    def chunk(self, event: dict[str, Any]) -> bytes:
+        return b"".join(self._deltas(self._reader.chunk(event), stream=True))
 
-
-def text_of(value: object, param: str, *, required: bool = True) -> str | None:
-    if value is None and not required:
-        return None
-    if not isinstance(value, str):
-        raise invalid(param, "must be a string")
-    return value
-
-
-def flag_of(value: object, param: str, default: bool) -> bool:
-    if value is None:
-        return default
-    if type(value) is not bool:
-        raise invalid(param, "must be a boolean")
-    return value
-
-
-def number_of(
-    value: object, param: str, low: float, high: float, *, open_low: bool = False
-) -> float | int | None:
-    if value is None:
-        return None
-    if type(value) not in (int, float):
-        raise invalid(param, "must be a number")
-    assert isinstance(value, int | float)
-    if value < low or value > high or (open_low and value == low):
-        bound = f"({low}, {high}]" if open_low else f"[{low}, {high}]"
-        raise invalid(param, f"must be in {bound}")
-    return value
-
-
-def count_of(value: object, param: str, low: int, high: int) -> int | None:
-    if value is None:
-        return None
-    if type(value) is not int:
-        raise invalid(param, "must be an integer")
-    assert isinstance(value, int)
-    if not low <= value <= high:
-        raise invalid(param, f"must be between {low} and {high}")
-    return value
-
-
-def object_of(value: object, param: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise invalid(param, "must be an object")
-    return value
-
-
-def list_of(value: object, param: str, most: int) -> list[Any]:
-    if not isinstance(value, list):
-        raise invalid(param, "must be an array")
-    if len(value) > most:
-        raise invalid(param, f"has more than {most} entries")
-    return value
+    def _deltas(self, deltas: list[Delta], *, stream: bool) -> list[bytes]:
+        """The API's events for `deltas` (none when not `stream`: a whole answer's parts
+        only grow its items)."""
+        raise NotImplementedError

@@ -35,19 +35,14 @@ from pdgate.config.openai_api import OpenAIError, load_object
 from pdgate.config.wire import MAX_STOP_SEQUENCES
 from pdgate.gateway.admission.auth import ApiKey
 from pdgate.gateway.errors import BadRequest, from_openai_error
+from pdgate.gateway.translate import checks
 from pdgate.gateway.translate.base import (
     ChatReader,
+    ChatShaper,
     ToolCall,
     Translated,
     chat_request,
-    count_of,
-    flag_of,
-    invalid,
-    list_of,
     named_event,
-    number_of,
-    object_of,
-    text_of,
 )
 
 __all__ = ["MessagesFront", "MessagesShaper", "anthropic_error", "chat_messages"]
@@ -148,47 +143,51 @@ class MessagesFront:
         for name, why in _REFUSED.items():
             if raw.get(name) is not None:
                 raise BadRequest(why, param=name)
-        model = text_of(raw.get("model"), "model")
+        model = checks.text_of(raw.get("model"), "model")
         chat: dict[str, Any] = {"model": model, "messages": chat_messages(raw)}
         if not counting:
-            limit = count_of(raw.get("max_tokens"), "max_tokens", 1, self._max_tokens_limit)
+            limit = checks.count_of(raw.get("max_tokens"), "max_tokens", 1, self._max_tokens_limit)
             if limit is None:
-                raise invalid("max_tokens", "Field required")
+                raise checks.invalid("max_tokens", "Field required")
             chat["max_tokens"] = limit
-            stream = flag_of(raw.get("stream"), "stream", False)
+            stream = checks.flag_of(raw.get("stream"), "stream", False)
             chat["stream"] = stream
             if stream:
                 chat["stream_options"] = {"include_usage": True}
-            stops = list_of(raw.get("stop_sequences") or [], "stop_sequences", MAX_STOP_SEQUENCES)
+            stops = checks.list_of(
+                raw.get("stop_sequences") or [], "stop_sequences", MAX_STOP_SEQUENCES
+            )
             if stops:
-                chat["stop"] = [text_of(s, f"stop_sequences[{i}]") for i, s in enumerate(stops)]
+                chat["stop"] = [
+                    checks.text_of(s, f"stop_sequences[{i}]") for i, s in enumerate(stops)
+                ]
             for name, high in (("temperature", 1), ("top_p", 1)):
-                value = number_of(raw.get(name), name, 0, high, open_low=name == "top_p")
+                value = checks.number_of(raw.get(name), name, 0, high, open_low=name == "top_p")
                 if value is not None:
                     chat[name] = value
-            if (top_k := count_of(raw.get("top_k"), "top_k", 0, 1 << 20)) is not None:
+            if (top_k := checks.count_of(raw.get("top_k"), "top_k", 0, 1 << 20)) is not None:
                 chat["top_k"] = top_k
             if raw.get("metadata") is not None:
-                metadata = object_of(raw["metadata"], "metadata")
-                user = text_of(metadata.get("user_id"), "metadata.user_id", required=False)
+                metadata = checks.object_of(raw["metadata"], "metadata")
+                user = checks.text_of(metadata.get("user_id"), "metadata.user_id", required=False)
                 if user is not None:
                     chat["user"] = user
-            text_of(raw.get("service_tier"), "service_tier", required=False)
+            checks.text_of(raw.get("service_tier"), "service_tier", required=False)
         self._tools(raw, chat)
         self._thinking(raw.get("thinking"), chat)
         if raw.get("output_config") is not None:
-            config = object_of(raw["output_config"], "output_config")
+            config = checks.object_of(raw["output_config"], "output_config")
             if config.get("format") is not None:
-                fmt = object_of(config["format"], "output_config.format")
+                fmt = checks.object_of(config["format"], "output_config.format")
                 if fmt.get("type") != "json_schema":
-                    raise invalid("output_config.format.type", "must be json_schema")
-                schema = object_of(fmt.get("schema"), "output_config.format.schema")
+                    raise checks.invalid("output_config.format.type", "must be json_schema")
+                schema = checks.object_of(fmt.get("schema"), "output_config.format.schema")
                 chat["response_format"] = {
                     "type": "json_schema",
                     "json_schema": {"name": "json_schema", "schema": schema},
                 }
             if (effort := config.get("effort")) is not None:
-                chat["reasoning_effort"] = text_of(effort, "output_config.effort")
+                chat["reasoning_effort"] = checks.text_of(effort, "output_config.effort")
         return chat
 
     async def translate(self, body: bytes, key: ApiKey | None) -> Translated:
@@ -210,22 +209,22 @@ class MessagesFront:
         names: list[str] = []
         if raw.get("tools") is not None:
             tools: list[dict[str, Any]] = []
-            for i, item in enumerate(list_of(raw["tools"], "tools", MAX_ITEMS)):
-                tool = object_of(item, f"tools[{i}]")
+            for i, item in enumerate(checks.list_of(raw["tools"], "tools", MAX_ITEMS)):
+                tool = checks.object_of(item, f"tools[{i}]")
                 kind = tool.get("type")
                 if kind not in (None, "custom"):
-                    raise invalid(
+                    raise checks.invalid(
                         f"tools[{i}].type",
                         f"{str(kind)[:64]!r} is not supported: only client tools are (no "
                         "server tools)",
                     )
-                name = text_of(tool.get("name"), f"tools[{i}].name")
+                name = checks.text_of(tool.get("name"), f"tools[{i}].name")
                 assert name is not None
-                schema = object_of(tool.get("input_schema"), f"tools[{i}].input_schema")
+                schema = checks.object_of(tool.get("input_schema"), f"tools[{i}].input_schema")
                 # In the order clients write them: a template renders them as JSON.
                 function: dict[str, Any] = {"name": name}
                 if (description := tool.get("description")) is not None:
-                    function["description"] = text_of(description, f"tools[{i}].description")
+                    function["description"] = checks.text_of(description, f"tools[{i}].description")
                 function["parameters"] = schema
                 tools.append({"type": "function", "function": function})
                 names.append(name)
@@ -234,49 +233,52 @@ class MessagesFront:
                 chat["tool_choice"] = "auto"
         if raw.get("tool_choice") is None:
             return
-        choice = object_of(raw["tool_choice"], "tool_choice")
+        choice = checks.object_of(raw["tool_choice"], "tool_choice")
         kind = choice.get("type")
         if kind not in ("auto", "any", "tool", "none"):
-            raise invalid("tool_choice.type", "must be auto, any, tool or none")
+            raise checks.invalid("tool_choice.type", "must be auto, any, tool or none")
         if kind == "none":
             chat["tool_choice"] = "none"
             return
         if not names:
-            raise invalid("tool_choice", "needs tools")
+            raise checks.invalid("tool_choice", "needs tools")
         if kind == "tool":
-            name = text_of(choice.get("name"), "tool_choice.name")
+            name = checks.text_of(choice.get("name"), "tool_choice.name")
             if name not in names:
-                raise invalid("tool_choice.name", "names no tool of the request")
+                raise checks.invalid("tool_choice.name", "names no tool of the request")
             chat["tool_choice"] = {"type": "function", "function": {"name": name}}
         else:
             chat["tool_choice"] = "required" if kind == "any" else "auto"
         disable = choice.get("disable_parallel_tool_use")
-        if flag_of(disable, "tool_choice.disable_parallel_tool_use", False):
+        if checks.flag_of(disable, "tool_choice.disable_parallel_tool_use", False):
             chat["parallel_tool_calls"] = False
 
     @staticmethod
     def _thinking(value: object, chat: dict[str, Any]) -> None:
         if value is None:
             return
-        thinking = object_of(value, "thinking")
+        thinking = checks.object_of(value, "thinking")
         kind = thinking.get("type")
         if kind == "enabled":
-            budget = count_of(
+            budget = checks.count_of(
                 thinking.get("budget_tokens"), "thinking.budget_tokens", 1024, 1 << 30
             )
             if budget is None:
-                raise invalid("thinking.budget_tokens", "Field required")
+                raise checks.invalid("thinking.budget_tokens", "Field required")
             if "max_tokens" in chat and budget >= chat["max_tokens"]:
-                raise invalid("thinking.budget_tokens", "must be less than max_tokens")
+                raise checks.invalid("thinking.budget_tokens", "must be less than max_tokens")
             chat["thinking_token_budget"] = budget
         elif kind not in ("disabled", "adaptive"):
-            raise invalid("thinking.type", "must be enabled, disabled or adaptive")
+            raise checks.invalid("thinking.type", "must be enabled, disabled or adaptive")
 
 
 def _blocks(content: object, param: str) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
-    return [object_of(b, f"{param}[{j}]") for j, b in enumerate(list_of(content, param, MAX_ITEMS))]
+    return [
+        checks.object_of(b, f"{param}[{j}]")
+        for j, b in enumerate(checks.list_of(content, param, MAX_ITEMS))
+    ]
 
 
 def _text_blocks(content: object, param: str) -> str:
@@ -284,8 +286,8 @@ def _text_blocks(content: object, param: str) -> str:
     out: list[str] = []
     for j, block in enumerate(_blocks(content, param)):
         if block.get("type") != "text":
-            raise invalid(f"{param}[{j}].type", "only text blocks are supported here")
-        text = text_of(block.get("text"), f"{param}[{j}].text")
+            raise checks.invalid(f"{param}[{j}].type", "only text blocks are supported here")
+        text = checks.text_of(block.get("text"), f"{param}[{j}].text")
         assert text is not None
         out.append(text)
     return "".join(out)
@@ -299,29 +301,29 @@ def chat_messages(raw: dict[str, Any]) -> list[dict[str, Any]]:
         if system:
             out.append({"role": "system", "content": system})
     if raw.get("messages") is None:
-        raise invalid("messages", "Field required")
-    messages = list_of(raw["messages"], "messages", MAX_ITEMS)
+        raise checks.invalid("messages", "Field required")
+    messages = checks.list_of(raw["messages"], "messages", MAX_ITEMS)
     if not messages:
-        raise invalid("messages", "must not be empty")
+        raise checks.invalid("messages", "must not be empty")
     for i, item in enumerate(messages):
         param = f"messages[{i}]"
-        message = object_of(item, param)
+        message = checks.object_of(item, param)
         role = message.get("role")
         if role not in ("user", "assistant"):
-            raise invalid(f"{param}.role", "must be user or assistant")
+            raise checks.invalid(f"{param}.role", "must be user or assistant")
         text: list[str] = []
         calls: list[dict[str, Any]] = []
         for j, block in enumerate(_blocks(message.get("content"), f"{param}.content")):
             where = f"{param}.content[{j}]"
             kind = block.get("type")
             if kind == "text":
-                value = text_of(block.get("text"), f"{where}.text")
+                value = checks.text_of(block.get("text"), f"{where}.text")
                 assert value is not None
                 text.append(value)
             elif kind == "tool_use" and role == "assistant":
-                call_id = text_of(block.get("id"), f"{where}.id")
-                name = text_of(block.get("name"), f"{where}.name")
-                arguments = object_of(block.get("input", {}), f"{where}.input")
+                call_id = checks.text_of(block.get("id"), f"{where}.id")
+                name = checks.text_of(block.get("name"), f"{where}.name")
+                arguments = checks.object_of(block.get("input", {}), f"{where}.input")
                 calls.append(
                     {
                         "id": call_id,
@@ -330,15 +332,15 @@ def chat_messages(raw: dict[str, Any]) -> list[dict[str, Any]]:
                     }
                 )
             elif kind == "tool_result" and role == "user":
-                call_id = text_of(block.get("tool_use_id"), f"{where}.tool_use_id")
+                call_id = checks.text_of(block.get("tool_use_id"), f"{where}.tool_use_id")
                 result = block.get("content")
-                flag_of(block.get("is_error"), f"{where}.is_error", False)
+                checks.flag_of(block.get("is_error"), f"{where}.is_error", False)
                 content = "" if result is None else _text_blocks(result, f"{where}.content")
                 out.append({"role": "tool", "tool_call_id": call_id, "content": content})
             elif kind in ("thinking", "redacted_thinking") and role == "assistant":
                 continue  # earlier reasoning: not part of a chat prompt (as vLLM's layer)
             else:
-                raise invalid(
+                raise checks.invalid(
                     f"{where}.type", f"{str(kind)[:64]!r} blocks are not supported in a {role} turn"
                 )
         if calls:
@@ -383,14 +385,14 @@ def _usage(reader: ChatReader) -> dict[str, Any]:
     return out
 
 
-class MessagesShaper:
+class MessagesShaper(ChatShaper):
     """One message's answer, from its chat events: content blocks as they grow, the stream's
     events in order, the whole message."""
 
     def __init__(self, message_id: str, model: str) -> None:
         self._id = message_id
         self._model = model
-        self._reader = ChatReader()
+        super().__init__()
         self._blocks: list[dict[str, Any]] = []
         self._open: str | None = None  # the type of the block still growing
         self._parts: list[str] = []  # its text, thinking or JSON so far
@@ -413,9 +415,6 @@ class MessagesShaper:
         return named_event("message_start", {"type": "message_start", "message": message}) + (
             named_event("ping", {"type": "ping"})
         )
-
-    def chunk(self, event: dict[str, Any]) -> bytes:
-        return b"".join(self._deltas(self._reader.chunk(event), stream=True))
 
     def _deltas(self, deltas: list[tuple[Any, ...]], *, stream: bool) -> list[bytes]:
         out: list[bytes] = []

@@ -42,21 +42,15 @@ from starlette.types import ASGIApp
 from pdgate.config.openai_api import SAMPLING_FIELDS, OpenAIError, load_object
 from pdgate.gateway.admission.auth import ApiKey
 from pdgate.gateway.errors import BadRequest, from_openai_error
+from pdgate.gateway.translate import checks
 from pdgate.gateway.translate.base import (
-    ChatReader,
+    ChatShaper,
     ToolCall,
     Translated,
     Usage,
     chat_request,
-    count_of,
-    flag_of,
-    invalid,
-    list_of,
     named_event,
-    number_of,
-    object_of,
     scope_of,
-    text_of,
 )
 from pdgate.registry.responses import EntryTooLarge, ResponseStore
 
@@ -175,28 +169,28 @@ class ResponsesFront:
         if raw.get("truncation") not in (None, "disabled"):
             raise BadRequest("only truncation 'disabled' is supported", param="truncation")
         for name in ("service_tier", "prompt_cache_key", "safety_identifier"):
-            text_of(raw.get(name), name, required=False)
-        for i, item in enumerate(list_of(raw.get("include") or [], "include", 16)):
+            checks.text_of(raw.get(name), name, required=False)
+        for i, item in enumerate(checks.list_of(raw.get("include") or [], "include", 16)):
             if item not in _HARMLESS_INCLUDES:
-                raise invalid(f"include[{i}]", f"{str(item)[:64]!r} is not supported")
+                raise checks.invalid(f"include[{i}]", f"{str(item)[:64]!r} is not supported")
         if raw.get("stream_options") is not None:
-            object_of(raw["stream_options"], "stream_options")
-        stream = flag_of(raw.get("stream"), "stream", False)
-        store = flag_of(raw.get("store"), "store", True)
-        model = text_of(raw.get("model"), "model", required=False)
-        instructions = text_of(raw.get("instructions"), "instructions", required=False)
-        limit = count_of(
+            checks.object_of(raw["stream_options"], "stream_options")
+        stream = checks.flag_of(raw.get("stream"), "stream", False)
+        store = checks.flag_of(raw.get("store"), "store", True)
+        model = checks.text_of(raw.get("model"), "model", required=False)
+        instructions = checks.text_of(raw.get("instructions"), "instructions", required=False)
+        limit = checks.count_of(
             raw.get("max_output_tokens"), "max_output_tokens", 1, self._max_tokens_limit
         )
         metadata = _metadata(raw.get("metadata"))
-        user = text_of(raw.get("user"), "user", required=False)
+        user = checks.text_of(raw.get("user"), "user", required=False)
         tools, chat_tools = _tools(raw.get("tools"))
         tool_choice, chat_choice = _tool_choice(raw.get("tool_choice"), tools)
-        parallel = flag_of(raw.get("parallel_tool_calls"), "parallel_tool_calls", True)
+        parallel = checks.flag_of(raw.get("parallel_tool_calls"), "parallel_tool_calls", True)
         text, response_format = _text(raw.get("text"))
         reasoning = _reasoning(raw.get("reasoning"))
 
-        previous_id = text_of(
+        previous_id = checks.text_of(
             raw.get("previous_response_id"), "previous_response_id", required=False
         )
         context: list[dict[str, Any]] = []
@@ -209,7 +203,7 @@ class ResponsesFront:
             context_bytes = record["size"]
         items, messages = input_items(raw.get("input"))
         if not context and not messages:
-            raise invalid("input", "must not be empty")
+            raise checks.invalid("input", "must not be empty")
 
         chat: dict[str, Any] = {
             "messages": ([{"role": "system", "content": instructions}] if instructions else [])
@@ -224,7 +218,9 @@ class ResponsesFront:
         if limit is not None:
             chat["max_tokens"] = limit
         for name, low, high, open_low in (("temperature", 0, 2, False), ("top_p", 0, 1, True)):
-            if (value := number_of(raw.get(name), name, low, high, open_low=open_low)) is not None:
+            if (
+                value := checks.number_of(raw.get(name), name, low, high, open_low=open_low)
+            ) is not None:
                 chat[name] = value
         for name in SAMPLING_FIELDS:
             if name in raw and name not in chat and name in _FIELDS:
@@ -234,7 +230,7 @@ class ResponsesFront:
             chat["tool_choice"] = chat_choice
             chat["parallel_tool_calls"] = parallel
         elif chat_choice not in ("auto", "none"):
-            raise invalid("tool_choice", "names a tool but no tools are given")
+            raise checks.invalid("tool_choice", "names a tool but no tools are given")
         if response_format is not None:
             chat["response_format"] = response_format
         if user is not None:
@@ -308,12 +304,14 @@ class ResponsesFront:
 def _metadata(value: object) -> dict[str, str] | None:
     if value is None:
         return None
-    metadata = object_of(value, "metadata")
+    metadata = checks.object_of(value, "metadata")
     if len(metadata) > MAX_METADATA:
-        raise invalid("metadata", f"has more than {MAX_METADATA} keys")
+        raise checks.invalid("metadata", f"has more than {MAX_METADATA} keys")
     for name, item in metadata.items():
         if len(name) > 64 or not isinstance(item, str) or len(item) > 512:
-            raise invalid("metadata", "keys are at most 64 characters, values strings of 512")
+            raise checks.invalid(
+                "metadata", "keys are at most 64 characters, values strings of 512"
+            )
     return metadata
 
 
@@ -323,21 +321,23 @@ def _tools(value: object) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         return [], []
     echo: list[dict[str, Any]] = []
     chat: list[dict[str, Any]] = []
-    for i, raw in enumerate(list_of(value, "tools", MAX_ITEMS)):
-        tool = object_of(raw, f"tools[{i}]")
+    for i, raw in enumerate(checks.list_of(value, "tools", MAX_ITEMS)):
+        tool = checks.object_of(raw, f"tools[{i}]")
         kind = tool.get("type")
         if kind != "function":
-            raise invalid(
+            raise checks.invalid(
                 f"tools[{i}].type",
                 f"{str(kind)[:64]!r} is not supported: only function tools are (no built-in tools)",
             )
-        name = text_of(tool.get("name"), f"tools[{i}].name")
+        name = checks.text_of(tool.get("name"), f"tools[{i}].name")
         assert name is not None
-        description = text_of(tool.get("description"), f"tools[{i}].description", required=False)
+        description = checks.text_of(
+            tool.get("description"), f"tools[{i}].description", required=False
+        )
         parameters = tool.get("parameters")
         if parameters is not None:
-            object_of(parameters, f"tools[{i}].parameters")
-        strict = flag_of(tool.get("strict"), f"tools[{i}].strict", False)
+            checks.object_of(parameters, f"tools[{i}].parameters")
+        strict = checks.flag_of(tool.get("strict"), f"tools[{i}].strict", False)
         # In the order clients write them (and vLLM's own translation keeps): a chat
         # template renders the tools as JSON, key order included.
         function: dict[str, Any] = {"name": name}
@@ -365,12 +365,12 @@ def _tool_choice(value: object, tools: list[dict[str, Any]]) -> tuple[Any, Any]:
         return "auto", "auto"
     if value in ("auto", "none", "required"):
         return value, value
-    choice = object_of(value, "tool_choice")
+    choice = checks.object_of(value, "tool_choice")
     if choice.get("type") != "function":
-        raise invalid("tool_choice", "must be auto, none, required or a function tool")
-    name = text_of(choice.get("name"), "tool_choice.name")
+        raise checks.invalid("tool_choice", "must be auto, none, required or a function tool")
+    name = checks.text_of(choice.get("name"), "tool_choice.name")
     if all(tool["name"] != name for tool in tools):
-        raise invalid("tool_choice.name", "names no tool of the request")
+        raise checks.invalid("tool_choice.name", "names no tool of the request")
     return {"type": "function", "name": name}, {"type": "function", "function": {"name": name}}
 
 
@@ -378,24 +378,24 @@ def _text(value: object) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """``text`` as echoed, and its format as chat's ``response_format``."""
     if value is None:
         return {"format": {"type": "text"}}, None
-    text = object_of(value, "text")
+    text = checks.object_of(value, "text")
     fmt = text.get("format")
     if fmt is None:
         return {"format": {"type": "text"}}, None
-    fmt = object_of(fmt, "text.format")
+    fmt = checks.object_of(fmt, "text.format")
     kind = fmt.get("type")
     if kind == "text":
         return {"format": {"type": "text"}}, None
     if kind == "json_object":
         return {"format": {"type": "json_object"}}, {"type": "json_object"}
     if kind != "json_schema":
-        raise invalid("text.format.type", "must be text, json_object or json_schema")
-    name = text_of(fmt.get("name"), "text.format.name")
-    schema = object_of(fmt.get("schema"), "text.format.schema")
-    strict = flag_of(fmt.get("strict"), "text.format.strict", False)
+        raise checks.invalid("text.format.type", "must be text, json_object or json_schema")
+    name = checks.text_of(fmt.get("name"), "text.format.name")
+    schema = checks.object_of(fmt.get("schema"), "text.format.schema")
+    strict = checks.flag_of(fmt.get("strict"), "text.format.strict", False)
     json_schema: dict[str, Any] = {"name": name, "schema": schema, "strict": strict}
     if (description := fmt.get("description")) is not None:
-        json_schema["description"] = text_of(description, "text.format.description")
+        json_schema["description"] = checks.text_of(description, "text.format.description")
     echo = {"format": {"type": "json_schema", **json_schema}}
     return echo, {"type": "json_schema", "json_schema": json_schema}
 
@@ -403,9 +403,9 @@ def _text(value: object) -> tuple[dict[str, Any], dict[str, Any] | None]:
 def _reasoning(value: object) -> dict[str, Any]:
     if value is None:
         return {"effort": None, "summary": None}
-    reasoning = object_of(value, "reasoning")
-    effort = text_of(reasoning.get("effort"), "reasoning.effort", required=False)
-    summary = text_of(reasoning.get("summary"), "reasoning.summary", required=False)
+    reasoning = checks.object_of(value, "reasoning")
+    effort = checks.text_of(reasoning.get("effort"), "reasoning.effort", required=False)
+    summary = checks.text_of(reasoning.get("summary"), "reasoning.summary", required=False)
     return {"effort": effort, "summary": summary}
 
 
@@ -413,17 +413,17 @@ def _text_content(content: object, param: str) -> str:
     """A message's content as text: a string, or text parts joined."""
     if isinstance(content, str):
         return content
-    parts = list_of(content, param, MAX_ITEMS)
+    parts = checks.list_of(content, param, MAX_ITEMS)
     out: list[str] = []
     for j, raw in enumerate(parts):
-        part = object_of(raw, f"{param}[{j}]")
+        part = checks.object_of(raw, f"{param}[{j}]")
         kind = part.get("type")
         if kind in _TEXT_PARTS:
-            text = text_of(part.get("text"), f"{param}[{j}].text")
+            text = checks.text_of(part.get("text"), f"{param}[{j}].text")
         elif kind == "refusal":
-            text = text_of(part.get("refusal"), f"{param}[{j}].refusal")
+            text = checks.text_of(part.get("refusal"), f"{param}[{j}].refusal")
         else:
-            raise invalid(
+            raise checks.invalid(
                 f"{param}[{j}].type",
                 f"{str(kind)[:64]!r} is not supported: only text content is",
             )
@@ -445,18 +445,20 @@ def input_items(value: object) -> tuple[list[dict[str, Any]], list[dict[str, Any
         }
         return [item], [{"role": "user", "content": value}]
     if value is None:
-        raise invalid("input", "is required")
+        raise checks.invalid("input", "is required")
     items: list[dict[str, Any]] = []
     messages: list[dict[str, Any]] = []
-    for i, raw in enumerate(list_of(value, "input", MAX_ITEMS)):
+    for i, raw in enumerate(checks.list_of(value, "input", MAX_ITEMS)):
         param = f"input[{i}]"
-        item = object_of(raw, param)
+        item = checks.object_of(raw, param)
         kind = item.get("type", "message")
         given = item.get("id")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise invalid(f"{param}.role", "must be user, assistant, system or developer")
+                raise checks.invalid(
+                    f"{param}.role", "must be user, assistant, system or developer"
+                )
             text = _text_content(item.get("content"), f"{param}.content")
             part = "output_text" if role == "assistant" else "input_text"
             content: list[dict[str, Any]] = [{"type": part, "text": text}]
@@ -473,9 +475,9 @@ def input_items(value: object) -> tuple[list[dict[str, Any]], list[dict[str, Any
             )
             messages.append({"role": role, "content": text})
         elif kind == "function_call":
-            call_id = text_of(item.get("call_id"), f"{param}.call_id")
-            name = text_of(item.get("name"), f"{param}.name")
-            arguments = text_of(item.get("arguments"), f"{param}.arguments")
+            call_id = checks.text_of(item.get("call_id"), f"{param}.call_id")
+            name = checks.text_of(item.get("name"), f"{param}.name")
+            arguments = checks.text_of(item.get("arguments"), f"{param}.arguments")
             call = {
                 "id": call_id,
                 "type": "function",
@@ -497,7 +499,7 @@ def input_items(value: object) -> tuple[list[dict[str, Any]], list[dict[str, Any
                 }
             )
         elif kind == "function_call_output":
-            call_id = text_of(item.get("call_id"), f"{param}.call_id")
+            call_id = checks.text_of(item.get("call_id"), f"{param}.call_id")
             output = _text_content(item.get("output"), f"{param}.output")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
             items.append(
@@ -512,7 +514,9 @@ def input_items(value: object) -> tuple[list[dict[str, Any]], list[dict[str, Any
         elif kind == "reasoning":
             continue  # a reasoning model's earlier thoughts: not part of a chat prompt
         else:
-            raise invalid(f"{param}.type", f"{str(kind)[:64]!r} is not a supported input item")
+            raise checks.invalid(
+                f"{param}.type", f"{str(kind)[:64]!r} is not a supported input item"
+            )
     return items, messages
 
 
@@ -552,7 +556,32 @@ def _usage(usage: Usage) -> dict[str, Any]:
     }
 
 
-class ResponsesShaper:
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item() -> dict[str, Any]:
+    return {
+        "id": _new_id("msg"),
+        "type": "message",
+        "status": "in_progress",
+        "role": "assistant",
+        "content": [],
+    }
+
+
+def _call_item(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": _new_id("fc"),
+        "type": "function_call",
+        "status": "in_progress",
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": "",
+    }
+
+
+class ResponsesShaper(ChatShaper):
     """One response's answer, from its chat events: its output items as they grow, the
     stream's events in order, the whole response."""
 
@@ -563,7 +592,7 @@ class ResponsesShaper:
     ) -> None:
         self._draft = draft
         self._record = record
-        self._reader = ChatReader()
+        super().__init__()
         self._seq = 0
         self.output: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the output item still growing
@@ -590,9 +619,6 @@ class ResponsesShaper:
         if not self._draft["model"] and isinstance(model := answer.get("model"), str):
             self._draft["model"] = model
 
-    def chunk(self, event: dict[str, Any]) -> bytes:
-        return b"".join(self._deltas(self._reader.chunk(event), stream=True))
-
     def _deltas(self, deltas: list[tuple[Any, ...]], *, stream: bool) -> list[bytes]:
         out: list[bytes] = []
         for delta in deltas:
@@ -600,125 +626,79 @@ class ResponsesShaper:
             if kind == "text":
                 if self._open is None or self._open["type"] != "message":
                     out.extend(self._close())
-                    out.extend(self._open_message())
+                    out.extend(self._open_item(_message_item()))
                 self._text.append(delta[1])
                 if stream:
                     out.append(
-                        self._event(
-                            "response.output_text.delta",
-                            item_id=self._open_id(),
-                            output_index=len(self.output) - 1,
-                            content_index=0,
-                            delta=delta[1],
-                            logprobs=[],
-                        )
+                        self._text_event("response.output_text.delta", delta=delta[1], logprobs=[])
                     )
             elif kind == "call":
-                out.extend(self._close())
-                out.extend(self._open_call(delta[1]))
-            elif kind == "arguments":
                 call: ToolCall = delta[1]
-                item = self._by_call.get(call.index)
-                if item is not None and stream:
+                out.extend(self._close())
+                item = self._by_call[call.index] = _call_item(call)
+                out.extend(self._open_item(item))
+            elif kind == "arguments":
+                growing = self._by_call.get(delta[1].index)
+                if growing is not None and stream:
                     out.append(
-                        self._event(
-                            "response.function_call_arguments.delta",
-                            item_id=item["id"],
-                            output_index=self.output.index(item),
-                            delta=delta[2],
+                        self._item_event(
+                            "response.function_call_arguments.delta", growing, delta=delta[2]
                         )
                     )
             # Reasoning deltas are not part of the output (no reasoning items: docs/api.md).
         return out
 
-    def _open_id(self) -> str:
-        assert self._open is not None
-        return str(self._open["id"])
+    def _item_event(self, kind: str, item: dict[str, Any], **fields: Any) -> bytes:
+        """An event about one output item (its id and place in the output)."""
+        index = self.output.index(item)
+        return self._event(kind, item_id=item["id"], output_index=index, **fields)
 
-    def _open_message(self) -> list[bytes]:
-        item = {
-            "id": _new_id("msg"),
-            "type": "message",
-            "status": "in_progress",
-            "role": "assistant",
-            "content": [],
-        }
+    def _text_event(self, kind: str, **fields: Any) -> bytes:
+        """An event about the open message's one text part."""
+        assert self._open is not None
+        return self._item_event(kind, self._open, content_index=0, **fields)
+
+    def _open_item(self, item: dict[str, Any]) -> list[bytes]:
         self._open = item
         self._text = []
         self.output.append(item)
-        index = len(self.output) - 1
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [
-            self._event("response.output_item.added", output_index=index, item=dict(item)),
-            self._event(
-                "response.content_part.added",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                part=part,
-            ),
-        ]
-
-    def _open_call(self, call: ToolCall) -> list[bytes]:
-        item = {
-            "id": _new_id("fc"),
-            "type": "function_call",
-            "status": "in_progress",
-            "call_id": call.id,
-            "name": call.name,
-            "arguments": "",
-        }
-        self._open = item
-        self._by_call[call.index] = item
-        self.output.append(item)
-        return [
-            self._event(
-                "response.output_item.added", output_index=len(self.output) - 1, item=dict(item)
-            )
-        ]
+        added = self._event(
+            "response.output_item.added", output_index=len(self.output) - 1, item=dict(item)
+        )
+        if item["type"] != "message":
+            return [added]
+        return [added, self._text_event("response.content_part.added", part=_text_part(""))]
 
     def _close(self, status: str = "completed") -> list[bytes]:
         """The open item's closing events; the item gets its final content."""
-        item, self._open = self._open, None
+        item = self._open
         if item is None:
             return []
-        index = self.output.index(item)
         item["status"] = status
         if item["type"] == "message":
-            text = "".join(self._text)
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            part = _text_part("".join(self._text))
             item["content"] = [part]
-            return [
-                self._event(
-                    "response.output_text.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=text,
-                    logprobs=[],
-                ),
-                self._event(
-                    "response.content_part.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    part=part,
-                ),
-                self._event("response.output_item.done", output_index=index, item=item),
+            out = [
+                self._text_event("response.output_text.done", text=part["text"], logprobs=[]),
+                self._text_event("response.content_part.done", part=part),
             ]
-        call = next(c for c in self._reader.calls if self._by_call.get(c.index) is item)
-        item["arguments"] = call.text
-        item["name"] = call.name
-        return [
-            self._event(
-                "response.function_call_arguments.done",
-                item_id=item["id"],
-                output_index=index,
-                name=call.name,
-                arguments=call.text,
-            ),
-            self._event("response.output_item.done", output_index=index, item=item),
-        ]
+        else:
+            call = next(c for c in self._reader.calls if self._by_call.get(c.index) is item)
+            item["arguments"] = call.text
+            item["name"] = call.name
+            out = [
+                self._item_event(
+                    "response.function_call_arguments.done",
+                    item,
+                    name=call.name,
+                    arguments=call.text,
+                )
+            ]
+        self._open = None
+        done = self._event(
+            "response.output_item.done", output_index=self.output.index(item), item=item
+        )
+        return [*out, done]
 
     def _close_all(self) -> list[bytes]:
         """Every item still open; a call closed earlier gets its later fragments too."""

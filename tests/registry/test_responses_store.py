@@ -13,20 +13,26 @@ from pdgate.registry.responses import (
     EntryTooLarge,
     MemoryResponseStore,
     RedisResponseStore,
+    ResponseStore,
     StoreLimits,
 )
 from tests._redis import RedisServer
 
 
+async def scopes_apart(one: ResponseStore, two: ResponseStore) -> None:
+    """What one store (or gateway) put, the other reads in its scope alone."""
+    await one.put("alice", "r1", b'{"a":1}')
+    assert await two.get("alice", "r1") == b'{"a":1}'
+    assert await two.get("bob", "r1") is None
+    assert not await two.delete("bob", "r1")
+    assert await two.delete("alice", "r1")
+    assert await one.get("alice", "r1") is None
+    assert not await one.delete("alice", "r1")
+
+
 async def test_memory_store_keeps_each_scope_apart() -> None:
     store = MemoryResponseStore()
-    await store.put("alice", "r1", b"A")
-    assert await store.get("alice", "r1") == b"A"
-    assert await store.get("bob", "r1") is None
-    assert not await store.delete("bob", "r1")
-    assert await store.delete("alice", "r1")
-    assert await store.get("alice", "r1") is None
-    assert not await store.delete("alice", "r1")
+    await scopes_apart(store, store)
 
 
 async def test_memory_store_bounds_entries_scopes_and_bytes() -> None:
@@ -73,12 +79,7 @@ async def test_redis_store_is_shared_by_the_fleet_and_scoped(
     stores: tuple[RedisResponseStore, RedisResponseStore],
 ) -> None:
     one, two = stores
-    await one.put("alice", "r1", b'{"a":1}')
-    assert await two.get("alice", "r1") == b'{"a":1}'
-    assert await two.get("bob", "r1") is None
-    assert not await two.delete("bob", "r1")
-    assert await two.delete("alice", "r1")
-    assert await one.get("alice", "r1") is None
+    await scopes_apart(one, two)
     with pytest.raises(EntryTooLarge):
         await one.put("alice", "big", b"x" * (1 << 17))
 

@@ -3,24 +3,16 @@ error shape of the API it called, and nothing stays held afterwards."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import orjson
-import pytest
 
-from tests.gateway.api._fronts import ALICE, BOB, Stack, front_stack
+from tests._cluster import SIM_MODEL as MODEL
+from tests.gateway.api._fronts import ALICE, BOB, Stack
 
-MODEL = "sim-llama-3.1-8b"
 USER = [{"role": "user", "content": "hi"}]
 DEEP = b'{"model":"m","input":' + b"[" * 200 + b"]" * 200 + b"}"
-
-
-@pytest.fixture(scope="module")
-def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with front_stack(redis_url, tmp_path_factory.mktemp("bad")) as s:
-        yield s
 
 
 def _json(body: Any) -> bytes:

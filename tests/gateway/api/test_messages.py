@@ -3,22 +3,13 @@ prefill and decode shims, each its own process."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import anthropic
 import httpx
 import openai
 import pytest
 
-from tests.gateway.api._fronts import ALICE, Stack, front_stack
-
-MODEL = "sim-llama-3.1-8b"
-
-
-@pytest.fixture(scope="module")
-def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with front_stack(redis_url, tmp_path_factory.mktemp("messages")) as s:
-        yield s
+from tests._cluster import SIM_MODEL as MODEL
+from tests.gateway.api._fronts import ALICE, Stack
 
 
 def client(stack: Stack, key: str = ALICE) -> anthropic.Anthropic:

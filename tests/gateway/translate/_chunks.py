@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
+from pdgate.engine_shim._completion import usage as usage_of
+
 HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
 
 
@@ -17,14 +21,7 @@ def chunk(delta: dict[str, Any], finish: str | None = None, **choice: Any) -> di
 
 
 def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-    if cached is not None:
-        out["prompt_tokens_details"] = {"cached_tokens": cached}
-    return {**HEAD, "choices": [], "usage": out}
+    return {**HEAD, "choices": [], "usage": usage_of(prompt, completion, cached)}
 
 
 def text_stream(*pieces: str, finish: str = "stop", prompt: int = 7) -> list[dict[str, Any]]:
@@ -74,3 +71,22 @@ def whole_of(events: list[dict[str, Any]]) -> dict[str, Any]:
     for event in events:
         assembler.add(event)
     return assembler.result()
+
+
+async def shaped(shaper: Any, events: list[dict[str, Any]]) -> bytes:
+    """A whole stream as the shaper answers it: its opening, every event's, its close."""
+    body = shaper.start(events[0]) + b"".join(shaper.chunk(e) for e in events)
+    return bytes(body + await shaper.finish())
+
+
+def named_events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
+    """(event name, data) of every event of a typed SSE stream; the name must be the data's
+    type."""
+    out = []
+    for block in raw.decode().split("\n\n"):
+        if block:
+            name_line, data_line = block.split("\n")
+            data = orjson.loads(data_line.removeprefix("data: "))
+            assert data["type"] == name_line.removeprefix("event: ")
+            out.append((data["type"], data))
+    return out

@@ -12,20 +12,26 @@ from pydantic import TypeAdapter
 
 from pdgate.gateway.errors import BadRequest, DeadlineExceeded, ServiceUnavailable
 from pdgate.gateway.translate.messages import MessagesFront
-from tests.gateway.translate._chunks import chunk, text_stream, tool_stream, usage, whole_of
+from tests.gateway.translate._chunks import (
+    chunk,
+    named_events,
+    shaped,
+    text_stream,
+    tool_stream,
+    usage,
+    whole_of,
+)
 
 EVENT = TypeAdapter(RawMessageStreamEvent)
 
 
-def sse_events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
-    out = []
-    for block in raw.decode().split("\n\n"):
-        if block:
-            name_line, data_line = block.split("\n")
-            data = orjson.loads(data_line.removeprefix("data: "))
-            assert data["type"] == name_line.removeprefix("event: ")
-            out.append((data["type"], data))
-    return out
+async def checked(shaper: Any, events: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """The shaper's stream of `events`, each event valid as the anthropic SDK reads it."""
+    parsed = named_events(await shaped(shaper, events))
+    for name, data in parsed:
+        if name != "ping":
+            EVENT.validate_python(data)
+    return parsed
 
 
 @pytest.fixture
@@ -183,14 +189,7 @@ async def test_bad_requests_are_a_400_naming_the_field(
 async def test_a_streamed_answer_is_anthropic_events_in_order(front: MessagesFront) -> None:
     t = await translate(front, {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})
     events = text_stream("Hel", "lo", finish="stop")
-    shaper = t.shaper
-    raw = (
-        shaper.start(events[0]) + b"".join(shaper.chunk(e) for e in events) + await shaper.finish()
-    )
-    parsed = sse_events(raw)
-    for name, data in parsed:
-        if name != "ping":
-            EVENT.validate_python(data)
+    parsed = await checked(t.shaper, events)
     assert [n for n, _ in parsed] == [
         "message_start",
         "ping",
@@ -218,14 +217,7 @@ async def test_a_streamed_tool_call_is_a_tool_use_block_with_json_deltas(
         },
     )
     events = tool_stream("get_weather", '{"city":', ' "Oslo"}', text="Looking.")
-    shaper = t.shaper
-    raw = (
-        shaper.start(events[0]) + b"".join(shaper.chunk(e) for e in events) + await shaper.finish()
-    )
-    parsed = sse_events(raw)
-    for name, data in parsed:
-        if name != "ping":
-            EVENT.validate_python(data)
+    parsed = await checked(t.shaper, events)
     starts = [d["content_block"] for n, d in parsed if n == "content_block_start"]
     assert starts == [
         {"type": "text", "text": ""},
@@ -297,7 +289,7 @@ async def test_a_failure_midstream_is_an_error_event(front: MessagesFront) -> No
     events = text_stream("a", "b")
     raw = t.shaper.start(events[0]) + t.shaper.chunk(events[1])
     raw += t.shaper.fail(ServiceUnavailable("the decode instance failed"))
-    parsed = sse_events(raw)
+    parsed = named_events(raw)
     assert [n for n, _ in parsed][-2:] == ["content_block_stop", "error"]
     assert parsed[-1][1]["error"]["type"] == "overloaded_error"
 

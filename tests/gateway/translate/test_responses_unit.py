@@ -16,23 +16,9 @@ from pdgate.gateway.errors import BadGateway, BadRequest
 from pdgate.gateway.translate.base import scope_of
 from pdgate.gateway.translate.responses import ResponsesFront
 from pdgate.registry.responses import MemoryResponseStore, StoreLimits
-from tests.gateway.translate._chunks import text_stream, tool_stream, whole_of
+from tests.gateway.translate._chunks import named_events, shaped, text_stream, tool_stream, whole_of
 
 EVENT = TypeAdapter(ResponseStreamEvent)
-
-
-def sse_events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
-    """(event name, data) of every event; the name must match the data's type."""
-    out = []
-    for block in raw.decode().split("\n\n"):
-        if not block:
-            continue
-        name_line, data_line = block.split("\n")
-        name = name_line.removeprefix("event: ")
-        data = orjson.loads(data_line.removeprefix("data: "))
-        assert data["type"] == name
-        out.append((name, data))
-    return out
 
 
 @pytest.fixture
@@ -182,10 +168,8 @@ async def test_a_streamed_text_answer_is_the_api_events_in_order(front: Response
     t = await translate(front, {"model": "m", "input": "Hi", "stream": True})
     shaper = shaper_of(t)
     events = text_stream("Hel", "lo", finish="stop")
-    raw = (
-        shaper.start(events[0]) + b"".join(shaper.chunk(e) for e in events) + await shaper.finish()
-    )
-    parsed = sse_events(raw)
+    raw = await shaped(shaper, events)
+    parsed = named_events(raw)
     for _, data in parsed:
         EVENT.validate_python(data)
     assert [n for n, _ in parsed] == [
@@ -234,10 +218,8 @@ async def test_a_streamed_tool_call_is_a_function_call_item_with_argument_deltas
     )
     events = tool_stream("get_weather", '{"city":', ' "Oslo"}', text="Let me look.")
     shaper = t.shaper
-    raw = (
-        shaper.start(events[0]) + b"".join(shaper.chunk(e) for e in events) + await shaper.finish()
-    )
-    parsed = sse_events(raw)
+    raw = await shaped(shaper, events)
+    parsed = named_events(raw)
     for _, data in parsed:
         EVENT.validate_python(data)
     names = [n for n, _ in parsed]
@@ -277,10 +259,8 @@ async def test_the_whole_answer_equals_the_streamed_one(front: ResponsesFront) -
     events = tool_stream("get_weather", '{"city":', ' "Oslo"}', text="Let me look.")
     streamed = await translate(front, {**body, "stream": True})
     shaper = streamed.shaper
-    raw = (
-        shaper.start(events[0]) + b"".join(shaper.chunk(e) for e in events) + await shaper.finish()
-    )
-    last = sse_events(raw)[-1][1]["response"]
+    raw = await shaped(shaper, events)
+    last = named_events(raw)[-1][1]["response"]
     whole = await (await translate(front, body)).shaper.whole(whole_of(events))
     for response in (last, whole):
         for item in response["output"]:
@@ -298,7 +278,7 @@ async def test_a_failure_midstream_is_an_error_event_then_response_failed(
     shaper = t.shaper
     raw = shaper.start(events[0]) + shaper.chunk(events[0]) + shaper.chunk(events[1])
     raw += shaper.fail(BadGateway("the decode instance failed mid-stream"))
-    parsed = sse_events(raw)
+    parsed = named_events(raw)
     for _, data in parsed:
         EVENT.validate_python(data)
     assert [n for n, _ in parsed][-3:] == ["response.output_item.done", "error", "response.failed"]
