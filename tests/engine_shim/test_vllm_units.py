@@ -181,6 +181,7 @@ def test_the_connector_picks_a_form_for_each_engines_cache_or_refuses_at_start()
             connector(cpu=cpu).register_kv_caches({"layer.0": torch.zeros(10, 16, 576)})
 
 
+@pytest.mark.vllm
 def test_a_tensor_parallel_rank_lays_out_every_head_and_keeps_its_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

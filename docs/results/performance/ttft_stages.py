@@ -34,6 +34,7 @@ import pdgate.gateway.api.completions as completions
 import pdgate.gateway.placement.dispatch as dispatch
 import pdgate.gateway.placement.forwarder as forwarder
 import pdgate.gateway.placement.prefill_call as prefill_call
+import pdgate.gateway.stream.out as out
 import pdgate.gateway.stream.relay as relay
 from pdgate.config import GatewaySettings, RegistrySettings, Role
 from pdgate.config.wire import EXT_BATCH_PREFILL, EXT_CONTINUATION, EXT_QUEUELESS
@@ -98,7 +99,7 @@ def _stamp_sync(cls: Any, name: str, label: str, *, after: bool = False) -> None
 
 def _instrument() -> None:
     endpoint, fwd = completions.CompletionsEndpoint, forwarder.PrefillForwarder
-    _stamp_async(endpoint, "_read", "read")
+    _stamp_async(endpoint, "read", "read")
     _stamp_sync(endpoint, "_parse", "parsed")
     _stamp_sync(endpoint, "_request_info", "described", after=True)
     _stamp_async(relay.Relay, "run", "relaying")
@@ -110,7 +111,7 @@ def _instrument() -> None:
     _stamp_sync(fwd, "_reserve", "reserving")
     _stamp_sync(fwd, "_reserve", "reserved", after=True)
     _stamp_async(prefill_call.PrefillCalls, "_attempt", "attempting")
-    _stamp_async(relay._StreamOut, "raw", "first_event")  # the response's start
+    _stamp_async(out.StreamOut, "raw", "first_event")  # the response's start
 
 
 def _handler() -> Callable[[Call], Awaitable[Reply]]:

@@ -120,6 +120,8 @@ def test_a_failing_instance_is_left_for_another_and_the_engines_400_is_relayed(
         assert resp.headers["x-pdgate-instance"].endswith(f":{healthy.port}")
     assert int(healthy.stats()["side"]["/v1/embeddings"]) == 4
     # Bad input is the client's: the engine's 400 comes back as it gave it, once (no retry).
+    # Both instances answer now, so a second try anywhere would be counted.
+    broken.fail("/v1/embeddings", 500, times=0)
     before = _served(pooling, "/v1/embeddings")
     resp = _post(url, "/v1/embeddings", {"model": EMBED, "input": "x" * 9000})
     assert resp.status_code == 400

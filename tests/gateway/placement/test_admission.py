@@ -637,7 +637,10 @@ async def test_without_early_drop_the_same_request_is_sent_and_expires() -> None
         fwd.prefill_times.record(100, 0.2)
     with pytest.raises(DeadlineExceeded, match="before its TTFT deadline"):
         await fwd.acquire(short_waiter(100, 0.1))  # type: ignore[arg-type]
-    assert [c.leg for c in upstream.calls] == ["prefill"]
+    # Sent once; a prefill that answers after the deadline may already have had its KV
+    # released (the leg nobody will pull), depending on when the answer came.
+    legs = [c.leg for c in upstream.calls]
+    assert legs in (["prefill"], ["prefill", "release"]), legs
     assert metrics.registry.get_sample_value("pdgate_early_drops_total") == 0
     await fwd.close()
     await background.aclose()

@@ -18,6 +18,10 @@ from pdgate.loadtest.gateway_cost.profile import summarize_stacks
 from pdgate.loadtest.gateway_cost.report import json_line, markdown
 from pdgate.loadtest.lib.router import SMG, install_hint, router_binary
 
+# What a front may read from an engine besides the requests it forwards: health, and the model
+# list (models, context lengths, adapters) that pdgate and SMG keep up to date.
+_CONTROL_READS = {"GET /health", "GET /v1/models"}
+
 
 def test_added_ttft_is_over_the_direct_floor() -> None:
     out = summarize_ttft(
@@ -174,7 +178,7 @@ async def test_a_tiny_run_has_the_json_shape() -> None:
     assert set(stock["ttft_segments_ms"]) == on_stock
     assert set(stock["added_ttft_segments_ms"]["pdgate"]) == set(SEGMENTS)
     for front, paths in stock["engine_requests"].items():
-        assert set(paths) <= {"POST /v1/completions", "GET /health"}, front
+        assert set(paths) <= _CONTROL_READS | {"POST /v1/completions"}, front
     assert result["idle_engine"] == "stock"
     assert result["idle_streams"] == 20 and result["kib_per_idle_stream"] > 0
     assert set(result["kib_per_idle_stream_by_front"]) == {"pdgate", "python_floor"}
@@ -182,8 +186,8 @@ async def test_a_tiny_run_has_the_json_shape() -> None:
 
 async def test_every_front_hits_the_same_stock_endpoints() -> None:
     """pdgate with 1 and 2 workers, vllm-router and SMG in front of the stock engines: only
-    ``POST /v1/completions`` (plus health checks and SMG's model query), and the workers'
-    requests/s ratio."""
+    ``POST /v1/completions`` (plus health checks and the model list that pdgate and SMG read
+    for models, context lengths and adapters), and the workers' requests/s ratio."""
     _redis_or_fail()
     _router_or_skip()
     _router_or_skip(SMG)
@@ -197,7 +201,7 @@ async def test_every_front_hits_the_same_stock_endpoints() -> None:
     assert set(result["engine_requests"]) == fronts
     for front, paths in result["engine_requests"].items():
         assert paths.get("POST /v1/completions", 0) > 0, front
-        assert set(paths) <= {"POST /v1/completions", "GET /health"}, front
+        assert set(paths) <= _CONTROL_READS | {"POST /v1/completions"}, front
     ratio = result["workers_rps_ratio_c8"]["pdgate_w2"]
     assert ratio == pytest.approx(result["rps_c8"]["pdgate_w2"] / result["rps_c8"]["pdgate"])
     assert set(result["cpu_s_per_1k_c8"]) == {"pdgate", "pdgate_w2", "vllm_router", "smg"}
