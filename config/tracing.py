@@ -88,6 +88,12 @@ class Tracing:
         if span.is_recording():
             _PROPAGATOR.inject(headers, context=trace.set_span_in_context(span))
 
+    def serve(self, name: str, headers: Mapping[str, str]) -> Span:
+        """The span of a request this process serves (ended by the caller): a child of the
+        caller's trace context in `headers`. Off: the headers are not even read."""
+        parent = self.extract(headers) if self._provider is not None else None
+        return self.start(name, parent=parent, kind=SpanKind.SERVER)
+
     @staticmethod
     def extract(headers: Mapping[str, str]) -> Context:
         """The caller's trace context from incoming headers (an empty one if none)."""

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from pdgate.config import Role, ShimSettings
 from pdgate.config.openai_api import Api, ClientGone, read_body
-from pdgate.config.tracing import Span, SpanKind, Tracing
+from pdgate.config.tracing import Span, Tracing
 from pdgate.config.wire import REQUEST_ID_HEADER
 from pdgate.engine_shim._completion import (
     ApiRequest,
@@ -172,11 +172,7 @@ class ShimService(Generic[B]):
     def _server_span(self, request: Request, api: Api) -> Span:
         """The request's span, in the caller's trace (W3C ``traceparent``); ended by the
         role once its answer is whole (a stream: when it ends)."""
-        span = self._tracing.start(
-            f"pdgate.shim.{self.role.value}",
-            parent=Tracing.extract(request.headers),
-            kind=SpanKind.SERVER,
-        )
+        span = self._tracing.serve(f"pdgate.shim.{self.role.value}", request.headers)
         if span.is_recording():
             span.set_attribute("pdgate.instance", self._instance_id)
             span.set_attribute("pdgate.api", api.value)

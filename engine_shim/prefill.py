@@ -36,7 +36,7 @@ from pdgate.config.openai_api import (
     load_object,
     read_body,
 )
-from pdgate.config.tracing import Span, SpanKind, Tracing
+from pdgate.config.tracing import Span, Tracing
 from pdgate.config.wire import (
     BATCH_SUFFIX,
     DECODE_MAX_TOKENS_HEADER,
@@ -419,10 +419,7 @@ class PrefillShim(ShimService[PrefillBackend]):
             except ApiError as exc:
                 parsed.append(exc)
         # One span for the call (it carries one traceparent), a child per item.
-        batch_span = self._tracing.start(
-            "pdgate.shim.prefill_batch", parent=Tracing.extract(request.headers),
-            kind=SpanKind.SERVER,
-        )  # fmt: skip
+        batch_span = self._tracing.serve("pdgate.shim.prefill_batch", request.headers)
         if batch_span.is_recording():
             batch_span.set_attribute("pdgate.instance", self._instance_id)
             batch_span.set_attribute("pdgate.api", api.value)

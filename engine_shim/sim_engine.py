@@ -207,11 +207,17 @@ def _known_pieces() -> dict[int, str]:
 
 
 class _EngineLoop:
-    """What both sim engines are: the sim tokenizer and chat template, the model it serves
-    (`ReportsModel`, `Tokenization`), and a background loop task with a wake-up event;
-    subclasses implement `_run`."""
+    """What both sim engines are: a timing profile and a batch of at most `max_batch`, the
+    sim tokenizer and chat template, the model it serves (`ReportsModel`, `Tokenization`),
+    and a background loop task with a wake-up event; subclasses implement `_run`."""
 
-    def __init__(self, served: ServedModel | None = None) -> None:
+    def __init__(
+        self, profile: SimProfile, max_batch: int, served: ServedModel | None = None
+    ) -> None:
+        if max_batch <= 0:
+            raise ValueError("max_batch must be positive")
+        self._profile = profile
+        self._max_batch = max_batch
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._served = served or ServedModel(0)
@@ -290,11 +296,7 @@ class SimPrefillEngine(_EngineLoop):
         events: KvEventPublisher | None = None,
         served: ServedModel | None = None,
     ) -> None:
-        super().__init__(served)
-        if max_batch <= 0:
-            raise ValueError("max_batch must be positive")
-        self._profile = profile
-        self._max_batch = max_batch
+        super().__init__(profile, max_batch, served)
         self._wire_fraction = kv_wire_fraction
         self._cache = PrefixCache(profile.prefix_cache_blocks, events=events is not None)
         self._events = events
@@ -431,11 +433,7 @@ class SimDecodeEngine(_EngineLoop):
     def __init__(
         self, profile: SimProfile, *, max_batch: int, served: ServedModel | None = None
     ) -> None:
-        super().__init__(served)
-        if max_batch <= 0:
-            raise ValueError("max_batch must be positive")
-        self._profile = profile
-        self._max_batch = max_batch
+        super().__init__(profile, max_batch, served)
         self._link = KvLink(profile)
         # What ran here is in this engine's KV blocks: a local prefill reuses its prefix.
         self._cache = PrefixCache(profile.prefix_cache_blocks)

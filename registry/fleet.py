@@ -318,6 +318,13 @@ class LocalFleet:
 
 # -- on Redis ------------------------------------------------------------------------------
 
+# Every script starts with this (`RedisFleetStore`): the time from Redis, in ms, one clock for
+# every gateway's leases.
+_NOW_MS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
 # A prefill's slots are a sorted set of lease ids (score: expiry). Of those, the ones whose
 # prompt it is still computing are also in its "computing" set, from the grant until the
 # gateway saw the answer (`computed`) or gave the lease back.
@@ -328,8 +335,6 @@ class LocalFleet:
 # Returns {index of the granting candidate (0: none), yielded (0/1), ms to the most urgent
 # queued request at another live gateway (-1: none), used..., computing..., lease ids...}.
 _ACQUIRE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local me, ttl, window, tol = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local want, head, nxt = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local heads_key, base, n, idle = ARGV[8], ARGV[9], tonumber(ARGV[10]), ARGV[11] == '1'
@@ -406,8 +411,6 @@ return out
 # instance, id. A prefill left computing nothing opens the fleet's priority window and is
 # announced, as a freed slot is.
 _COMPUTED = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local told = {}
 for i = 2, #KEYS do
   local instance, id = ARGV[2 * i - 2], ARGV[2 * i - 1]
@@ -427,8 +430,6 @@ return 0
 # channel, then per lease: instance, id. A lease given back before its answer also leaves the
 # computing set; a prefill that then computes nothing is announced as `_COMPUTED` does.
 _RELEASE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local freed, idle = {}, {}
 for i = 1, (#KEYS - 1) / 2 do
   local instance, id = ARGV[2 * i + 1], ARGV[2 * i + 2]
@@ -452,8 +453,6 @@ return 0
 # KEYS: per instance: its slots key, its computing key.  ARGV: ttl_ms, then per instance:
 # count, ids... (XX: a lease already given back, or answered, is not brought back).
 _RENEW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl, a = tonumber(ARGV[1]), 2
 for i = 1, #KEYS / 2 do
   local count = tonumber(ARGV[a]); a = a + 1
@@ -486,8 +485,6 @@ return 0
 # Returns {live gateways, then per read instance: streams, tokens, slots, computing, then the
 # new cursor, n, and n (queue, samples) pairs of the other gateways}.
 _SYNC = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local me, ttl, gw_prefix = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local nq, nr, nc = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local gw, sums, mine = KEYS[1], KEYS[2], KEYS[3]
@@ -652,11 +649,11 @@ class RedisFleet:
         self._last_seq = -1  # the last acquire's number
         self._pending: set[int] = set()  # acquires not answered yet
         self._client, self._sub_client = open_clients(url, connect_timeout_s)
-        self._acquire = self._client.register_script(_ACQUIRE)
-        self._computed = self._client.register_script(_COMPUTED)
-        self._release = self._client.register_script(_RELEASE)
-        self._renew = self._client.register_script(_RENEW)
-        self._sync = self._client.register_script(_SYNC)
+        self._acquire = self._client.register_script(_NOW_MS + _ACQUIRE)
+        self._computed = self._client.register_script(_NOW_MS + _COMPUTED)
+        self._release = self._client.register_script(_NOW_MS + _RELEASE)
+        self._renew = self._client.register_script(_NOW_MS + _RENEW)
+        self._sync = self._client.register_script(_NOW_MS + _SYNC)
         self._timeout_s = connect_timeout_s
 
     def __repr__(self) -> str:

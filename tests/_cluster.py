@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 
 from pdgate.config import (
     ClusterSettings,
@@ -136,6 +137,12 @@ def keyed_cluster(tmp_path: Path, keys: str, **gateway: Any) -> ThreadedCluster:
     keys_file.write_text(keys)
     settings = {"api_keys_file": keys_file, "admin_token": "adm", **gateway}
     return ThreadedCluster(prefills=1, decodes=1, gateway=settings)
+
+
+def openai_client(url: str, api_key: str = "unused") -> openai.OpenAI:
+    """The official OpenAI client against the gateway at `url`; it never retries on its own,
+    so a test sees every answer."""
+    return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=30)
 
 
 def get_instances(gateway_url: str, admin_token: str | None = None) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ imports only modules of its own stage or of a lower one, and the module graph ha
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,20 +31,24 @@ ALLOWED = {
 }
 
 
-def _imports(path: Path) -> set[str]:
-    """The pdgate packages a module imports (at any depth, lazily or not)."""
-    found: set[str] = set()
+def _imported(path: Path) -> Iterator[str]:
+    """Every dotted name a module imports, at any depth (lazily, under TYPE_CHECKING): a
+    module, and for ``from m import a`` both ``m`` and ``m.a`` (``a`` may be a module)."""
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        names: list[str] = []
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            yield from (a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "pdgate" and len(parts) > 1:
-                found.add(parts[1])
-    return found
+            yield node.module
+            yield from (f"{node.module}.{a.name}" for a in node.names)
+
+
+def _imports(path: Path) -> set[str]:
+    """The pdgate packages a module imports."""
+    return {
+        parts[1]
+        for parts in (name.split(".") for name in _imported(path))
+        if parts[0] == "pdgate" and len(parts) > 1
+    }
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
@@ -91,21 +96,15 @@ def _gateway_modules() -> dict[str, Path]:
 
 
 def _gateway_imports(path: Path, modules: dict[str, Path]) -> set[str]:
-    """The gateway modules `path` imports, at any depth (TYPE_CHECKING ones too)."""
+    """The gateway modules `path` imports."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        for name in names:
-            if name.startswith("pdgate.gateway."):
-                short = name.removeprefix("pdgate.gateway.")
-                while short and short not in modules:
-                    short = short.rpartition(".")[0]
-                if short:
-                    found.add(short)
+    for name in _imported(path):
+        if name.startswith("pdgate.gateway."):
+            short = name.removeprefix("pdgate.gateway.")
+            while short and short not in modules:
+                short = short.rpartition(".")[0]
+            if short:
+                found.add(short)
     return found
 
 

@@ -60,7 +60,7 @@ from pdgate.config.openai_api import (
     read_body,
 )
 from pdgate.config.settings import GatewaySettings
-from pdgate.config.tracing import SpanKind, Tracing
+from pdgate.config.tracing import Tracing
 from pdgate.config.wire import REQUEST_ID_HEADER, TPOT_SLO_HEADER, valid_request_id
 from pdgate.gateway.admission.auth import PRIORITIES, ApiKey, KeyRing
 from pdgate.gateway.admission.context import ContextLimit
@@ -127,10 +127,22 @@ class CompletionsEndpoint:
         self.stopping = True
         self._dispatcher.shed(_shutting_down())
 
+    def refusal(self) -> GatewayError | None:
+        """Why no new request is taken now: the gateway is stopping, or at `max_pending` (the
+        side endpoints' requests count too); None: one is."""
+        if self.stopping:
+            return _shutting_down()
+        if self.pending >= self._settings.max_pending:
+            return Overloaded(
+                "the gateway is at its limit of pending requests",
+                retry_after=self._settings.retry_after_s,
+            )
+        return None
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         arrived = time.monotonic()
         request = Request(scope, receive)
-        headers = _header_map(scope)
+        headers = header_map(scope)
         front = self._fronts.get(scope["path"]) if self._fronts else None
         api = Api.CHAT if front is not None or scope["path"] == Api.CHAT.path else Api.COMPLETIONS
         request_id = _request_id(headers, api)
@@ -144,30 +156,21 @@ class CompletionsEndpoint:
             self._keys.admit(key, self._settings.retry_after_max_s)
             body = await self.read(request)
         except GatewayError as exc:
-            self._metrics.requests.labels(_outcome(exc), ANY_GROUP).inc()
+            self._metrics.requests.labels(error_outcome(exc), ANY_GROUP).inc()
             await reply(exc)(scope, receive, send)
             return
         except ClientGone:
             self._metrics.requests.labels("client_gone", ANY_GROUP).inc()
             return
-        if self.stopping:
-            self._metrics.requests.labels(ShuttingDown.code, ANY_GROUP).inc()
-            await reply(_shutting_down())(scope, receive, send)
-            return
-        if self.pending >= self._settings.max_pending:
-            self._metrics.requests.labels("overloaded", ANY_GROUP).inc()
-            err = Overloaded(
-                "the gateway is at its limit of pending requests",
-                retry_after=self._settings.retry_after_s,
-            )
-            await reply(err)(scope, receive, send)
+        refused = self.refusal()
+        if refused is not None:
+            # `overloaded`: max_pending reached (a full group queue is `gateway_overloaded`).
+            label = "overloaded" if isinstance(refused, Overloaded) else error_outcome(refused)
+            self._metrics.requests.labels(label, ANY_GROUP).inc()
+            await reply(refused)(scope, receive, send)
             return
         self.pending += 1
-        span = self._tracing.start(
-            "pdgate.request",
-            parent=Tracing.extract(headers) if self._tracing.enabled else None,
-            kind=SpanKind.SERVER,
-        )
+        span = self._tracing.serve("pdgate.request", headers)
         watcher: asyncio.Task[None] | None = None
         placement: Placement | None = None
         info: RequestInfo | None = None
@@ -226,7 +229,7 @@ class CompletionsEndpoint:
                 placement = relay.first
                 relaying = relay.started
         except GatewayError as exc:
-            outcome = _outcome(exc)
+            outcome = error_outcome(exc)
             if not relaying:
                 await reply(exc)(scope, receive, send)
         except ClientGone:
@@ -236,7 +239,7 @@ class CompletionsEndpoint:
                 raise
             # The server's grace ended (`stop`): an answer, not a cut connection and a 500.
             stopped = _shutting_down()
-            outcome = _outcome(stopped)
+            outcome = error_outcome(stopped)
             with contextlib.suppress(OSError):
                 if relaying and relay is not None:
                     await relay.out.error(stopped)
@@ -389,7 +392,7 @@ def _tighter(bound: float, headers: Mapping[str, str], name: str) -> float:
     return min(bound, asked)
 
 
-def _header_map(scope: Scope) -> dict[str, str]:
+def header_map(scope: Scope) -> dict[str, str]:
     """The request's headers by name, built once: Starlette's `Headers` scans the list on
     every lookup, and a request looks up eight. ASGI servers give the names in lower case;
     a repeated header's first value counts, as with `Headers.get`."""
@@ -411,7 +414,8 @@ def _request_id(headers: Mapping[str, str], api: Api = Api.COMPLETIONS) -> str:
     return f"{api.id_prefix}-{secrets.token_hex(16)}"
 
 
-def _outcome(exc: GatewayError) -> str:
+def error_outcome(exc: GatewayError) -> str:
+    """The metrics' outcome of a request that ended in `exc`: any 4xx is the client's."""
     if exc.status < 500:
         return "client_error"
     return exc.code or "server_error"

@@ -42,7 +42,7 @@ from starlette.types import Receive, Scope, Send
 from pdgate.config.aio import run_unless, wait_disconnect
 from pdgate.config.openai_api import ClientGone, OpenAIError, load_object
 from pdgate.config.settings import GatewaySettings
-from pdgate.config.tracing import Span, SpanKind, Tracing
+from pdgate.config.tracing import Span, Tracing
 from pdgate.config.wire import (
     POOLING_ENDPOINTS,
     REQUEST_ID_HEADER,
@@ -54,14 +54,12 @@ from pdgate.config.wire import (
 from pdgate.gateway.admission.auth import PRIORITIES, KeyRing
 from pdgate.gateway.admission.groups import GROUP_HEADER, GroupResolver
 from pdgate.gateway.admission.tenancy import resolve_tenancy
-from pdgate.gateway.api.completions import CompletionsEndpoint
+from pdgate.gateway.api.completions import CompletionsEndpoint, error_outcome, header_map
 from pdgate.gateway.errors import (
     BadGateway,
     BadRequest,
     DeadlineExceeded,
     GatewayError,
-    Overloaded,
-    ShuttingDown,
     UpstreamError,
     from_openai_error,
     is_client_fault,
@@ -121,9 +119,7 @@ class SideEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         arrived = time.monotonic()
         path: str = scope["path"]
-        headers: dict[str, str] = {}
-        for name, value in scope["headers"]:  # a repeated header's first value counts
-            headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+        headers = header_map(scope)
         given = headers.get(REQUEST_ID_HEADER, "")
         request_id = given if valid_request_id(given) else f"side-{secrets.token_hex(16)}"
         admission, settings = self._admission, self._settings
@@ -132,30 +128,19 @@ class SideEndpoint:
             self._keys.admit(key, settings.retry_after_max_s)
             body = await admission.read(Request(scope, receive))
         except GatewayError as exc:
-            self._count(path, _outcome(exc), ANY_GROUP)
+            self._count(path, error_outcome(exc), ANY_GROUP)
             await exc.response()(scope, receive, send)
             return
         except ClientGone:
             self._count(path, "client_gone", ANY_GROUP)
             return
-        if admission.stopping or admission.pending >= settings.max_pending:
-            error: GatewayError = (
-                ShuttingDown("the gateway is shutting down; retry on another", retry_after=1)
-                if admission.stopping
-                else Overloaded(
-                    "the gateway is at its limit of pending requests",
-                    retry_after=settings.retry_after_s,
-                )
-            )
-            self._count(path, _outcome(error), ANY_GROUP)
+        error = admission.refusal()
+        if error is not None:
+            self._count(path, error_outcome(error), ANY_GROUP)
             await error.response()(scope, receive, send)
             return
         admission.pending += 1
-        span = self._tracing.start(
-            "pdgate.request",
-            parent=Tracing.extract(headers) if self._tracing.enabled else None,
-            kind=SpanKind.SERVER,
-        )
+        span = self._tracing.serve("pdgate.request", headers)
         watcher: asyncio.Task[None] | None = None
         outcome, group = "ok", ANY_GROUP
         try:
@@ -198,7 +183,7 @@ class SideEndpoint:
                 span.set_attribute("http.response.status_code", answer.status)
             await _relay(send, answer, request_id)
         except GatewayError as exc:
-            outcome = _outcome(exc)
+            outcome = error_outcome(exc)
             await exc.response()(scope, receive, send)
         except ClientGone:
             outcome = "client_gone"
@@ -349,9 +334,3 @@ async def _relay(send: Send, answer: Answer, request_id: str) -> None:
     await send({"type": "http.response.start", "status": answer.status, "headers": headers})
     with contextlib.suppress(OSError):
         await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def _outcome(exc: GatewayError) -> str:
-    if exc.status < 500:
-        return "client_error"
-    return exc.code or "server_error"

@@ -71,25 +71,30 @@ class GatewayMetrics:
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Labelled(
-            Counter(
-                "pdgate_requests",
-                "Completed client requests by outcome and scenario group ('*': any group)",
-                ["outcome", "group"],
-                registry=r,
-            )
+
+        def counter(name: str, documentation: str, labels: Sequence[str]) -> Labelled[Counter]:
+            return Labelled(Counter(name, documentation, labels, registry=r))
+
+        def histogram(
+            name: str, documentation: str, buckets: Iterable[float], labels: Sequence[str] = ()
+        ) -> LoopHistogram:
+            metric = LoopHistogram(name, documentation, buckets, labels)
+            r.register(metric)
+            return metric
+
+        self.requests = counter(
+            "pdgate_requests",
+            "Completed client requests by outcome and scenario group ('*': any group)",
+            ["outcome", "group"],
         )
-        self.side_requests = Labelled(
-            Counter(
-                "pdgate_side_requests",
-                "Completed side-endpoint requests (/v1/embeddings, /tokenize, ...) by path, "
-                "outcome and scenario group ('*': any group)",
-                ["endpoint", "outcome", "group"],
-                registry=r,
-            )
+        self.side_requests = counter(
+            "pdgate_side_requests",
+            "Completed side-endpoint requests (/v1/embeddings, /tokenize, ...) by path, "
+            "outcome and scenario group ('*': any group)",
+            ["endpoint", "outcome", "group"],
         )
-        self.prefill_attempts = Labelled(
-            Counter("pdgate_prefill_attempts", "Prefill calls by result", ["result"], registry=r)
+        self.prefill_attempts = counter(
+            "pdgate_prefill_attempts", "Prefill calls by result", ["result"]
         )
         self.early_drops = Counter(
             "pdgate_early_drops",
@@ -97,41 +102,32 @@ class GatewayMetrics:
             "would have ended past their deadline",
             registry=r,
         )
-        self.prefix_cached_tokens = Labelled(
-            Counter(
-                "pdgate_prefix_cached_tokens",
-                "Prompt tokens of prefill answers found in the engine's prefix cache, as the "
-                "KV-event index predicted when it sent the prompt (predicted) and as the "
-                "engine's answer reported (reported); only prefills that publish KV events "
-                "and report cached tokens",
-                ["source"],
-                registry=r,
-            )
+        self.prefix_cached_tokens = counter(
+            "pdgate_prefix_cached_tokens",
+            "Prompt tokens of prefill answers found in the engine's prefix cache, as the "
+            "KV-event index predicted when it sent the prompt (predicted) and as the "
+            "engine's answer reported (reported); only prefills that publish KV events "
+            "and report cached tokens",
+            ["source"],
         )
-        self.prefix_predictions = Labelled(
-            Counter(
-                "pdgate_prefix_predictions",
-                "Prefill answers by how the KV-event index's predicted cached tokens compare "
-                "with what the engine reported: exact, over (predicted more), under",
-                ["outcome"],
-                registry=r,
-            )
+        self.prefix_predictions = counter(
+            "pdgate_prefix_predictions",
+            "Prefill answers by how the KV-event index's predicted cached tokens compare "
+            "with what the engine reported: exact, over (predicted more), under",
+            ["outcome"],
         )
-        self.ejections = Labelled(
-            Counter(
-                "pdgate_ejections",
-                "Instances ejected after consecutive failures (outlier ejection)",
-                ["role"],
-                registry=r,
-            )
+        self.ejections = counter(
+            "pdgate_ejections",
+            "Instances ejected after consecutive failures (outlier ejection)",
+            ["role"],
         )
         self.retry_budget_exhausted = Counter(
             "pdgate_retry_budget_exhausted",
             "Failover retries refused because the retry budget was spent",
             registry=r,
         )
-        self.decode_attempts = Labelled(
-            Counter("pdgate_decode_attempts", "Decode calls by result", ["result"], registry=r)
+        self.decode_attempts = counter(
+            "pdgate_decode_attempts", "Decode calls by result", ["result"]
         )
         self.fleet_yields = Counter(
             "pdgate_fleet_yields",
@@ -139,67 +135,53 @@ class GatewayMetrics:
             "another gateway (the fleet's deadline order, fleet_window_s)",
             registry=r,
         )
-        self.queue_sheds = Labelled(
-            Counter(
-                "pdgate_queue_sheds",
-                "Requests refused on arrival at a queue, by reason: full (503), over_share "
-                "(429, the tenant holds its share), drain (503, the queue's recent pace would "
-                "not reach it before its deadline)",
-                ["reason"],
-                registry=r,
-            )
+        self.queue_sheds = counter(
+            "pdgate_queue_sheds",
+            "Requests refused on arrival at a queue, by reason: full (503), over_share "
+            "(429, the tenant holds its share), drain (503, the queue's recent pace would "
+            "not reach it before its deadline)",
+            ["reason"],
         )
-        self.migrations = Labelled(
-            Counter(
-                "pdgate_migrations",
-                "Streams continued on another decode after theirs broke mid-stream (prompt + "
-                "tokens already sent re-submitted), by how it broke: lost (connection), error "
-                "(in-band error event), truncated (ended without [DONE])",
-                ["reason"],
-                registry=r,
-            )
+        self.migrations = counter(
+            "pdgate_migrations",
+            "Streams continued on another decode after theirs broke mid-stream (prompt + "
+            "tokens already sent re-submitted), by how it broke: lost (connection), error "
+            "(in-band error event), truncated (ended without [DONE])",
+            ["reason"],
         )
-        self.decode_failovers = Labelled(
-            Counter(
-                "pdgate_decode_failovers",
-                "Requests placed again, prefill included, after their decode failed before its "
-                "first event, by how: status (an error status), lost, error, truncated",
-                ["reason"],
-                registry=r,
-            )
+        self.decode_failovers = counter(
+            "pdgate_decode_failovers",
+            "Requests placed again, prefill included, after their decode failed before its "
+            "first event, by how: status (an error status), lost, error, truncated",
+            ["reason"],
         )
-        self.ttft = LoopHistogram(
+        self.ttft = histogram(
             "pdgate_ttft_seconds",
             "Request arrival to the first token relayed, by scenario group",
             _TTFT_BUCKETS,
             ["group"],
         )
-        r.register(self.ttft)
-        self.itl = LoopHistogram(
+        self.itl = histogram(
             "pdgate_inter_token_seconds",
             "Gaps between successive chunks of a relayed stream (inter-token latency)",
             _ITL_BUCKETS,
         )
-        r.register(self.itl)
-        self.placement = LoopHistogram(
+        self.placement = histogram(
             "pdgate_placement_seconds",
             "Request arrival to a decode accepting it (queueing + retries + prefill)",
             _TTFT_BUCKETS,
         )
-        r.register(self.placement)
-        self.prefill_rejections = LoopHistogram(
+        self.prefill_rejections = histogram(
             "pdgate_prefill_rejections",
             "429s a request met before a prefill accepted it",
             (0, 1, 2, 4, 8, 16, 32, 64),
         )
-        r.register(self.prefill_rejections)
-        self.loop_lag = LoopHistogram(
+        self.loop_lag = histogram(
             "pdgate_event_loop_lag_seconds",
             "How much later than asked the gateway's event loop ran a periodic timer "
             "(loop_lag_interval_s): its saturation as every request feels it",
             _LOOP_LAG_BUCKETS,
         )
-        r.register(self.loop_lag)
         Gauge(
             "pdgate_open_streams", "Open client streams (summed over instances)", registry=r
         ).set_function(lambda: float(totals()[0]))

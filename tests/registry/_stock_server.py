@@ -106,6 +106,8 @@ def embedding(text: str, dims: int = 8) -> list[float]:
     return [round(b / 255, 4) for b in digest]
 
 
+# The routes vLLM registers for a pooling model, restated here on purpose: the gateway's own
+# list (config/wire.py) is checked against them.
 POOLING_PATHS = (
     "/v1/embeddings",
     "/pooling",

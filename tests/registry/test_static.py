@@ -32,7 +32,7 @@ from pdgate.registry.static import (
     with_static_instances,
 )
 from tests._redis import RedisServer, free_port
-from tests.registry._stock_server import StockServer
+from tests.registry._stock_server import POOLING_PATHS, StockServer
 from tests.registry._util import eventually, make_record, no_event
 
 # --- settings --------------------------------------------------------------------------------
@@ -210,17 +210,7 @@ async def test_what_the_server_serves_is_read_and_adapters_follow_at_run_time(
         assert record.endpoints == ("/tokenize", "/detokenize")
         embed = records[f"{model}-embed"]
         assert (embed.max_model_len, embed.adapters) == (8192, ())
-        assert embed.endpoints == (
-            "/tokenize",
-            "/detokenize",
-            "/v1/embeddings",
-            "/pooling",
-            "/score",
-            "/v1/score",
-            "/rerank",
-            "/v1/rerank",
-            "/v2/rerank",
-        )
+        assert embed.endpoints == ("/tokenize", "/detokenize", *POOLING_PATHS)
         events = reg.events()
         server.load_lora(f"{model}-poet")
         event = await _next(events, within=5)

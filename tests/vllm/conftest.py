@@ -164,15 +164,34 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-@pytest.fixture(scope="module")
-def vllm_cluster(redis_url: str, tiny_model: Path) -> Iterator[VllmCluster]:
-    import uuid
+def greedy_messages_body(system: str, user: str, max_tokens: int) -> dict[str, Any]:
+    """An Anthropic Messages request for the SDK, greedy."""
+    return {
+        "model": MODEL,
+        "system": system,
+        "messages": [{"role": "user", "content": user}],
+        "max_tokens": max_tokens,
+        # Greedy: the SDK has no temperature argument any more; both APIs take the field.
+        "extra_body": {"temperature": 0},
+    }
 
-    from tests._redis import delete_prefix
 
-    prefix = f"pdgate-test:{uuid.uuid4().hex}"
-    registry = {"PDGATE_REGISTRY_URL": redis_url, "PDGATE_REGISTRY_KEY_PREFIX": prefix}
-    shim = {
+def assert_messages_text(base_url: str, body: dict[str, Any], text: str) -> Any:
+    """`body` through Anthropic's SDK at `base_url`, whole and streamed: both answer `text`.
+    The whole answer."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=base_url, api_key="x", max_retries=0)
+    message = client.messages.create(**body)
+    assert message.content[0].text == text
+    with client.messages.stream(**body) as stream:
+        assert "".join(stream.text_stream) == text
+    return message
+
+
+def vllm_shim_env(registry: dict[str, str], tiny_model: Path) -> dict[str, str]:
+    """A vllm shim's environment: `registry`'s, the tiny model, a port the OS picks."""
+    return {
         **registry,
         "PDGATE_SHIM_ENGINE": "vllm",
         "PDGATE_SHIM_MODEL": MODEL,
@@ -182,6 +201,17 @@ def vllm_cluster(redis_url: str, tiny_model: Path) -> Iterator[VllmCluster]:
         "PDGATE_SHIM_VLLM_KV_CACHE_BYTES": str(64 << 20),
         "PDGATE_SHIM_PORT": "0",
     }
+
+
+@pytest.fixture(scope="module")
+def vllm_cluster(redis_url: str, tiny_model: Path) -> Iterator[VllmCluster]:
+    import uuid
+
+    from tests._redis import delete_prefix
+
+    prefix = f"pdgate-test:{uuid.uuid4().hex}"
+    registry = {"PDGATE_REGISTRY_URL": redis_url, "PDGATE_REGISTRY_KEY_PREFIX": prefix}
+    shim = vllm_shim_env(registry, tiny_model)
     cli = ["-m", "pdgate.config.cli"]
     procs: dict[str, Proc] = {}
     try:

@@ -30,7 +30,17 @@ import pytest
 
 from tests._cluster import get_instances, wait_for
 from tests._redis import free_port
-from tests.vllm.conftest import CHATS, MODEL, PROMPTS, START_TIMEOUT_S, Proc, _url, wait_healthy
+from tests.vllm.conftest import (
+    CHATS,
+    MODEL,
+    PROMPTS,
+    START_TIMEOUT_S,
+    Proc,
+    _url,
+    assert_messages_text,
+    greedy_messages_body,
+    wait_healthy,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -257,19 +267,8 @@ def test_responses_and_messages_through_stock_vllm_equal_its_chat(stock_vllm: St
     assert events[-1].type == "response.completed"
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
 
-    messages = anthropic.Anthropic(base_url=stock_vllm.gateway_url, api_key="x", max_retries=0)
-    body = {
-        "model": MODEL,
-        "system": system,
-        "messages": [{"role": "user", "content": user}],
-        "max_tokens": MAX_TOKENS,
-        # Greedy: the SDK has no temperature argument any more; both APIs take the field.
-        "extra_body": {"temperature": 0},
-    }
-    message = messages.messages.create(**body)  # type: ignore[arg-type]
-    assert message.content[0].text == text  # type: ignore[union-attr]
+    body = greedy_messages_body(system, user, MAX_TOKENS)
+    message = assert_messages_text(stock_vllm.gateway_url, body, text)
     assert message.usage.input_tokens == chat["usage"]["prompt_tokens"]
-    with messages.messages.stream(**body) as stream:  # type: ignore[arg-type]
-        assert "".join(stream.text_stream) == text
     reference = anthropic.Anthropic(base_url=stock_vllm.reference_url, api_key="x", max_retries=0)
     assert reference.messages.create(**body).content[0].text == text  # type: ignore[arg-type,union-attr]

@@ -40,6 +40,8 @@ from tests.vllm.conftest import (
     Proc,
     VllmCluster,
     _url,
+    assert_messages_text,
+    greedy_messages_body,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -647,7 +649,6 @@ def test_responses_and_messages_through_pd_equal_the_aggregated_chat(
 ) -> None:
     """The Responses API and Anthropic Messages, translated at the gateway, over pdgate's
     vLLM shims: the greedy text of one engine's ``LLM.chat`` for the same conversation."""
-    import anthropic
     import openai
 
     ref = vllm_cluster.chat_reference[0]
@@ -669,17 +670,6 @@ def test_responses_and_messages_through_pd_equal_the_aggregated_chat(
             "".join(e.delta for e in stream if e.type == "response.output_text.delta")
             == (ref["text"])
         )
-    messages = anthropic.Anthropic(base_url=vllm_cluster.gateway_url, api_key="x", max_retries=0)
-    body = {
-        "model": MODEL,
-        "system": system,
-        "messages": [{"role": "user", "content": user}],
-        "max_tokens": REFERENCE_TOKENS,
-        # Greedy: the SDK has no temperature argument any more; both APIs take the field.
-        "extra_body": {"temperature": 0},
-    }
-    message = messages.messages.create(**body)  # type: ignore[arg-type]
-    assert message.content[0].text == ref["text"]  # type: ignore[union-attr]
-    with messages.messages.stream(**body) as stream:  # type: ignore[arg-type]
-        assert "".join(stream.text_stream) == ref["text"]
+    body = greedy_messages_body(system, user, REFERENCE_TOKENS)
+    assert_messages_text(vllm_cluster.gateway_url, body, ref["text"])
     wait_for(lambda: shim_load(vllm_cluster.prefill_url)["used"] == 0, what="prefill slot free")

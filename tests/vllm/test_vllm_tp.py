@@ -27,6 +27,7 @@ from tests.vllm.conftest import (
     START_TIMEOUT_S,
     Proc,
     _url,
+    vllm_shim_env,
 )
 from tests.vllm.test_vllm_pd import _stream_ids
 
@@ -67,16 +68,7 @@ def pair(
 
     prefix = f"pdgate-test:{uuid.uuid4().hex}"
     registry = {"PDGATE_REGISTRY_URL": redis_url, "PDGATE_REGISTRY_KEY_PREFIX": prefix}
-    shim = {
-        **registry,
-        "PDGATE_SHIM_ENGINE": "vllm",
-        "PDGATE_SHIM_MODEL": MODEL,
-        "PDGATE_SHIM_VLLM_MODEL": str(tiny_model),
-        "PDGATE_SHIM_VLLM_DTYPE": "float32",
-        "PDGATE_SHIM_MAX_MODEL_LEN": "2048",
-        "PDGATE_SHIM_VLLM_KV_CACHE_BYTES": str(64 << 20),
-        "PDGATE_SHIM_PORT": "0",
-    }
+    shim = vllm_shim_env(registry, tiny_model)
     tp2_prefill = request.param == "tp2-prefill"
     cli = ["-m", "pdgate.config.cli"]
     procs: dict[str, Proc] = {}

@@ -35,11 +35,6 @@ def cluster() -> Iterator[ThreadedCluster]:
         yield c
 
 
-@pytest.fixture
-def client(cluster: ThreadedCluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=30)
-
-
 def _idle(cluster: ThreadedCluster) -> None:
     cluster.wait_for(
         lambda: all(r["open_streams"] == 0 and r["inflight"] == 0 for r in cluster.instances()),

@@ -19,11 +19,6 @@ def cluster() -> Iterator[ThreadedCluster]:
         yield c
 
 
-@pytest.fixture
-def client(cluster: ThreadedCluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=30)
-
-
 def test_models_lists_what_the_registry_has(
     client: openai.OpenAI, cluster: ThreadedCluster
 ) -> None:

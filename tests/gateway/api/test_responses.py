@@ -7,11 +7,12 @@ import openai
 import pytest
 
 from tests._cluster import SIM_MODEL as MODEL
+from tests._cluster import openai_client
 from tests.gateway.api._fronts import ALICE, BOB, Stack
 
 
 def client(url: str, key: str = ALICE) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=30)
+    return openai_client(url, key)
 
 
 def test_a_response_goes_through_both_legs(stack: Stack) -> None:

@@ -18,6 +18,7 @@ from tests._cluster import (
     ThreadedCluster,
     counts_released,
     get_instances,
+    openai_client,
     shim_load,
     wait_for,
     wait_instances,
@@ -32,11 +33,6 @@ def cluster() -> Iterator[ThreadedCluster]:
     shim = {"max_model_len": 2048, "sim_lora_adapters": [ADAPTER]}
     with ThreadedCluster(prefills=1, decodes=1, shim=shim) as c:
         yield c
-
-
-@pytest.fixture
-def client(cluster: ThreadedCluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=30)
 
 
 def _nothing_held(url: str) -> bool:
@@ -177,7 +173,7 @@ def test_a_request_for_an_adapter_reaches_only_the_instances_that_hold_it(
     url = processes.gateway()
     wait_instances(url, 4)
     urls = {row["id"]: row["url"] for row in get_instances(url)}
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    client = openai_client(url)
     assert {m.id for m in client.models.list()} == {SIM_MODEL, ADAPTER}
     for i in range(6):
         out = client.completions.create(model=ADAPTER, prompt=f"{PROMPT} {i}", max_tokens=4)

@@ -60,11 +60,6 @@ def cluster() -> Iterator[ThreadedCluster]:
         yield c
 
 
-@pytest.fixture
-def client(cluster: ThreadedCluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=30)
-
-
 def _served(cluster: ThreadedCluster) -> dict[str, int]:
     """Requests each shim completed so far, by role."""
     return {r["role"]: shim_load(r["url"])["completed"] for r in cluster.instances()}

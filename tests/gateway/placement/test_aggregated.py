@@ -11,7 +11,6 @@ import time
 from collections.abc import Iterator
 
 import httpx
-import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
@@ -21,6 +20,7 @@ from tests._cluster import (
     ThreadedCluster,
     counts_released,
     get_instances,
+    openai_client,
     shim_load,
     wait_for,
     wait_instances,
@@ -38,15 +38,11 @@ def cluster() -> Iterator[ThreadedCluster]:
         yield c
 
 
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
-
-
 def test_every_api_is_served_whole_by_the_aggregated_instances(cluster: ThreadedCluster) -> None:
     assert cluster.info is not None
     assert not cluster.info.prefill_urls and not cluster.info.decode_urls
     assert {i["role"] for i in cluster.instances()} == {"aggregated"}
-    client = _client(cluster.url)
+    client = openai_client(cluster.url)
     whole = client.completions.create(model=SIM_MODEL, prompt=PROMPT, max_tokens=8)
     assert whole.usage is not None and whole.usage.completion_tokens == 8
     streamed = client.completions.create(model=SIM_MODEL, prompt=PROMPT, max_tokens=8, stream=True)
@@ -73,7 +69,7 @@ def test_every_api_is_served_whole_by_the_aggregated_instances(cluster: Threaded
 def test_requests_beyond_the_slots_wait_at_the_gateway_not_429(cluster: ThreadedCluster) -> None:
     """Three requests at once on two one-slot instances: the third waits in the gateway's
     queue for a slot and is served; the client never sees a 429."""
-    client = _client(cluster.url)
+    client = openai_client(cluster.url)
     results: list[int] = []
     errors: list[BaseException] = []
 
@@ -137,7 +133,7 @@ def test_separate_processes_on_redis_serve_aggregated(processes: Processes) -> N
     urls = [processes.gateway(), processes.gateway()]
     for url in urls:
         wait_instances(url, 2)
-        client = _client(url)
+        client = openai_client(url)
         out = client.completions.create(model=SIM_MODEL, prompt=PROMPT, max_tokens=6)
         assert out.usage is not None and out.usage.completion_tokens == 6
         chat = client.chat.completions.create(
@@ -159,7 +155,7 @@ def test_a_plain_server_given_by_url_is_served_aggregated(processes: Processes) 
         url = processes.gateway("--aggregated", f"{server.url} capacity=2", env={**FAST_PROBES})
         wait_instances(url, 1)
         assert [i["role"] for i in get_instances(url)] == ["aggregated"]
-        client = _client(url)
+        client = openai_client(url)
         out = client.completions.create(model="stock-agg", prompt=PROMPT, max_tokens=5)
         assert out.choices[0].text == completion_text(PROMPT, 5)
         streamed = client.completions.create(
@@ -197,7 +193,7 @@ def test_a_lone_gateway_counts_aggregated_slots_itself(processes: Processes) -> 
     processes.shim("aggregated", "--capacity", "2")
     url = processes.gateway()
     wait_instances(url, 1)
-    client = _client(url)
+    client = openai_client(url)
     for _ in range(3):
         out = client.completions.create(model=SIM_MODEL, prompt=PROMPT, max_tokens=3)
         assert out.usage is not None and out.usage.completion_tokens == 3

@@ -19,7 +19,7 @@ from pdgate.config.wire import Role
 from pdgate.gateway.placement.partial import Mitosis, PhaseView, RollingActivation, macro_sizes
 from pdgate.loadtest.lib.deployed import DeployedCluster, Deployment
 from pdgate.policies.base import InstanceLoad
-from tests._cluster import SIM_MODEL, ThreadedCluster, counts_released, shim_load
+from tests._cluster import SIM_MODEL, ThreadedCluster, counts_released, openai_client, shim_load
 from tests.gateway._fakes import info
 from tests.loadtest._procs import needs_redis
 
@@ -93,9 +93,7 @@ def test_a_partial_cluster_serves_the_openai_client_in_phases(cluster: ThreadedC
     assert cluster.info is not None
     urls = cluster.info.aggregated_urls
     assert len(urls) == 3
-    client = openai.OpenAI(
-        base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=30
-    )
+    client = openai_client(cluster.url)
     whole = client.completions.create(model=SIM_MODEL, prompt="about phases", max_tokens=6)
     assert whole.usage is not None and whole.usage.completion_tokens == 6
     chunks = client.chat.completions.create(
