@@ -1,10 +1,13 @@
-"""``pdgate bench gateway``, ``profile``, ``compare`` and ``hotpath``: the gateway's own cost.
+"""``pdgate bench gateway``, ``profile``, ``compare``, ``hotpath``, ``stages`` and
+``instructions``: the gateway's own cost.
 
 ``gateway`` (bench.py) prints one JSON line and, unless ``--quick`` or ``--no-doc``, writes
 the generated block of docs/results/performance/README.md. ``profile`` (profile.py) prints
 py-spy's view of the gateway's hot path. ``compare`` (compare.py) prints a markdown table of
 gateway builds side by side; ``hotpath`` (hotpath.py) one of pdgate's own CPU per request,
-without sockets.
+without sockets; ``stages`` (stages.py) a lone request's time step by step, and
+``instructions`` (instructions.py) valgrind's count of its machine instructions, both in
+process.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import orjson
 
+from pdgate.loadtest.lib.args import from_args, positive_int
 from pdgate.loadtest.lib.children import run_main
 from pdgate.loadtest.lib.docs import update_block
 from pdgate.loadtest.lib.log import to_stderr
@@ -25,15 +29,21 @@ __all__ = [
     "COMPARE_HELP",
     "GATEWAY_HELP",
     "HOTPATH_HELP",
+    "INSTRUCTIONS_HELP",
     "PROFILE_HELP",
+    "STAGES_HELP",
     "compare_main",
     "configure_compare",
     "configure_gateway",
     "configure_hotpath",
+    "configure_instructions",
     "configure_profile",
+    "configure_stages",
     "gateway_main",
     "hotpath_main",
+    "instructions_main",
     "profile_main",
+    "stages_main",
     "update_gateway_doc",
 ]
 
@@ -41,6 +51,8 @@ GATEWAY_HELP = "the gateway's own cost vs vllm-router, SMG and no router"
 PROFILE_HELP = "py-spy profile of the gateway on the hot path"
 HOTPATH_HELP = "pdgate's own CPU per request, in process over MockUpstream (no sockets)"
 COMPARE_HELP = "gateway builds (e.g. two checkouts) in front of the same engines, same rates"
+STAGES_HELP = "a lone request's time in pdgate, step by step, in process (no sockets)"
+INSTRUCTIONS_HELP = "machine instructions per request in process, counted by valgrind"
 
 
 def configure_gateway(g: argparse.ArgumentParser) -> None:
@@ -140,15 +152,7 @@ def configure_profile(pr: argparse.ArgumentParser) -> None:
 def profile_main(args: argparse.Namespace, command: str) -> int:
     from pdgate.loadtest.gateway_cost.profile import ProfilePlan, profile_gateway
 
-    plan = ProfilePlan(
-        concurrency=args.concurrency,
-        seconds=args.seconds,
-        top=args.top,
-        out=args.out,
-        engine=args.engine,
-        front=args.front,
-    )
-    print(run_main(profile_gateway(plan)), end="", flush=True)
+    print(run_main(profile_gateway(from_args(ProfilePlan, args))), end="", flush=True)
     return 0
 
 
@@ -228,15 +232,7 @@ def configure_hotpath(h: argparse.ArgumentParser) -> None:
 def hotpath_main(args: argparse.Namespace, command: str) -> int:
     from pdgate.loadtest.gateway_cost.hotpath import HotpathPlan, run_hotpath
 
-    plan = HotpathPlan(
-        requests=args.requests,
-        concurrency=args.concurrency,
-        rounds=args.rounds,
-        tokens=args.tokens,
-        stream=not args.whole,
-        instances=args.instances,
-        profile=args.profile,
-    )
+    plan = from_args(HotpathPlan, args, stream=not args.whole)
     if args.uvloop:
         import asyncio
 
@@ -251,6 +247,39 @@ def hotpath_main(args: argparse.Namespace, command: str) -> int:
     else:
         result = run_main(run_hotpath(plan))
     print(result.report(plan, command), end="", flush=True)
+    return 0
+
+
+def configure_stages(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--rounds", type=positive_int, default=3)
+    s.add_argument("--requests", type=positive_int, default=3000, help="per round")
+    s.add_argument("--warmup", type=int, default=500)
+
+
+def stages_main(args: argparse.Namespace, command: str) -> int:
+    from pdgate.loadtest.gateway_cost.stages import run
+
+    print(run(args.rounds, args.requests, args.warmup), end="", flush=True)
+    return 0
+
+
+def configure_instructions(i: argparse.ArgumentParser) -> None:
+    i.add_argument(
+        "--same-mock",
+        action="store_true",
+        help="the in-memory upstream's decode open without its timeout, as in older builds",
+    )
+    i.add_argument(
+        "--no-drain",
+        action="store_true",
+        help="drain admission and the loop-lag timer off (settings older builds lack)",
+    )
+
+
+def instructions_main(args: argparse.Namespace, command: str) -> int:
+    from pdgate.loadtest.gateway_cost.instructions import instructions_per_request
+
+    print(instructions_per_request(same_mock=args.same_mock, no_drain=args.no_drain), flush=True)
     return 0
 
 

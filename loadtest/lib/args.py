@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-__all__ = ["positive_int", "positive_numbers", "some_of"]
+__all__ = ["from_args", "positive_int", "positive_numbers", "some_of"]
+
+_Plan = TypeVar("_Plan")
 
 
 def positive_int(text: str) -> int:
@@ -40,3 +44,11 @@ def positive_numbers(text: str) -> tuple[float, ...]:
     if not values or min(values) <= 0:
         raise argparse.ArgumentTypeError("expected positive numbers, comma-separated")
     return values
+
+
+def from_args(plan: type[_Plan], args: argparse.Namespace, **given: Any) -> _Plan:
+    """`plan` (a dataclass) with each field the command line gave by the same name (an
+    argument left at None keeps the field's default), and `given` on top."""
+    names = {f.name for f in dataclasses.fields(plan)}  # type: ignore[arg-type]
+    found = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    return plan(**{**found, **given})
