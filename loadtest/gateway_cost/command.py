@@ -17,10 +17,11 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import orjson
 
-from pdgate.loadtest.lib.args import from_args, positive_int
+from pdgate.loadtest.lib.args import positive_int, with_args
 from pdgate.loadtest.lib.children import run_main
 from pdgate.loadtest.lib.docs import update_block
 from pdgate.loadtest.lib.log import to_stderr
@@ -152,7 +153,7 @@ def configure_profile(pr: argparse.ArgumentParser) -> None:
 def profile_main(args: argparse.Namespace, command: str) -> int:
     from pdgate.loadtest.gateway_cost.profile import ProfilePlan, profile_gateway
 
-    print(run_main(profile_gateway(from_args(ProfilePlan, args))), end="", flush=True)
+    print(run_main(profile_gateway(with_args(ProfilePlan(), args))), end="", flush=True)
     return 0
 
 
@@ -232,7 +233,7 @@ def configure_hotpath(h: argparse.ArgumentParser) -> None:
 def hotpath_main(args: argparse.Namespace, command: str) -> int:
     from pdgate.loadtest.gateway_cost.hotpath import HotpathPlan, run_hotpath
 
-    plan = from_args(HotpathPlan, args, stream=not args.whole)
+    plan = with_args(HotpathPlan(), args, stream=not args.whole)
     if args.uvloop:
         import asyncio
 
@@ -287,39 +288,32 @@ def gateway_main(args: argparse.Namespace, command: str) -> int:
     from pdgate.loadtest.gateway_cost.bench import QUICK, GatewayPlan, run_gateway_bench
     from pdgate.loadtest.gateway_cost.report import json_line, markdown
 
-    plan = QUICK if args.quick else GatewayPlan()
-    if args.idle_streams is not None:
-        plan = replace(plan, idle_streams=args.idle_streams)
-    for field in ("ttft_requests", "rounds", "window_s"):
-        if getattr(args, field) is not None:
-            plan = replace(plan, **{field: getattr(args, field)})
-    if args.concurrencies:
-        plan = replace(plan, concurrencies=tuple(int(c) for c in args.concurrencies.split(",")))
-    if args.no_router:
-        plan = replace(plan, with_router=False)
-    if args.no_smg:
-        plan = replace(plan, with_smg=False)
-    if args.pin:
-        plan = replace(plan, pin=True)
-    if args.workers:
-        plan = replace(plan, workers=tuple(int(w) for w in args.workers.split(",")))
-    if args.no_plain:
-        plan = replace(plan, plain=False)
-    if args.aiohttp:
-        plan = replace(plan, aiohttp=True)
-    if args.floor:
-        plan = replace(plan, floor=True)
-    if args.apis:
-        plan = replace(plan, apis=tuple(args.apis.split(",")))
-    if args.prefill_ms is not None:
-        plan = replace(plan, prefill_s=args.prefill_ms / 1000)
-    if args.token_ms is not None:
-        plan = replace(plan, token_s=args.token_ms / 1000)
-    plan = replace(plan, router_policies=tuple(args.router_policies.split(",")))
-    if args.stock_no_tokenizer:
-        plan = replace(plan, stock_tokenizer=False)
-    if args.engine != "both":
-        plan = replace(plan, engines=(args.engine,))
+    def numbers(text: str | None, kind: type = int) -> tuple[Any, ...] | None:
+        return tuple(kind(x) for x in text.split(",")) if text else None
+
+    changed: dict[str, Any] = {
+        "idle_streams": args.idle_streams,
+        "ttft_requests": args.ttft_requests,
+        "rounds": args.rounds,
+        "window_s": args.window_s,
+        "concurrencies": numbers(args.concurrencies),
+        "with_router": False if args.no_router else None,
+        "with_smg": False if args.no_smg else None,
+        "pin": args.pin or None,
+        "workers": numbers(args.workers),
+        "plain": False if args.no_plain else None,
+        "aiohttp": args.aiohttp or None,
+        "floor": args.floor or None,
+        "apis": numbers(args.apis, str),
+        "prefill_s": None if args.prefill_ms is None else args.prefill_ms / 1000,
+        "token_s": None if args.token_ms is None else args.token_ms / 1000,
+        "router_policies": numbers(args.router_policies, str),
+        "stock_tokenizer": False if args.stock_no_tokenizer else None,
+        "engines": None if args.engine == "both" else (args.engine,),
+    }
+    # An option left out (None) keeps the plan's value.
+    given = {k: v for k, v in changed.items() if v is not None}
+    plan = replace(QUICK if args.quick else GatewayPlan(), **given)
     load_before = os.getloadavg()
     result = run_main(run_gateway_bench(plan, to_stderr))
     doc = args.doc or (None if args.quick else Path("docs/results/performance/README.md"))

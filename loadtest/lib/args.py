@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["from_args", "positive_int", "positive_numbers", "some_of"]
+__all__ = ["positive_int", "positive_numbers", "some_of", "with_args"]
 
 _Plan = TypeVar("_Plan")
 
@@ -46,9 +46,9 @@ def positive_numbers(text: str) -> tuple[float, ...]:
     return values
 
 
-def from_args(plan: type[_Plan], args: argparse.Namespace, **given: Any) -> _Plan:
-    """`plan` (a dataclass) with each field the command line gave by the same name (an
-    argument left at None keeps the field's default), and `given` on top."""
+def with_args(plan: _Plan, args: argparse.Namespace, **given: Any) -> _Plan:
+    """`plan` (a dataclass instance) with each field the command line gave by the same name
+    (an option left at None keeps the plan's value), and `given` on top."""
     names = {f.name for f in dataclasses.fields(plan)}  # type: ignore[arg-type]
     found = {k: v for k, v in vars(args).items() if k in names and v is not None}
-    return plan(**{**found, **given})
+    return dataclasses.replace(plan, **{**found, **given})  # type: ignore[type-var]
