@@ -22,7 +22,7 @@ from pathlib import Path
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from pdgate.loadtest.lib.children import Child, free_port
+from pdgate.loadtest.lib.children import Child, Children, free_port
 from pdgate.loadtest.lib.redis import INSTALL_HINT, redis_binary, sentinel_conf, server_argv
 
 __all__ = ["SentinelRedis"]
@@ -36,7 +36,7 @@ def _client(port: int) -> Redis:
     return Redis(host="127.0.0.1", port=port, socket_timeout=1.0, socket_connect_timeout=1.0)
 
 
-class SentinelRedis:
+class SentinelRedis(Children):
     """``async with SentinelRedis() as s:`` starts the five processes and waits until the
     sentinels know the replica and each other; stops them all on exit."""
 
@@ -67,17 +67,6 @@ class SentinelRedis:
         child = Child(f"redis-{port}", server_argv(self._binary, port, str(work), *extra))
         self._nodes[port] = child
         await child.start(_READY, timeout_s=10)
-
-    async def __aenter__(self) -> SentinelRedis:
-        try:
-            await self._start()
-        except BaseException:
-            await self.aclose()
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     async def _start(self) -> None:
         self.primary_port, self.replica_port = free_port(), free_port()

@@ -121,12 +121,8 @@ def describe(plan: Plan) -> str:
 
 
 def write_outputs(result: Result, kind: str, out: Path, doc: Path | None, command: str) -> None:
-    plot = save_run(
-        out,
-        kind,
-        csv=lambda path: write_csv(result, path),
-        plot=lambda path: write_plot(result, path, f"pdgate bench ratio ({kind})"),
-    )
+    title = f"pdgate bench ratio ({kind})"
+    plot = save_run(out, kind, result, title, csv=write_csv, plot=write_plot)
     publish(markdown(result, command, plot, describe(result.plan)), out, kind, doc, "ratio")
 
 

@@ -330,12 +330,7 @@ def describe(plan: Plan) -> str:
 
 def write_outputs(result: Result, kind: str, out: Path, doc: Path | None, command: str) -> None:
     title = f"pdgate bench scheduling ({kind}): {describe(result.plan)}"
-    save_run(
-        out,
-        kind,
-        csv=lambda path: write_csv(result, path),
-        plot=lambda path: write_plot(result, path, title),
-    )
+    save_run(out, kind, result, title, csv=write_csv, plot=write_plot)
     plan = result.plan
     calibration = calibration_table(result.calibration, plan.success_target)
     capacity = capacity_table(result)

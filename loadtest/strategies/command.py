@@ -136,12 +136,7 @@ def describe(plan: StrategiesPlan) -> str:
 
 def write_outputs(result: Result, kind: str, out: Path, doc: Path | None, command: str) -> None:
     title = f"pdgate bench strategies ({kind}): {describe(result.plan)}"
-    save_run(
-        out,
-        kind,
-        csv=lambda path: write_csv(result, path),
-        plot=lambda path: write_plot(result, path, title),
-    )
+    save_run(out, kind, result, title, csv=write_csv, plot=write_plot)
     block = (
         f"Command: `{command}` ({result.wall_s:.0f} s wall clock)\n\n"
         f"Cluster: {describe(result.plan)}.\n\n"

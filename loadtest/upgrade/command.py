@@ -52,12 +52,8 @@ def main(args: argparse.Namespace, command: str) -> int:
     kind = kind_of(args)
     result = run_main(run_upgrade(plan))
     out: Path = args.out
-    plot = save_run(
-        out,
-        kind,
-        csv=lambda path: write_csv(result, path),
-        plot=lambda path: write_plot(result, path, f"pdgate bench upgrade ({kind})"),
-    )
+    title = f"pdgate bench upgrade ({kind})"
+    plot = save_run(out, kind, result, title, csv=write_csv, plot=write_plot)
     doc: Path | None = None if args.no_doc else args.doc
     publish(markdown(result, command, plot), out, kind, doc, "upgrade")
     print(orjson.dumps(summary_json(result)).decode(), flush=True)
