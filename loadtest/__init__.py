@@ -6,6 +6,8 @@
 * ``gateway_cost/``: ``pdgate bench gateway`` and ``pdgate bench profile``, what the gateway
   itself costs, and the batch-endpoint comparison;
 * ``soak/``: ``pdgate bench soak``, the gateway's memory over a long steady run;
+* ``kv_copy/``: ``pdgate bench kv-copy``, the vLLM connector's KV copies (needs torch);
+* ``summary/``: ``pdgate bench summary``, tables drawn from the scheduling CSVs;
 * ``locust/``: Locust users, load shapes and workload (``make loadtest``).
 
 ``bench.py`` is the ``pdgate bench`` command; ``embedded.py`` is ``pdgate up`` (here because it

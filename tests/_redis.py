@@ -22,7 +22,7 @@ from types import TracebackType
 import redis
 from redis.exceptions import RedisError
 
-from pdgate.loadtest.lib.redis import sentinel_conf, server_argv
+from pdgate.loadtest.lib.redis import sentinel_confs, server_argv
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ENV_URL = "PDGATE_TEST_REDIS_URL"
@@ -248,19 +248,11 @@ class SentinelGroup:
         exe = shutil.which("redis-server")
         if exe is None:
             raise RedisServerError("redis-server not found on PATH")
-        for i in range(3):
-            port = free_port()
-            conf = self._dir / f"sentinel{i}.conf"
-            conf.write_text(
-                sentinel_conf(
-                    port,
-                    str(self._dir),
-                    self.SERVICE,
-                    self.primary.port,
-                    down_after_ms=self._down_after_ms,
-                    failover_timeout_ms=5000,
-                )
-            )
+        confs = sentinel_confs(
+            self._dir, self.SERVICE, self.primary.port,
+            down_after_ms=self._down_after_ms, failover_timeout_ms=5000,
+        )  # fmt: skip
+        for i, (port, conf) in enumerate(confs):
             log = self._dir / f"sentinel{i}.log"
             proc = subprocess.Popen(
                 [exe, str(conf), "--sentinel", "--logfile", str(log)],

@@ -25,8 +25,10 @@ from pathlib import Path
 
 import orjson
 
+from pdgate.loadtest.lib.args import with_args
 from pdgate.loadtest.lib.children import run_main
 from pdgate.loadtest.lib.docs import publish
+from pdgate.loadtest.lib.suite import add_fields, add_outputs, kind_of
 
 __all__ = ["HELP", "configure", "machine", "main"]
 
@@ -40,16 +42,10 @@ _FLOATS = ("rate_rps", "steady_s", "stop_s", "observe_s", "settle_s", "overload_
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="short streams and windows, 1 run")
     p.add_argument("--runs", type=int, help="runs (seeds seed..seed+runs-1); default 3, quick 1")
-    p.add_argument("--out", type=Path, default=Path("docs/results/chaos"), help="output folder")
-    p.add_argument("--doc", type=Path, default=Path("docs/results/chaos/README.md"))
-    p.add_argument("--no-doc", action="store_true", help="do not update the doc's block")
-    p.add_argument("--kind", help="name of the outputs and the doc block; default quick or full")
+    add_outputs(p, "chaos")
     p.add_argument("--faults", help="which, in order (default all: " + ",".join(_faults()) + ")")
     p.add_argument("--machine", help="the machine, for the doc (default: cores and memory)")
-    for name in _NUMBERS:
-        p.add_argument(f"--{name.replace('_', '-')}", type=int)
-    for name in _FLOATS:
-        p.add_argument(f"--{name.replace('_', '-')}", type=float)
+    add_fields(p, _NUMBERS, _FLOATS)
 
 
 def _faults() -> tuple[str, ...]:
@@ -73,14 +69,12 @@ def main(args: argparse.Namespace, command: str) -> int:
     from pdgate.loadtest.chaos.run import QUICK, ChaosPlan, ChaosResult, run_chaos
 
     plan = QUICK if args.quick else ChaosPlan()
-    given = {n: getattr(args, n) for n in (*_NUMBERS, *_FLOATS) if getattr(args, n) is not None}
-    if args.faults:
-        given["faults"] = tuple(f.strip() for f in args.faults.split(",") if f.strip())
-    plan = replace(plan, **given)
+    faults = tuple(f.strip() for f in args.faults.split(",") if f.strip()) if args.faults else ()
+    plan = with_args(plan, args, faults=faults or plan.faults)
     runs = args.runs if args.runs is not None else (1 if args.quick else 3)
     if runs < 1:
         raise SystemExit("--runs must be at least 1")
-    kind = args.kind or ("quick" if args.quick else "full")
+    kind = kind_of(args)
     results: list[ChaosResult] = []
     for i in range(runs):
         results.append(run_main(run_chaos(replace(plan, seed=plan.seed + i))))

@@ -1,7 +1,7 @@
 """The chaos benchmark's clients: open-loop streaming requests (Poisson arrivals) behind the
 load balancer of the upgrade benchmark (`GatewayPool`), each stream timed event by event.
 
-The retry rule is the upgrade benchmark's (loadtest/upgrade/load.py): a request that got
+The retry rule is the upgrade benchmark's (loadtest/lib/pool.py): a request that got
 **no response start** (refused or reset before a status line) is sent again to the next
 gateway; anything else is final. Unlike `post_stream`, the reader keeps the times of its SSE
 events, as the stall of a running stream is what a fault costs a client that already has
@@ -21,8 +21,8 @@ import aiohttp
 import orjson
 
 from pdgate.config.aio import finish_or_cancel
+from pdgate.loadtest.lib.pool import GatewayPool, PoolLoad
 from pdgate.loadtest.scheduling.workload import Workload as Prompts
-from pdgate.loadtest.upgrade.load import GatewayPool
 
 __all__ = ["DROPPED", "GAP_KEEP_S", "OpenStreamingLoad", "StreamRecord", "read_stream"]
 
@@ -114,7 +114,7 @@ async def read_stream(
         tail = window[-(len(_ERROR) + 512) :] if not record.errored else b""
 
 
-class OpenStreamingLoad:
+class OpenStreamingLoad(PoolLoad):
     """Poisson arrivals at `rate_rps` (seeded), arrival i to gateway i mod N (its retries to
     the next ones); at most `max_in_flight` open, beyond that an arrival is `DROPPED`.
     `pause` stops the arrivals (requests open go on), `resume` starts them again."""
@@ -136,25 +136,20 @@ class OpenStreamingLoad:
     ) -> None:
         if rate_rps <= 0:
             raise ValueError("the rate must be positive")
-        self._session = session
-        self._pool = pool
-        self._prompts = prompts
+        timeout = aiohttp.ClientTimeout(total=client_timeout_s, sock_read=60.0)
+        super().__init__(
+            session, pool, prompts, model, origin=origin, max_attempts=max_attempts,
+            timeout=timeout, min_tokens=min_tokens,
+        )  # fmt: skip
         self.rate_rps = rate_rps
-        self._model = model
-        self._origin = origin
         self._rng = random.Random(seed)
         self._prompt_rng = prompts.user_rng(seed)
-        self._min_tokens = min_tokens
         self._max_in_flight = max_in_flight
-        self._max_attempts = max_attempts
-        self._timeout = aiohttp.ClientTimeout(total=client_timeout_s, sock_read=60.0)
         self._arrivals: asyncio.Task[None] | None = None
         self._requests: set[asyncio.Task[None]] = set()
         self._running = asyncio.Event()
-        self._stopping = False
         self._count = 0
         self.records: list[StreamRecord] = []
-        self.in_flight = 0
 
     @property
     def issued(self) -> int:
@@ -209,36 +204,29 @@ class OpenStreamingLoad:
             self._requests.add(task)
             task.add_done_callback(self._requests.discard)
 
-    def _body(self) -> bytes:
+    def _next_body(self) -> bytes:
         prompt = self._prompts.next_prompt(self._prompt_rng)
         most = prompt.scenario.max_tokens
         low = most if self._min_tokens is None else self._min_tokens
-        tokens = self._prompt_rng.randint(min(low, most), most)
-        return orjson.dumps(
-            {"model": self._model, "prompt": prompt.text, "max_tokens": tokens,
-             "temperature": 0, "stream": True}
-        )  # fmt: skip
+        return self._body(prompt.text, self._prompt_rng.randint(min(low, most), most))
 
     async def _one(self, index: int) -> None:
         self.in_flight += 1
         try:
-            self.records.append(await self._request(index, self._body()))
+            self.records.append(await self._request(index, self._next_body()))
         finally:
             self.in_flight -= 1
 
     async def _request(self, index: int, body: bytes) -> StreamRecord:
         start = time.monotonic()
         record = StreamRecord(issued_s=start - self._origin)
-        attempt = 0
-        while True:
-            slot, url = self._pool.pick(index, attempt)
+
+        async def attempt(slot: int, url: str) -> int:
             record.gateway = slot
-            await self._attempt(url + "/v1/completions", body, record, start)
-            attempt += 1
-            if record.status != 0 or attempt >= self._max_attempts:
-                break
-            await asyncio.sleep(0.05 * attempt)  # a gateway just went away: try the next
-        record.reconnects = attempt - 1
+            await self._attempt(url, body, record, start)
+            return record.status
+
+        record.reconnects = await self._send(index, attempt) - 1
         record.ended_s = time.monotonic() - self._origin
         return record
 

@@ -39,15 +39,14 @@ from pdgate.loadtest.lib.children import Child
 from pdgate.loadtest.lib.deployed import (
     GATEWAY_READY,
     DeployedCluster,
-    Deployment,
     settings_env,
 )
 from pdgate.loadtest.lib.log import Log, to_stderr
+from pdgate.loadtest.lib.pool import FleetRun, GatewayPool, sim_fleet
 from pdgate.loadtest.lib.probes import LOOP_LAG, read_histogram, wait_instances
 from pdgate.loadtest.lib.rss import RssSample, RssSampler
 from pdgate.loadtest.scheduling.workload import Scenario
 from pdgate.loadtest.scheduling.workload import Workload as Prompts
-from pdgate.loadtest.upgrade.load import GatewayPool
 from pdgate.registry._redis_url import open_redis
 from pdgate.registry.base import RegistryUnavailable
 from pdgate.registry.redis import RedisRegistry
@@ -291,7 +290,7 @@ async def _fleet_whole(
     return True
 
 
-class _Chaos:
+class _Chaos(FleetRun[ChaosPlan]):
     def __init__(
         self,
         plan: ChaosPlan,
@@ -303,19 +302,11 @@ class _Chaos:
         origin: float,
         log: Log,
     ) -> None:
-        self.plan = plan
+        super().__init__(plan, cluster, session, pool, origin, log)
         self.redis = redis
-        self.cluster = cluster
-        self.session = session
-        self.pool = pool
         self.load = load
-        self.origin = origin
-        self.log = log
         self.registry = RedisRegistry(redis.url, key_prefix=_PREFIX)
         self.background: asyncio.Task[None] | None = None  # repairs awaited before the check
-
-    def now(self) -> float:
-        return time.monotonic() - self.origin
 
     def shim_urls(self) -> set[str]:
         return {*self.cluster.prefill_urls, *self.cluster.decode_urls}
@@ -571,21 +562,7 @@ def capacity_of(plan: ChaosPlan, records: list[StreamRecord]) -> float:
 async def run_chaos(plan: ChaosPlan, log: Log = to_stderr) -> ChaosResult:
     began = time.monotonic()
     load0 = os.getloadavg()[0]
-    shim: Mapping[str, Any] = {
-        "model": _MODEL,
-        "sim_profile": plan.sim_profile,
-        "sim_prefix_cache_blocks": 0,
-        "sim_kv_wire_fraction": 1 / 131072,
-    }
-    deployment = Deployment(
-        prefills=plan.prefills,
-        decodes=plan.decodes,
-        gateways=plan.gateways,
-        prefill_settings={**shim, "capacity": plan.prefill_capacity},
-        decode_settings={**shim, "capacity": plan.decode_capacity},
-        gateway_settings={"prefill_policy": "least_sse"},
-        key_prefix=_PREFIX,
-    )
+    deployment = sim_fleet(plan, _MODEL, _PREFIX)
     prompts = Prompts((plan.scenario(),), seed=plan.seed)
     faults: list[FaultEvent] = []
     overloads: list[OverloadResult] = []

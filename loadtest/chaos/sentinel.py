@@ -22,8 +22,8 @@ from pathlib import Path
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from pdgate.loadtest.lib.children import Child, free_port
-from pdgate.loadtest.lib.redis import INSTALL_HINT, redis_binary, sentinel_conf, server_argv
+from pdgate.loadtest.lib.children import Child, Children, free_port
+from pdgate.loadtest.lib.redis import INSTALL_HINT, redis_binary, sentinel_confs, server_argv
 
 __all__ = ["SentinelRedis"]
 
@@ -36,7 +36,7 @@ def _client(port: int) -> Redis:
     return Redis(host="127.0.0.1", port=port, socket_timeout=1.0, socket_connect_timeout=1.0)
 
 
-class SentinelRedis:
+class SentinelRedis(Children):
     """``async with SentinelRedis() as s:`` starts the five processes and waits until the
     sentinels know the replica and each other; stops them all on exit."""
 
@@ -68,34 +68,15 @@ class SentinelRedis:
         self._nodes[port] = child
         await child.start(_READY, timeout_s=10)
 
-    async def __aenter__(self) -> SentinelRedis:
-        try:
-            await self._start()
-        except BaseException:
-            await self.aclose()
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
     async def _start(self) -> None:
         self.primary_port, self.replica_port = free_port(), free_port()
         await self._node(self.primary_port)
         await self._node(self.replica_port, "--replicaof", "127.0.0.1", str(self.primary_port))
-        for i in range(3):
-            port = free_port()
-            conf = self._dir / f"sentinel{i}.conf"
-            conf.write_text(
-                sentinel_conf(
-                    port,
-                    str(self._dir),
-                    SERVICE,
-                    self.primary_port,
-                    down_after_ms=self._down_after_ms,
-                    failover_timeout_ms=self._failover_timeout_ms,
-                )
-            )
+        confs = sentinel_confs(
+            self._dir, SERVICE, self.primary_port,
+            down_after_ms=self._down_after_ms, failover_timeout_ms=self._failover_timeout_ms,
+        )  # fmt: skip
+        for i, (port, conf) in enumerate(confs):
             child = Child(f"sentinel-{i}", [self._binary, str(conf), "--sentinel"])
             self._sentinels.append((port, child))
             await child.start(_SENTINEL_READY, timeout_s=10)

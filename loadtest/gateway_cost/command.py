@@ -1,10 +1,13 @@
-"""``pdgate bench gateway``, ``profile``, ``compare`` and ``hotpath``: the gateway's own cost.
+"""``pdgate bench gateway``, ``profile``, ``compare``, ``hotpath``, ``stages`` and
+``instructions``: the gateway's own cost.
 
 ``gateway`` (bench.py) prints one JSON line and, unless ``--quick`` or ``--no-doc``, writes
 the generated block of docs/results/performance/README.md. ``profile`` (profile.py) prints
 py-spy's view of the gateway's hot path. ``compare`` (compare.py) prints a markdown table of
 gateway builds side by side; ``hotpath`` (hotpath.py) one of pdgate's own CPU per request,
-without sockets.
+without sockets; ``stages`` (stages.py) a lone request's time step by step, and
+``instructions`` (instructions.py) valgrind's count of its machine instructions, both in
+process.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import orjson
 
+from pdgate.loadtest.lib.args import positive_int, with_args
 from pdgate.loadtest.lib.children import run_main
 from pdgate.loadtest.lib.docs import update_block
 from pdgate.loadtest.lib.log import to_stderr
@@ -25,15 +30,21 @@ __all__ = [
     "COMPARE_HELP",
     "GATEWAY_HELP",
     "HOTPATH_HELP",
+    "INSTRUCTIONS_HELP",
     "PROFILE_HELP",
+    "STAGES_HELP",
     "compare_main",
     "configure_compare",
     "configure_gateway",
     "configure_hotpath",
+    "configure_instructions",
     "configure_profile",
+    "configure_stages",
     "gateway_main",
     "hotpath_main",
+    "instructions_main",
     "profile_main",
+    "stages_main",
     "update_gateway_doc",
 ]
 
@@ -41,6 +52,8 @@ GATEWAY_HELP = "the gateway's own cost vs vllm-router, SMG and no router"
 PROFILE_HELP = "py-spy profile of the gateway on the hot path"
 HOTPATH_HELP = "pdgate's own CPU per request, in process over MockUpstream (no sockets)"
 COMPARE_HELP = "gateway builds (e.g. two checkouts) in front of the same engines, same rates"
+STAGES_HELP = "a lone request's time in pdgate, step by step, in process (no sockets)"
+INSTRUCTIONS_HELP = "machine instructions per request in process, counted by valgrind"
 
 
 def configure_gateway(g: argparse.ArgumentParser) -> None:
@@ -140,15 +153,7 @@ def configure_profile(pr: argparse.ArgumentParser) -> None:
 def profile_main(args: argparse.Namespace, command: str) -> int:
     from pdgate.loadtest.gateway_cost.profile import ProfilePlan, profile_gateway
 
-    plan = ProfilePlan(
-        concurrency=args.concurrency,
-        seconds=args.seconds,
-        top=args.top,
-        out=args.out,
-        engine=args.engine,
-        front=args.front,
-    )
-    print(run_main(profile_gateway(plan)), end="", flush=True)
+    print(run_main(profile_gateway(with_args(ProfilePlan(), args))), end="", flush=True)
     return 0
 
 
@@ -228,15 +233,7 @@ def configure_hotpath(h: argparse.ArgumentParser) -> None:
 def hotpath_main(args: argparse.Namespace, command: str) -> int:
     from pdgate.loadtest.gateway_cost.hotpath import HotpathPlan, run_hotpath
 
-    plan = HotpathPlan(
-        requests=args.requests,
-        concurrency=args.concurrency,
-        rounds=args.rounds,
-        tokens=args.tokens,
-        stream=not args.whole,
-        instances=args.instances,
-        profile=args.profile,
-    )
+    plan = with_args(HotpathPlan(), args, stream=not args.whole)
     if args.uvloop:
         import asyncio
 
@@ -254,43 +251,69 @@ def hotpath_main(args: argparse.Namespace, command: str) -> int:
     return 0
 
 
+def configure_stages(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--rounds", type=positive_int, default=3)
+    s.add_argument("--requests", type=positive_int, default=3000, help="per round")
+    s.add_argument("--warmup", type=int, default=500)
+
+
+def stages_main(args: argparse.Namespace, command: str) -> int:
+    from pdgate.loadtest.gateway_cost.stages import run
+
+    print(run(args.rounds, args.requests, args.warmup), end="", flush=True)
+    return 0
+
+
+def configure_instructions(i: argparse.ArgumentParser) -> None:
+    i.add_argument(
+        "--same-mock",
+        action="store_true",
+        help="the in-memory upstream's decode open without its timeout, as in older builds",
+    )
+    i.add_argument(
+        "--no-drain",
+        action="store_true",
+        help="drain admission and the loop-lag timer off (settings older builds lack)",
+    )
+
+
+def instructions_main(args: argparse.Namespace, command: str) -> int:
+    from pdgate.loadtest.gateway_cost.instructions import instructions_per_request
+
+    print(instructions_per_request(same_mock=args.same_mock, no_drain=args.no_drain), flush=True)
+    return 0
+
+
 def gateway_main(args: argparse.Namespace, command: str) -> int:
     from pdgate.loadtest.gateway_cost.bench import QUICK, GatewayPlan, run_gateway_bench
     from pdgate.loadtest.gateway_cost.report import json_line, markdown
 
-    plan = QUICK if args.quick else GatewayPlan()
-    if args.idle_streams is not None:
-        plan = replace(plan, idle_streams=args.idle_streams)
-    for field in ("ttft_requests", "rounds", "window_s"):
-        if getattr(args, field) is not None:
-            plan = replace(plan, **{field: getattr(args, field)})
-    if args.concurrencies:
-        plan = replace(plan, concurrencies=tuple(int(c) for c in args.concurrencies.split(",")))
-    if args.no_router:
-        plan = replace(plan, with_router=False)
-    if args.no_smg:
-        plan = replace(plan, with_smg=False)
-    if args.pin:
-        plan = replace(plan, pin=True)
-    if args.workers:
-        plan = replace(plan, workers=tuple(int(w) for w in args.workers.split(",")))
-    if args.no_plain:
-        plan = replace(plan, plain=False)
-    if args.aiohttp:
-        plan = replace(plan, aiohttp=True)
-    if args.floor:
-        plan = replace(plan, floor=True)
-    if args.apis:
-        plan = replace(plan, apis=tuple(args.apis.split(",")))
-    if args.prefill_ms is not None:
-        plan = replace(plan, prefill_s=args.prefill_ms / 1000)
-    if args.token_ms is not None:
-        plan = replace(plan, token_s=args.token_ms / 1000)
-    plan = replace(plan, router_policies=tuple(args.router_policies.split(",")))
-    if args.stock_no_tokenizer:
-        plan = replace(plan, stock_tokenizer=False)
-    if args.engine != "both":
-        plan = replace(plan, engines=(args.engine,))
+    def numbers(text: str | None, kind: type = int) -> tuple[Any, ...] | None:
+        return tuple(kind(x) for x in text.split(",")) if text else None
+
+    changed: dict[str, Any] = {
+        "idle_streams": args.idle_streams,
+        "ttft_requests": args.ttft_requests,
+        "rounds": args.rounds,
+        "window_s": args.window_s,
+        "concurrencies": numbers(args.concurrencies),
+        "with_router": False if args.no_router else None,
+        "with_smg": False if args.no_smg else None,
+        "pin": args.pin or None,
+        "workers": numbers(args.workers),
+        "plain": False if args.no_plain else None,
+        "aiohttp": args.aiohttp or None,
+        "floor": args.floor or None,
+        "apis": numbers(args.apis, str),
+        "prefill_s": None if args.prefill_ms is None else args.prefill_ms / 1000,
+        "token_s": None if args.token_ms is None else args.token_ms / 1000,
+        "router_policies": numbers(args.router_policies, str),
+        "stock_tokenizer": False if args.stock_no_tokenizer else None,
+        "engines": None if args.engine == "both" else (args.engine,),
+    }
+    # An option left out (None) keeps the plan's value.
+    given = {k: v for k, v in changed.items() if v is not None}
+    plan = replace(QUICK if args.quick else GatewayPlan(), **given)
     load_before = os.getloadavg()
     result = run_main(run_gateway_bench(plan, to_stderr))
     doc = args.doc or (None if args.quick else Path("docs/results/performance/README.md"))

@@ -34,7 +34,7 @@ from pdgate.config.server import bind_socket, bound_port, run, serving
 from pdgate.config.wire import prefill_kv_request
 from pdgate.gateway.errors import UpstreamError
 from pdgate.gateway.upstream.h1 import H1Upstream
-from pdgate.loadtest.gateway_cost.stock import _answer, _lifespan
+from pdgate.loadtest.gateway_cost.stock import _answer, not_http
 
 __all__ = ["FloorApp", "main"]
 
@@ -61,10 +61,7 @@ class FloorApp:
         self._turn = itertools.count()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
-            return
-        if scope["type"] != "http":
+        if await not_http(scope, receive, send):
             return
         if scope["path"] == "/health":
             await _answer(send, 200, b"{}", _JSON)

@@ -38,13 +38,20 @@ import orjson
 
 from pdgate.config import GatewaySettings, RegistrySettings, Role
 from pdgate.config.wire import EXT_BATCH_PREFILL, EXT_CONTINUATION, EXT_QUEUELESS, SSE_DONE
-from pdgate.gateway.app import build_gateway_app
+from pdgate.gateway.app import GatewayApp, build_gateway_app
 from pdgate.gateway.upstream.mock import Call, MockUpstream, Reply
 from pdgate.loadtest.gateway_cost._asgi import Lifespan, decode_events, requests
 from pdgate.registry import open_registry
-from pdgate.registry.base import InstanceRecord
+from pdgate.registry.base import InstanceRecord, Registry
 
-__all__ = ["HotpathPlan", "HotpathResult", "engine_handler", "run_hotpath"]
+__all__ = [
+    "HotpathPlan",
+    "HotpathResult",
+    "engine_handler",
+    "mock_gateway",
+    "request_body",
+    "run_hotpath",
+]
 
 _MODEL = "sim-llama-3.1-8b"
 
@@ -113,22 +120,36 @@ def engine_handler(tokens: int) -> Callable[[Call], Awaitable[Reply]]:
     return handler
 
 
-async def run_hotpath(plan: HotpathPlan) -> HotpathResult:
+async def mock_gateway(
+    instances: int, handler: Callable[[Call], Awaitable[Reply]]
+) -> tuple[GatewayApp, Registry]:
+    """The gateway's app as ``pdgate gateway`` builds it (settings from the environment), over
+    `MockUpstream` answering with `handler`, `instances` queue-less prefills and as many decodes
+    in an in-memory registry (the caller closes it)."""
     registry = open_registry(RegistrySettings())
     for role, extensions in (
         (Role.PREFILL, (EXT_BATCH_PREFILL, EXT_QUEUELESS)),
         (Role.DECODE, (EXT_CONTINUATION,)),
     ):
-        for i in range(plan.instances):
+        for i in range(instances):
             name = f"{role.value}{i}"
             record = InstanceRecord(id=name, role=role, url=f"http://{name}", model=_MODEL,
                                     capacity=1024, extensions=extensions)  # fmt: skip
             await registry.put(record, ttl_s=3600)
-    upstream = MockUpstream(engine_handler(plan.tokens), record=False)
+    upstream = MockUpstream(handler, record=False)
     app = build_gateway_app(GatewaySettings.load(), registry, RegistrySettings(), upstream=upstream)
-    body = orjson.dumps({"model": _MODEL, "prompt": "hello world " * 8,
-                         "max_tokens": plan.tokens, "stream": plan.stream,
-                         "temperature": 0})  # fmt: skip
+    return app, registry
+
+
+def request_body(tokens: int, *, stream: bool = True) -> bytes:
+    """The benchmark's completion request: a short prompt, `tokens` tokens."""
+    return orjson.dumps({"model": _MODEL, "prompt": "hello world " * 8, "max_tokens": tokens,
+                         "stream": stream, "temperature": 0})  # fmt: skip
+
+
+async def run_hotpath(plan: HotpathPlan) -> HotpathResult:
+    app, registry = await mock_gateway(plan.instances, engine_handler(plan.tokens))
+    body = request_body(plan.tokens, stream=plan.stream)
 
     us: list[float] = []
     rps: list[float] = []

@@ -47,7 +47,7 @@ import orjson
 
 from pdgate.config.server import bind_socket, bound_port, serving
 
-__all__ = ["MODEL", "StockEngine", "StockOptions", "prompt_key", "serve_stock"]
+__all__ = ["MODEL", "StockEngine", "StockOptions", "not_http", "prompt_key", "serve_stock"]
 
 MODEL = "sim-llama-3.1-8b"  # the name the load client asks for, as with the shims
 _HOST = "127.0.0.1"
@@ -124,10 +124,7 @@ class StockEngine:
         return {**self._legs, "paths": dict(self._paths), "connections": len(self._clients)}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
-            return
-        if scope["type"] != "http":
+        if await not_http(scope, receive, send):
             return
         method, path = scope["method"], scope["path"]
         self._count(f"{method} {path}", scope.get("client"))
@@ -298,6 +295,15 @@ async def _answer(send: Send, status: int, body: bytes, headers: list[tuple[byte
 
 async def _more(send: Send, data: bytes) -> None:
     await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+async def not_http(scope: Scope, receive: Receive, send: Send) -> bool:
+    """Answer what is not an HTTP request (the lifespan protocol: started, stopped); True
+    where the scope was not one."""
+    if scope["type"] == "lifespan":
+        await _lifespan(receive, send)
+        return True
+    return bool(scope["type"] != "http")
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

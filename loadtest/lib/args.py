@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-__all__ = ["positive_int", "positive_numbers", "some_of"]
+__all__ = ["positive_int", "positive_numbers", "some_of", "with_args"]
+
+_Plan = TypeVar("_Plan")
 
 
 def positive_int(text: str) -> int:
@@ -40,3 +44,11 @@ def positive_numbers(text: str) -> tuple[float, ...]:
     if not values or min(values) <= 0:
         raise argparse.ArgumentTypeError("expected positive numbers, comma-separated")
     return values
+
+
+def with_args(plan: _Plan, args: argparse.Namespace, **given: Any) -> _Plan:
+    """`plan` (a dataclass instance) with each field the command line gave by the same name
+    (an option left at None keeps the plan's value), and `given` on top."""
+    names = {f.name for f in dataclasses.fields(plan)}  # type: ignore[arg-type]
+    found = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    return dataclasses.replace(plan, **{**found, **given})  # type: ignore[type-var]

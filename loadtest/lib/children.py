@@ -34,11 +34,11 @@ import tempfile
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any, Self, TypeVar
 
 from pdgate.loadtest.lib import procfs
 
-__all__ = ["Child", "find_binary", "free_port", "run_main", "start_all"]
+__all__ = ["Child", "Children", "find_binary", "free_port", "run_main", "start_all"]
 
 T = TypeVar("T")
 
@@ -302,3 +302,25 @@ def run_main(main: Coroutine[Any, Any, T]) -> T:
         if caught:
             raise SystemExit(128 + caught[0]) from None
         raise
+
+
+class Children:
+    """``async with`` a group of child processes: `_start` starts them all, or `aclose`
+    stops those that did start and the error goes on; leaving the block calls `aclose`."""
+
+    async def _start(self) -> None:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self._start()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

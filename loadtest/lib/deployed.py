@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from pdgate.loadtest.lib.children import Child, start_all
+from pdgate.loadtest.lib.children import Child, Children, start_all
 from pdgate.loadtest.lib.redis import private_redis
 
 __all__ = [
@@ -70,7 +70,7 @@ class Deployment:
     log_level: str = "WARNING"
 
 
-class DeployedCluster:
+class DeployedCluster(Children):
     """``async with DeployedCluster(d) as c:`` starts Redis, then every shim and gateway at
     once; on exit stops the gateways first (no new work), then the shims, then Redis.
     `redis_url`: register in that Redis instead (the caller runs it), e.g. a Sentinel
@@ -106,14 +106,6 @@ class DeployedCluster:
         registry = {"PDGATE_REGISTRY_URL": self.redis_url,
                     "PDGATE_REGISTRY_KEY_PREFIX": self.deployment.key_prefix}  # fmt: skip
         return Child(name, argv, {**registry, **env})
-
-    async def __aenter__(self) -> DeployedCluster:
-        try:
-            await self._start()
-        except BaseException:
-            await self.aclose()
-            raise
-        return self
 
     async def _start(self) -> None:
         d = self.deployment
@@ -188,6 +180,3 @@ class DeployedCluster:
     async def aclose(self) -> None:
         """Stop the gateways, then the shims, then Redis."""
         await self._stack.aclose()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()

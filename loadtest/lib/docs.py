@@ -9,9 +9,11 @@ import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["publish", "save_run", "update_block", "write_rows"]
+
+_Result = TypeVar("_Result")
 
 
 def update_block(doc: Path, name: str, block: str, *, append: bool = False) -> bool:
@@ -34,21 +36,23 @@ def update_block(doc: Path, name: str, block: str, *, append: bool = False) -> b
 def save_run(
     out: Path,
     kind: str,
+    result: _Result,
+    title: str,
     *,
-    plot: Callable[[Path], None],
-    csv: Callable[[Path], None] | None = None,
+    plot: Callable[[_Result, Path, str], None],
+    csv: Callable[[_Result, Path], None] | None = None,
 ) -> str | None:
     """Write run `kind`'s files into `out` (created): ``<kind>.csv`` with `csv`, and
-    ``<kind>.png`` with `plot`; the plot as the docs link it from ``out`` (``<kind>.png``: the
-    doc, ``out/README.md`` by default, and ``out/<kind>.md`` sit beside it), None
-    when it could not be drawn (matplotlib, the loadtest extra, missing: a hint on stderr,
-    the numbers are published without their plot)."""
+    ``<kind>.png`` with `plot` (titled `title`); the plot as the docs link it from ``out``
+    (``<kind>.png``: the doc, ``out/README.md`` by default, and ``out/<kind>.md`` sit beside
+    it), None when it could not be drawn (matplotlib, the loadtest extra, missing: a hint on
+    stderr, the numbers are published without their plot)."""
     out.mkdir(parents=True, exist_ok=True)
     if csv is not None:
-        csv(out / f"{kind}.csv")
+        csv(result, out / f"{kind}.csv")
     png = out / f"{kind}.png"
     try:
-        plot(png)
+        plot(result, png, title)
     except ImportError:
         print("no plot: matplotlib is missing (pip install -e '.[loadtest]')", file=sys.stderr)
         return None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import tempfile
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from pdgate.loadtest.lib.children import Child, find_binary, free_port
 
@@ -13,7 +14,7 @@ __all__ = [
     "INSTALL_HINT",
     "private_redis",
     "redis_binary",
-    "sentinel_conf",
+    "sentinel_confs",
     "server_argv",
 ]
 
@@ -32,24 +33,29 @@ def server_argv(binary: str, port: int, workdir: str, *extra: str) -> list[str]:
             "--appendonly", "no", "--dir", workdir, "--daemonize", "no", *extra]  # fmt: skip
 
 
-def sentinel_conf(
-    port: int,
-    workdir: str,
+def sentinel_confs(
+    folder: Path,
     service: str,
     primary_port: int,
     *,
     down_after_ms: int,
     failover_timeout_ms: int,
-) -> str:
-    """The config file of one of three sentinels (quorum 2) watching `service`'s primary on
-    127.0.0.1:`primary_port` (a sentinel rewrites its file: one per sentinel)."""
-    return (
-        f"port {port}\nbind 127.0.0.1\ndir {workdir}\n"
-        f"sentinel monitor {service} 127.0.0.1 {primary_port} 2\n"
-        f"sentinel down-after-milliseconds {service} {down_after_ms}\n"
-        f"sentinel failover-timeout {service} {failover_timeout_ms}\n"
-        f"sentinel parallel-syncs {service} 1\n"
-    )
+) -> list[tuple[int, Path]]:
+    """Three sentinels (quorum 2) watching `service`'s primary on 127.0.0.1:`primary_port`:
+    each one's free port and config file, written in `folder` (a sentinel rewrites its file:
+    one each)."""
+    out = []
+    for i in range(3):
+        port, conf = free_port(), folder / f"sentinel{i}.conf"
+        conf.write_text(
+            f"port {port}\nbind 127.0.0.1\ndir {folder}\n"
+            f"sentinel monitor {service} 127.0.0.1 {primary_port} 2\n"
+            f"sentinel down-after-milliseconds {service} {down_after_ms}\n"
+            f"sentinel failover-timeout {service} {failover_timeout_ms}\n"
+            f"sentinel parallel-syncs {service} 1\n"
+        )
+        out.append((port, conf))
+    return out
 
 
 @contextlib.asynccontextmanager

@@ -16,11 +16,9 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-import orjson
-
 from pdgate.loadtest.lib.args import positive_int
-from pdgate.loadtest.lib.children import run_main
 from pdgate.loadtest.lib.docs import publish, save_run
+from pdgate.loadtest.lib.suite import add_outputs, add_runs, run_experiment_command
 from pdgate.loadtest.ratio.experiment import Plan, Result, Split, run_experiment
 from pdgate.loadtest.ratio.report import markdown, summary_json, write_csv, write_plot
 from pdgate.loadtest.ratio.workload import QUICK_WORKLOADS, WORKLOADS, Shape, workload_named
@@ -49,10 +47,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--quick", action="store_true",
         help="shorter workloads and windows, one seed, each workload from its worst start (<90 s)",
     )  # fmt: skip
-    p.add_argument("--out", type=Path, default=Path("docs/results/ratio"), help="output folder")
-    p.add_argument("--doc", type=Path, default=Path("docs/results/ratio/README.md"))
-    p.add_argument("--no-doc", action="store_true", help="do not update the doc's block")
-    p.add_argument("--kind", help="name of the outputs and the doc block; default quick or full")
+    add_outputs(p, "ratio")
     p.add_argument(
         "--workloads",
         help="comma-separated, default all: " + ", ".join(w.name for w in WORKLOADS),
@@ -66,10 +61,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--instances", type=positive_int, help="prefills + decodes (default 8)")
     p.add_argument("--gateways", type=positive_int, help="gateways (default 1)")
-    p.add_argument("--seed", type=int, default=0, help="the first seed")
-    p.add_argument("--seeds", type=positive_int, help="runs per split, seeds SEED.. (default 3)")
-    p.add_argument("--warmup-s", type=float, help="warm-up per run (default 8)")
-    p.add_argument("--measure-s", type=float, help="window per run (default 15)")
+    add_runs(
+        p, per="split", warmup="warm-up per run (default 8)", measure="window per run (default 15)"
+    )
     p.add_argument("--users-scale", type=float, help="multiply the workloads' users")
 
 
@@ -127,19 +121,12 @@ def describe(plan: Plan) -> str:
 
 
 def write_outputs(result: Result, kind: str, out: Path, doc: Path | None, command: str) -> None:
-    plot = save_run(
-        out,
-        kind,
-        csv=lambda path: write_csv(result, path),
-        plot=lambda path: write_plot(result, path, f"pdgate bench ratio ({kind})"),
-    )
+    title = f"pdgate bench ratio ({kind})"
+    plot = save_run(out, kind, result, title, csv=write_csv, plot=write_plot)
     publish(markdown(result, command, plot, describe(result.plan)), out, kind, doc, "ratio")
 
 
 def main(args: argparse.Namespace, command: str) -> int:
-    plan = plan_from_args(args)
-    kind = args.kind or ("quick" if args.quick else "full")
-    result = run_main(run_experiment(plan))
-    write_outputs(result, kind, args.out, None if args.no_doc else args.doc, command)
-    print(orjson.dumps(summary_json(result)).decode(), flush=True)
-    return 0
+    return run_experiment_command(
+        "ratio", args, command, plan_from_args, run_experiment, write_outputs, summary_json
+    )

@@ -19,15 +19,12 @@ markers.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
 from pathlib import Path
 
-import orjson
-
 from pdgate.loadtest.lib.args import positive_int, some_of
-from pdgate.loadtest.lib.children import run_main
 from pdgate.loadtest.lib.docs import publish, save_run
+from pdgate.loadtest.lib.suite import run_experiment_command
 from pdgate.loadtest.scheduling.capacity import Capacity, CapacityPlan
 from pdgate.loadtest.scheduling.clusters import DEPLOYS
 from pdgate.loadtest.scheduling.experiment import Plan, Result, run_experiment
@@ -333,12 +330,7 @@ def describe(plan: Plan) -> str:
 
 def write_outputs(result: Result, kind: str, out: Path, doc: Path | None, command: str) -> None:
     title = f"pdgate bench scheduling ({kind}): {describe(result.plan)}"
-    save_run(
-        out,
-        kind,
-        csv=lambda path: write_csv(result, path),
-        plot=lambda path: write_plot(result, path, title),
-    )
+    save_run(out, kind, result, title, csv=write_csv, plot=write_plot)
     plan = result.plan
     calibration = calibration_table(result.calibration, plan.success_target)
     capacity = capacity_table(result)
@@ -369,15 +361,13 @@ def write_outputs(result: Result, kind: str, out: Path, doc: Path | None, comman
     publish(block, out, kind, doc, "scheduling")
 
 
+def _checked_plan(args: argparse.Namespace) -> Plan:
+    plan = plan_from_args(args)
+    plan.check()  # every mode's settings, before any server starts
+    return plan
+
+
 def main(args: argparse.Namespace, command: str) -> int:
-    try:
-        plan = plan_from_args(args)
-        plan.check()  # every mode's settings, before any server starts
-    except ValueError as exc:
-        print(f"pdgate bench scheduling: {exc}", file=sys.stderr)
-        return 2
-    kind = args.kind or ("quick" if args.quick else "full")
-    result = run_main(run_experiment(plan))
-    write_outputs(result, kind, args.out, None if args.no_doc else args.doc, command)
-    print(orjson.dumps(summary_json(result)).decode(), flush=True)
-    return 0
+    return run_experiment_command(
+        "scheduling", args, command, _checked_plan, run_experiment, write_outputs, summary_json
+    )

@@ -58,7 +58,7 @@ def main(args: argparse.Namespace, command: str) -> int:
     if doc is not None and not args.no_doc:
         kind = args.kind or plan.policy
         title = f"pdgate bench soak ({kind})"
-        plot = save_run(args.out, kind, plot=lambda path: write_plot(result, path, title))
+        plot = save_run(args.out, kind, result, title, plot=write_plot)
         update_block(doc, f"soak:{kind}", markdown(result, command, plot), append=True)
     print(orjson.dumps(result).decode(), flush=True)
     return 0

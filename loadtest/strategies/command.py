@@ -15,16 +15,13 @@ every one. Files: ``OUT/KIND.csv`` (every point, the capacity searches' too), ``
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from pdgate.loadtest.lib.args import positive_int, positive_numbers, some_of
-from pdgate.loadtest.lib.children import run_main
 from pdgate.loadtest.lib.docs import publish, save_run
+from pdgate.loadtest.lib.suite import add_outputs, add_runs, run_experiment_command
 from pdgate.loadtest.scheduling.runner import Timing
 from pdgate.loadtest.scheduling.workload import WORKLOADS
 from pdgate.loadtest.strategies.experiment import Result, run_experiment
@@ -42,10 +39,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the mix on 25 Gb/s, loads 0.5,1,2, one seed, short windows (a few minutes)",
     )
-    p.add_argument("--out", type=Path, default=Path("docs/results/strategies"))
-    p.add_argument("--doc", type=Path, default=Path("docs/results/strategies/README.md"))
-    p.add_argument("--no-doc", action="store_true", help="do not update the doc's block")
-    p.add_argument("--kind", help="name of the outputs and the doc block; default quick or full")
+    add_outputs(p, "strategies")
     p.add_argument(
         "--strategies",
         type=some_of(STRATEGIES),
@@ -70,10 +64,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tpot-slo-ms", type=float, help="every request's TPOT SLO (default 100)")
     p.add_argument("--slots", type=positive_int, help="sequences per decode or aggregated instance")
     p.add_argument("--prefill-slots", type=positive_int, help="batch slots per prefill (default 1)")
-    p.add_argument("--seed", type=int, default=0, help="the first seed")
-    p.add_argument("--seeds", type=positive_int, help="runs per load, seeds SEED.. (default 3)")
-    p.add_argument("--warmup-s", type=float, help="warm-up per point")
-    p.add_argument("--measure-s", type=float, help="window per load point")
+    add_runs(p, per="load", warmup="warm-up per point", measure="window per load point")
     p.add_argument("--search-s", type=float, help="window per point of the capacity search")
     p.add_argument(
         "--start-rps",
@@ -145,12 +136,7 @@ def describe(plan: StrategiesPlan) -> str:
 
 def write_outputs(result: Result, kind: str, out: Path, doc: Path | None, command: str) -> None:
     title = f"pdgate bench strategies ({kind}): {describe(result.plan)}"
-    save_run(
-        out,
-        kind,
-        csv=lambda path: write_csv(result, path),
-        plot=lambda path: write_plot(result, path, title),
-    )
+    save_run(out, kind, result, title, csv=write_csv, plot=write_plot)
     block = (
         f"Command: `{command}` ({result.wall_s:.0f} s wall clock)\n\n"
         f"Cluster: {describe(result.plan)}.\n\n"
@@ -160,15 +146,13 @@ def write_outputs(result: Result, kind: str, out: Path, doc: Path | None, comman
     publish(block, out, kind, doc, "strategies")
 
 
+def _checked_plan(args: argparse.Namespace) -> StrategiesPlan:
+    plan = plan_from_args(args)
+    plan.check()
+    return plan
+
+
 def main(args: argparse.Namespace, command: str) -> int:
-    try:
-        plan = plan_from_args(args)
-        plan.check()
-    except ValueError as exc:
-        print(f"pdgate bench strategies: {exc}", file=sys.stderr)
-        return 2
-    kind = args.kind or ("quick" if args.quick else "full")
-    result = run_main(run_experiment(plan))
-    write_outputs(result, kind, args.out, None if args.no_doc else args.doc, command)
-    print(orjson.dumps(summary_json(result)).decode(), flush=True)
-    return 0
+    return run_experiment_command(
+        "strategies", args, command, _checked_plan, run_experiment, write_outputs, summary_json
+    )

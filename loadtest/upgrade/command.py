@@ -13,13 +13,14 @@ the ``upgrade:KIND`` block of the doc (KIND = quick or full, or ``--kind``).
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 from pathlib import Path
 
 import orjson
 
+from pdgate.loadtest.lib.args import with_args
 from pdgate.loadtest.lib.children import run_main
 from pdgate.loadtest.lib.docs import publish, save_run
+from pdgate.loadtest.lib.suite import add_fields, add_outputs, kind_of
 
 __all__ = ["HELP", "configure", "main"]
 
@@ -31,14 +32,8 @@ _SECONDS = ("drain_timeout_s", "gateway_prestop_s", "steady_s", "settle_s", "aft
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="1 prefill, 1 decode, short streams")
-    p.add_argument("--out", type=Path, default=Path("docs/results/upgrade"), help="output folder")
-    p.add_argument("--doc", type=Path, default=Path("docs/results/upgrade/README.md"))
-    p.add_argument("--no-doc", action="store_true", help="do not update the doc's block")
-    p.add_argument("--kind", help="name of the outputs and the doc block; default quick or full")
-    for name in _NUMBERS:
-        p.add_argument(f"--{name.replace('_', '-')}", type=int)
-    for name in _SECONDS:
-        p.add_argument(f"--{name.replace('_', '-')}", type=float)
+    add_outputs(p, "upgrade")
+    add_fields(p, _NUMBERS, _SECONDS)
     p.add_argument("--roles", help="what to restart, in order (default prefill,decode,gateway)")
 
 
@@ -52,19 +47,13 @@ def main(args: argparse.Namespace, command: str) -> int:
     from pdgate.loadtest.upgrade.run import QUICK, UpgradePlan, run_upgrade
 
     plan = QUICK if args.quick else UpgradePlan()
-    given = {n: getattr(args, n) for n in (*_NUMBERS, *_SECONDS) if getattr(args, n) is not None}
-    if args.roles:
-        given["roles"] = tuple(r.strip() for r in args.roles.split(",") if r.strip())
-    plan = replace(plan, **given)
-    kind = args.kind or ("quick" if args.quick else "full")
+    roles = tuple(r.strip() for r in args.roles.split(",") if r.strip()) if args.roles else ()
+    plan = with_args(plan, args, roles=roles or plan.roles)
+    kind = kind_of(args)
     result = run_main(run_upgrade(plan))
     out: Path = args.out
-    plot = save_run(
-        out,
-        kind,
-        csv=lambda path: write_csv(result, path),
-        plot=lambda path: write_plot(result, path, f"pdgate bench upgrade ({kind})"),
-    )
+    title = f"pdgate bench upgrade ({kind})"
+    plot = save_run(out, kind, result, title, csv=write_csv, plot=write_plot)
     doc: Path | None = None if args.no_doc else args.doc
     publish(markdown(result, command, plot), out, kind, doc, "upgrade")
     print(orjson.dumps(summary_json(result)).decode(), flush=True)

@@ -33,12 +33,13 @@ from typing import Any
 
 import aiohttp
 
-from pdgate.loadtest.lib.deployed import DeployedCluster, Deployment
+from pdgate.loadtest.lib.deployed import DeployedCluster
 from pdgate.loadtest.lib.log import Log, to_stderr
+from pdgate.loadtest.lib.pool import FleetRun, GatewayPool, sim_fleet
 from pdgate.loadtest.lib.probes import wait_instances
 from pdgate.loadtest.scheduling.workload import Scenario
 from pdgate.loadtest.scheduling.workload import Workload as Prompts
-from pdgate.loadtest.upgrade.load import GatewayPool, Record, StreamingLoad
+from pdgate.loadtest.upgrade.load import Record, StreamingLoad
 
 __all__ = ["QUICK", "Phase", "Restart", "UpgradePlan", "UpgradeResult", "run_upgrade"]
 
@@ -183,26 +184,7 @@ async def _pending(session: aiohttp.ClientSession, gateway: str) -> int | None:
     return None
 
 
-class _Upgrade:
-    def __init__(
-        self,
-        plan: UpgradePlan,
-        cluster: DeployedCluster,
-        session: aiohttp.ClientSession,
-        pool: GatewayPool,
-        origin: float,
-        log: Log,
-    ) -> None:
-        self.plan = plan
-        self.cluster = cluster
-        self.session = session
-        self.pool = pool
-        self.origin = origin
-        self.log = log
-
-    def now(self) -> float:
-        return time.monotonic() - self.origin
-
+class _Upgrade(FleetRun[UpgradePlan]):
     async def shim(self, role: str, slot: int) -> Restart:
         cluster, plan = self.cluster, self.plan
         old = cluster.members(role)[0][slot].name
@@ -241,21 +223,8 @@ class _Upgrade:
 async def run_upgrade(plan: UpgradePlan, log: Log = to_stderr) -> UpgradeResult:
     began = time.monotonic()
     load0 = os.getloadavg()[0]
-    shim = {
-        "model": _MODEL,
-        "sim_profile": plan.sim_profile,
-        "sim_prefix_cache_blocks": 0,
-        "sim_kv_wire_fraction": 1 / 131072,
-        "drain_timeout_s": plan.drain_timeout_s,
-    }
-    deployment = Deployment(
-        prefills=plan.prefills,
-        decodes=plan.decodes,
-        gateways=plan.gateways,
-        prefill_settings={**shim, "capacity": plan.prefill_capacity},
-        decode_settings={**shim, "capacity": plan.decode_capacity},
-        gateway_settings={"prefill_policy": "least_sse"},
-        key_prefix="pdgate-bench-upgrade",
+    deployment = sim_fleet(
+        plan, _MODEL, "pdgate-bench-upgrade", drain_timeout_s=plan.drain_timeout_s
     )
     prompts = Prompts((plan.scenario(),), seed=plan.seed)
     restarts: list[Restart] = []

@@ -27,6 +27,7 @@ from pdgate.loadtest.chaos.report import (
 )
 from pdgate.loadtest.chaos.run import ChaosPlan, ChaosResult, FaultEvent, OverloadResult
 from pdgate.loadtest.lib.rss import RssSample
+from tests.loadtest._http import served
 from tests.loadtest._procs import RunBench
 
 
@@ -184,21 +185,11 @@ async def test_the_reader_keeps_gaps_ttft_and_the_in_band_error_code() -> None:
 
     app = web.Application()
     app.router.add_get("/", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        record = StreamRecord(issued_s=0.0, status=200)
+    record = StreamRecord(issued_s=0.0, status=200)
+    async with served(app) as url, aiohttp.ClientSession() as session:
         origin = start = time.monotonic()
-        async with (
-            aiohttp.ClientSession() as session,
-            session.get(f"http://127.0.0.1:{port}/") as resp,
-        ):
+        async with session.get(url + "/") as resp:
             await read_stream(resp, record, origin, start)
-    finally:
-        await runner.cleanup()
     assert record.events == 4 and record.errored and record.code == "upstream_error"
     assert not record.done and record.error_label() == "200 upstream_error"
     assert len(record.gaps) == 1 and 0.35 < record.gaps[0][1] - record.gaps[0][0] < 2.0

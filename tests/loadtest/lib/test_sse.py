@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from pdgate.loadtest.lib.sse import MAX_ITL_SAMPLES, StreamTimer, post_stream
+from tests.loadtest._http import served
 
 
 def _text(text: str) -> bytes:
@@ -152,15 +153,8 @@ async def sse_server() -> AsyncIterator[str]:
         ("/busy", _busy),
     ):
         app.router.add_post(path, handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with served(app) as url:
+        yield url
 
 
 async def test_markers_split_across_reads_are_found(sse_server: str) -> None:

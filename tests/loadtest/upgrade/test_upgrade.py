@@ -10,7 +10,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from pdgate.loadtest.upgrade.load import GatewayPool, Record
+from pdgate.loadtest.lib.pool import GatewayPool
+from pdgate.loadtest.upgrade.load import Record
 from pdgate.loadtest.upgrade.report import by_phase, markdown, summary_json
 from pdgate.loadtest.upgrade.run import Phase, Restart, UpgradePlan, UpgradeResult
 from tests.loadtest._procs import RunBench

@@ -1,27 +1,16 @@
-"""docs/results/structure/sorted_rankers.py prices the policy pipeline against b8cbedd's one-sort
+"""loadtest/gateway_cost/sorted_rankers.py prices the policy pipeline against b8cbedd's one-sort
 rankers (docs/results/structure/README.md). The measurement holds only if those rankers try the same
 candidates in the same order as the built-in profiles where it runs: two candidates."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-from pathlib import Path
-from types import ModuleType
 
+from pdgate.loadtest.gateway_cost import sorted_rankers
 from pdgate.policies import admit_idle, load_policy
 from pdgate.policies.base import InstanceLoad, RequestInfo
 
 REQ = RequestInfo(model="m", group=None, prompt="hello", prompt_chars=5, max_tokens=8)
-_PATH = Path(__file__).parents[2] / "docs" / "results" / "structure" / "sorted_rankers.py"
-
-
-def _module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sorted_rankers", _PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _loads() -> list[InstanceLoad]:
@@ -39,10 +28,9 @@ def _loads() -> list[InstanceLoad]:
 
 
 def test_the_sorted_rankers_rank_two_candidates_as_the_default_profiles() -> None:
-    module = _module()
     pairs = [
-        (admit_idle(load_policy("least_sse")), module.LeastSSE()),
-        (load_policy("least_loaded"), module.LeastLoaded()),
+        (admit_idle(load_policy("least_sse")), sorted_rankers.LeastSSE()),
+        (load_policy("least_loaded"), sorted_rankers.LeastLoaded()),
     ]
     loads = _loads()
     compared = 0

@@ -1,6 +1,7 @@
-"""The multi-slot fleet's targets, checked on a `pdgate bench scheduling` CSV.
+"""``pdgate bench summary fleet-targets``: the multi-slot fleet's targets, checked on a
+`pdgate bench scheduling` CSV.
 
-    python docs/results/fleet/targets.py docs/results/fleet/fleet-slots.csv
+    pdgate bench summary fleet-targets docs/results/fleet/fleet-slots.csv
 
 Series are ``MODE/sK/gN`` (K slots a prefill, N gateways). Per load and slot count, against
 one gateway of the same slots: success (median over seeds) within 2 points, goodput within
@@ -17,8 +18,10 @@ from __future__ import annotations
 import csv
 import math
 import statistics
-import sys
 from collections import defaultdict
+from pathlib import Path
+
+__all__ = ["homogeneity_p", "table"]
 
 
 def _chi2_sf(x: float, dof: int) -> float:
@@ -62,7 +65,8 @@ def homogeneity_p(row: dict[str, str]) -> float | None:
     return _chi2_sf(stat, len(counts) - 1)
 
 
-def main(path: str) -> int:
+def table(path: Path) -> str:
+    """The markdown table, a blank line, then the misses (or that every target was met)."""
     with open(path, newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["phase"] == "run"]
     by: dict[tuple[int, int, str], list[dict[str, str]]] = defaultdict(list)
@@ -77,9 +81,9 @@ def main(path: str) -> int:
         return max(_own_spread(r) for r in by[key])
 
     misses = []
-    print("| slots | gateways | load | success min / med / max | vs 1 gw | goodput med | "
-          "vs 1 gw | per-gateway spread (worst seed) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    head = ("| slots | gateways | load | success min / med / max | vs 1 gw | goodput med | "
+            "vs 1 gw | per-gateway spread (worst seed) |")  # fmt: skip
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
     for slots, gateways, load in sorted(by, key=lambda k: (k[0], float(k[2]), k[1])):
         key = (slots, gateways, load)
         success = sorted(float(r["success_rate"]) for r in by[key])
@@ -87,7 +91,7 @@ def main(path: str) -> int:
         d_success = 100 * (median(key, "success_rate") - median(one, "success_rate"))
         d_goodput = median(key, "goodput_rps") / median(one, "goodput_rps") - 1
         worst = 100 * spread(key)
-        print(
+        lines.append(
             f"| {slots} | {gateways} | {load}A | {100 * success[0]:.1f} / "
             f"{100 * statistics.median(success):.1f} / {100 * success[-1]:.1f}% | "
             f"{d_success:+.1f} pt | {median(key, 'goodput_rps'):.2f} | {100 * d_goodput:+.1f}% "
@@ -110,10 +114,5 @@ def main(path: str) -> int:
             if d_one < 0:
                 misses.append(f"one gateway, {slots} slots, {load}A: {d_one:+.1f} pt against "
                               "1 slot")  # fmt: skip
-    print()
-    print("\n".join(f"- missed: {m}" for m in misses) or "- every target met")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    verdict = "\n".join(f"- missed: {m}" for m in misses) or "- every target met"
+    return "\n".join(lines) + "\n\n" + verdict + "\n"

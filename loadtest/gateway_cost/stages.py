@@ -1,4 +1,4 @@
-"""Where a lone request's time goes before its prefill call, step by step, in process.
+"""``pdgate bench stages``: where a lone request's time goes, step by step, in process.
 
 The same setup as `pdgate bench hotpath` (the gateway's ASGI app built as ``pdgate gateway``
 builds it, over `MockUpstream`: two queue-less prefills and two decodes in an in-memory
@@ -10,15 +10,15 @@ own Python on the path to the prefill, which a deployed gateway pays at c=1 on t
 server's and the client's work (docs/results/performance/README.md, "A lone request, step
 by step").
 
-    .venv/bin/python docs/results/performance/ttft_stages.py [--rounds 3] [--requests 3000]
+    pdgate bench stages [--rounds 3] [--requests 3000]
 
-It prints a markdown table: each step's microseconds (the median over a round's requests;
-min / median / max of those over the rounds).
+The wrappers stay on the classes for the rest of the process: run it in a process of its
+own (the CLI is one). It prints a markdown table: each step's microseconds (the median over
+a round's requests; min / median / max of those over the rounds).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import statistics
@@ -27,7 +27,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import orjson
 import uvloop
 
 import pdgate.gateway.api.completions as completions
@@ -36,16 +35,12 @@ import pdgate.gateway.placement.forwarder as forwarder
 import pdgate.gateway.placement.prefill_call as prefill_call
 import pdgate.gateway.stream.out as out
 import pdgate.gateway.stream.relay as relay
-from pdgate.config import GatewaySettings, RegistrySettings, Role
-from pdgate.config.wire import EXT_BATCH_PREFILL, EXT_CONTINUATION, EXT_QUEUELESS
-from pdgate.gateway.app import build_gateway_app
-from pdgate.gateway.upstream.mock import Call, MockUpstream, Reply
+from pdgate.gateway.upstream.mock import Call, Reply
 from pdgate.loadtest.gateway_cost._asgi import Lifespan, request
-from pdgate.loadtest.gateway_cost.hotpath import engine_handler
-from pdgate.registry import open_registry
-from pdgate.registry.base import InstanceRecord
+from pdgate.loadtest.gateway_cost.hotpath import engine_handler, mock_gateway, request_body
 
-MODEL = "sim-llama-3.1-8b"
+__all__ = ["STEPS", "measure", "run", "table"]
+
 TOKENS = 4
 STAMPS: dict[str, float] = {}
 
@@ -134,24 +129,8 @@ async def _one(app: Any, state: dict[str, Any], body: bytes) -> None:
 async def measure(rounds: int, requests: int, warmup: int) -> list[dict[str, float]]:
     """Per round, each step's median microseconds."""
     _instrument()
-    registry = open_registry(RegistrySettings())
-    for role, extensions in (
-        (Role.PREFILL, (EXT_BATCH_PREFILL, EXT_QUEUELESS)),
-        (Role.DECODE, (EXT_CONTINUATION,)),
-    ):
-        for i in range(2):
-            name = f"{role.value}{i}"
-            record = InstanceRecord(id=name, role=role, url=f"http://{name}", model=MODEL,
-                                    capacity=1024, extensions=extensions)  # fmt: skip
-            await registry.put(record, ttl_s=3600)
-    app = build_gateway_app(
-        GatewaySettings.load(),
-        registry,
-        RegistrySettings(),
-        upstream=MockUpstream(_handler(), record=False),
-    )
-    body = orjson.dumps({"model": MODEL, "prompt": "hello world " * 8, "max_tokens": TOKENS,
-                         "stream": True, "temperature": 0})  # fmt: skip
+    app, registry = await mock_gateway(2, _handler())
+    body = request_body(TOKENS)
     labels = [label for label, _ in STEPS]
     out: list[dict[str, float]] = []
     async with Lifespan(app) as state:
@@ -188,16 +167,8 @@ def table(rounds: list[dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=3000, help="per round")
-    parser.add_argument("--warmup", type=int, default=500)
-    args = parser.parse_args()
-    rounds = uvloop.run(measure(args.rounds, args.requests, args.warmup))
-    print(f"Python {sys.version.split()[0]}, uvloop, {args.rounds} rounds of {args.requests}")
-    print(table(rounds))
-
-
-if __name__ == "__main__":
-    main()
+def run(rounds: int, requests: int, warmup: int) -> str:
+    """The report: the interpreter, then the table (wraps the gateway's classes for good)."""
+    measured = uvloop.run(measure(rounds, requests, warmup))
+    head = f"Python {sys.version.split()[0]}, uvloop, {rounds} rounds of {requests}"
+    return head + "\n" + table(measured) + "\n"

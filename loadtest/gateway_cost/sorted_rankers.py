@@ -1,16 +1,17 @@
-"""b8cbedd's two rankers, one ``sorted`` each, with the default filters written inline.
+"""The gateway's two rankers from before the filter/scorer/picker pipeline, one ``sorted``
+each, with the default filters written inline.
 
 The measurement of docs/results/structure/README.md ("What the restructure costs by
 itself") runs the gateway with these instead of the filter/scorer/picker pipeline, through
 the policy seam (``module:factory``), to price the pipeline end to end::
 
-    PYTHONPATH=docs/results/structure \
-    PDGATE_GATEWAY_PREFILL_POLICY=sorted_rankers:LeastSSE \
-    PDGATE_GATEWAY_DECODE_POLICY=sorted_rankers:LeastLoaded pdgate bench hotpath --uvloop
+    PDGATE_GATEWAY_PREFILL_POLICY=pdgate.loadtest.gateway_cost.sorted_rankers:LeastSSE \
+    PDGATE_GATEWAY_DECODE_POLICY=pdgate.loadtest.gateway_cost.sorted_rankers:LeastLoaded \
+    pdgate bench hotpath --uvloop
 
 They keep what the built-in profiles try (not ejected, not busy, a free slot and, for the
 prefill, ``prefill_admit = idle``'s idle instance), so the gateway places requests as it
-does with ``least_sse`` and ``least_loaded``; only the ordering is b8cbedd's sort key.
+does with ``least_sse`` and ``least_loaded``; only the ordering is the older sort key.
 """
 
 from __future__ import annotations

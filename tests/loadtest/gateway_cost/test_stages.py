@@ -1,22 +1,21 @@
-"""docs/results/performance/ttft_stages.py times a lone request's steps by wrapping the
-gateway's methods (docs/results/performance/README.md, "A lone request, step by step"). Its
-table holds only while every step it names is still on the request's path: run as committed
-(in a process of its own: it wraps classes), every request must meet every step, in order."""
+"""`pdgate bench stages` times a lone request's steps by wrapping the gateway's methods
+(docs/results/performance/README.md, "A lone request, step by step"). Its table holds only
+while every step it names is still on the request's path: run as a user runs it (in a process
+of its own: it wraps classes), every request must meet every step, in order."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).parents[3] / "docs" / "results" / "performance" / "ttft_stages.py"
+_ONE_SHORT_ROUND = ("--rounds", "1", "--requests", "50", "--warmup", "10")
 
 
 def test_every_step_is_on_a_lone_requests_path() -> None:
     done = subprocess.run(
-        [sys.executable, str(_PATH), "--rounds", "1", "--requests", "50", "--warmup", "10"],
+        [sys.executable, "-m", "pdgate.loadtest.bench", "stages", *_ONE_SHORT_ROUND],
         capture_output=True,
         text=True,
         timeout=120,

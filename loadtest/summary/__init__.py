@@ -1,0 +1,1 @@
+"""``pdgate bench summary``: tables drawn from the CSVs other benchmarks wrote."""
