@@ -110,7 +110,7 @@ def open_redis(url: str, **options: Any) -> Redis:
         return Redis.from_url(url, **options)
     parsed = parse_sentinel_url(url)
     timeouts = {k: v for k, v in options.items() if k.startswith("socket_")}
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]  # untyped in redis-py
+    sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis-py 8
         parsed.sentinels, sentinel_kwargs={**timeouts, **parsed.sentinel}, **parsed.node
     )
     client: Redis = sentinel.master_for(parsed.service, redis_class=Redis, **options)

@@ -878,7 +878,7 @@ class RedisFleet:
                     yield Freed(_text(msg["data"]), slot=channel != self._idle_channel)
         finally:
             with contextlib.suppress(*_ERRORS):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis-py 8
 
     async def aclose(self) -> None:
         # Leave now rather than at expiry: our counts stop counting at once. With Redis away

@@ -122,7 +122,7 @@ def _decode_event(data: Any) -> RegistryEvent | None:
 async def _close_quietly(pubsub: PubSub) -> None:
     # Closing a pub/sub connection to a dead server must not mask the original error.
     with contextlib.suppress(*_ERRORS):
-        await pubsub.aclose()  # type: ignore[no-untyped-call]  # untyped in redis-py
+        await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis-py 8
 
 
 class _RedisEventStream:
