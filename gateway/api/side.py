@@ -61,7 +61,6 @@ from pdgate.gateway.errors import (
     DeadlineExceeded,
     GatewayError,
     Overloaded,
-    ShuttingDown,
     UpstreamError,
     from_openai_error,
     is_client_fault,
@@ -129,7 +128,7 @@ class SideEndpoint:
         admission, settings = self._admission, self._settings
         try:
             key = self._keys.client(headers.get("authorization"))
-            self._keys.admit(key, settings.retry_after_max_s)
+            self._keys.admit(key, admission.retry_after)
             body = await admission.read(Request(scope, receive))
         except GatewayError as exc:
             self._count(path, _outcome(exc), ANY_GROUP)
@@ -140,11 +139,11 @@ class SideEndpoint:
             return
         if admission.stopping or admission.pending >= settings.max_pending:
             error: GatewayError = (
-                ShuttingDown("the gateway is shutting down; retry on another", retry_after=1)
+                admission.shutting_down()
                 if admission.stopping
                 else Overloaded(
                     "the gateway is at its limit of pending requests",
-                    retry_after=settings.retry_after_s,
+                    retry_after=admission.retry_after.floor_s,
                 )
             )
             self._count(path, _outcome(error), ANY_GROUP)
@@ -178,6 +177,7 @@ class SideEndpoint:
                     group_priority=self._groups.priority(group_name),
                     keyless_max_priority=PRIORITIES[settings.keyless_max_priority],
                 )
+                ttft_s = self._groups.ttft_timeout_s(group_name)
                 info = RequestInfo(
                     model=model,
                     group=group_name,
@@ -187,8 +187,8 @@ class SideEndpoint:
                     tenant=who.tenant,
                     priority=who.priority,
                     weight=who.weight,
+                    ttft_s=ttft_s,
                 )
-                ttft_s = self._groups.ttft_timeout_s(group_name)
                 work = self._pooled(path, info, forward, request_id, arrived + ttft_s, span)
             answer = await run_unless(work, watcher, lost=ClientGone())
             if answer.status != 200:
@@ -313,7 +313,7 @@ class SideEndpoint:
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(
                     f"no instance answered {path} before the request's deadline",
-                    retry_after=self._settings.retry_after_s,
+                    retry_after=self._admission.retry_after.floor_s,
                 )
             if not dispatcher.budget.withdraw():
                 self._metrics.retry_budget_exhausted.inc()

@@ -207,6 +207,16 @@ class WaitQueue:
         tenants[newcomer.tenant] = (queued, max(newcomer.info.weight, 1e-6))
         return tenants, self._max_size / sum(w for _, w in tenants.values())
 
+    def overflow(self) -> int:
+        """The requests that must leave before the queue has room for one more."""
+        return max(0, self._live - self._max_size + 1)
+
+    def share(self, waiter: Waiter) -> float:
+        """The part of the queue's turns that `waiter`'s tenant gets while the tenants with
+        waiters (its own included) all have some: its weight over theirs."""
+        tenants, per_weight = self._shares(waiter)
+        return tenants[waiter.tenant][1] * per_weight / self._max_size
+
     def _over_share(self, waiter: Waiter) -> bool:
         if self._live * 2 < self._max_size:
             return False
@@ -306,12 +316,12 @@ class WaitQueue:
         if not self._live:
             self._nonempty.clear()
 
-    def ahead(self, waiter: Waiter) -> int:
+    def ahead(self, waiter: Waiter, due: float | None = None) -> int:
         """A lower bound of the queued requests that would go before `waiter` were it queued
-        now: every request of a more urgent class, and those of its own tenant and class
-        that its order puts first (all of them in FIFO; in EDF those due no later). Other
-        tenants' are not counted: fair sharing may let it pass them. O(its tenant's queued)
-        in EDF."""
+        now (with deadline `due`, by default its own): every request of a more urgent class,
+        and those of its own tenant and class that its order puts first (all of them in
+        FIFO; in EDF those due no later). Other tenants' are not counted: fair sharing may
+        let it pass them. O(its tenant's queued) in EDF."""
         priority = waiter.info.priority
         n = sum(c.queued for p, c in self._classes.items() if p < priority)
         cls = self._classes.get(priority)
@@ -320,7 +330,7 @@ class WaitQueue:
             return n
         if self._order is not QueueOrder.EDF:
             return n + tenant.queued
-        due = waiter.deadline
+        due = waiter.deadline if due is None else due
         return n + sum(
             1 for _, w in tenant.heap.entries if w.state is WaiterState.QUEUED and w.deadline <= due
         )
@@ -329,11 +339,11 @@ class WaitQueue:
         """Every queued waiter, in no particular order."""
         return [w for _, w in self._deadlines.entries if w.state is WaiterState.QUEUED]
 
-    def beyond_reach(self, reach: Callable[[float], float], now: float) -> list[Waiter]:
-        """The queued waiters that the pace cannot reach before their deadlines: more
-        requests surely ahead of each (as `ahead` counts them) than `reach(its time left)`,
-        the grants to count on in that time. O(n log n)."""
-        out: list[Waiter] = []
+    def beyond_reach(self, reach: Callable[[float], float], now: float) -> list[tuple[Waiter, int]]:
+        """The queued waiters that the pace cannot reach before their deadlines, each with
+        the requests surely ahead of it (as `ahead` counts them): more than `reach(its time
+        left)`, the grants to count on in that time. O(n log n)."""
+        out: list[tuple[Waiter, int]] = []
         before = 0  # queued in more urgent classes
         for priority in sorted(self._classes):
             cls = self._classes[priority]
@@ -342,7 +352,11 @@ class WaitQueue:
                     (e for e in tenant.heap.entries if e[1].state is WaiterState.QUEUED),
                     key=lambda e: e[0],
                 )
-                out += [w for i, (_, w) in enumerate(live) if before + i > reach(w.deadline - now)]
+                out += [
+                    (w, before + i)
+                    for i, (_, w) in enumerate(live)
+                    if before + i > reach(w.deadline - now)
+                ]
             before += cls.queued
         return out
 
