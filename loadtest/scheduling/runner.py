@@ -151,6 +151,8 @@ class Point:
             "tpot_p99_s": s.tpot_p99_s,
             "ttft_attainment": s.ttft_attainment,
             "tpot_attainment": s.tpot_attainment,
+            "retried": s.retried,
+            "first_retry_success": s.first_retry_success,
             "phase_switch_wait_s": self.phase_switch_wait_s,
             "prefix_hit_rate": self.prefix_hit_rate,
             "prefill_429s": self.rejections_429,
@@ -177,6 +179,12 @@ class Point:
                 else {}
             ),
             **self.per_gateway(),
+            # Each gateway's own event-loop lag p99, where several ran as processes.
+            **{
+                f"loop_lag_p99_ms_gateway{k.removeprefix('lag_p99_ms_gw')}": v
+                for k, v in self.loop_lag.items()
+                if k.startswith("lag_p99_ms_gw")
+            },
         }
 
     def per_gateway(self) -> dict[str, float]:
@@ -231,7 +239,7 @@ async def run_point(
         loop = ClosedLoop(
             session, targets, cluster.spec.model, workload, users, user_offset=user_offset,
             ramp_s=min(0.5, timing.warmup_s / 2) if ramp_s is None else ramp_s,
-            retry_after=arrivals.retry_after,
+            client=arrivals.client,
         )  # fmt: skip
     loop.start()
     try:

@@ -38,7 +38,8 @@ def test_processes_one_and_two_gateways_two_seeds(tmp_path: Path, run_bench: Run
     assert len(csv) == 1 + 2 * 2  # a header, one row per series and seed
     # Each gateway's own early drops and fleet yields, where there are several.
     header = csv[0].split(",")
-    for column in ("early_drops_gateway0", "early_drops_gateway1", "fleet_yields_gateway1"):
+    for column in ("early_drops_gateway0", "early_drops_gateway1", "fleet_yields_gateway1",
+                   "loop_lag_p99_ms_gateway0", "loop_lag_p99_ms_gateway1"):  # fmt: skip
         assert column in header
     # The gateways' own event-loop lag, read from their histograms (a bucket's bound, > 0).
     lags = [float(row.split(",")[header.index("loop_lag_p99_ms")]) for row in csv[1:]]
