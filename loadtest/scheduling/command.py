@@ -128,7 +128,7 @@ def configure(s: argparse.ArgumentParser) -> None:
         default=",".join(m.name for m in MODES),
         help="comma-separated; also: "
         + ", ".join(m.name for m in (*EXTRA_MODES, *FEATURE_MODES, *ROUTER_MODES))
-        + " (router_*: vllm-router in front, needs pip install vllm-router)",
+        + " (router_*: vllm-router in front, needs pip install vllm-router; smg_*: SMG)",
     )
     s.add_argument("--multiples", default="1,2,3,4", help="load levels, as multiples of A")
     s.add_argument(
