@@ -123,9 +123,12 @@ class QueueAdmission:
         estimate = self._prefill_times.upper_bound_s(waiter.info.prompt_chars, _GUARD_QUANTILE)
         if estimate is not None:
             waiter.latest_start = waiter.deadline - estimate
-        if self._options.drain_admission and not waiter.admitted and self._too_late(waiter):
+        late = None
+        if self._options.drain_admission and not waiter.admitted:
+            late = self._too_late(waiter)
+        if late is not None:
             self._metrics.queue_sheds.labels("drain").inc()
-            raise self._out_of_reach(self._retry_ahead(waiter))
+            raise self._out_of_reach(late)
         admission = self.queue.push(waiter)
         if admission is Admission.FULL:
             # Under its tenant's share: it takes the place of an over-share tenant's newest
@@ -151,20 +154,21 @@ class QueueAdmission:
             self._metrics.queue_sheds.labels("over_share").inc()
             raise self._over_share(waiter)
 
-    def _too_late(self, waiter: Waiter) -> bool:
+    def _too_late(self, waiter: Waiter) -> float | None:
         """Would the requests ahead here, drained at the fleet's pace while this queue is
         saturated (and no faster than its decodes allow), hold `waiter` past its deadline?
-        (drain.py; the exact count only past the cheap bound.) With `drain_sweep`, at most
+        If so, the Retry-After to tell it; None: no. (drain.py; the exact count only past
+        the cheap bound: a refusal storm's every arrival asks.) With `drain_sweep`, at most
         every `_SWEEP_S`, the queued requests the pace cannot reach either are refused too:
         those admitted while the pace still counted a backlog's first grants, which fill
         idle slots."""
         now = time.monotonic()
         self._arrivals.arrived(now)
         if not self.queue:
-            return False
+            return None
         pace = self._pace(now)
         if pace is None:
-            return False
+            return None
         # Under heavy overload admission keeps headroom below the reach, and the sweep as much
         # above it: a request admitted at the edge would be refused late by any dip in the
         # pace, and one refused late has waited for nothing while its place goes to a new
@@ -174,7 +178,12 @@ class QueueAdmission:
             self._next_sweep = now + _SWEEP_S
             self._sweep(pace, now, 1.0 + headroom)
         reachable = pace.reach(waiter.deadline - now) * (1.0 - headroom)
-        return len(self.queue) > reachable and self.queue.ahead(waiter) > reachable
+        if len(self.queue) <= reachable:
+            return None
+        ahead = self.queue.ahead(waiter)
+        if ahead <= reachable:
+            return None
+        return self._options.retry_after.drain(ahead - reachable, pace.per_s)
 
     def drain_view(self) -> tuple[float | None, float, float]:
         """Drain admission as it judges now: the grants a second it counts on (None: no pace

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
@@ -328,9 +329,9 @@ class WaitQueue:
         tenant = None if cls is None else cls.tenants.get(waiter.tenant)
         if tenant is None:
             return n
-        if self._order is not QueueOrder.EDF:
-            return n + tenant.queued
         due = waiter.deadline if due is None else due
+        if self._order is not QueueOrder.EDF or due == math.inf:
+            return n + tenant.queued
         return n + sum(
             1 for _, w in tenant.heap.entries if w.state is WaiterState.QUEUED and w.deadline <= due
         )

@@ -440,7 +440,8 @@ async def run_experiment(plan: Plan, log: Log = to_stderr) -> Result:
             f"{[lv.users for lv in levels]} users{rates}; series {[s.name for s in series]}; "
             f"seeds {list(plan.seeds)}"
         )
-        arrivals = plan.arrivals if plan.arrivals.open else None
+        # A closed loop's too: its users' client (what a refused one does) is in it.
+        arrivals = plan.arrivals
         for seed in plan.seeds:
             if plan.parallel:
                 try:  # one failure cancels the other series (and stops their clusters)

@@ -82,6 +82,7 @@ class Point:
     holds: Holds = field(default_factory=Holds)
     seed: int = 0
     arrivals: str = "closed"  # open_loop.ARRIVALS
+    client: str = "instant"  # the closed loop's users' (clients.CLIENTS)
     rate_rps: float = math.nan  # open loop: the mean arrival rate asked for
     max_in_flight: int = 0  # open loop: the client's bound (0: closed loop)
     load_fraction: float = math.nan  # offered load / capacity (NaN: capacity unknown)
@@ -140,6 +141,7 @@ class Point:
             "mode": self.mode,
             "users": self.users,
             "arrivals": self.arrivals,
+            "client": self.client,
             "rate_rps": self.rate_rps,
             "load_fraction": self.load_fraction,
             "requests": s.requests,
@@ -276,6 +278,7 @@ async def run_point(
         holds=Holds.between(holds0, holds1),
         seed=seed,
         arrivals=arrivals.kind,
+        client=arrivals.client,
         rate_rps=math.nan if rate_rps is None or not arrivals.open else rate_rps,
         max_in_flight=bound,
         load_fraction=load_fraction,

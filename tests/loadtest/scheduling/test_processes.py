@@ -73,3 +73,7 @@ def test_smg_with_its_prefill_queue_fronts_the_deployed_cluster(
     assert data["goodput"]["smg_cache_aware"]["1"] > 0
     assert data["rejections_per_request"]["smg_cache_aware"]["1"] >= 0  # measured
     assert "| smg_cache_aware | 1A |" in (tmp_path / "smg.md").read_text()
+    # The users were the client asked for (the closed loop once ran `instant` whatever it
+    # was told).
+    rows = (tmp_path / "smg.csv").read_text().splitlines()
+    assert [row.split(",")[rows[0].split(",").index("client")] for row in rows[1:]] == ["honour"]
