@@ -212,14 +212,13 @@ class QueueAdmission:
         return replace(bound, rate=rate)
 
     def _sweep(self, pace: Pace, now: float, slack: float) -> None:
-        for late, ahead in self.queue.beyond_reach(lambda s: pace.reach(s) * slack, now):
+        for late in self.queue.beyond_reach(lambda s: pace.reach(s) * slack, now):
             if late.admitted:
                 continue
             self.queue.remove(late)
             self._metrics.queue_sheds.labels("drain").inc()
             if not late.future.done():
-                wait = self._retry_wait(ahead, late.info.ttft_s, pace, now)
-                late.future.set_exception(self._out_of_reach(wait))
+                late.future.set_exception(self._out_of_reach(self._retry_anew(late)))
 
     def granted(self, now: float) -> None:
         """A prefill accepted one of this gateway's requests of the queue."""

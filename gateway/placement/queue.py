@@ -340,11 +340,11 @@ class WaitQueue:
         """Every queued waiter, in no particular order."""
         return [w for _, w in self._deadlines.entries if w.state is WaiterState.QUEUED]
 
-    def beyond_reach(self, reach: Callable[[float], float], now: float) -> list[tuple[Waiter, int]]:
-        """The queued waiters that the pace cannot reach before their deadlines, each with
-        the requests surely ahead of it (as `ahead` counts them): more than `reach(its time
-        left)`, the grants to count on in that time. O(n log n)."""
-        out: list[tuple[Waiter, int]] = []
+    def beyond_reach(self, reach: Callable[[float], float], now: float) -> list[Waiter]:
+        """The queued waiters that the pace cannot reach before their deadlines: more
+        requests surely ahead of each (as `ahead` counts them) than `reach(its time left)`,
+        the grants to count on in that time. O(n log n)."""
+        out: list[Waiter] = []
         before = 0  # queued in more urgent classes
         for priority in sorted(self._classes):
             cls = self._classes[priority]
@@ -353,11 +353,7 @@ class WaitQueue:
                     (e for e in tenant.heap.entries if e[1].state is WaiterState.QUEUED),
                     key=lambda e: e[0],
                 )
-                out += [
-                    (w, before + i)
-                    for i, (_, w) in enumerate(live)
-                    if before + i > reach(w.deadline - now)
-                ]
+                out += [w for i, (_, w) in enumerate(live) if before + i > reach(w.deadline - now)]
             before += cls.queued
         return out
 
