@@ -63,6 +63,9 @@ class Holds:
         return cls(after.max_s, after.over_5s - before.over_5s, after.held)
 
 
+# The gateways' own counts of the requests they shed, by why (gateway/placement/admission.py).
+_SHEDS = ("early_drops", "queue_sheds_drain", "queue_sheds_full")
+
 # The fleet's Redis calls a request makes (gateway/placement/leases.py); the others are periodic.
 _PER_REQUEST_OPS = ("acquire", "computed", "release")
 
@@ -161,6 +164,7 @@ class Point:
             "prefill_429s_per_request": self.rejections_per_request,
             "retries_per_request": self.retries_per_request,
             "gateway_503s": s.status_counts.get(503, 0),
+            **self.sheds(),
             "cluster_cpu_cores": self.cluster_cpu,
             "client_cpu_cores": self.client_cpu,
             "host_cpu_cores": self.host_cpu,
@@ -188,6 +192,12 @@ class Point:
                 if k.startswith("lag_p99_ms_gw")
             },
         }
+
+    def sheds(self) -> dict[str, float]:
+        """Why the gateways shed requests in the window, summed over them (a reason none was
+        shed for has no sample yet: 0); NaN behind another router, without their metrics."""
+        served = any(k.startswith("outcome_") for k in self.counters)
+        return {k: self.counters.get(k, 0.0 if served else math.nan) for k in _SHEDS}
 
     def per_gateway(self) -> dict[str, float]:
         """With several gateways, each one's early drops, fleet yields and drain sheds in the
