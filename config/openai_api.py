@@ -13,6 +13,8 @@ request content: it may be a prompt.
 from __future__ import annotations
 
 import asyncio
+import math
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -94,7 +96,8 @@ class OpenAIError(Exception):
         type_: str = "invalid_request_error",
         code: str | None = None,
         param: str | None = None,
-        retry_after: int | None = None,
+        retry_after: float | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -102,17 +105,30 @@ class OpenAIError(Exception):
         self.type = type_
         self.code = code
         self.param = param
-        self.retry_after = retry_after
+        self.retry_after = retry_after  # seconds
+        self.extra_headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, param=self.param, code=self.code)
+        body = error_body(self.message, self.type, param=self.param, code=self.code)
+        if self.retry_after is not None:
+            body["error"]["retry_after"] = self.retry_after
+        return body
+
+    def headers(self) -> dict[str, str]:
+        """``Retry-After`` in whole seconds (rounded up: HTTP has no fractions), the same in
+        milliseconds as ``retry-after-ms`` (which the OpenAI clients read first), and any
+        headers of the error's own (a rate limit's ``x-ratelimit-*``)."""
+        headers = dict(self.extra_headers)
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(math.ceil(self.retry_after))
+            headers["retry-after-ms"] = str(round(self.retry_after * 1000))
+        return headers
 
     def response(self) -> Response:
-        headers = {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
         return Response(
             orjson.dumps(self.body()),
             status_code=self.status,
-            headers=headers,
+            headers=self.headers(),
             media_type="application/json",
         )
 

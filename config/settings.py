@@ -894,9 +894,18 @@ class GatewaySettings(_Settings):
         description="What stored responses may take in this process (all of them without "
         "Redis; with Redis, those stored while it was unreachable).",
     )
-    retry_after_s: int = Field(default=1, ge=1, le=120, description="Retry-After sent with 503s.")
-    retry_after_max_s: int = Field(
-        default=120, ge=1, le=3600, description="Cap of any Retry-After the gateway sends."
+    retry_after_s: float = Field(
+        default=1.0,
+        ge=0.001,
+        le=120,
+        description="Least Retry-After the gateway sends with a 503 or 429, and what it sends "
+        'where it has nothing to compute one from (docs/scheduling.md, "Retry-After").',
+    )
+    retry_after_max_s: float = Field(
+        default=120.0,
+        ge=0.001,
+        le=3600,
+        description="Most Retry-After the gateway sends (the OpenAI clients give up past 120).",
     )
     upstream_connect_timeout_s: float = Field(
         default=2.0, gt=0, description="TCP connect timeout to instances."
@@ -1029,6 +1038,12 @@ class GatewaySettings(_Settings):
         description="Failed probes in a row after which a static instance is marked draining "
         "(no new requests) until it answers again.",
     )
+
+    @model_validator(mode="after")
+    def _retry_after_bounds(self) -> Self:
+        if self.retry_after_s > self.retry_after_max_s:
+            raise ValueError("retry_after_s must be at most retry_after_max_s")
+        return self
 
     @model_validator(mode="after")
     def _macro_bounds_split(self) -> Self:

@@ -32,6 +32,7 @@ from pdgate.config.tracing import Tracing
 from pdgate.gateway.admission.auth import KeyRing
 from pdgate.gateway.admission.context import ContextLimit, EngineTokenCounter, TokenCounter
 from pdgate.gateway.admission.groups import GroupResolver
+from pdgate.gateway.admission.retry_after import RetryAfter
 from pdgate.gateway.api.admin import admin_routes
 from pdgate.gateway.api.completions import CompletionsEndpoint
 from pdgate.gateway.api.dashboard import dashboard_routes
@@ -241,6 +242,7 @@ def queue_parts(
     fleet: Fleet,
     backoff: Backoff | None,
     tracing: Tracing,
+    retry_after: RetryAfter,
 ) -> Shared:
     """What every queue of the gateway shares (gateway/placement/shared.py)."""
     return Shared(
@@ -275,7 +277,7 @@ def queue_parts(
         decode_capacity=DecodeCapacity(tracker) if settings.drain_decode_bound else None,
         handoffs=Handoffs(tracker.records, tracker.loads, upstream),
         admission=AdmissionOptions(
-            retry_after_s=settings.retry_after_s,
+            retry_after=retry_after,
             early_drop=settings.early_drop,
             drain_admission=settings.drain_admission,
             drain_sweep=settings.drain_sweep,
@@ -284,6 +286,17 @@ def queue_parts(
             prefill_estimate_quantile=settings.prefill_estimate_quantile,
         ),
     )
+
+
+def retry_after_of(
+    settings: GatewaySettings, registry_settings: RegistrySettings | None = None
+) -> RetryAfter:
+    """What the gateway's refusals tell clients to wait (gateway/admission/retry_after.py)."""
+    floor_s, ceiling_s = settings.retry_after_s, settings.retry_after_max_s
+    if registry_settings is None:
+        return RetryAfter(floor_s=floor_s, ceiling_s=ceiling_s)
+    poll_s = registry_settings.poll_interval_s
+    return RetryAfter(floor_s=floor_s, ceiling_s=ceiling_s, poll_s=poll_s)
 
 
 def build_dispatcher(
@@ -303,6 +316,7 @@ def build_dispatcher(
     """The placement stage: the parts that place each leg, built in order and handed to the
     dispatcher (gateway/placement/dispatch.py)."""
     fleet = fleet or Fleet(LocalFleet(settings.gateway_id), tracker)
+    groups = groups or GroupResolver(settings, tracker, retry_after_of(settings))
     shared = queue_parts(
         settings,
         tracker=tracker,
@@ -312,6 +326,7 @@ def build_dispatcher(
         fleet=fleet,
         backoff=backoff,
         tracing=tracing or Tracing.off(),
+        retry_after=groups.retry_after,
     )
     ejector, budget, handoffs = shared.ejector, shared.budget, shared.handoffs
     decodes = DecodeAttempts(tracker, upstream, metrics.decode_attempts, ejector, shared.tracing)
@@ -320,7 +335,7 @@ def build_dispatcher(
     queues = Queues(
         settings,
         shared,
-        groups or GroupResolver(settings, tracker),
+        groups,
         prefill_policy=ranking,
         aggregated_policy=prefill_policy,
     )
@@ -344,6 +359,8 @@ def build_dispatcher(
             budget=budget,
             metrics=metrics,
             handoffs=handoffs,
+            retry_after=groups.retry_after,
+            capacity=shared.decode_capacity,
         ),
         # Conditional disaggregation (gateway/placement/local_prefill.py).
         local=LocalPrefill(settings, tracker, decodes, decode_policy, metrics, ejector),
@@ -498,7 +515,7 @@ def build_gateway_app(
         index, kv_feed = open_prefix_index(
             settings, prefill_policy, membership, metrics, tokenizers
         )
-        groups = GroupResolver(settings, tracker)
+        groups = GroupResolver(settings, tracker, retry_after_of(settings, registry_settings))
         dispatcher = build_dispatcher(
             settings,
             groups=groups,

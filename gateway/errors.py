@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pdgate.config.openai_api import OpenAIError
 
 
@@ -18,11 +20,22 @@ class GatewayError(OpenAIError):
     code: str | None = None
 
     def __init__(
-        self, message: str, *, param: str | None = None, retry_after: int | None = None
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after: float | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         cls = type(self)
         super().__init__(
-            cls.status, message, type_=cls.type, code=cls.code, param=param, retry_after=retry_after
+            cls.status,
+            message,
+            type_=cls.type,
+            code=cls.code,
+            param=param,
+            retry_after=retry_after,
+            headers=headers,
         )
 
 

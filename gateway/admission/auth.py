@@ -28,6 +28,7 @@ from pathlib import Path
 from starlette.responses import Response
 
 from pdgate.config.server import is_loopback
+from pdgate.gateway.admission.retry_after import RetryAfter
 from pdgate.gateway.errors import Forbidden, RateLimited, Unauthorized
 
 __all__ = [
@@ -215,8 +216,9 @@ class KeyRing:
             raise Unauthorized("Incorrect API key provided.")
         return key
 
-    def admit(self, key: ApiKey | None, retry_after_cap_s: int = 120) -> None:
-        """Apply the key's rate limit. Raises `RateLimited` with Retry-After."""
+    def admit(self, key: ApiKey | None, retry_after: RetryAfter) -> None:
+        """Apply the key's rate limit. Raises `RateLimited` with Retry-After: until its
+        bucket holds a token, and OpenAI's ``x-ratelimit-*`` headers for requests."""
         if key is None:
             return
         bucket = self._buckets.get(key.digest)
@@ -224,10 +226,16 @@ class KeyRing:
             return
         wait = bucket.take()
         if wait > 0:
+            seconds = retry_after.bounded(wait)
             raise RateLimited(
                 f"Rate limit of {int(bucket.capacity)} requests per minute reached for "
                 f"API key {key.name!r}.",
-                retry_after=min(retry_after_cap_s, max(1, int(wait + 0.999))),
+                retry_after=seconds,
+                headers={
+                    "x-ratelimit-limit-requests": str(int(bucket.capacity)),
+                    "x-ratelimit-remaining-requests": "0",
+                    "x-ratelimit-reset-requests": f"{seconds:g}s",
+                },
             )
 
     def admin(self, authorization: str | None) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from pdgate.config.settings import GatewaySettings, ScenarioGroup
 from pdgate.gateway.admission.auth import PRIORITIES, ApiKey
+from pdgate.gateway.admission.retry_after import RetryAfter
 from pdgate.gateway.errors import BadRequest, Forbidden, ModelNotFound, ServiceUnavailable
 from pdgate.gateway.instances.tracker import InstanceTracker
 
@@ -22,8 +23,12 @@ GROUP_HEADER = "x-pdgate-group"
 
 
 class GroupResolver:
-    def __init__(self, settings: GatewaySettings, tracker: InstanceTracker) -> None:
+    def __init__(
+        self, settings: GatewaySettings, tracker: InstanceTracker, retry_after: RetryAfter
+    ) -> None:
         self._settings = settings
+        # What every refusal of the gateway tells its client to wait (its endpoints' too).
+        self.retry_after = retry_after
         self._tracker = tracker
         self._rules: Mapping[str, ScenarioGroup] = {g.name: g for g in settings.groups}
 
@@ -42,7 +47,7 @@ class GroupResolver:
         if requested not in models:
             if not models:
                 raise ServiceUnavailable(
-                    "no instances are registered", retry_after=self._settings.retry_after_s
+                    "no instances are registered", retry_after=self.retry_after.membership()
                 )
             raise ModelNotFound(f"the model {requested!r} does not exist", param="model")
         return requested
@@ -76,7 +81,7 @@ class GroupResolver:
         if group not in self._tracker.groups(model):
             raise ServiceUnavailable(
                 f"no instance of model {model!r} serves group {group!r}",
-                retry_after=self._settings.retry_after_s,
+                retry_after=self.retry_after.membership(),
             )
         return group
 

@@ -110,6 +110,7 @@ class CompletionsEndpoint:
         self._context = context
         self._keys = keys
         self._groups = groups  # the dispatcher's too: one view of the scenario groups
+        self.retry_after = groups.retry_after
         self.series = Series()
         self._tracing = tracing or Tracing.off()
         self._dispatcher = dispatcher
@@ -119,23 +120,29 @@ class CompletionsEndpoint:
         self.uploading = 0  # connections whose body is still arriving
         self.stopping = False  # `stop`: no new request, and none left without an answer
 
+    def shutting_down(self) -> ShuttingDown:
+        """What a request is told while the gateway stops: another gateway serves it now."""
+        return ShuttingDown(
+            "the gateway is shutting down; retry on another", retry_after=self.retry_after.floor_s
+        )
+
     def stop(self) -> None:
         """The gateway stops (SIGTERM): requests waiting for a prefill, and new ones, get 503
         at once, so that their clients can go to another gateway; those placed go on until
         the server's grace ends, when each still running is answered (503, or an in-band
         error once it streams) rather than cut."""
         self.stopping = True
-        self._dispatcher.shed(_shutting_down())
+        self._dispatcher.shed(self.shutting_down())
 
     def refusal(self) -> GatewayError | None:
         """Why no new request is taken now: the gateway is stopping, or at `max_pending` (the
         side endpoints' requests count too); None: one is."""
         if self.stopping:
-            return _shutting_down()
+            return self.shutting_down()
         if self.pending >= self._settings.max_pending:
             return Overloaded(
                 "the gateway is at its limit of pending requests",
-                retry_after=self._settings.retry_after_s,
+                retry_after=self.retry_after.floor_s,
             )
         return None
 
@@ -153,7 +160,7 @@ class CompletionsEndpoint:
                 headers.get("authorization") if front is None else front.credentials(headers)
             )
             key = self._keys.client(credentials)
-            self._keys.admit(key, self._settings.retry_after_max_s)
+            self._keys.admit(key, self.retry_after)
             body = await self.read(request)
         except GatewayError as exc:
             self._metrics.requests.labels(error_outcome(exc), ANY_GROUP).inc()
@@ -238,7 +245,7 @@ class CompletionsEndpoint:
             if not self.stopping:
                 raise
             # The server's grace ended (`stop`): an answer, not a cut connection and a 500.
-            stopped = _shutting_down()
+            stopped = self.shutting_down()
             outcome = error_outcome(stopped)
             with contextlib.suppress(OSError):
                 if relaying and relay is not None:
@@ -301,7 +308,7 @@ class CompletionsEndpoint:
         if self.uploading >= settings.max_uploads:
             raise Overloaded(
                 "the gateway is at its limit of requests being uploaded",
-                retry_after=settings.retry_after_s,
+                retry_after=self.retry_after.floor_s,
             )
         self.uploading += 1
         try:
@@ -367,10 +374,6 @@ class CompletionsEndpoint:
 
 def _reply(error: OpenAIError) -> ASGIApp:
     return error.response()
-
-
-def _shutting_down() -> ShuttingDown:
-    return ShuttingDown("the gateway is shutting down; retry on another", retry_after=1)
 
 
 def _tighter(bound: float, headers: Mapping[str, str], name: str) -> float:

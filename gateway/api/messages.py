@@ -37,7 +37,7 @@ async def count_tokens(request: Request) -> Response:
     settings: GatewaySettings = request.state.settings
     front = MessagesFront(max_tokens_limit=settings.max_tokens_limit)
     try:
-        return await _count(request, front, settings)
+        return await _count(request, front)
     except GatewayError as exc:
         response = front.error(exc)
         assert isinstance(response, Response)
@@ -46,11 +46,11 @@ async def count_tokens(request: Request) -> Response:
         return Response(status_code=499)  # nobody reads it
 
 
-async def _count(request: Request, front: MessagesFront, settings: GatewaySettings) -> Response:
+async def _count(request: Request, front: MessagesFront) -> Response:
     keys: KeyRing = request.state.keys
     key = keys.client(front.credentials(request.headers))
-    keys.admit(key, settings.retry_after_max_s)
     endpoint: CompletionsEndpoint = request.state.endpoint
+    keys.admit(key, endpoint.retry_after)
     body = await endpoint.read(request)
     try:
         raw = load_object(body)
@@ -63,14 +63,15 @@ async def _count(request: Request, front: MessagesFront, settings: GatewaySettin
     if model not in models:
         if not models:
             raise ServiceUnavailable(
-                "no instances are registered", retry_after=settings.retry_after_s
+                "no instances are registered", retry_after=endpoint.retry_after.membership()
             )
         raise ModelNotFound(f"the model {model!r} does not exist", param="model")
     counter: TokenCounter = request.state.tokens
     tokens = await counter.count(model, chat)
     if tokens is None:
         raise ServiceUnavailable(
-            f"no instance of {model!r} could count the tokens", retry_after=settings.retry_after_s
+            f"no instance of {model!r} could count the tokens",
+            retry_after=endpoint.retry_after.floor_s,
         )
     return ORJSONResponse({"input_tokens": tokens})
 

@@ -125,7 +125,7 @@ class SideEndpoint:
         admission, settings = self._admission, self._settings
         try:
             key = self._keys.client(headers.get("authorization"))
-            self._keys.admit(key, settings.retry_after_max_s)
+            self._keys.admit(key, admission.retry_after)
             body = await admission.read(Request(scope, receive))
         except GatewayError as exc:
             self._count(path, error_outcome(exc), ANY_GROUP)
@@ -163,6 +163,7 @@ class SideEndpoint:
                     group_priority=self._groups.priority(group_name),
                     keyless_max_priority=PRIORITIES[settings.keyless_max_priority],
                 )
+                ttft_s = self._groups.ttft_timeout_s(group_name)
                 info = RequestInfo(
                     model=model,
                     group=group_name,
@@ -172,8 +173,8 @@ class SideEndpoint:
                     tenant=who.tenant,
                     priority=who.priority,
                     weight=who.weight,
+                    ttft_s=ttft_s,
                 )
-                ttft_s = self._groups.ttft_timeout_s(group_name)
                 work = self._pooled(path, info, forward, request_id, arrived + ttft_s, span)
             answer = await run_unless(work, watcher, lost=ClientGone())
             if answer.status != 200:
@@ -298,7 +299,7 @@ class SideEndpoint:
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(
                     f"no instance answered {path} before the request's deadline",
-                    retry_after=self._settings.retry_after_s,
+                    retry_after=self._admission.retry_after.floor_s,
                 )
             if not dispatcher.budget.withdraw():
                 self._metrics.retry_budget_exhausted.inc()

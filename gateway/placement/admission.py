@@ -29,11 +29,11 @@ sync, `take_grants`).
 
 from __future__ import annotations
 
-import asyncio
+import math
 import time
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
 
+from pdgate.gateway.admission.retry_after import RetryAfter
 from pdgate.gateway.errors import DeadlineExceeded, GatewayError, Overloaded, OverShare
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.drain import (
@@ -44,7 +44,7 @@ from pdgate.gateway.placement.drain import (
     QueueDrain,
 )
 from pdgate.gateway.placement.prefill_time import PrefillTimes
-from pdgate.gateway.placement.queue import Admission, Waiter, WaitQueue
+from pdgate.gateway.placement.queue import Admission, Waiter, WaiterState, WaitQueue
 
 __all__ = ["AdmissionOptions", "QueueAdmission"]
 
@@ -57,7 +57,8 @@ _SWEEP_S = 0.5
 
 @dataclass(frozen=True)
 class AdmissionOptions:
-    retry_after_s: int = 1
+    # What a refused request is told to wait (retry_after.py).
+    retry_after: RetryAfter = field(default_factory=RetryAfter)
     # Answer 503 at once for a queued request even an optimistic prefill cannot serve in time.
     early_drop: bool = True
     # The quantile of recent prefill rates behind the early-drop estimate.
@@ -122,9 +123,12 @@ class QueueAdmission:
         estimate = self._prefill_times.upper_bound_s(waiter.info.prompt_chars, _GUARD_QUANTILE)
         if estimate is not None:
             waiter.latest_start = waiter.deadline - estimate
-        if self._options.drain_admission and not waiter.admitted and self._too_late(waiter):
+        late = None
+        if self._options.drain_admission and not waiter.admitted:
+            late = self._too_late(waiter)
+        if late is not None:
             self._metrics.queue_sheds.labels("drain").inc()
-            raise self._out_of_reach()
+            raise self._out_of_reach(late)
         admission = self.queue.push(waiter)
         if admission is Admission.FULL:
             # Under its tenant's share: it takes the place of an over-share tenant's newest
@@ -136,28 +140,35 @@ class QueueAdmission:
                 admission = self.queue.push(waiter)
         if admission is Admission.FULL:
             self._metrics.queue_sheds.labels("full").inc()
+            now = time.monotonic()
+            pace = self._pace(now)
+            leave = self._retry_ahead(waiter)
+            if pace is not None:  # and at least until the queue has room for it
+                leave = max(
+                    leave, self._options.retry_after.drain(self.queue.overflow(), pace.per_s)
+                )
             raise Overloaded(
-                "the gateway's queue for this model and group is full",
-                retry_after=self._options.retry_after_s,
+                "the gateway's queue for this model and group is full", retry_after=leave
             )
         if admission is Admission.OVER_SHARE:
             self._metrics.queue_sheds.labels("over_share").inc()
             raise self._over_share(waiter)
 
-    def _too_late(self, waiter: Waiter) -> bool:
+    def _too_late(self, waiter: Waiter) -> float | None:
         """Would the requests ahead here, drained at the fleet's pace while this queue is
         saturated (and no faster than its decodes allow), hold `waiter` past its deadline?
-        (drain.py; the exact count only past the cheap bound.) With `drain_sweep`, at most
+        If so, the Retry-After to tell it; None: no. (drain.py; the exact count only past
+        the cheap bound: a refusal storm's every arrival asks.) With `drain_sweep`, at most
         every `_SWEEP_S`, the queued requests the pace cannot reach either are refused too:
         those admitted while the pace still counted a backlog's first grants, which fill
         idle slots."""
         now = time.monotonic()
         self._arrivals.arrived(now)
         if not self.queue:
-            return False
+            return None
         pace = self._pace(now)
         if pace is None:
-            return False
+            return None
         # Under heavy overload admission keeps headroom below the reach, and the sweep as much
         # above it: a request admitted at the edge would be refused late by any dip in the
         # pace, and one refused late has waited for nothing while its place goes to a new
@@ -167,7 +178,12 @@ class QueueAdmission:
             self._next_sweep = now + _SWEEP_S
             self._sweep(pace, now, 1.0 + headroom)
         reachable = pace.reach(waiter.deadline - now) * (1.0 - headroom)
-        return len(self.queue) > reachable and self.queue.ahead(waiter) > reachable
+        if len(self.queue) <= reachable:
+            return None
+        ahead = self.queue.ahead(waiter)
+        if ahead <= reachable:
+            return None
+        return self._options.retry_after.drain(ahead - reachable, pace.per_s)
 
     def drain_view(self) -> tuple[float | None, float, float]:
         """Drain admission as it judges now: the grants a second it counts on (None: no pace
@@ -202,7 +218,7 @@ class QueueAdmission:
             self.queue.remove(late)
             self._metrics.queue_sheds.labels("drain").inc()
             if not late.future.done():
-                late.future.set_exception(self._out_of_reach())
+                late.future.set_exception(self._out_of_reach(self._retry_anew(late)))
 
     def granted(self, now: float) -> None:
         """A prefill accepted one of this gateway's requests of the queue."""
@@ -250,18 +266,18 @@ class QueueAdmission:
             waiter.future.set_exception(
                 DeadlineExceeded(
                     "the request cannot be prefilled before its TTFT deadline",
-                    retry_after=self._options.retry_after_s,
+                    retry_after=self._retry_anew(waiter),
                 )
             )
         return True
 
-    def expire(self, future: asyncio.Future[Any]) -> None:
+    def expire(self, waiter: Waiter) -> None:
         """The request's deadline passed with no prefill granted: 503."""
-        if not future.done():
-            future.set_exception(
+        if not waiter.future.done():
+            waiter.future.set_exception(
                 DeadlineExceeded(
                     "no prefill instance accepted the request before its TTFT deadline",
-                    retry_after=self._options.retry_after_s,
+                    retry_after=self._retry_anew(waiter),
                 )
             )
 
@@ -274,16 +290,49 @@ class QueueAdmission:
             if not waiter.future.done():
                 waiter.future.set_exception(error)
 
-    def _out_of_reach(self) -> Overloaded:
+    # -- what a refused request is told to wait (retry_after.py) ---------------------------
+
+    def _retry_wait(
+        self, ahead: int, budget_s: float | None, pace: Pace | None, now: float, share: float = 1.0
+    ) -> float:
+        """Until the pace (`share` of it) has served all but what it reaches within
+        `budget_s` of the `ahead` requests before this one: a retry then is admitted, and
+        reached in time, unless more urgent ones came meanwhile. Drain admission's headroom
+        counts here as it does there."""
+        retry = self._options.retry_after
+        if pace is None:
+            return retry.drain(0, None)
+        reach = 0.0 if budget_s is None else pace.reach(max(0.0, budget_s))
+        reach *= (1.0 - self._headroom(now, pace)) * share
+        return retry.drain(ahead - reach, pace.per_s * share)
+
+    def _retry_ahead(self, waiter: Waiter, share: float = 1.0) -> float:
+        """For an arrival: the requests ahead of it now, with its own time left."""
+        now = time.monotonic()
+        pace = self._pace(now)
+        ahead = self.queue.ahead(waiter)
+        return self._retry_wait(ahead, waiter.deadline - now, pace, now, share)
+
+    def _retry_anew(self, waiter: Waiter) -> float:
+        """For a request that waited here in vain: its retry queues behind every request of
+        its tenant and the more urgent classes queued now, with its whole TTFT budget."""
+        now = time.monotonic()
+        ahead = self.queue.ahead(waiter, due=math.inf)
+        if waiter.state is WaiterState.QUEUED:
+            ahead -= 1  # itself, at its deadline still queued
+        return self._retry_wait(ahead, waiter.info.ttft_s, self._pace(now), now)
+
+    def _out_of_reach(self, retry_after: float) -> Overloaded:
         return Overloaded(
             "the gateway's queue for this model and group would not reach this request "
             "before its TTFT deadline",
-            retry_after=self._options.retry_after_s,
+            retry_after=retry_after,
         )
 
     def _over_share(self, waiter: Waiter) -> OverShare:
+        """Its tenant's requests ahead of it go at the tenant's share of the pace."""
         return OverShare(
             f"the fleet is busy and tenant {waiter.tenant!r} holds its share of the queue; "
             "back off and retry",
-            retry_after=self._options.retry_after_s,
+            retry_after=self._retry_ahead(waiter, self.queue.share(waiter)),
         )

@@ -23,6 +23,7 @@ from typing import Any
 from pdgate.config.aio import Backoff
 from pdgate.config.settings import GatewaySettings
 from pdgate.config.wire import UNKNOWN_KV_SOURCE, Role
+from pdgate.gateway.admission.retry_after import RetryAfter
 from pdgate.gateway.errors import (
     BadGateway,
     DeadlineExceeded,
@@ -40,7 +41,7 @@ from pdgate.gateway.placement.decode_attempt import (
     out_of_time,
     retry_or_fail,
 )
-from pdgate.gateway.placement.drain import DecodeWaits
+from pdgate.gateway.placement.drain import DecodeCapacity, DecodeWaits
 from pdgate.gateway.placement.handoff import Handoffs
 from pdgate.gateway.placement.placed import LegRequest
 from pdgate.gateway.upstream.base import DecodeStream, upstream_error_code
@@ -64,9 +65,13 @@ class DecodeLegs:
         budget: RetryBudget,
         metrics: GatewayMetrics,
         handoffs: Handoffs | None = None,
+        retry_after: RetryAfter,
+        capacity: DecodeCapacity | None = None,
     ) -> None:
-        """`handoffs`: which decodes take a stock prefill's KV (handoff.py)."""
-        self._retry_after_s = settings.retry_after_s
+        """`handoffs`: which decodes take a stock prefill's KV (handoff.py); `retry_after`
+        and `capacity`: what a request refused for want of a decode is told to wait."""
+        self._retry_after = retry_after
+        self._capacity = capacity
         self._handoffs = handoffs
         self._candidates = settings.decode_candidates
         self._tracker = tracker
@@ -118,7 +123,7 @@ class DecodeLegs:
                         if not ranked
                         else "no decode instance accepted the request before its TTFT deadline"
                     )
-                    raise DeadlineExceeded(what, retry_after=self._retry_after_s)
+                    raise DeadlineExceeded(what, retry_after=self._room(info))
                 if not waiting and candidates:
                     # Decodes there are, all full: wait, and hold the queue's prefills.
                     waiting = True
@@ -128,6 +133,15 @@ class DecodeLegs:
         finally:
             if waiting:
                 waits.leave(info.model, info.group)
+
+    def _room(self, info: RequestInfo) -> float:
+        """Until the decodes, at their pace (slots over the time a request holds one), have
+        taken the prefilled requests waiting for them beyond their free slots."""
+        bound = None if self._capacity is None else self._capacity.bound(info.model, info.group)
+        if bound is None:
+            return self._retry_after.floor_s
+        waiting = self._waits.waiting(info.model, info.group)
+        return self._retry_after.drain(waiting - bound.free, bound.per_s)
 
     async def _round(
         self,
@@ -173,7 +187,7 @@ class DecodeLegs:
                     # a broken decode.
                     raise DeadlineExceeded(
                         "no decode instance answered before the TTFT deadline",
-                        retry_after=self._retry_after_s,
+                        retry_after=self._room(req.info),
                     ) from exc
                 failures.append(str(exc))
                 retry_or_fail(self._budget, self._metrics, exc, "the decode instances are failing")

@@ -147,7 +147,7 @@ class PrefillForwarder:
         # The deadline fails the future itself: one timer, where asyncio.timeout and a
         # shield cost a context manager, a timer and three callbacks per request.
         expiry = asyncio.get_running_loop().call_later(
-            max(waiter.deadline - time.monotonic(), 0), self.admission.expire, waiter.future
+            max(waiter.deadline - time.monotonic(), 0), self.admission.expire, waiter
         )
         try:
             grant: PrefillGrant = await waiter.future

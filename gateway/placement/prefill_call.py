@@ -125,7 +125,7 @@ class PrefillCalls:
         forming: BatchForming,
         *,
         retry: Callable[[Waiter], None],
-        expire: Callable[[asyncio.Future[Any]], None],
+        expire: Callable[[Waiter], None],
     ) -> None:
         self._model = model
         self._group = group
@@ -269,7 +269,7 @@ class PrefillCalls:
         self._release_then_free(call, inst, slot_freed=False)
         self._shared.metrics.prefill_attempts.labels("deadline").inc()
         _end(call.span, "deadline")
-        self._expire(call.waiter.future)
+        self._expire(call.waiter)
 
     def _broke(self, call: PrefillCall, inst: InstanceLoad) -> None:
         """The call failed on this side (a bug, not the prefill's doing): whatever the prefill

@@ -191,7 +191,7 @@ class PushDecodes:
         handoffs: Handoffs,
         policy: Ranker,
         backoff: Backoff,
-        retry_after_s: int,
+        retry_after_s: float,
     ) -> None:
         self._tracker = tracker
         self._decodes = decodes

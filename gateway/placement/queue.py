@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
@@ -207,6 +208,16 @@ class WaitQueue:
         tenants[newcomer.tenant] = (queued, max(newcomer.info.weight, 1e-6))
         return tenants, self._max_size / sum(w for _, w in tenants.values())
 
+    def overflow(self) -> int:
+        """The requests that must leave before the queue has room for one more."""
+        return max(0, self._live - self._max_size + 1)
+
+    def share(self, waiter: Waiter) -> float:
+        """The part of the queue's turns that `waiter`'s tenant gets while the tenants with
+        waiters (its own included) all have some: its weight over theirs."""
+        tenants, per_weight = self._shares(waiter)
+        return tenants[waiter.tenant][1] * per_weight / self._max_size
+
     def _over_share(self, waiter: Waiter) -> bool:
         if self._live * 2 < self._max_size:
             return False
@@ -306,21 +317,21 @@ class WaitQueue:
         if not self._live:
             self._nonempty.clear()
 
-    def ahead(self, waiter: Waiter) -> int:
+    def ahead(self, waiter: Waiter, due: float | None = None) -> int:
         """A lower bound of the queued requests that would go before `waiter` were it queued
-        now: every request of a more urgent class, and those of its own tenant and class
-        that its order puts first (all of them in FIFO; in EDF those due no later). Other
-        tenants' are not counted: fair sharing may let it pass them. O(its tenant's queued)
-        in EDF."""
+        now (with deadline `due`, by default its own): every request of a more urgent class,
+        and those of its own tenant and class that its order puts first (all of them in
+        FIFO; in EDF those due no later). Other tenants' are not counted: fair sharing may
+        let it pass them. O(its tenant's queued) in EDF."""
         priority = waiter.info.priority
         n = sum(c.queued for p, c in self._classes.items() if p < priority)
         cls = self._classes.get(priority)
         tenant = None if cls is None else cls.tenants.get(waiter.tenant)
         if tenant is None:
             return n
-        if self._order is not QueueOrder.EDF:
+        due = waiter.deadline if due is None else due
+        if self._order is not QueueOrder.EDF or due == math.inf:
             return n + tenant.queued
-        due = waiter.deadline
         return n + sum(
             1 for _, w in tenant.heap.entries if w.state is WaiterState.QUEUED and w.deadline <= due
         )

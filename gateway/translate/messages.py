@@ -106,6 +106,8 @@ def anthropic_error(error: OpenAIError, request_id: str | None = None) -> dict[s
         "type": "error",
         "error": {"type": _ERROR_TYPES.get(error.status, "api_error"), "message": error.message},
     }
+    if error.retry_after is not None:
+        body["error"]["retry_after"] = error.retry_after
     if request_id is not None:
         body["request_id"] = request_id
     return body
@@ -126,11 +128,10 @@ class MessagesFront:
         return authorization
 
     def error(self, error: OpenAIError) -> ASGIApp:
-        headers = {} if error.retry_after is None else {"Retry-After": str(error.retry_after)}
         return Response(
             orjson.dumps(anthropic_error(error)),
             status_code=error.status,
-            headers=headers,
+            headers=error.headers(),
             media_type="application/json",
         )
 

@@ -7,9 +7,9 @@ The shims speak vLLM's P/D handshake (``kv_transfer_params``), so both front the
 vllm-router sends the prompt to a prefill with ``max_tokens=1`` and ``do_remote_decode=true``,
 SMG as a plain one-token request (the shims take both as a prefill leg), then each streams
 from a decode with the parameters the prefill returned. Used by ``pdgate bench gateway``
-(their cost) and ``pdgate bench scheduling`` (vllm-router's scheduling on a queue-less
-cluster). They are comparison points, not dependencies: when a binary is missing the
-benchmarks say so and go on without it.
+(their cost) and ``pdgate bench scheduling`` (their scheduling on a queue-less cluster; SMG
+with its prefill admission queue). They are comparison points, not dependencies: when a
+binary is missing the benchmarks say so and go on without it.
 """
 
 from __future__ import annotations
@@ -53,6 +53,13 @@ class RouterOptions:
     retry_max_ms: int = 500
     max_concurrent: int = 4096
     request_timeout_s: int = 7200
+    # SMG only: its prefill admission queue, on when `prefill_inflight` is set (the requests
+    # each prefill computes at once, its slots), each request waiting in it at most
+    # `prefill_queue_timeout_s`; and a policy for the prefills apart from `policy`.
+    prefill_inflight: int | None = None
+    prefill_queue_size: int = 4096
+    prefill_queue_timeout_s: int = 60
+    prefill_policy: str | None = None
 
 
 def router_binary(name: str = VLLM_ROUTER) -> str | None:
@@ -78,6 +85,12 @@ def router_argv(
              # Its metrics listener defaults to a fixed port (29000): a second router (or
              # anything else there) would make it fail at start-up.
              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # fmt: skip
+    if opts.binary == SMG and opts.prefill_inflight is not None:
+        argv += ["--prefill-max-inflight-requests-per-worker", str(opts.prefill_inflight),
+                 "--prefill-queue-size", str(opts.prefill_queue_size),
+                 "--prefill-queue-timeout-secs", str(opts.prefill_queue_timeout_s)]  # fmt: skip
+    if opts.binary == SMG and opts.prefill_policy is not None:
+        argv += ["--prefill-policy", opts.prefill_policy]
     if opts.retries == 0:
         argv.append("--disable-retries")
     elif opts.retries is not None:

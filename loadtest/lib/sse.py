@@ -45,6 +45,7 @@ __all__ = [
     "StreamResult",
     "StreamTimer",
     "post_stream",
+    "retry_after_s",
     "tpot_s",
 ]
 
@@ -160,7 +161,7 @@ async def post_stream(
         ) as resp:
             out.status = resp.status
             if resp.status != 200:
-                out.retry_after_s = _seconds(resp.headers.get("retry-after"))
+                out.retry_after_s = retry_after_s(resp.headers)
                 await resp.read()
             else:
                 await _scan(resp, start, out, dialect)
@@ -170,12 +171,19 @@ async def post_stream(
     return out
 
 
-def _seconds(value: str | None) -> float | None:
-    """A Retry-After in seconds (None: absent, or an HTTP date, which the gateway never sends)."""
-    try:
-        return max(0.0, float(value)) if value is not None else None
-    except ValueError:
-        return None
+def retry_after_s(headers: Mapping[str, str]) -> float | None:
+    """The wait a refusal tells, in seconds, read as the OpenAI clients read it:
+    ``retry-after-ms`` first, then ``Retry-After`` (None: neither, or an HTTP date, which
+    the gateway never sends)."""
+    for name, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            return max(0.0, float(value) / scale)
+        except ValueError:
+            continue
+    return None
 
 
 def tpot_s(e2e_s: float, ttft_s: float | None, tokens: int) -> float | None:

@@ -37,6 +37,9 @@ class RequestResult:
     tpot_s: float | None = None  # None: fewer than two tokens came
     tpot_slo_s: float | None = None  # None: TPOT is not judged
     retry_after_s: float | None = None  # a refusal's Retry-After, in seconds
+    # Tries the client made for it (a client that retries a refusal: more than one); the
+    # rest is its last try's.
+    attempts: int = 1
 
     @property
     def ttft_met(self) -> bool:
@@ -97,6 +100,10 @@ class Summary:
     # Shares of the requests issued that met each SLO on its own (success needs both).
     ttft_attainment: float = math.nan
     tpot_attainment: float = math.nan
+    # Requests the client tried again after a refusal, and the share of those that
+    # succeeded on their first retry (NaN: none retried).
+    retried: int = 0
+    first_retry_success: float = math.nan
 
     @property
     def dropped(self) -> int:
@@ -125,6 +132,9 @@ def summarize(results: Iterable[RequestResult], window_s: float) -> Summary:
     ttfts = [r.ttft_s for r in rows if r.ttft_s is not None]
     tpots = [r.tpot_s for r in rows if r.tpot_s is not None]
     e2es = [r.e2e_s for r in rows if r.completed]
+    retried = [r for r in rows if r.attempts > 1]
+    # Served on the first retry: its second try was its last, and it succeeded.
+    first_retry = sum(r.attempts == 2 and r.success for r in retried)
     statuses: dict[int, int] = {}
     per_scenario: dict[str, list[int]] = {}
     per_gateway: dict[int, list[int]] = {}
@@ -160,6 +170,8 @@ def summarize(results: Iterable[RequestResult], window_s: float) -> Summary:
         tpot_p99_s=percentile(tpots, 99),
         ttft_attainment=sum(r.ttft_met for r in rows) / len(rows) if rows else math.nan,
         tpot_attainment=sum(r.tpot_met for r in rows) / len(rows) if rows else math.nan,
+        retried=len(retried),
+        first_retry_success=first_retry / len(retried) if retried else math.nan,
     )
 
 

@@ -2,9 +2,9 @@
 failure) and at once sends the next, as in P/D-Serve's evaluation ("maintaining the constant
 requests, one completed triggers new one added"). The load is the number of users.
 
-With `retry_after`, a user whose request was refused with a ``Retry-After`` waits that long
-(at most `RETRY_AFTER_MAX_S`) before its next request, as the official openai client does
-before it retries; otherwise it sends the next one at once.
+What a refused user does is its `client` (clients.py): sends its next request at once
+(``instant``), waits the Retry-After and tries the same request again (``honour``), or
+leaves it to the official openai client's own retry policy (``openai``).
 
 The caller opens and closes a measurement window (_load.py). With several gateways, user i
 sends to gateway i mod N (a load balancer pinning clients), so each gateway's success can be
@@ -19,11 +19,9 @@ import time
 from dataclasses import dataclass, field
 
 from pdgate.loadtest.scheduling._load import LoadGenerator, send_completion
+from pdgate.loadtest.scheduling.clients import CLIENTS, OpenAIUser, send_honouring
 
-__all__ = ["RETRY_AFTER_MAX_S", "ClosedLoop", "send_completion"]
-
-# The openai client honours a Retry-After of up to a minute.
-RETRY_AFTER_MAX_S = 60.0
+__all__ = ["ClosedLoop", "send_completion"]
 
 
 @dataclass(eq=False)
@@ -31,12 +29,14 @@ class ClosedLoop(LoadGenerator):
     users: int
     user_offset: int = field(default=0, kw_only=True)  # distinct random streams per load level
     ramp_s: float = field(default=0.5, kw_only=True)
-    retry_after: bool = field(default=False, kw_only=True)
+    client: str = field(default="instant", kw_only=True)  # clients.CLIENTS
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.users <= 0:
             raise ValueError("users must not be empty")
+        if self.client not in CLIENTS:
+            raise ValueError(f"unknown client {self.client!r}; known: {', '.join(CLIENTS)}")
 
     def start(self) -> None:
         self._tasks = {
@@ -48,14 +48,26 @@ class ClosedLoop(LoadGenerator):
         gateway = index % len(self.completions_urls)
         url = self.completions_urls[gateway]
         tenant = self.workload.tenant_for(index // len(self.completions_urls))
-        # Spread the first requests so the run does not start with one synchronised burst.
-        await asyncio.sleep(self.ramp_s * index / self.users)
-        while not self._stopping:
-            prompt = self.workload.next_prompt(rng, tenant)
-            issued = time.monotonic()
-            self.issued += 1
-            result = await send_completion(self.session, url, self.model, prompt, gateway=gateway)
-            if self._in_window(issued):
-                self.results.append(result)
-            if self.retry_after and result.retry_after_s is not None:
-                await asyncio.sleep(min(result.retry_after_s, RETRY_AFTER_MAX_S))
+        official = OpenAIUser(url, self.model) if self.client == "openai" else None
+        try:
+            # Spread the first requests so the run does not start with one synchronised burst.
+            await asyncio.sleep(self.ramp_s * index / self.users)
+            while not self._stopping:
+                prompt = self.workload.next_prompt(rng, tenant)
+                issued = time.monotonic()
+                self.issued += 1
+                if official is not None and prompt.api != "messages":
+                    result = await official.send(prompt, gateway=gateway)
+                elif self.client != "instant":
+                    result = await send_honouring(
+                        self.session, url, self.model, prompt, gateway=gateway
+                    )
+                else:
+                    result = await send_completion(
+                        self.session, url, self.model, prompt, gateway=gateway
+                    )
+                if self._in_window(issued):
+                    self.results.append(result)
+        finally:
+            if official is not None:
+                await official.aclose()

@@ -167,24 +167,28 @@ class ProcessCluster(Cluster):
         gateways = sum(c.cpu_s() for c in self._deployed.gateways)
         shims = sum(c.cpu_s() for c in (*self._deployed.prefills, *self._deployed.decodes))
         wall = time.monotonic()
-        lag = await self._loop_lag_p99_s()
+        lags = await self._loop_lag_p99_s()
+        known = [lag for lag in lags if not math.isnan(lag)]
+        each = (
+            {f"lag_p99_ms_gw{i}": 1000 * lag for i, lag in enumerate(lags)} if len(lags) > 1 else {}
+        )
         return {"cpu_s": gateways + shims, "gateway_cpu_s": gateways, "wall_s": wall,
-                "lag_p99_ms": 1000 * lag}  # fmt: skip
+                "lag_p99_ms": 1000 * max(known) if known else math.nan, **each}  # fmt: skip
 
-    async def _loop_lag_p99_s(self) -> float:
-        """The worst gateway's event-loop lag p99 since the previous call, from each gateway's
-        own histogram (the bound of the bucket that holds it; NaN: nothing observed)."""
+    async def _loop_lag_p99_s(self) -> list[float]:
+        """Each gateway's event-loop lag p99 since the previous call, from its own histogram
+        (the bound of the bucket that holds it; NaN: nothing observed)."""
         if self._session is None:
             self._session = aiohttp.ClientSession()
-        worst = math.nan
+        out = []
         for url in self.urls.gateways:
             now = await read_histogram(self._session, url, LOOP_LAG)
             before = self._lag_seen.get(url, {})
             self._lag_seen[url] = now
-            p99 = bucket_quantile([(le, n - before.get(le, 0.0)) for le, n in now.items()], 0.99)
-            if not math.isnan(p99):
-                worst = p99 if math.isnan(worst) else max(worst, p99)
-        return worst
+            out.append(
+                bucket_quantile([(le, n - before.get(le, 0.0)) for le, n in now.items()], 0.99)
+            )
+        return out
 
     async def aclose(self) -> None:
         if self._session is not None:

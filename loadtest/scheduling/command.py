@@ -26,6 +26,7 @@ from pdgate.loadtest.lib.args import positive_int, some_of
 from pdgate.loadtest.lib.docs import publish, save_run
 from pdgate.loadtest.lib.suite import run_experiment_command
 from pdgate.loadtest.scheduling.capacity import Capacity, CapacityPlan
+from pdgate.loadtest.scheduling.clients import CLIENTS
 from pdgate.loadtest.scheduling.clusters import DEPLOYS
 from pdgate.loadtest.scheduling.experiment import Plan, Result, run_experiment
 from pdgate.loadtest.scheduling.modes import (
@@ -124,7 +125,7 @@ def configure(s: argparse.ArgumentParser) -> None:
         default=",".join(m.name for m in MODES),
         help="comma-separated; also: "
         + ", ".join(m.name for m in (*EXTRA_MODES, *FEATURE_MODES, *ROUTER_MODES))
-        + " (router_*: vllm-router in front, needs pip install vllm-router)",
+        + " (router_*: vllm-router in front, needs pip install vllm-router; smg_*: SMG)",
     )
     s.add_argument("--multiples", default="1,2,3,4", help="load levels, as multiples of A")
     s.add_argument(
@@ -168,10 +169,19 @@ def configure(s: argparse.ArgumentParser) -> None:
         "users would offer (capacity x load fraction)",
     )
     load.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default="instant",
+        help="closed loop, what a refused user does: its next request at once (instant, "
+        "default), the same one after the Retry-After it was told, twice at most (honour), "
+        "or what the official openai client does (openai)",
+    )
+    load.add_argument(
         "--honour-retry-after",
-        action="store_true",
-        help="closed loop: a user refused with Retry-After waits that long before its next "
-        "request, as the openai client does (default: it sends the next at once)",
+        action="store_const",
+        dest="client",
+        const="honour",
+        help="the earlier name of --client honour (the commands of earlier results)",
     )
     load.add_argument(
         "--burst-factor",
@@ -258,7 +268,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
             burst_factor=args.burst_factor,
             burst_on_s=args.burst_on_s,
             max_in_flight=args.max_in_flight,
-            retry_after=args.honour_retry_after,
+            client=args.client,
         ),
         capacity=_capacity_plan(args),
         load_fractions=_fractions(args.load_fractions),

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 
 from pdgate.loadtest.lib.log import Log, to_stderr
-from pdgate.loadtest.lib.router import RouterOptions, running_router
+from pdgate.loadtest.lib.router import SMG, RouterOptions, running_router
 from pdgate.loadtest.lib.stats import Spread
 from pdgate.loadtest.scheduling.capacity import (
     Capacity,
@@ -268,6 +268,8 @@ def _describe_point(name: str, point: Point) -> str:
         extra += " tenants=" + "/".join(f"{k}:{v:.0%}" for k, v in s.success_by_tenant.items())
     if point.arrivals != "closed":
         extra += f" rate={point.rate_rps:.2f}/s dropped={s.dropped}"
+    if s.retried:
+        extra += f" retried={s.retried} ok_on_1st_retry={s.first_retry_success:.0%}"
     load = "" if math.isnan(point.load_fraction) else f"({point.load_fraction:.0%} cap) "
     return (
         f"  {name:>12} seed={point.seed} users={point.users:<3} {load}"
@@ -278,6 +280,22 @@ def _describe_point(name: str, point: Point) -> str:
         + ("" if lag is None else f"lag_p99={lag:.0f}ms ")
         + f"hold_max={holds.max_s:.2f}s >5s={holds.over_5s:.0f} stranded={holds.stranded:.0f}"
         f"{extra} ({point.wall_s:.0f}s)"
+    )
+
+
+def _router_options(base: RouterOptions, mode: Mode, spec: ClusterSpec) -> RouterOptions:
+    """The router in front of `spec` for `mode`: vllm-router with the mode's policy, or SMG
+    with its prefill admission queue (the prefills' slots in flight on each, a request
+    waiting at most the gateway's TTFT timeout) and the mode's policy for the prefills."""
+    if mode.front != "smg":
+        return replace(base, policy=mode.router_policy)
+    return replace(
+        base,
+        binary=SMG,
+        policy="cache_aware",
+        prefill_policy=mode.router_policy,
+        prefill_inflight=spec.prefill_capacity,
+        prefill_queue_timeout_s=math.ceil(spec.gateway_ttft_timeout_s),
     )
 
 
@@ -306,13 +324,13 @@ async def _drive(
         cluster = await stack.enter_async_context(open_cluster(spec, mode, series.deploy))
         await cluster.wait_ready(session)
         fronts = None
-        if mode.front == "vllm_router":
+        if mode.front != "pdgate":
             _, router = await stack.enter_async_context(
                 running_router(
                     session,
                     cluster.urls.prefills,
                     cluster.urls.decodes,
-                    replace(plan.router, policy=mode.router_policy),
+                    _router_options(plan.router, mode, spec),
                 )
             )
             fronts = [router]
@@ -422,7 +440,8 @@ async def run_experiment(plan: Plan, log: Log = to_stderr) -> Result:
             f"{[lv.users for lv in levels]} users{rates}; series {[s.name for s in series]}; "
             f"seeds {list(plan.seeds)}"
         )
-        arrivals = plan.arrivals if plan.arrivals.open else None
+        # A closed loop's too: its users' client (what a refused one does) is in it.
+        arrivals = plan.arrivals
         for seed in plan.seeds:
             if plan.parallel:
                 try:  # one failure cancels the other series (and stops their clusters)

@@ -15,6 +15,10 @@
 * ``router_*``: the same queue-less prefills behind vllm-router instead of
   pdgate (loadtest/lib/router.py), with one of its policies and retries on. The router does
   not know the requests' deadlines; the client judges every mode by the same rule.
+* ``smg_*``: behind SMG in its vLLM P/D mode, its prefill admission queue on: at most the
+  prefills' slots in flight on each, the rest waiting in SMG up to the gateway's TTFT
+  timeout (``gateway_ttft_timeout_s``); its prefix-aware policy, its load-aware one, or
+  round robin for the prefills (its default, prefix-aware, for the decodes).
 
 `ClusterSpec` is everything else, identical for every mode; `shim_fields` and
 `gateway_fields` turn both into the servers' settings, the same for either deployment
@@ -54,8 +58,8 @@ class Mode:
     dispatch: str  # GatewaySettings.dispatch
     prefill_policy: str
     queue_order: str = "edf"  # GatewaySettings.queue_order (dispatch=queue only)
-    # Who fronts the cluster: "pdgate", or "vllm_router" with `router_policy` (the cluster's
-    # own gateway then only serves the readiness check).
+    # Who fronts the cluster: "pdgate", or "vllm_router" or "smg" with `router_policy` (the
+    # cluster's own gateway then only serves the readiness check).
     front: str = "pdgate"
     router_policy: str = ""
     # Overrides of GatewaySettings / the prefills' / the decodes' ShimSettings fields, applied
@@ -162,9 +166,15 @@ def _router_mode(policy: str) -> Mode:
     )
 
 
-# vllm-router's prefix-aware policy (its default), its load-aware one, and round robin.
-ROUTER_MODES: tuple[Mode, ...] = tuple(
-    _router_mode(p) for p in ("cache_aware", "power_of_two", "round_robin")
+def _smg_mode(policy: str) -> Mode:
+    return replace(_router_mode(policy), name=f"smg_{policy}", front="smg")
+
+
+# vllm-router's prefix-aware policy (its default), its load-aware one, and round robin; SMG's
+# prefix-aware, least-load and round-robin prefill policies.
+ROUTER_MODES: tuple[Mode, ...] = (
+    *(_router_mode(p) for p in ("cache_aware", "power_of_two", "round_robin")),
+    *(_smg_mode(p) for p in ("cache_aware", "least_load", "round_robin")),
 )
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from pdgate.loadtest.lib.stats import DROPPED, RequestResult
 from pdgate.loadtest.scheduling._load import LoadGenerator, send_completion
+from pdgate.loadtest.scheduling.clients import CLIENTS
 from pdgate.loadtest.scheduling.workload import Prompt
 
 __all__ = ["ARRIVALS", "Arrivals", "OpenLoop", "arrival_times"]
@@ -47,8 +48,8 @@ class Arrivals:
     # The open loop's in-flight bound: None = `in_flight_bound(users)` for the level's
     # equivalent closed-loop users.
     max_in_flight: int | None = None
-    # closed: a refused user waits its Retry-After before the next request (ClosedLoop).
-    retry_after: bool = False
+    # closed: what a refused user does (clients.py: instant, honour, openai).
+    client: str = "instant"
 
     def __post_init__(self) -> None:
         if self.kind not in ARRIVALS:
@@ -57,8 +58,10 @@ class Arrivals:
             raise ValueError("burst factor must be > 1 and the ON period > 0")
         if self.max_in_flight is not None and self.max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
-        if self.retry_after and self.open:
-            raise ValueError("only a closed loop's users wait for Retry-After")
+        if self.client not in CLIENTS:
+            raise ValueError(f"unknown client {self.client!r}; known: {', '.join(CLIENTS)}")
+        if self.client != "instant" and self.open:
+            raise ValueError("only a closed loop's users retry (--client)")
 
     @property
     def open(self) -> bool:
@@ -72,7 +75,11 @@ class Arrivals:
                 f"open loop, bursty arrivals (on/off Poisson: {self.burst_factor:g}x the rate "
                 f"during ON periods of mean {self.burst_on_s:g} s, silent otherwise)"
             )
-        return "closed loop, users honour Retry-After" if self.retry_after else "closed loop"
+        if self.client == "honour":
+            return "closed loop, users retry after the Retry-After they are told (up to 2 times)"
+        if self.client == "openai":
+            return "closed loop, users of the official openai client (its own retries)"
+        return "closed loop"
 
     def in_flight_bound(self, users: float) -> int:
         """The open loop's bound for a level equivalent to `users` closed-loop users: 4x

@@ -106,6 +106,7 @@ def summary_json(result: Result) -> dict[str, Any]:
         "base_users": result.base_users,
         "workload": plan.workload,
         "arrivals": plan.arrivals.kind,
+        "client": plan.arrivals.client,
         "prefill_slots": list(plan.prefill_slots) or plan.spec.prefill_capacity,
         "batch_forwarding": _batch_forwarding(plan.batch_forwarding),
         "capacity": None if result.capacity is None else result.capacity.as_json(),
@@ -122,6 +123,10 @@ def summary_json(result: Result) -> dict[str, Any]:
         cap = result.capacity
         out["rate_rps"] = {lv.key: lv.rate(cap) if cap else math.nan for lv in result.levels}
         out["client_dropped"] = result.worst("client_dropped")
+    if plan.arrivals.client != "instant":
+        # Requests tried again after a refusal, and the share served on their first retry.
+        out["retried"] = result.metric("retried")
+        out["first_retry_success"] = result.metric("first_retry_success")
     if gateways > 1:
         out["success_by_gateway"] = _per_gateway(result)
     if plan.workload_spec.tenants:
@@ -236,6 +241,7 @@ class _Columns:
     tenants: bool
     capacity: float  # NaN: no capacity columns
     open_loop: bool
+    retries: bool  # clients that retry a refusal
 
 
 def markdown_table(result: Result) -> str:
@@ -247,12 +253,14 @@ def markdown_table(result: Result) -> str:
         tenants=bool(plan.workload_spec.tenants),
         capacity=math.nan if result.capacity is None else result.capacity.rps,
         open_loop=plan.arrivals.open,
+        retries=plan.arrivals.client != "instant",
     )
     has_cap = not math.isnan(c.capacity)
     columns = ["mode", "load", *(["load / capacity"] if has_cap else []),
                *(["seed"] if c.seeds else []), "users",
                *(["rate/s", "offered/s", "dropped"] if c.open_loop else []), "requests",
-               "success", *(["success per gateway"] if c.gateways else []),
+               "success", *(["retried / ok on 1st retry"] if c.retries else []),
+               *(["success per gateway"] if c.gateways else []),
                *(["success per tenant"] if c.tenants else []), "goodput/s",
                *(["goodput / capacity"] if has_cap else []),
                "TTFT p50 / p99 s", "E2E p50 / p99 s", "prefix hit", "prefill 429s",
@@ -275,6 +283,7 @@ def _table_row(mode: str, load: str, p: Point, c: _Columns) -> str:
              *([str(p.seed)] if c.seeds else []), str(p.users),
              *([_s(p.rate_rps), _s(s.offered_rps), str(s.dropped)] if c.open_loop else []),
              str(s.requests), _pct(s.success_rate),
+             *([f"{s.retried} / {_pct(s.first_retry_success)}"] if c.retries else []),
              *([" / ".join(_pct(v) for v in s.success_by_gateway.values())] if c.gateways
                else []),
              *([tenants] if c.tenants else []),

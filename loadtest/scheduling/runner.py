@@ -63,6 +63,9 @@ class Holds:
         return cls(after.max_s, after.over_5s - before.over_5s, after.held)
 
 
+# The gateways' own counts of the requests they shed, by why (gateway/placement/admission.py).
+_SHEDS = ("early_drops", "queue_sheds_drain", "queue_sheds_full")
+
 # The fleet's Redis calls a request makes (gateway/placement/leases.py); the others are periodic.
 _PER_REQUEST_OPS = ("acquire", "computed", "release")
 
@@ -82,6 +85,7 @@ class Point:
     holds: Holds = field(default_factory=Holds)
     seed: int = 0
     arrivals: str = "closed"  # open_loop.ARRIVALS
+    client: str = "instant"  # the closed loop's users' (clients.CLIENTS)
     rate_rps: float = math.nan  # open loop: the mean arrival rate asked for
     max_in_flight: int = 0  # open loop: the client's bound (0: closed loop)
     load_fraction: float = math.nan  # offered load / capacity (NaN: capacity unknown)
@@ -140,6 +144,7 @@ class Point:
             "mode": self.mode,
             "users": self.users,
             "arrivals": self.arrivals,
+            "client": self.client,
             "rate_rps": self.rate_rps,
             "load_fraction": self.load_fraction,
             "requests": s.requests,
@@ -151,12 +156,15 @@ class Point:
             "tpot_p99_s": s.tpot_p99_s,
             "ttft_attainment": s.ttft_attainment,
             "tpot_attainment": s.tpot_attainment,
+            "retried": s.retried,
+            "first_retry_success": s.first_retry_success,
             "phase_switch_wait_s": self.phase_switch_wait_s,
             "prefix_hit_rate": self.prefix_hit_rate,
             "prefill_429s": self.rejections_429,
             "prefill_429s_per_request": self.rejections_per_request,
             "retries_per_request": self.retries_per_request,
             "gateway_503s": s.status_counts.get(503, 0),
+            **self.sheds(),
             "cluster_cpu_cores": self.cluster_cpu,
             "client_cpu_cores": self.client_cpu,
             "host_cpu_cores": self.host_cpu,
@@ -177,7 +185,19 @@ class Point:
                 else {}
             ),
             **self.per_gateway(),
+            # Each gateway's own event-loop lag p99, where several ran as processes.
+            **{
+                f"loop_lag_p99_ms_gateway{k.removeprefix('lag_p99_ms_gw')}": v
+                for k, v in self.loop_lag.items()
+                if k.startswith("lag_p99_ms_gw")
+            },
         }
+
+    def sheds(self) -> dict[str, float]:
+        """Why the gateways shed requests in the window, summed over them (a reason none was
+        shed for has no sample yet: 0); NaN behind another router, without their metrics."""
+        served = any(k.startswith("outcome_") for k in self.counters)
+        return {k: self.counters.get(k, 0.0 if served else math.nan) for k in _SHEDS}
 
     def per_gateway(self) -> dict[str, float]:
         """With several gateways, each one's early drops, fleet yields and drain sheds in the
@@ -231,7 +251,7 @@ async def run_point(
         loop = ClosedLoop(
             session, targets, cluster.spec.model, workload, users, user_offset=user_offset,
             ramp_s=min(0.5, timing.warmup_s / 2) if ramp_s is None else ramp_s,
-            retry_after=arrivals.retry_after,
+            client=arrivals.client,
         )  # fmt: skip
     loop.start()
     try:
@@ -268,6 +288,7 @@ async def run_point(
         holds=Holds.between(holds0, holds1),
         seed=seed,
         arrivals=arrivals.kind,
+        client=arrivals.client,
         rate_rps=math.nan if rate_rps is None or not arrivals.open else rate_rps,
         max_in_flight=bound,
         load_fraction=load_fraction,

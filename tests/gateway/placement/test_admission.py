@@ -25,6 +25,7 @@ import pytest
 
 from pdgate.config import QueueOrder
 from pdgate.config.aio import Background
+from pdgate.gateway.admission.retry_after import RetryAfter
 from pdgate.gateway.api.completions import TTFT_HEADER
 from pdgate.gateway.errors import DeadlineExceeded, Overloaded, OverShare, ShuttingDown
 from pdgate.gateway.observe.metrics import GatewayMetrics
@@ -101,10 +102,13 @@ async def test_the_unit_refuses_on_arrival_what_the_pace_cannot_reach_in_time() 
         admission.admit(waiter(i, deadline_s=30))
     _paced(admission, 20.0, 2.0)  # 20 grants a second
     assert admission.drain_view()[0] == pytest.approx(20.0, rel=0.01)
-    late = waiter(100, deadline_s=1.0)  # 40 ahead, some 20 reached in a second
+    late = waiter(100, deadline_s=0.5)  # 40 ahead, some 10 reached in half a second
     with pytest.raises(Overloaded, match="would not reach this request") as refused:
         admission.admit(late)
-    assert refused.value.retry_after == 1
+    # Retry-After: until the pace has served all but what it reaches in the request's time
+    # (less the headroom it keeps, up to 0.3 of it): the 40 ahead less 7 to 10, at 20 a
+    # second.
+    assert (40 - 10) / 20 - 0.01 <= refused.value.retry_after <= (40 - 7) / 20 + 0.01
     assert late not in queue.waiters() and _sheds(metrics, "drain") == 1
     admission.admit(waiter(101, deadline_s=20.0))  # reached in some 2 s
     assert len(queue) == 41
@@ -126,8 +130,10 @@ async def test_the_units_sweep_refuses_queued_requests_out_of_reach_but_not_read
     queue.push(kept)
     _paced(admission, 20.0, 2.0)
     admission.admit(waiter(102, deadline_s=20.0))  # its arrival sweeps the queue
-    with pytest.raises(Overloaded, match="would not reach this request"):
+    with pytest.raises(Overloaded, match="would not reach this request") as refused:
         doomed.future.result()
+    # Its retry queues behind the 41 left, at 20 a second (it has no TTFT budget of its own).
+    assert refused.value.retry_after == pytest.approx(41 / 20, abs=0.01)
     assert doomed not in queue.waiters() and kept in queue.waiters()
     assert not kept.future.done() and _sheds(metrics, "drain") == 1
 
@@ -145,9 +151,10 @@ async def test_the_unit_drops_a_hopeless_request_at_the_head_unless_told_not_to(
         assert not admission.hopeless(fine)
         drops = metrics.registry.get_sample_value("pdgate_early_drops_total")
         if early_drop:
-            with pytest.raises(DeadlineExceeded, match="cannot be prefilled"):
+            with pytest.raises(DeadlineExceeded, match="cannot be prefilled") as dropped:
                 hopeless.future.result()
             assert queue.waiters() == [fine] and drops == 1
+            assert dropped.value.retry_after == 1  # no pace measured: the floor
         else:
             assert not hopeless.future.done() and len(queue) == 2 and drops == 0
 
@@ -167,13 +174,13 @@ async def test_the_unit_holds_the_queue_while_a_prefilled_request_waits_for_a_de
 
 
 async def test_the_unit_answers_a_full_queue_503_and_a_tenant_over_its_share_429() -> None:
-    admission, queue, metrics, _ = _unit(size=2, retry_after_s=3)
+    admission, queue, metrics, _ = _unit(size=2, retry_after=RetryAfter(floor_s=3))
     first, newest = _tenant(0, "a"), _tenant(1, "a")
     admission.admit(first)
     admission.admit(newest)
     with pytest.raises(Overloaded, match="is full") as full:
         admission.admit(_tenant(2, "a"))
-    assert full.value.status == 503 and full.value.retry_after == 3
+    assert full.value.status == 503 and full.value.retry_after == 3  # no pace yet: the floor
     assert _sheds(metrics, "full") == 1
     # Tenant b, under its share, takes the place of a's newest, which is told 429.
     light = _tenant(3, "b")
@@ -188,9 +195,9 @@ async def test_the_unit_answers_a_full_queue_503_and_a_tenant_over_its_share_429
 
 
 async def test_the_unit_expires_and_sheds_with_the_right_answers() -> None:
-    admission, _, _, _ = _unit(retry_after_s=2)
+    admission, _, _, _ = _unit(retry_after=RetryAfter(floor_s=2))
     expiring = waiter(0)
-    admission.expire(expiring.future)
+    admission.expire(expiring)
     with pytest.raises(DeadlineExceeded, match="before its TTFT deadline") as expired:
         expiring.future.result()
     assert expired.value.retry_after == 2
@@ -705,3 +712,77 @@ def test_a_request_waiting_for_a_decode_holds_its_queue_s_prefills() -> None:
 
 def test_without_decode_backpressure_the_prefills_run_ahead_of_the_decodes() -> None:
     assert _decode_backpressure(enabled=False) == (3, 0)
+
+
+# -- what a refused request is told to wait (gateway/admission/retry_after.py) -------------
+
+
+def _with_budget(w: Waiter, tenant: str = "anonymous", ttft_s: float | None = None) -> Waiter:
+    w.info = replace(w.info, tenant=tenant, ttft_s=ttft_s)
+    return w
+
+
+async def test_a_full_queue_tells_how_long_until_the_pace_brings_a_retry_within_reach() -> None:
+    """40 queued at 20 grants a second, the next due in half a second: the pace reaches 10 of
+    them in its time, so 30 must go first, 1.5 s; a fixed second would bring it back to the
+    same full queue."""
+    admission, _, _, _ = _unit(size=40, drain_admission=False)
+    for i in range(40):
+        admission.admit(waiter(i, deadline_s=30))
+    _paced(admission, 20.0, 2.0)
+    with pytest.raises(Overloaded, match="is full") as full:
+        admission.admit(waiter(100, deadline_s=0.5))
+    assert full.value.retry_after == pytest.approx(1.5, abs=0.01)
+    # Past the ceiling, the ceiling: the OpenAI clients give up on longer waits.
+    capped, _, _, _ = _unit(size=40, drain_admission=False, retry_after=RetryAfter(ceiling_s=1.2))
+    for i in range(40):
+        capped.admit(waiter(i, deadline_s=30))
+    _paced(capped, 20.0, 2.0)
+    with pytest.raises(Overloaded, match="is full") as full:
+        capped.admit(waiter(100, deadline_s=0.5))
+    assert full.value.retry_after == 1.2
+
+
+async def test_a_tenant_over_its_share_waits_for_its_own_requests_at_its_share_of_the_pace() -> (
+    None
+):
+    """Tenant a holds 30 of a queue of 40 beside b's one: its share is half the turns, 10
+    grants a second of the 20. Its new request has its 30 ahead, the half second it may wait
+    reaches 5 of them: 25 at 10 a second, 2.5 s."""
+    admission, _, _, _ = _unit(size=40, drain_admission=False)
+    for i in range(30):
+        admission.admit(_tenant(i, "a"))
+    admission.admit(_tenant(30, "b"))
+    _paced(admission, 20.0, 2.0)
+    with pytest.raises(OverShare) as over:
+        admission.admit(_tenant(100, "a", deadline_s=0.5))
+    assert over.value.status == 429
+    assert over.value.retry_after == pytest.approx(2.5, abs=0.01)
+
+
+async def test_a_request_shed_after_waiting_is_told_when_a_retry_would_be_reached() -> None:
+    """Early drop and expiry: the retry queues behind the 60 requests queued now, with its
+    whole TTFT budget (a quarter second: some 5 of them reached, less the headroom a burst of
+    arrivals calls for), 55 to 57 at 20 a second (the pace as measured, 19 to 20 a second by
+    the time each is shed)."""
+    admission, queue, _, times = _unit()
+    for i in range(60):
+        admission.admit(waiter(i, deadline_s=30))
+    _paced(admission, 20.0, 2.0)
+    for _ in range(32):  # 100 characters take 2 s
+        times.record(100, 2.0)
+    lowest, highest = (60 - 20 / 4) / 20 - 0.01, (60 - 0.7 * 19 / 4) / 19 + 0.01
+    hopeless = _with_budget(waiter(100, deadline_s=0.25, prompt="x" * 100), ttft_s=0.25)
+    queue.push(hopeless)
+    assert admission.hopeless(hopeless)
+    with pytest.raises(DeadlineExceeded, match="cannot be prefilled") as dropped:
+        hopeless.future.result()
+    assert dropped.value.retry_after is not None
+    assert lowest <= dropped.value.retry_after <= highest
+    expiring = _with_budget(waiter(101, deadline_s=0.25), ttft_s=0.25)
+    queue.push(expiring)
+    admission.expire(expiring)  # its deadline passed, still queued
+    with pytest.raises(DeadlineExceeded, match="before its TTFT deadline") as expired:
+        expiring.future.result()
+    assert expired.value.retry_after is not None
+    assert lowest <= expired.value.retry_after <= highest

@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from pdgate.config import DispatchMode
+from pdgate.config.wire import EXT_QUEUELESS
 from pdgate.gateway.errors import BadGateway, DeadlineExceeded
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.placement.placed import Placement
@@ -307,3 +308,30 @@ async def test_the_fleet_s_samples_heard_before_a_queue_s_first_request_all_coun
 
 def speeds(tracker: InstanceTracker) -> dict[str, float]:
     return {r["id"]: r["speed"] for r in tracker.describe() if r["role"] == "prefill"}
+
+
+async def test_a_request_no_decode_took_is_told_when_the_decodes_would_have_room() -> None:
+    """Every decode answers 429 until the request's deadline. The decodes (one of 2 slots,
+    each held 1 s a request: 2 a second) have 9 other prefilled requests waiting beside this
+    one, and 2 slots free as this gateway counts them: the 8 beyond those go at 2 a second,
+    4 s, where a fixed second would send it back to the same wait."""
+    recs = records([1], [2])
+    recs["d0"] = dataclasses.replace(recs["d0"], extensions=(EXT_QUEUELESS,))  # 429 when full
+    tracker = InstanceTracker(reject_hold_s=0.05)
+    tracker.update_membership(recs)
+    upstream = MockUpstream(FakeCluster(decode_script=[Reply(status=429, json={})] * 1000))
+    d, _ = dispatcher(upstream, tracker, decode_backpressure=False)
+    assert d.decode_capacity is not None
+    for _ in range(20):
+        d.decode_capacity.held("d0", 1.0)
+    waits = d._shared.decode_waits
+    for _ in range(9):
+        waits.enter("m", None)
+    try:
+        with pytest.raises(DeadlineExceeded, match="no decode instance") as raised:
+            await place(d, deadline_s=0.3)
+        assert raised.value.retry_after == 4.0
+    finally:
+        for _ in range(9):
+            waits.leave("m", None)
+        await d.close()

@@ -41,7 +41,10 @@ def test_prefill_with_one_slot_rejects_the_second_request_at_once(
     # hold timeout freed it.
     assert resp.status_code == 429
     assert "retry-after" in resp.headers
-    assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+    # OpenAI's error object, with the wait it tells (the header's, to the millisecond).
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code", "retry_after"}
+    assert round(error["retry_after"] * 1000) == int(resp.headers["retry-after-ms"])
 
 
 def test_gateway_retries_until_the_slot_frees(one_slot_prefill: ThreadedCluster) -> None:
@@ -103,7 +106,7 @@ def test_deadline_gives_503_with_retry_after_and_leaks_nothing() -> None:
         assert 1 <= int(resp.headers["retry-after"]) <= 120
         err = resp.json()["error"]
         assert err["code"] == "ttft_deadline_exceeded"
-        assert set(err) == {"message", "type", "param", "code"}
+        assert set(err) == {"message", "type", "param", "code", "retry_after"}
         assert 0.3 <= elapsed < 3  # failed early, at its deadline, not at a socket timeout
         c.wait_for(lambda: no_leaks(c))
         health = httpx.get(c.url + "/health").json()

@@ -269,14 +269,15 @@ async def test_cut_by_max_tokens(front: MessagesFront) -> None:
 
 
 def test_errors_are_anthropic_shaped_with_the_gateway_status(front: MessagesFront) -> None:
-    app = front.error(DeadlineExceeded("no prefill", retry_after=3))
+    app = front.error(DeadlineExceeded("no prefill", retry_after=2.5))
     assert isinstance(app, object)
     response: Any = app
     assert response.status_code == 503
     assert response.headers["retry-after"] == "3"
+    assert response.headers["retry-after-ms"] == "2500"
     assert orjson.loads(response.body) == {
         "type": "error",
-        "error": {"type": "overloaded_error", "message": "no prefill"},
+        "error": {"type": "overloaded_error", "message": "no prefill", "retry_after": 2.5},
     }
     assert orjson.loads(front.error(BadRequest("bad")).body)["error"]["type"] == (  # type: ignore[attr-defined]
         "invalid_request_error"

@@ -148,3 +148,14 @@ def test_the_loop_lag_quantile_is_the_bound_of_its_bucket() -> None:
     assert bucket_quantile(buckets, 0.999) == float("inf")
     assert math.isnan(bucket_quantile([], 0.99))
     assert math.isnan(bucket_quantile([(float("inf"), 0.0)], 0.99))
+
+
+def test_a_points_sheds_by_reason_are_zero_unless_unmeasured() -> None:
+    """Summed over the gateways; a reason nobody was shed for has no sample (0); behind
+    another router there are no gateway metrics at all (NaN)."""
+    ok = RequestResult("chat", 1.0, 200, 0.1, 0.5, True)
+    served = {"outcome_ok": 10.0, "early_drops": 3.0, "queue_sheds_drain": 2.0}
+    point = Point("m", 1, summarize([ok], 1.0), served, 0.0, 0.0, 0.0, {}, 1.0)
+    assert point.sheds() == {"early_drops": 3.0, "queue_sheds_drain": 2.0, "queue_sheds_full": 0.0}
+    behind = Point("m", 1, summarize([ok], 1.0), {}, 0.0, 0.0, 0.0, {}, 1.0)
+    assert all(math.isnan(v) for v in behind.sheds().values())

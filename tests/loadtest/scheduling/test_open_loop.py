@@ -20,6 +20,7 @@ from pdgate.loadtest.lib.stats import DROPPED, summarize
 from pdgate.loadtest.scheduling.closed_loop import ClosedLoop
 from pdgate.loadtest.scheduling.open_loop import Arrivals, OpenLoop, arrival_times
 from pdgate.loadtest.scheduling.workload import WORKLOADS, Workload
+from tests.loadtest.scheduling._fake_server import completions_server
 
 
 def _times(arrivals: Arrivals, rate: float, horizon: float, seed: int = 1) -> list[float]:
@@ -97,17 +98,11 @@ async def server() -> AsyncIterator[_Server]:
         finally:
             state.open_now -= 1
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", complete)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    state.url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
-    try:
-        yield state
-    finally:
-        state.release.set()
-        await runner.cleanup()
+    async with completions_server(complete) as state.url:
+        try:
+            yield state
+        finally:
+            state.release.set()
 
 
 async def test_a_hung_server_cannot_grow_the_client(server: _Server) -> None:
@@ -170,39 +165,3 @@ async def test_tenant_headers_on_the_wire(server: _Server) -> None:
     assert {h[TENANT_HEADER] for h in with_tenants} == {t.name for t in spec.tenants}
     assert {h[PRIORITY_HEADER] for h in with_tenants} == {"normal"}
     assert all(TTFT_HEADER in h and PRIORITY_HEADER not in h for h in without)
-
-
-async def test_closed_loop_users_that_honour_retry_after_wait_before_the_next() -> None:
-    """Refused with `503` and ``Retry-After: 0.4``: a user sends its next request at once,
-    or, honouring it, 0.4 s later (as the openai client would); either way the refusal is
-    one failed request with its Retry-After."""
-
-    async def refuse(request: web.Request) -> web.Response:
-        return web.json_response({"error": {"message": "busy"}}, status=503,
-                                 headers={"retry-after": "0.4"})  # fmt: skip
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", refuse)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
-    try:
-        sent = {}
-        async with aiohttp.ClientSession() as session:
-            for honour in (False, True):
-                loop = ClosedLoop(session, [url], "m", Workload(seed=6), 1, ramp_s=0.0,
-                                  retry_after=honour)  # fmt: skip
-                loop.start()
-                loop.open_window()
-                await asyncio.sleep(1.0)
-                loop.close_window()
-                await loop.stop(2.0)
-                sent[honour] = loop.issued
-                assert all(r.status == 503 and r.retry_after_s == 0.4 for r in loop.results)
-        assert sent[True] <= 4  # at 0, 0.4 and 0.8 s (and one as the window closes)
-        assert sent[False] >= 20
-    finally:
-        await runner.cleanup()
-    with pytest.raises(ValueError, match="closed loop"):
-        Arrivals("poisson", retry_after=True)

@@ -4,15 +4,17 @@ plan (batch forwarding on/off, deployments, gateway counts), settings checked be
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 from dataclasses import replace
 
 import pytest
 
+from pdgate.loadtest.lib.router import router_argv
 from pdgate.loadtest.scheduling import command, modes
 from pdgate.loadtest.scheduling.capacity import Capacity, CapacityPlan
 from pdgate.loadtest.scheduling.clusters import InProcessCluster
-from pdgate.loadtest.scheduling.experiment import Plan, levels_of
+from pdgate.loadtest.scheduling.experiment import Plan, _router_options, levels_of
 from pdgate.loadtest.scheduling.modes import (
     FEATURE_MODES,
     ClusterSpec,
@@ -196,3 +198,22 @@ def test_several_prefill_slot_counts_are_series_of_their_own() -> None:
     assert "1, 4, 8 (rows /sK)" in command.describe(plan)
     with pytest.raises(SystemExit):
         _args("--prefill-slots=4,0")
+
+
+def test_smg_modes_start_smg_with_its_prefill_queue_at_the_prefills_slots() -> None:
+    """SMG's prefill admission: each prefill's slots in flight, the rest waiting up to the
+    gateway's TTFT timeout, the mode's policy for the prefills; vllm-router's modes keep
+    their one policy."""
+    spec = replace(ClusterSpec(), prefill_capacity=4, gateway_ttft_timeout_s=9.5)
+    plan = Plan()
+    smg = _router_options(plan.router, modes.mode_named("smg_round_robin"), spec)
+    argv = router_argv("smg", 8000, ["http://p0"], ["http://d0"], smg)
+    flags = dict(itertools.pairwise(argv))
+    assert argv[1:5] == ["launch", "--pd-disaggregation", "--backend", "vllm"]
+    assert flags["--prefill-max-inflight-requests-per-worker"] == "4"
+    assert flags["--prefill-queue-timeout-secs"] == "10"
+    assert flags["--prefill-policy"] == "round_robin"
+    vllm = _router_options(plan.router, modes.mode_named("router_round_robin"), spec)
+    argv = router_argv("vllm-router", 8000, ["http://p0"], ["http://d0"], vllm)
+    assert "--prefill-max-inflight-requests-per-worker" not in argv
+    assert dict(itertools.pairwise(argv))["--policy"] == "round_robin"

@@ -7,7 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import orjson
+import pytest
 
+from pdgate.loadtest.lib.router import SMG, install_hint, router_binary
 from tests.loadtest._procs import RunBench
 
 
@@ -38,7 +40,8 @@ def test_processes_one_and_two_gateways_two_seeds(tmp_path: Path, run_bench: Run
     assert len(csv) == 1 + 2 * 2  # a header, one row per series and seed
     # Each gateway's own early drops and fleet yields, where there are several.
     header = csv[0].split(",")
-    for column in ("early_drops_gateway0", "early_drops_gateway1", "fleet_yields_gateway1"):
+    for column in ("early_drops_gateway0", "early_drops_gateway1", "fleet_yields_gateway1",
+                   "loop_lag_p99_ms_gateway0", "loop_lag_p99_ms_gateway1"):  # fmt: skip
         assert column in header
     # The gateways' own event-loop lag, read from their histograms (a bucket's bound, > 0).
     lags = [float(row.split(",")[header.index("loop_lag_p99_ms")]) for row in csv[1:]]
@@ -46,3 +49,31 @@ def test_processes_one_and_two_gateways_two_seeds(tmp_path: Path, run_bench: Run
     table = (tmp_path / "p.md").read_text()
     assert "every shim and gateway its own process" in table and "Spread over seeds" in table
     assert "1, 2 gateways (rows /gN)" in table and "| least_sse/g2 | 1A |" in table
+
+
+def test_smg_with_its_prefill_queue_fronts_the_deployed_cluster(
+    tmp_path: Path, run_bench: RunBench
+) -> None:
+    """SMG in its vLLM P/D mode before the same processes, its prefill admission queue on
+    (tests/loadtest/scheduling/test_plan.py checks its flags): 4 users on one prefill of one
+    slot, users that honour Retry-After; the figures come out as for any mode. (Its queue
+    counts a prefill's slot free when the prefill answers, the shim only once the decode has
+    pulled the KV: some 429s remain, each retried by SMG.)"""
+    if router_binary(SMG) is None:
+        pytest.fail(install_hint(SMG))  # in the loadtest extra: its absence is a broken install
+    lines = run_bench(
+        ["scheduling", "--deploy=processes", "--modes=smg_cache_aware", "--base-users=4",
+         "--multiples=1", "--prefills=1", "--prefill-slots=1", "--warmup-s=0.5",
+         "--measure-s=3", "--seeds=1", "--capacity=off", f"--out={tmp_path}", "--no-doc",
+         "--kind=smg", "--client=honour"]
+    )  # fmt: skip
+    data = orjson.loads(lines[-1])
+    assert data["client"] == "honour"
+    assert 0 < data["success"]["smg_cache_aware"]["1"] <= 1
+    assert data["goodput"]["smg_cache_aware"]["1"] > 0
+    assert data["rejections_per_request"]["smg_cache_aware"]["1"] >= 0  # measured
+    assert "| smg_cache_aware | 1A |" in (tmp_path / "smg.md").read_text()
+    # The users were the client asked for (the closed loop once ran `instant` whatever it
+    # was told).
+    rows = (tmp_path / "smg.csv").read_text().splitlines()
+    assert [row.split(",")[rows[0].split(",").index("client")] for row in rows[1:]] == ["honour"]

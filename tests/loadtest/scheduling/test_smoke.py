@@ -45,8 +45,9 @@ def test_bench_scheduling_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[st
     per_point = {"success", "goodput", "prefix_hit_rate", "kv_hold_max_s", "kv_hold_over_5s",
                  "kv_stranded", "goodput_fraction", "offered_rps", "rejections_per_request",
                  "retries_per_request", "fleet_calls_per_request", "fleet_acquire_ms"}  # fmt: skip
-    run = {"deploy", "gateways", "seeds", "base_users", "workload", "arrivals", "prefill_slots",
-           "batch_forwarding", "capacity", "load_fraction", "level_users"}  # fmt: skip
+    run = {"deploy", "gateways", "seeds", "base_users", "workload", "arrivals", "client",
+           "prefill_slots", "batch_forwarding", "capacity", "load_fraction",
+           "level_users"}  # fmt: skip
     assert set(data) == per_point | run
     assert (data["deploy"], data["gateways"], data["seeds"]) == ("inprocess", 1, [0])
     assert (data["workload"], data["arrivals"], data["prefill_slots"]) == ("mix", "closed", 1)

@@ -1,0 +1,116 @@
+"""The Retry-After every 503 and 429 carries (gateway/admission/retry_after.py), through a
+real gateway server: the figure from what the gateway knows, in ``Retry-After`` (whole
+seconds), ``retry-after-ms`` and the error body, on every API it serves. The queue's own
+figures are pinned in tests/gateway/placement/test_admission.py; the key's rate limit in
+tests/gateway/admission/test_auth.py."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+from pdgate.config import GatewaySettings, QueueOrder, RegistrySettings, Role
+from pdgate.config.server import bind_socket, bound_port, serving
+from pdgate.gateway.api.completions import TTFT_HEADER
+from pdgate.gateway.app import build_gateway_app
+from pdgate.gateway.upstream.mock import MockUpstream
+from pdgate.registry import InstanceRecord, MemoryRegistry
+from tests.gateway._fakes import FakeCluster
+
+
+@asynccontextmanager
+async def _gateway(
+    *, instances: bool, poll_s: float = 1.0, prefill_delay_s: float = 0.0, **settings: Any
+) -> AsyncIterator[str]:
+    """A gateway server on a memory registry, with one prefill of one slot and one decode
+    (`instances`) or none, before `MockUpstream` instances."""
+    registry = MemoryRegistry()
+    if instances:
+        for role, capacity in ((Role.PREFILL, 1), (Role.DECODE, 64)):
+            record = InstanceRecord(
+                id=role.value, role=role, url=f"http://{role.value}", model="m",
+                capacity=capacity,
+            )  # fmt: skip
+            await registry.put(record, ttl_s=60)
+    app = build_gateway_app(
+        GatewaySettings(port=0, **settings),
+        registry,
+        RegistrySettings(poll_interval_s=poll_s),
+        upstream=MockUpstream(FakeCluster(prefill_delay_s=prefill_delay_s)),
+    )
+    sock = bind_socket("127.0.0.1", 0)
+    async with serving(app, sock):
+        yield f"http://127.0.0.1:{bound_port(sock)}"
+
+
+def _told(resp: httpx.Response, shape: str = "openai") -> float:
+    """The wait `resp` tells, checked to be the same in its headers and its body."""
+    assert resp.status_code in (429, 503), resp.text
+    error = resp.json()["error"]
+    if shape == "anthropic":
+        assert resp.json()["type"] == "error"
+    seconds = error["retry_after"]
+    assert isinstance(seconds, float | int)
+    assert resp.headers["retry-after-ms"] == str(round(seconds * 1000))
+    assert resp.headers["retry-after"] == str(math.ceil(seconds))
+    return float(seconds)
+
+
+_CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+_REQUESTS: list[tuple[str, dict[str, Any], str]] = [
+    ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2}, "openai"),
+    ("/v1/chat/completions", _CHAT, "openai"),
+    ("/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": 2}, "openai"),
+    ("/v1/messages", {"model": "m", "max_tokens": 2, "messages": _CHAT["messages"]}, "anthropic"),
+    ("/v1/messages/count_tokens", {"model": "m", "messages": _CHAT["messages"]}, "anthropic"),
+    ("/v1/embeddings", {"model": "m", "input": "hi"}, "openai"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "shape"), _REQUESTS, ids=[r[0] for r in _REQUESTS])
+async def test_no_instance_tells_the_wait_until_the_gateway_next_reads_the_fleet(
+    path: str, body: dict[str, Any], shape: str
+) -> None:
+    """With no instance registered, a new one shows at the gateway's next read of the
+    membership: the registry's poll interval (2.5 s here), not a fixed second."""
+    async with _gateway(instances=False, poll_s=2.5) as url, httpx.AsyncClient() as client:
+        resp = await client.post(url + path, json=body)
+        assert resp.status_code == 503
+        assert _told(resp, shape) == 2.5
+
+
+async def test_a_request_the_queue_cannot_reach_is_told_when_it_would() -> None:
+    """One prefill slot, 0.05 s a prompt (some 20 grants a second), a FIFO queue of some 60
+    requests due in 30 s: a request due in half a second is refused on arrival (drain
+    admission), told to come back once the pace has served all but the few it reaches in
+    its half second: some 2.5 s, where a fixed second would bring it back to the same
+    queue."""
+    async with (
+        _gateway(instances=True, prefill_delay_s=0.05, queue_order=QueueOrder.FIFO) as url,
+        httpx.AsyncClient(timeout=60) as client,
+    ):
+
+        async def post(ttft_ms: int) -> httpx.Response:
+            return await client.post(
+                url + "/v1/completions",
+                json={"model": "m", "prompt": "hi", "max_tokens": 2},
+                headers={TTFT_HEADER: str(ttft_ms)},
+            )
+
+        backlog = [asyncio.create_task(post(30_000)) for _ in range(80)]
+        try:
+            await asyncio.sleep(1.3)  # saturated for over a second: the pace is known
+            resp = await post(500)
+            told = _told(resp)
+            assert resp.json()["error"]["code"] == "gateway_overloaded"
+            assert 1.5 < told < 4.0
+        finally:
+            for task in backlog:
+                task.cancel()
+            await asyncio.gather(*backlog, return_exceptions=True)
