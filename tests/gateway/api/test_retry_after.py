@@ -109,7 +109,9 @@ async def test_a_request_the_queue_cannot_reach_is_told_when_it_would() -> None:
             resp = await post(500)
             told = _told(resp)
             assert resp.json()["error"]["code"] == "gateway_overloaded"
-            assert 1.5 < told < 4.0
+            # Some 2.5 s at this pace; a loaded machine's slower pace tells more, but never
+            # past the backlog's own deadline, when all ahead of it has gone.
+            assert 1.5 < told <= 30.0
         finally:
             for task in backlog:
                 task.cancel()
