@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import errno
+
 from pdgate.config.openai_api import OpenAIError
 
 
@@ -154,6 +156,19 @@ class UpstreamRejected(UpstreamError):
 
 class UpstreamUnreachable(UpstreamError):
     """Connect failure, reset or timeout before an answer: try another instance."""
+
+    @property
+    def refused(self) -> bool:
+        """Its connection was refused: nothing listens there, the instance is gone (a busy
+        or hung instance still accepts connections, a stopped one does not)."""
+        cause = self.__cause__
+        while cause is not None:
+            if isinstance(cause, ConnectionRefusedError) or (
+                isinstance(cause, OSError) and cause.errno == errno.ECONNREFUSED
+            ):
+                return True
+            cause = cause.__cause__
+        return False
 
 
 # The statuses by which an instance says the request itself is bad: the client hears them.

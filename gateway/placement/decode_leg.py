@@ -11,7 +11,8 @@ Failover: a decode that was never reached (refused, reset, timed out) is replace
 next one with the same ``kv_transfer_params`` (the KV is still at the prefill); one that
 answered with an error status may have consumed the KV, so `place` raises `DecodeLost` and
 the caller places the request again, prefill included (gateway/stream/relay.py). Either
-counts against the retry budget, as prefill failovers do.
+counts against the retry budget, as prefill failovers do, unless the decode is known to be
+gone (a refused connection ejects it at once; gateway/instances/health.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pdgate.gateway.errors import (
     UpstreamRejected,
     UpstreamStatus,
 )
-from pdgate.gateway.instances.health import RetryBudget
+from pdgate.gateway.instances.health import RetryBudget, spends_budget
 from pdgate.gateway.instances.tracker import InstanceTracker, Lease
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.decode_attempt import (
@@ -176,7 +177,13 @@ class DecodeLegs:
                         retry_after=self._retry_after_s,
                     ) from exc
                 failures.append(str(exc))
-                retry_or_fail(self._budget, self._metrics, exc, "the decode instances are failing")
+                retry_or_fail(
+                    self._budget,
+                    self._metrics,
+                    exc,
+                    "the decode instances are failing",
+                    free=not spends_budget(self._tracker, inst.id, exc),
+                )
                 continue  # never reached it: the KV is still at the prefill
             return inst, response, [stream, inflight]
         return None

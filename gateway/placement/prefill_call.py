@@ -38,8 +38,10 @@ from pdgate.gateway.errors import (
     UpstreamError,
     UpstreamRejected,
     UpstreamStatus,
+    UpstreamUnreachable,
     is_client_fault,
 )
+from pdgate.gateway.instances.health import spends_budget
 from pdgate.gateway.instances.tracker import Lease
 from pdgate.gateway.placement.batching import BatchForming
 from pdgate.gateway.placement.decode_attempt import out_of_time
@@ -505,10 +507,17 @@ class PrefillCalls:
             # before failing (or before our timeout fired). Nobody will fetch it.
             self._release_then_free(call, inst, slot_freed=False)
             self._tracker.failed(inst.id)
-            self._shared.ejector.failure(inst.id, "prefill")
+            gone = isinstance(answer, UpstreamUnreachable) and answer.refused
+            if gone:
+                self._shared.ejector.dead(inst.id, "prefill")
+            else:
+                self._shared.ejector.failure(inst.id, "prefill")
             counter.labels("failed").inc()
             log.warning("prefill %s failed: %s", inst.id, answer)
-            if not self._shared.budget.withdraw():
+            free = isinstance(answer, UpstreamError) and not spends_budget(
+                self._tracker, inst.id, answer
+            )
+            if not free and not self._shared.budget.withdraw():
                 # A fleet-wide failure must not multiply the load on what is left.
                 self._shared.metrics.retry_budget_exhausted.inc()
                 if not waiter.future.done():
