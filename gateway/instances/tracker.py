@@ -135,6 +135,10 @@ class InstanceTracker:
     _default: str | None = None  # the one model ready instances serve (None: none or several)
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
     _sleepers: int = 0  # in `wait_freed` now: a pulse with none wakes nobody
+    # Told the instance's id each time one of its slots frees (a request in flight there
+    # ended having taken it, here or at another gateway): the decodes' waiting line
+    # (gateway/placement/drain.py, `DecodeWaits`) wakes one waiter per freed slot.
+    slot_freed: Callable[[str], None] | None = None
     _work_ids: Iterator[int] = field(default_factory=itertools.count)
     # (model, group or None) -> the prefills' speed per hardware type there (`set_speeds`),
     # for the queues that measured any.
@@ -336,8 +340,20 @@ class InstanceTracker:
                 if also is not None:
                     also()
 
-            return Lease(instance_id, c, "inflight", self.pulse, also=probe_ended)
-        return Lease(instance_id, c, "inflight", self.pulse, also=also)
+            return Lease(instance_id, c, "inflight", self._freed_at(instance_id), also=probe_ended)
+        return Lease(instance_id, c, "inflight", self._freed_at(instance_id), also=also)
+
+    def _freed_at(self, instance_id: str) -> Callable[[], None]:
+        """What a slot of the instance freeing does: wake the forwarders, tell the line."""
+        told = self.slot_freed
+        if told is None:
+            return self.pulse
+
+        def freed() -> None:
+            self.pulse()
+            told(instance_id)
+
+        return freed
 
     def computing(self, instance_id: str, *, also: Callable[[], None] | None = None) -> Lease:
         """A call the prefill is computing, from the call until its answer (`also`: released
@@ -436,6 +452,8 @@ class InstanceTracker:
         c = self._counters.get(instance_id)
         if c is not None and c.others_slots > 0:
             c.others_slots -= 1
+            if self.slot_freed is not None:
+                self.slot_freed(instance_id)
 
     def others_idle(self, instance_id: str) -> None:
         """The fleet says `instance_id` computes nothing any more."""

@@ -3,7 +3,9 @@
 The prefill's ``kv_transfer_params`` go to a decode chosen by the decode policy; a 429 tries
 the next one (up to ``decode_candidates`` a round), then waits for a freed slot or a
 back-off, until the deadline. While it waits for a decode that exists but is full, the
-request counts in `DecodeWaits` and its queue holds its prefills (drain.py). The leg always
+request waits in its line in `DecodeWaits` (resumed streams first, then by deadline; one
+waiter woken per freed slot) and its queue holds its prefills (drain.py). A request that
+finds others waiting before it for those decodes joins the line behind them. The leg always
 streams, whatever the client asked: its first event is the moment the KV has left the
 prefill (the decode pulls it before it generates), which is when the prefill's slot frees.
 
@@ -41,7 +43,7 @@ from pdgate.gateway.placement.decode_attempt import (
     out_of_time,
     retry_or_fail,
 )
-from pdgate.gateway.placement.drain import DecodeWaits
+from pdgate.gateway.placement.drain import DecodeTurn, DecodeWaits
 from pdgate.gateway.placement.handoff import Handoffs
 from pdgate.gateway.placement.placed import LegRequest
 from pdgate.gateway.upstream.base import DecodeStream, upstream_error_code
@@ -95,20 +97,33 @@ class DecodeLegs:
         round_no = 0
         failures: list[str] = []
         waits = self._waits
-        waiting = False  # counted in `waits`: the queue holds its prefills meanwhile
+        # In the line for a decode slot (drain.py): the queue holds its prefills meanwhile.
+        turn: DecodeTurn | None = None
+        placed = False
         try:
             while True:
                 candidates = declaring(self._tracker, Role.DECODE, info, extension)
                 if connector is not None and self._handoffs is not None:
                     candidates = self._handoffs.decodes(connector, candidates)
+                if (
+                    turn is None
+                    and candidates
+                    and waits.ahead(info.model, info.group, deadline, resumed=req.retry)
+                ):
+                    # Others wait before it for these decodes: behind them, not past them.
+                    turn = waits.join(info.model, info.group, deadline, resumed=req.retry)
+                    await waits.wait(turn, self._wait_s(round_no, deadline))
+                    round_no += 1
+                    continue
                 ranked = self._policy.rank(info, candidates)
                 if avoid:
                     ranked = [c for c in ranked if c.id not in avoid] + [
                         c for c in ranked if c.id in avoid
                     ]
-                placed = await self._round(req, body, path, ranked, failures)
-                if placed is not None:
-                    return placed
+                result = await self._round(req, body, path, ranked, failures)
+                if result is not None:
+                    placed = True
+                    return result
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     if failures and not ranked:
@@ -120,15 +135,20 @@ class DecodeLegs:
                         else "no decode instance accepted the request before its TTFT deadline"
                     )
                     raise DeadlineExceeded(what, retry_after=self._retry_after_s)
-                if not waiting and candidates:
-                    # Decodes there are, all full: wait, and hold the queue's prefills.
-                    waiting = True
-                    waits.enter(info.model, info.group)
-                await self._tracker.wait_freed(min(self._backoff.delay(round_no), remaining))
+                if turn is None and candidates:
+                    # Decodes there are, all full: wait in line for a freed slot.
+                    turn = waits.join(info.model, info.group, deadline, resumed=req.retry)
+                if turn is not None:
+                    await waits.wait(turn, self._wait_s(round_no, deadline))
+                else:
+                    await self._tracker.wait_freed(self._wait_s(round_no, deadline))
                 round_no += 1
         finally:
-            if waiting:
-                waits.leave(info.model, info.group)
+            if turn is not None:
+                waits.leave(turn, placed=placed)
+
+    def _wait_s(self, round_no: int, deadline: float) -> float:
+        return min(self._backoff.delay(round_no), deadline - time.monotonic())
 
     async def _round(
         self,
