@@ -171,6 +171,11 @@ class UpstreamUnreachable(UpstreamError):
         return False
 
 
+class DecodeSilent(UpstreamUnreachable):
+    """A decode stopped answering every stream it serves (gateway/upstream/stalls.py): it is
+    ejected, and each of its streams moves on."""
+
+
 # The statuses by which an instance says the request itself is bad: the client hears them.
 # Any other 4xx is the instance's or the fleet's fault, not the client's (401/403: the
 # gateway's credentials; 404/405: a wrong URL or a model it stopped serving; 409, 408, ...):
