@@ -203,6 +203,7 @@ class PrefillCalls:
             # Not a freed slot: a prefill drops an abandoned prompt only at its next step
             # (pdgate shims hold the slot until then), so this is no moment to send it more.
             self._release_then_free(call, inst, slot_freed=False)
+            self._shared.metrics.prefill_attempts.labels("abandoned").inc()
             _end(call.span, "abandoned")
             raise
         else:
@@ -257,6 +258,7 @@ class PrefillCalls:
         except asyncio.CancelledError:  # gateway shutdown
             for call in pending.values():
                 self._release_then_free(call, inst, slot_freed=False)
+                self._shared.metrics.prefill_attempts.labels("abandoned").inc()
                 _end(call.span, "abandoned")
             raise
         else:
@@ -445,11 +447,11 @@ class PrefillCalls:
             if not isinstance(params, dict):
                 self._settle(call, inst, 502, UpstreamError(inst.url, "no kv_transfer_params"))
                 return
+            counter.labels("accepted").inc()  # the prefill took it, whoever still waits
             if waiter.future.done():
                 # The waiter left while the prefill computed: free the KV held for it.
                 self._release_then_free(call, inst, slot_freed=True, kv_params=params)
                 return
-            counter.labels("accepted").inc()
             self._shared.ejector.success(inst.id)
             took = time.monotonic() - call.started
             # What this prompt cost, not the batch it rode in: the estimates are of a prompt
