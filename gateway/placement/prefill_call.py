@@ -31,7 +31,7 @@ from typing import Any
 import orjson
 
 from pdgate.config.tracing import Span, Tracing
-from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, EXT_BATCH_PREFILL
+from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, EXT_BATCH_PREFILL, GATEWAY_ID_HEADER
 from pdgate.gateway.errors import (
     BadGateway,
     GatewayError,
@@ -87,11 +87,14 @@ class PrefillCall:
         chars = self.waiter.info.prompt_chars
         return chars / self.run_chars if self.run_chars > chars else 1.0
 
-    def headers(self, tracing: Tracing) -> dict[str, str]:
-        """The call's headers: the decode leg's max_tokens (a shim's), its connector's (a
-        stock server's), and the trace context."""
+    def headers(self, tracing: Tracing, gateway: str | None = None) -> dict[str, str]:
+        """The call's headers: the decode leg's max_tokens and `gateway`, this gateway's id
+        in a shared fleet (a shim's: it lets go of the KV it holds for a gateway that left
+        the fleet), its connector's (a stock server's), and the trace context."""
         if self.leg is None:
             headers = {DECODE_MAX_TOKENS_HEADER: str(self.waiter.info.max_tokens)}
+            if gateway is not None:
+                headers[GATEWAY_ID_HEADER] = gateway
         else:
             headers = self.leg.prefill_headers()
         tracing.inject(self.span, headers)
@@ -139,6 +142,8 @@ class PrefillCalls:
         self._forming = forming
         self._retry = retry
         self._expire = expire
+        # This gateway in a fleet that shares Redis (the prefills watch it there); else None.
+        self._gateway = shared.fleet.gateway_id if shared.fleet.shared else None
         # Prefill URL + API path pairs whose batch endpoint answered 404/405 (LRU-bounded).
         self._no_batch_endpoint: OrderedDict[str, None] = OrderedDict()
 
@@ -183,7 +188,7 @@ class PrefillCalls:
                 request_id=waiter.request_id if leg is None else leg.leg_id,
                 timeout_s=min(remaining, self._try_timeout_s(call, inst)),
                 kv_id=call.kv_id if leg is None else None,
-                headers=call.headers(self._shared.tracing),
+                headers=call.headers(self._shared.tracing, self._gateway),
                 path=waiter.path,
             )
         except UpstreamRejected:
@@ -227,7 +232,7 @@ class PrefillCalls:
                 kv_ids=[c.kv_id for c in calls],
                 request_id=calls[0].waiter.request_id,
                 timeout_s=min(max(last_deadline - time.monotonic(), 0.001), try_timeout),
-                headers=calls[0].headers(self._shared.tracing),
+                headers=calls[0].headers(self._shared.tracing, self._gateway),
                 path=path,
                 decode_max_tokens=[c.waiter.info.max_tokens for c in calls],
             ):
