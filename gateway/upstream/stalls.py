@@ -4,9 +4,10 @@ A running decode sends a token every few milliseconds to a few tens; a fixed bou
 seconds lets a stopped one hold its streams for all of them. So each decode's waits for data
 (the time a relay's read of one of its started streams waited before data came) are kept,
 the last `_GAPS` of them, and a started stream is stalled once its read has waited `factor`
-times their `quantile`, within [`floor_s`, `ceiling_s`]; `ceiling_s` until `min_samples`
-waits are known (a decode new to this gateway, or one that never streamed). The quantile is
-of the decode's reads, whatever the stream: one decode's batch sets every stream's pace.
+times their `quantile`, within [`floor_s`, `ceiling_s`]. Until `min_samples` of its waits
+are known (a decode new to this gateway) the waits of all decodes judge it, and until there
+are that many of those, `ceiling_s`. The quantile is of the decode's reads, whatever the
+stream: one decode's batch sets every stream's pace.
 
 A decode none of whose streams has had data within its bound has stopped answering as a
 whole (stopped, hung, cut off): every stream on it is given up at once, the ones still
@@ -56,7 +57,7 @@ class StallBound:
     ceiling_s: float = 5.0
     factor: float = 8.0
     quantile: float = 0.99
-    min_samples: int = 50
+    min_samples: int = 20
 
     def __post_init__(self) -> None:
         if not 0 < self.floor_s <= self.ceiling_s:
@@ -66,12 +67,15 @@ class StallBound:
 
 
 class DecodePace:
-    """One decode's recent waits for data, as its streams' reads saw them."""
+    """One decode's recent waits for data, as its streams' reads saw them; with `every`, the
+    pace of all decodes, which each one's waits also go to (a decode that has not streamed
+    enough yet is judged by it)."""
 
-    __slots__ = ("_waits", "heard_at")
+    __slots__ = ("_every", "_waits", "heard_at")
 
-    def __init__(self) -> None:
+    def __init__(self, every: DecodePace | None = None) -> None:
         self._waits: deque[float] = deque(maxlen=_GAPS)
+        self._every = every
         self.heard_at = 0.0  # monotonic: the last data from any of its streams
 
     def heard(self, waited_s: float | None, now: float) -> None:
@@ -79,13 +83,20 @@ class DecodePace:
         first data, whose wait was the KV's pull, not the decode's pace)."""
         if waited_s is not None:
             self._waits.append(waited_s)
+            if self._every is not None:
+                self._every._waits.append(waited_s)
         self.heard_at = now
 
     def limit_s(self, bound: StallBound) -> float:
-        n = len(self._waits)
+        """The bound of its streams: from its own waits, else all decodes', else the
+        ceiling."""
+        waits = self._waits
+        if len(waits) < bound.min_samples and self._every is not None:
+            waits = self._every._waits
+        n = len(waits)
         if n < bound.min_samples:
             return bound.ceiling_s
-        q = sorted(self._waits)[min(n - 1, int(bound.quantile * n))]
+        q = sorted(waits)[min(n - 1, int(bound.quantile * n))]
         return min(bound.ceiling_s, max(bound.floor_s, bound.factor * q))
 
 
@@ -127,6 +138,7 @@ class StallWatch:
         self._bound = bound
         self._read_timeout_s = read_timeout_s
         self._paces: dict[str, DecodePace] = {}
+        self._every = DecodePace()  # all decodes' waits
 
     @property
     def period_s(self) -> float:
@@ -141,7 +153,7 @@ class StallWatch:
         if pace is None:
             if len(self._paces) >= _MAX_DECODES:
                 del self._paces[next(iter(self._paces))]
-            pace = self._paces[url] = DecodePace()
+            pace = self._paces[url] = DecodePace(self._every)
         return pace
 
     def stalled(self, streams: Iterable[Watched], now: float | None = None) -> list[str]:

@@ -41,6 +41,13 @@ def test_the_bound_is_a_multiple_of_the_decode_s_high_quantile_within_floor_and_
     first = DecodePace()
     first.heard(None, 5.0)  # a stream's first data: the KV's pull, not the pace
     assert first.limit_s(BOUND) == CEILING_S and first.heard_at == 5.0
+    # A decode that has not streamed enough yet is judged by every decode's waits.
+    every = DecodePace()
+    known, new = DecodePace(every), DecodePace(every)
+    for _ in range(99):
+        known.heard(0.05, 1.0)
+    known.heard(0.1, 1.0)
+    assert new.limit_s(BOUND) == known.limit_s(BOUND) == pytest.approx(8 * 0.1)
 
 
 @pytest.fixture
