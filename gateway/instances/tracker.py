@@ -25,6 +25,9 @@ from pdgate.config.wire import EXT_PHASES, KvConnector, Role
 from pdgate.policies.base import InstanceLoad
 from pdgate.registry.base import InstanceRecord, InstanceState
 
+# Waiters woken for a decode that became ready, at most (its slots, up to this bound).
+_MAX_WAKES = 1024
+
 
 @dataclass(slots=True)
 class _Counters:
@@ -148,6 +151,7 @@ class InstanceTracker:
         self, records: Mapping[str, InstanceRecord], departed: set[str] | None = None
     ) -> None:
         """Membership listener: the registry view changed."""
+        was_ready = {i for i, r in self._records.items() if r.state == InstanceState.READY}
         self._records = dict(records)
         for gone in [i for i in self._counters if i not in self._records]:
             del self._counters[gone]
@@ -197,6 +201,17 @@ class InstanceTracker:
         self._partial = self._aggregated - steady
         self._pushed = pushed
         self.pulse()  # a new instance is new capacity
+        told = self.slot_freed
+        if told is not None:
+            # A decode ready now that was not: each of its slots is one freed.
+            for rec in self._records.values():
+                if (
+                    rec.role is Role.DECODE
+                    and rec.state == InstanceState.READY
+                    and rec.id not in was_ready
+                ):
+                    for _ in range(min(rec.capacity, _MAX_WAKES)):
+                        told(rec.id)
 
     def _for(self, instance_id: str) -> _Counters:
         c = self._counters.get(instance_id)

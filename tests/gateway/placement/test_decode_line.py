@@ -10,6 +10,7 @@ within the test. Each wake is one ranking of the decodes: the ranker counts them
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -175,4 +176,24 @@ async def test_a_waiter_leaves_the_line_once_at_its_deadline_or_cancelled() -> N
     assert line.waits.waiting("m", None) == 1  # each left once; the last still waits
     _free(held)
     _free(await asyncio.wait_for(stays, 5))
+    assert line.released()
+
+
+async def test_a_decode_that_joins_wakes_as_many_waiters_as_it_has_slots() -> None:
+    line = _Line()
+    held = await line.place("holder", 30)
+    waiting = [line.start(f"w{i}", 10 + i) for i in range(3)]
+    await line.settle()
+    assert line.waits.waiting("m", None) == 3
+    records = dict(line.tracker.records())
+    joined = dataclasses.replace(records["d0"], id="d1", url="http://d1", capacity=2)
+    line.tracker.update_membership({**records, "d1": joined})
+    # Its two slots go to the first two in the line; the third still waits.
+    placed = await asyncio.wait_for(asyncio.gather(waiting[0], waiting[1]), 5)
+    await line.settle()
+    assert not waiting[2].done() and line.waits.waiting("m", None) == 1
+    for leases in placed:
+        _free(leases)
+    _free(held)
+    _free(await asyncio.wait_for(waiting[2], 5))
     assert line.released()
