@@ -757,10 +757,25 @@ class GatewaySettings(_Settings):
     decode_stall_timeout_s: float | None = Field(
         default=5.0,
         gt=0,
-        description="A started decode stream silent this long (a hung or stopped decode; a "
-        "running one sends a token every few tens of ms) is given up, and the request goes "
-        "on at another decode (max_migrations); checked every quarter of it, at most every "
-        "second. Unset = only upstream_read_timeout_s.",
+        description="The most a started decode stream may be silent (a hung or stopped "
+        "decode) before it is given up and the request goes on at another decode "
+        "(max_migrations); sooner when its decode's own pace says so (decode_stall_factor). "
+        "Unset = only upstream_read_timeout_s.",
+    )
+    decode_stall_floor_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="The least a started decode stream may be silent before it is given up, "
+        "whatever its decode's pace; the watchdog looks every half of it (at most every "
+        "second). Above decode_stall_timeout_s, that one holds.",
+    )
+    decode_stall_factor: float = Field(
+        default=8.0,
+        ge=1,
+        description="A started decode stream is given up once it waited this many times "
+        "the 0.99 quantile of its decode's recent waits for data (between "
+        "decode_stall_floor_s and decode_stall_timeout_s). A decode silent on every stream "
+        "that long is ejected and all its streams move at once.",
     )
     decode_header_timeout_s: float = Field(
         default=5.0,

@@ -146,6 +146,10 @@ REQUEST_ID_HEADER = "x-request-id"
 # Request header of the prefill leg: the caller's name for the KV handle (pdgate extension),
 # so it can DELETE the KV of a call it abandoned without ever reading the answer.
 KV_ID_HEADER = "x-pdgate-kv-id"
+# Request header of the prefill leg: the fleet gateway that sends it (its id in the fleet's
+# Redis). A pdgate prefill lets go of the KV it holds for a gateway whose fleet entry
+# expired (it died): nobody will pull it. Sent only by gateways that share a fleet.
+GATEWAY_ID_HEADER = "x-pdgate-gateway"
 # Request header of the prefill leg: the max_tokens its decode leg will ask for (the prefill
 # leg's own is 1). A pdgate prefill checks the context length with it, as the decode will,
 # so a prompt too long for the client's max_tokens is refused before it is computed, with

@@ -2,9 +2,10 @@
 
 Each entry holds the request's admission slot (P/D-Serve: "a prompt continuously occupies one
 slot in prefill if it is waiting for KVCache transfer"). An entry leaves the store exactly
-once: taken by the first GET (single consumer), dropped by DELETE, or expired after the hold
-timeout. Whoever takes it must `close()` it, which frees the KV and the slot. The store is
-bounded by the slots: there can never be more entries than admitted requests.
+once: taken by the first GET (single consumer), dropped by DELETE, expired after the hold
+timeout, or dropped when the gateway it is held for left the fleet. Whoever takes it must
+`close()` it, which frees the KV and the slot. The store is bounded by the slots: there can
+never be more entries than admitted requests.
 
 `HoldTimes` records, per entry, how long the KV and its slot stayed held after the prefill
 finished, by how the hold ended: a slot held long past its request's end is capacity lost
@@ -25,8 +26,9 @@ from pdgate.engine_shim.backend import KvSource
 log = logging.getLogger("pdgate.shim.prefill")
 
 # How a hold ends: taken by a completed GET, by a GET whose reader left midway, released
-# by DELETE, dropped by the hold timeout, dropped at shutdown.
-OUTCOMES = ("fetched", "lost", "released", "expired", "shutdown")
+# by DELETE, dropped by the hold timeout, dropped because the gateway it was held for left
+# the fleet (_gateway_watch.py), dropped at shutdown.
+OUTCOMES = ("fetched", "lost", "released", "expired", "gateway_gone", "shutdown")
 HOLD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LONG_HOLD_S = 5.0  # /load's kv_hold_over_5s
 
@@ -47,12 +49,14 @@ class HoldTimes:
 
 
 class HeldKv:
-    __slots__ = ("_closed", "_held_since", "_holds", "kv", "request_id", "slot")
+    __slots__ = ("_closed", "_held_since", "_holds", "gateway", "kv", "request_id", "slot")
 
-    def __init__(self, request_id: str, kv: KvSource, slot: Slot) -> None:
+    def __init__(self, request_id: str, kv: KvSource, slot: Slot, gateway: str = "") -> None:
+        """`gateway`: the fleet gateway the KV is held for ("": not said)."""
         self.request_id = request_id
         self.kv = kv
         self.slot = slot
+        self.gateway = gateway
         self._closed = False
         self._held_since: float | None = None
         self._holds: HoldTimes | None = None
@@ -83,6 +87,7 @@ class KvStore:
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self._max_tombstones = max_tombstones
         self.expired = 0  # cumulative
+        self.gateway_gone = 0  # cumulative: released because their gateway left the fleet
         self.dropped_on_arrival = 0  # cumulative: computed for a caller that already left
         self.holds = HoldTimes()
 
@@ -124,6 +129,21 @@ class KvStore:
         entry, timer = item
         timer.cancel()
         return entry
+
+    def gateways(self) -> list[str]:
+        """The gateways some KV is held for (those that said which they are)."""
+        return sorted({e.gateway for e, _ in self._entries.values() if e.gateway})
+
+    def release_for(self, gateway: str) -> int:
+        """Let go of the KV held for `gateway` (it left the fleet: nobody will pull it);
+        how many."""
+        gone = [rid for rid, (e, _) in self._entries.items() if e.gateway == gateway]
+        for request_id in gone:
+            entry, timer = self._entries.pop(request_id)
+            timer.cancel()
+            entry.close("gateway_gone")
+        self.gateway_gone += len(gone)
+        return len(gone)
 
     def _expire(self, request_id: str) -> None:
         item = self._entries.pop(request_id, None)

@@ -36,6 +36,7 @@ _COUNTERS = frozenset(
         "kv_lost",
         "kv_released",
         "kv_expired",
+        "kv_gateway_gone",
         "kv_hold_over_5s",
         "engine_aborted",
         "prefix_cache_hit_tokens",

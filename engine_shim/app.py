@@ -59,6 +59,7 @@ from pdgate.config.wire import (
     TOKEN_ENDPOINTS,
     KvConnector,
 )
+from pdgate.engine_shim._gateway_watch import GatewayWatch
 from pdgate.engine_shim._http import ApiError, ClusterAuth, json_response
 from pdgate.engine_shim._kv_sources import KvSources
 from pdgate.engine_shim._metrics import metrics_registry
@@ -67,6 +68,7 @@ from pdgate.engine_shim.backend import DecodeBackend, PrefillBackend, ReportsMod
 from pdgate.engine_shim.decode import AggregatedWorker, DecodeWorker, local_prefill
 from pdgate.engine_shim.prefill import PrefillShim
 from pdgate.registry.base import InstanceRecord, InstanceState, Registry
+from pdgate.registry.fleet import FleetMembers
 from pdgate.registry.heartbeat import Heartbeat
 
 __all__ = [
@@ -287,6 +289,17 @@ class ShimRuntime:
             ttl_s=registry_settings.ttl_s,
         )
         self._session: aiohttp.ClientSession | None = None
+        # The KV held for gateways that left the fleet is let go (a fleet is in Redis only).
+        self._gateways: GatewayWatch | None = None
+        if isinstance(service, PrefillShim) and registry_settings.url is not None:
+            members = FleetMembers(
+                registry_settings.url,
+                key_prefix=registry_settings.key_prefix,
+                connect_timeout_s=registry_settings.connect_timeout_s,
+            )
+            self._gateways = service.watch_gateways(
+                members, interval_s=registry_settings.heartbeat_interval_s
+            )
 
     async def startup(self) -> None:
         await self.backend.start()
@@ -300,6 +313,8 @@ class ShimRuntime:
             self._session = aiohttp.ClientSession(connector=connector)
             self.service.start(self._session)
         await self._heartbeat.start()
+        if self._gateways is not None:
+            self._gateways.start()
         log.info("%s %s serving at %s", self.record.role.value, self.record.id, self.record.url)
 
     async def drain(self, timeout_s: float = 30.0) -> bool:
@@ -318,6 +333,8 @@ class ShimRuntime:
             await self.drain(timeout_s=0)
             await self._heartbeat.stop()
         finally:
+            if self._gateways is not None:
+                await self._gateways.stop()
             await self.service.aclose()
             await self.backend.aclose()
             if self._sources is not None:

@@ -40,6 +40,7 @@ from pdgate.config.tracing import Span, Tracing
 from pdgate.config.wire import (
     BATCH_SUFFIX,
     DECODE_MAX_TOKENS_HEADER,
+    GATEWAY_ID_HEADER,
     KV_DIGEST_HEADER,
     KV_ID_HEADER,
     KV_PATH,
@@ -48,6 +49,7 @@ from pdgate.config.wire import (
     valid_kv_id,
 )
 from pdgate.engine_shim._completion import ApiRequest, shape_for, usage
+from pdgate.engine_shim._gateway_watch import GatewayWatch, Liveness
 from pdgate.engine_shim._http import (
     ApiError,
     ClosingStreamingResponse,
@@ -176,6 +178,10 @@ class PrefillShim(ShimService[PrefillBackend]):
         # answered: the token-work load as the prefill itself sees it, reported on /load.
         self._prompt_tokens = 0
 
+    def watch_gateways(self, liveness: Liveness, interval_s: float) -> GatewayWatch:
+        """What lets go of the KV held for gateways that left the fleet (not started)."""
+        return GatewayWatch(self._store, liveness, interval_s=interval_s)
+
     def routes(self) -> list[Route]:
         return [
             *super().routes(),
@@ -193,6 +199,7 @@ class PrefillShim(ShimService[PrefillBackend]):
             "kv_sending": self._sending,
             "prompt_tokens_inflight": self._prompt_tokens,
             "kv_expired": self._store.expired,
+            "kv_gateway_gone": self._store.gateway_gone,
             "kv_dropped_on_arrival": self._store.dropped_on_arrival,
             # How long KV stayed held after its prefill ended (the hold timeout hides leaks).
             "kv_hold_max_s": round(holds.max_s, 6),
@@ -220,7 +227,13 @@ class PrefillShim(ShimService[PrefillBackend]):
         rid = caller_request_id(request)
         decode_max = _positive(request.headers.get(DECODE_MAX_TOKENS_HEADER))
         answer = await self._prefill_one(
-            req, kv_id, rid, lambda work: until_disconnect(request, work), span, decode_max
+            req,
+            kv_id,
+            rid,
+            lambda work: until_disconnect(request, work),
+            span,
+            decode_max,
+            gateway=_gateway(request),
         )
         end_span(span, "ok", 200)
         return json_response(answer)
@@ -233,8 +246,12 @@ class PrefillShim(ShimService[PrefillBackend]):
         guard: Callable[[Awaitable[Any]], Awaitable[Any]],
         span: Span,
         decode_max_tokens: int | None = None,
+        *,
+        gateway: str = "",
     ) -> dict[str, Any]:
-        """Admit, compute and hold the KV of one request; its answer as a dict.
+        """Admit, compute and hold the KV of one request (for `gateway`, the fleet gateway
+        that asked, if it said: its KV is let go when that gateway leaves the fleet); its
+        answer as a dict.
 
         `decode_max_tokens`: what the decode leg will ask for (the gateway says so); the
         context length is checked with it, so a prompt the decode would refuse is refused
@@ -258,7 +275,7 @@ class PrefillShim(ShimService[PrefillBackend]):
         kv_id = self._claim_kv_id(kv_id)
         self._prompt_tokens += len(tokens)
         try:
-            return await self._compute(req, tokens, kv_id, rid, guard, span)
+            return await self._compute(req, tokens, kv_id, rid, guard, span, gateway)
         finally:
             # In the store now, or never will be: either way no longer "computing".
             self._computing.discard(kv_id)
@@ -289,6 +306,7 @@ class PrefillShim(ShimService[PrefillBackend]):
         rid: str | None,
         guard: Callable[[Awaitable[Any]], Awaitable[Any]],
         span: Span,
+        gateway: str,
     ) -> dict[str, Any]:
         settings = self._settings
         tools = self._tool_use(req)
@@ -326,7 +344,7 @@ class PrefillShim(ShimService[PrefillBackend]):
             compute.set_attribute("pdgate.cached_tokens", out.cached_tokens)
             compute.set_attribute("pdgate.kv_bytes", out.kv.nbytes)
         end_span(compute, "ok")
-        held = HeldKv(kv_id, out.kv, slot)
+        held = HeldKv(kv_id, out.kv, slot, gateway)
         if req.logprob_count is not None and out.logprobs is None:
             held.close()
             raise bad_request("this engine does not produce logprobs", "logprobs")
@@ -412,6 +430,7 @@ class PrefillShim(ShimService[PrefillBackend]):
             return exc.response()
         except ClientGone:
             return Response(status_code=499)
+        gateway = _gateway(request)
         parsed: list[ApiRequest | ApiError] = []
         for raw in batch.items:
             try:
@@ -435,7 +454,7 @@ class PrefillShim(ShimService[PrefillBackend]):
                 limits = batch.decode_max_tokens
                 limit = limits[index] if index < len(limits) else None
                 body = await self._prefill_one(
-                    item, _nth(batch.kv_ids, index), rid, _unguarded, span, limit
+                    item, _nth(batch.kv_ids, index), rid, _unguarded, span, limit, gateway=gateway
                 )
                 end_span(span, "ok", 200)
                 return _line(index, 200, body)
@@ -526,6 +545,12 @@ class PrefillShim(ShimService[PrefillBackend]):
         entry.close("released")
         self._counts["kv_released"] += 1
         return Response(status_code=204)
+
+
+def _gateway(request: Request) -> str:
+    """The fleet gateway a call says it comes from ("": none, or not a plausible id)."""
+    value = request.headers.get(GATEWAY_ID_HEADER, "")
+    return value if len(value) <= 64 and value.isprintable() else ""
 
 
 def _free_when_engine_done(work: asyncio.Future[PrefillOutput], slot: Slot) -> None:

@@ -68,6 +68,7 @@ from pdgate.gateway.translate.responses import ResponsesFront
 from pdgate.gateway.upstream.base import Upstream
 from pdgate.gateway.upstream.h1 import H1Upstream
 from pdgate.gateway.upstream.http import HttpUpstream
+from pdgate.gateway.upstream.stalls import StallBound
 from pdgate.policies import admit_idle, load_policy
 from pdgate.policies.base import Ranker
 from pdgate.registry.base import InstanceRecord, Registry
@@ -406,7 +407,13 @@ def open_upstream(
             url: {"authorization": f"Bearer {key}"} for url, key in instance_keys.items()
         },
         header_timeout_s=settings.decode_header_timeout_s,
-        stall_timeout_s=settings.decode_stall_timeout_s,
+        stall_bound=None
+        if settings.decode_stall_timeout_s is None
+        else StallBound(
+            floor_s=min(settings.decode_stall_floor_s, settings.decode_stall_timeout_s),
+            ceiling_s=settings.decode_stall_timeout_s,
+            factor=settings.decode_stall_factor,
+        ),
     )
 
 

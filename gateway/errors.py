@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Mapping
 
 from pdgate.config.openai_api import OpenAIError
@@ -167,6 +168,24 @@ class UpstreamRejected(UpstreamError):
 
 class UpstreamUnreachable(UpstreamError):
     """Connect failure, reset or timeout before an answer: try another instance."""
+
+    @property
+    def refused(self) -> bool:
+        """Its connection was refused: nothing listens there, the instance is gone (a busy
+        or hung instance still accepts connections, a stopped one does not)."""
+        cause = self.__cause__
+        while cause is not None:
+            if isinstance(cause, ConnectionRefusedError) or (
+                isinstance(cause, OSError) and cause.errno == errno.ECONNREFUSED
+            ):
+                return True
+            cause = cause.__cause__
+        return False
+
+
+class DecodeSilent(UpstreamUnreachable):
+    """A decode stopped answering every stream it serves (gateway/upstream/stalls.py): it is
+    ejected, and each of its streams moves on."""
 
 
 # The statuses by which an instance says the request itself is bad: the client hears them.

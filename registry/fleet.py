@@ -57,6 +57,7 @@ from pdgate.registry.redis import redact_url, redis_unavailable
 
 __all__ = [
     "Candidate",
+    "FleetMembers",
     "FleetStore",
     "FleetView",
     "Freed",
@@ -887,6 +888,49 @@ class RedisFleet:
         with contextlib.suppress(RegistryUnavailable, *_ERRORS):
             await self.sync({}, {}, {}, [])
             await self._client.zrem(self._gw, self.gateway_id)
+        for client in (self._sub_client, self._client):
+            with contextlib.suppress(*_ERRORS):
+                await client.aclose()
+
+
+# KEYS: gw.  ARGV: gateway ids.  Returns 1 per id whose entry is live now, else 0.
+_LIVE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local out = {}
+for i, id in ipairs(ARGV) do
+  local expiry = tonumber(redis.call('ZSCORE', KEYS[1], id) or '0')
+  out[i] = expiry > now and 1 or 0
+end
+return out
+"""
+
+
+class FleetMembers:
+    """Which gateways are live members of the fleet, read from its Redis (same URL and key
+    prefix as `RedisFleet`): for a prefill that holds KV for gateways, so that it lets go of
+    what a gateway that left will never pull."""
+
+    def __init__(
+        self, url: str, *, key_prefix: str = "pdgate", connect_timeout_s: float = 1.0
+    ) -> None:
+        self._safe_url = redact_url(url)
+        self._gw = f"{key_prefix}:fleet:gw"
+        self._client, self._sub_client = open_clients(url, connect_timeout_s)
+        self._live = self._client.register_script(_LIVE)
+
+    async def live(self, gateway_ids: Sequence[str]) -> set[str]:
+        """Those of `gateway_ids` whose fleet entry has not expired. Raises
+        `RegistryUnavailable`."""
+        if not gateway_ids:
+            return set()
+        try:
+            flags = await self._live(keys=[self._gw], args=list(gateway_ids))
+        except _ERRORS as exc:
+            raise redis_unavailable(f"fleet state {self._safe_url}", "live", exc) from exc
+        return {g for g, flag in zip(gateway_ids, flags, strict=True) if int(flag)}
+
+    async def aclose(self) -> None:
         for client in (self._sub_client, self._client):
             with contextlib.suppress(*_ERRORS):
                 await client.aclose()

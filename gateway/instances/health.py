@@ -17,7 +17,11 @@ Retry budget: failures are retried on other instances (failover), but never beyo
 fraction of the traffic: each request deposits `ratio` of a retry into a bucket (at most
 `burst` deep) and each failover retry takes one. When a whole pool fails, the gateway then
 fails requests fast instead of multiplying the load on what is left. Rejections (429) are
-not budgeted: retrying them until the deadline is the P/D-Serve design.
+not budgeted: retrying them until the deadline is the P/D-Serve design. Nor is a failure at an
+instance known to be gone (`spends_budget`): a refused connection, which ejects the instance
+at once (`Ejector.dead`), or any failure at an instance already ejected (a request sent
+before its ejection). Those retries cost the fleet nothing, and the dead instance is out of
+the rankings from then on, so they cannot multiply.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ import logging
 import time
 from dataclasses import dataclass
 
+from pdgate.gateway.errors import UpstreamError, UpstreamUnreachable
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.metrics import GatewayMetrics
 
-__all__ = ["Ejection", "Ejector", "RetryBudget"]
+__all__ = ["Ejection", "Ejector", "RetryBudget", "spends_budget"]
 
 log = logging.getLogger("pdgate.health")
 
@@ -84,6 +89,15 @@ class Ejector:
             self._tracker.restore(instance_id)
         del self._states[instance_id]
 
+    def dead(self, instance_id: str, role: str) -> None:
+        """The instance refused a connection: it is gone, so it is ejected at once, not after
+        `consecutive` failures (each of which a request would have waited through)."""
+        if instance_id not in self._tracker.records() or self._tracker.cooling_down(instance_id):
+            return
+        state = self._states.setdefault(instance_id, _State())
+        state.failures = self._rules.consecutive - 1
+        self.failure(instance_id, role)
+
     def failure(self, instance_id: str, role: str) -> None:
         if instance_id not in self._tracker.records():
             return
@@ -119,3 +133,11 @@ class RetryBudget:
             self._tokens -= 1
             return True
         return False
+
+
+def spends_budget(tracker: InstanceTracker, instance_id: str, exc: UpstreamError) -> bool:
+    """Whether retrying after `exc` at `instance_id` takes from the retry budget: not when
+    the instance is known to be gone (refused, or ejected; module docstring)."""
+    if isinstance(exc, UpstreamUnreachable) and exc.refused:
+        return False
+    return not tracker.cooling_down(instance_id)

@@ -25,6 +25,9 @@ from pdgate.config.wire import EXT_PHASES, KvConnector, Role
 from pdgate.policies.base import InstanceLoad
 from pdgate.registry.base import InstanceRecord, InstanceState
 
+# Waiters woken for a decode that became ready, at most (its slots, up to this bound).
+_MAX_WAKES = 1024
+
 
 @dataclass(slots=True)
 class _Counters:
@@ -135,6 +138,10 @@ class InstanceTracker:
     _default: str | None = None  # the one model ready instances serve (None: none or several)
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
     _sleepers: int = 0  # in `wait_freed` now: a pulse with none wakes nobody
+    # Told the instance's id each time one of its slots frees (a request in flight there
+    # ended having taken it, here or at another gateway): the decodes' waiting line
+    # (gateway/placement/drain.py, `DecodeWaits`) wakes one waiter per freed slot.
+    slot_freed: Callable[[str], None] | None = None
     _work_ids: Iterator[int] = field(default_factory=itertools.count)
     # (model, group or None) -> the prefills' speed per hardware type there (`set_speeds`),
     # for the queues that measured any.
@@ -144,6 +151,7 @@ class InstanceTracker:
         self, records: Mapping[str, InstanceRecord], departed: set[str] | None = None
     ) -> None:
         """Membership listener: the registry view changed."""
+        was_ready = {i for i, r in self._records.items() if r.state == InstanceState.READY}
         self._records = dict(records)
         for gone in [i for i in self._counters if i not in self._records]:
             del self._counters[gone]
@@ -193,6 +201,17 @@ class InstanceTracker:
         self._partial = self._aggregated - steady
         self._pushed = pushed
         self.pulse()  # a new instance is new capacity
+        told = self.slot_freed
+        if told is not None:
+            # A decode ready now that was not: each of its slots is one freed.
+            for rec in self._records.values():
+                if (
+                    rec.role is Role.DECODE
+                    and rec.state == InstanceState.READY
+                    and rec.id not in was_ready
+                ):
+                    for _ in range(min(rec.capacity, _MAX_WAKES)):
+                        told(rec.id)
 
     def _for(self, instance_id: str) -> _Counters:
         c = self._counters.get(instance_id)
@@ -336,8 +355,20 @@ class InstanceTracker:
                 if also is not None:
                     also()
 
-            return Lease(instance_id, c, "inflight", self.pulse, also=probe_ended)
-        return Lease(instance_id, c, "inflight", self.pulse, also=also)
+            return Lease(instance_id, c, "inflight", self._freed_at(instance_id), also=probe_ended)
+        return Lease(instance_id, c, "inflight", self._freed_at(instance_id), also=also)
+
+    def _freed_at(self, instance_id: str) -> Callable[[], None]:
+        """What a slot of the instance freeing does: wake the forwarders, tell the line."""
+        told = self.slot_freed
+        if told is None:
+            return self.pulse
+
+        def freed() -> None:
+            self.pulse()
+            told(instance_id)
+
+        return freed
 
     def computing(self, instance_id: str, *, also: Callable[[], None] | None = None) -> Lease:
         """A call the prefill is computing, from the call until its answer (`also`: released
@@ -436,6 +467,8 @@ class InstanceTracker:
         c = self._counters.get(instance_id)
         if c is not None and c.others_slots > 0:
             c.others_slots -= 1
+            if self.slot_freed is not None:
+                self.slot_freed(instance_id)
 
     def others_idle(self, instance_id: str) -> None:
         """The fleet says `instance_id` computes nothing any more."""

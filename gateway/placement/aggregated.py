@@ -20,7 +20,7 @@ from typing import Any
 from pdgate.config.settings import GatewaySettings
 from pdgate.config.wire import TPOT_SLO_HEADER, TTFT_LEFT_HEADER, Role
 from pdgate.gateway.errors import DeadlineExceeded, UpstreamError, UpstreamRejected, UpstreamStatus
-from pdgate.gateway.instances.health import Ejector, RetryBudget
+from pdgate.gateway.instances.health import Ejector, RetryBudget, spends_budget
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.decode_attempt import (
@@ -98,7 +98,7 @@ class WholeRequests:
             except UpstreamStatus as exc:
                 if exc.is_client_error:
                     raise client_error(exc) from exc
-                self._retry_or_fail(exc)
+                self._retry_or_fail(inst.id, exc)
                 continue
             except UpstreamError as exc:
                 if out_of_time(req.deadline):
@@ -106,7 +106,7 @@ class WholeRequests:
                         "no instance answered before the TTFT deadline",
                         retry_after=self._retry_after_s,
                     ) from exc
-                self._retry_or_fail(exc)
+                self._retry_or_fail(inst.id, exc)
                 continue
             # The prompt's work on the instance, until the first byte says it is computed.
             tokens = info.prompt_chars // 4 + 1
@@ -127,8 +127,14 @@ class WholeRequests:
                 view.routed(inst.id, placement, info.tpot_s)
             return placement
 
-    def _retry_or_fail(self, exc: UpstreamError) -> None:
-        retry_or_fail(self._budget, self._metrics, exc, "the aggregated instances are failing")
+    def _retry_or_fail(self, instance_id: str, exc: UpstreamError) -> None:
+        retry_or_fail(
+            self._budget,
+            self._metrics,
+            exc,
+            "the aggregated instances are failing",
+            free=not spends_budget(self._tracker, instance_id, exc),
+        )
 
 
 def _prefilled(view: PhaseView, tokens: int, granted_at: float, then: Callable[[], None]) -> None:

@@ -138,7 +138,10 @@ class DecodeAttempts:
         else:
             log.warning("decode %s failed: %s", inst.id, exc)
             self._tracker.failed(inst.id)
-            self._ejector.failure(inst.id, "decode")
+            if isinstance(exc, UpstreamUnreachable) and exc.refused:
+                self._ejector.dead(inst.id, "decode")
+            else:
+                self._ejector.failure(inst.id, "decode")
             outcome = "failed"
         self._counter.labels(outcome).inc()
         return outcome
@@ -166,10 +169,16 @@ def client_error(exc: UpstreamStatus) -> GatewayError:
 
 
 def retry_or_fail(
-    budget: RetryBudget, metrics: GatewayMetrics, exc: UpstreamError, what: str
+    budget: RetryBudget,
+    metrics: GatewayMetrics,
+    exc: UpstreamError,
+    what: str,
+    *,
+    free: bool = False,
 ) -> None:
-    """Another try after a failed one, if the retry budget allows."""
-    if not budget.withdraw():
+    """Another try after a failed one, if the retry budget allows; a `free` one (the
+    instance is known to be gone: `spends_budget`) always."""
+    if not free and not budget.withdraw():
         # A fleet-wide failure must not multiply the load on what is left.
         metrics.retry_budget_exhausted.inc()
         raise BadGateway(f"{what}; not retried") from exc

@@ -3,7 +3,9 @@
 The prefill's ``kv_transfer_params`` go to a decode chosen by the decode policy; a 429 tries
 the next one (up to ``decode_candidates`` a round), then waits for a freed slot or a
 back-off, until the deadline. While it waits for a decode that exists but is full, the
-request counts in `DecodeWaits` and its queue holds its prefills (drain.py). The leg always
+request waits in its line in `DecodeWaits` (resumed streams first, then by deadline; one
+waiter woken per freed slot) and its queue holds its prefills (drain.py). A request that
+finds others waiting before it for those decodes joins the line behind them. The leg always
 streams, whatever the client asked: its first event is the moment the KV has left the
 prefill (the decode pulls it before it generates), which is when the prefill's slot frees.
 
@@ -11,7 +13,8 @@ Failover: a decode that was never reached (refused, reset, timed out) is replace
 next one with the same ``kv_transfer_params`` (the KV is still at the prefill); one that
 answered with an error status may have consumed the KV, so `place` raises `DecodeLost` and
 the caller places the request again, prefill included (gateway/stream/relay.py). Either
-counts against the retry budget, as prefill failovers do.
+counts against the retry budget, as prefill failovers do, unless the decode is known to be
+gone (a refused connection ejects it at once; gateway/instances/health.py).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pdgate.gateway.errors import (
     UpstreamRejected,
     UpstreamStatus,
 )
-from pdgate.gateway.instances.health import RetryBudget
+from pdgate.gateway.instances.health import RetryBudget, spends_budget
 from pdgate.gateway.instances.tracker import InstanceTracker, Lease
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.decode_attempt import (
@@ -41,7 +44,7 @@ from pdgate.gateway.placement.decode_attempt import (
     out_of_time,
     retry_or_fail,
 )
-from pdgate.gateway.placement.drain import DecodeCapacity, DecodeWaits
+from pdgate.gateway.placement.drain import DecodeCapacity, DecodeTurn, DecodeWaits
 from pdgate.gateway.placement.handoff import Handoffs
 from pdgate.gateway.placement.placed import LegRequest
 from pdgate.gateway.upstream.base import DecodeStream, upstream_error_code
@@ -99,20 +102,33 @@ class DecodeLegs:
         round_no = 0
         failures: list[str] = []
         waits = self._waits
-        waiting = False  # counted in `waits`: the queue holds its prefills meanwhile
+        # In the line for a decode slot (drain.py): the queue holds its prefills meanwhile.
+        turn: DecodeTurn | None = None
+        placed = False
         try:
             while True:
                 candidates = declaring(self._tracker, Role.DECODE, info, extension)
                 if connector is not None and self._handoffs is not None:
                     candidates = self._handoffs.decodes(connector, candidates)
+                if (
+                    turn is None
+                    and candidates
+                    and waits.ahead(info.model, info.group, deadline, resumed=req.retry)
+                ):
+                    # Others wait before it for these decodes: behind them, not past them.
+                    turn = waits.join(info.model, info.group, deadline, resumed=req.retry)
+                    await waits.wait(turn, self._wait_s(round_no, deadline))
+                    round_no += 1
+                    continue
                 ranked = self._policy.rank(info, candidates)
                 if avoid:
                     ranked = [c for c in ranked if c.id not in avoid] + [
                         c for c in ranked if c.id in avoid
                     ]
-                placed = await self._round(req, body, path, ranked, failures)
-                if placed is not None:
-                    return placed
+                result = await self._round(req, body, path, ranked, failures)
+                if result is not None:
+                    placed = True
+                    return result
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     if failures and not ranked:
@@ -124,15 +140,20 @@ class DecodeLegs:
                         else "no decode instance accepted the request before its TTFT deadline"
                     )
                     raise DeadlineExceeded(what, retry_after=self._room(info))
-                if not waiting and candidates:
-                    # Decodes there are, all full: wait, and hold the queue's prefills.
-                    waiting = True
-                    waits.enter(info.model, info.group)
-                await self._tracker.wait_freed(min(self._backoff.delay(round_no), remaining))
+                if turn is None and candidates:
+                    # Decodes there are, all full: wait in line for a freed slot.
+                    turn = waits.join(info.model, info.group, deadline, resumed=req.retry)
+                if turn is not None:
+                    await waits.wait(turn, self._wait_s(round_no, deadline))
+                else:
+                    await self._tracker.wait_freed(self._wait_s(round_no, deadline))
                 round_no += 1
         finally:
-            if waiting:
-                waits.leave(info.model, info.group)
+            if turn is not None:
+                waits.leave(turn, placed=placed)
+
+    def _wait_s(self, round_no: int, deadline: float) -> float:
+        return min(self._backoff.delay(round_no), deadline - time.monotonic())
 
     def _room(self, info: RequestInfo) -> float:
         """Until the decodes, at their pace (slots over the time a request holds one), have
@@ -190,7 +211,13 @@ class DecodeLegs:
                         retry_after=self._room(req.info),
                     ) from exc
                 failures.append(str(exc))
-                retry_or_fail(self._budget, self._metrics, exc, "the decode instances are failing")
+                retry_or_fail(
+                    self._budget,
+                    self._metrics,
+                    exc,
+                    "the decode instances are failing",
+                    free=not spends_budget(self._tracker, inst.id, exc),
+                )
                 continue  # never reached it: the KV is still at the prefill
             return inst, response, [stream, inflight]
         return None

@@ -75,17 +75,20 @@ not declare their slots hard (stock servers) has no such bound.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import itertools
 import math
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from pdgate.config.wire import EXT_QUEUELESS, Role
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.window import TimeWindow
 
-__all__ = ["ArrivalRate", "DecodeCapacity", "DecodeWaits", "Pace", "QueueDrain"]
+__all__ = ["ArrivalRate", "DecodeCapacity", "DecodeTurn", "DecodeWaits", "Pace", "QueueDrain"]
 
 # Saturated spans kept: many more than a window holds in practice (each begins when the
 # forwarder finds no room and ends when the queue empties). Past this, the oldest go and
@@ -356,37 +359,101 @@ class DecodeCapacity:
         return Pace(None, cap, free) if loads else None
 
 
+class DecodeTurn:
+    """One request's place in its line for a decode slot (`DecodeWaits.join`)."""
+
+    __slots__ = ("key", "line", "woken")
+
+    def __init__(self, line: tuple[str, str | None], key: tuple[int, float, int]) -> None:
+        self.line = line
+        self.key = key  # (0: a resumed stream, else 1; deadline; arrival): lower goes first
+        self.woken = asyncio.Event()  # a slot freed for it: its turn to try
+
+
 class DecodeWaits:
-    """Prefilled requests waiting for a decode slot, by model and group.
+    """Prefilled requests waiting for a decode slot: one line per model and group, resumed
+    streams (failover, migration) first, then by deadline, then by arrival. Each slot that
+    frees at a decode (`InstanceTracker.slot_freed`) wakes one waiter, the first in the
+    lines that decode serves not woken yet; a waiter that leaves having been woken and placed
+    nothing passes its turn on to the next, so no freed slot goes unused while some wait.
 
     While one waits, the decodes are the bottleneck, and the prefill queue of its model and
     group holds its requests (`AdmissionOptions.decode_backpressure`): a request prefilled
     then would wait for a decode behind the queue, where neither the queue's deadline order
     nor drain admission sees it, and be refused at its deadline instead of on arrival. The
     prefills in flight still join the wait, so a decode slot that frees finds a prefilled
-    request ready. The last waiter to leave wakes the forwarders."""
+    request ready. The last waiter to leave wakes the forwarders. Bounded by the requests
+    waiting, each of which leaves exactly once (decode_leg.py)."""
 
-    __slots__ = ("_counts", "_tracker")
+    __slots__ = ("_arrivals", "_lines", "_tracker")
 
     def __init__(self, tracker: InstanceTracker) -> None:
         self._tracker = tracker
-        self._counts: dict[tuple[str, str | None], int] = {}
+        # (model, group) -> its waiters, sorted by key.
+        self._lines: dict[tuple[str, str | None], list[DecodeTurn]] = {}
+        self._arrivals = itertools.count()
+        tracker.slot_freed = self.freed
 
     def waiting(self, model: str, group: str | None) -> int:
-        return self._counts.get((model, group), 0)
+        return len(self._lines.get((model, group), ()))
 
     def total(self) -> int:
-        return sum(self._counts.values())
+        return sum(len(line) for line in self._lines.values())
 
-    def enter(self, model: str, group: str | None) -> None:
-        key = (model, group)
-        self._counts[key] = self._counts.get(key, 0) + 1
+    def join(self, model: str, group: str | None, deadline: float, *, resumed: bool) -> DecodeTurn:
+        turn = DecodeTurn((model, group), (0 if resumed else 1, deadline, next(self._arrivals)))
+        insort(self._lines.setdefault(turn.line, []), turn, key=_turn_key)
+        return turn
 
-    def leave(self, model: str, group: str | None) -> None:
-        key = (model, group)
-        left = self._counts.get(key, 0) - 1
-        if left > 0:
-            self._counts[key] = left
+    def ahead(self, model: str, group: str | None, deadline: float, *, resumed: bool) -> bool:
+        """Whether a request with this deadline would wait behind someone in its line."""
+        line = self._lines.get((model, group))
+        return line is not None and line[0].key[:2] <= (0 if resumed else 1, deadline)
+
+    async def wait(self, turn: DecodeTurn, max_wait_s: float) -> None:
+        """Until a freed slot wakes `turn`, at most `max_wait_s` (a back-off: a slot may
+        also free where no release tells, such as a new decode or another gateway's)."""
+        turn.woken.clear()
+        if max_wait_s > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max_wait_s):
+                    await turn.woken.wait()
+
+    def leave(self, turn: DecodeTurn, *, placed: bool) -> None:
+        """`turn` leaves its line (exactly once: placed, failed, cancelled or out of time)."""
+        line = self._lines.get(turn.line)
+        if line is None:
             return
-        self._counts.pop(key, None)
-        self._tracker.pulse()
+        at = bisect_left(line, turn.key, key=_turn_key)
+        if at < len(line) and line[at] is turn:
+            del line[at]
+        if not line:
+            del self._lines[turn.line]
+        if turn.woken.is_set() and not placed:
+            self._wake((turn.line,))  # the slot freed for it is the next one's
+        if not self._lines.get(turn.line):
+            self._tracker.pulse()
+
+    def freed(self, instance_id: str) -> None:
+        """A slot of `instance_id` freed: if it is a decode, wake the first waiter not woken
+        yet among the lines it serves (its model's or adapter's, its group's or any)."""
+        rec = self._tracker.records().get(instance_id)
+        if rec is None or rec.role is not Role.DECODE or not self._lines:
+            return
+        names = (rec.model, *rec.adapters)
+        self._wake([(n, g) for n in names for g in (rec.group, None)])
+
+    def _wake(self, lines: Collection[tuple[str, str | None]]) -> None:
+        first: DecodeTurn | None = None
+        for key in lines:
+            for turn in self._lines.get(key, ()):
+                if not turn.woken.is_set():
+                    if first is None or turn.key < first.key:
+                        first = turn
+                    break
+        if first is not None:
+            first.woken.set()
+
+
+def _turn_key(turn: DecodeTurn) -> tuple[int, float, int]:
+    return turn.key

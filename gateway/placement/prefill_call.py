@@ -31,15 +31,17 @@ from typing import Any
 import orjson
 
 from pdgate.config.tracing import Span, Tracing
-from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, EXT_BATCH_PREFILL
+from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, EXT_BATCH_PREFILL, GATEWAY_ID_HEADER
 from pdgate.gateway.errors import (
     BadGateway,
     GatewayError,
     UpstreamError,
     UpstreamRejected,
     UpstreamStatus,
+    UpstreamUnreachable,
     is_client_fault,
 )
+from pdgate.gateway.instances.health import spends_budget
 from pdgate.gateway.instances.tracker import Lease
 from pdgate.gateway.placement.batching import BatchForming
 from pdgate.gateway.placement.decode_attempt import out_of_time
@@ -85,11 +87,14 @@ class PrefillCall:
         chars = self.waiter.info.prompt_chars
         return chars / self.run_chars if self.run_chars > chars else 1.0
 
-    def headers(self, tracing: Tracing) -> dict[str, str]:
-        """The call's headers: the decode leg's max_tokens (a shim's), its connector's (a
-        stock server's), and the trace context."""
+    def headers(self, tracing: Tracing, gateway: str | None = None) -> dict[str, str]:
+        """The call's headers: the decode leg's max_tokens and `gateway`, this gateway's id
+        in a shared fleet (a shim's: it lets go of the KV it holds for a gateway that left
+        the fleet), its connector's (a stock server's), and the trace context."""
         if self.leg is None:
             headers = {DECODE_MAX_TOKENS_HEADER: str(self.waiter.info.max_tokens)}
+            if gateway is not None:
+                headers[GATEWAY_ID_HEADER] = gateway
         else:
             headers = self.leg.prefill_headers()
         tracing.inject(self.span, headers)
@@ -137,6 +142,8 @@ class PrefillCalls:
         self._forming = forming
         self._retry = retry
         self._expire = expire
+        # This gateway in a fleet that shares Redis (the prefills watch it there); else None.
+        self._gateway = shared.fleet.gateway_id if shared.fleet.shared else None
         # Prefill URL + API path pairs whose batch endpoint answered 404/405 (LRU-bounded).
         self._no_batch_endpoint: OrderedDict[str, None] = OrderedDict()
 
@@ -181,7 +188,7 @@ class PrefillCalls:
                 request_id=waiter.request_id if leg is None else leg.leg_id,
                 timeout_s=min(remaining, self._try_timeout_s(call, inst)),
                 kv_id=call.kv_id if leg is None else None,
-                headers=call.headers(self._shared.tracing),
+                headers=call.headers(self._shared.tracing, self._gateway),
                 path=waiter.path,
             )
         except UpstreamRejected:
@@ -201,6 +208,7 @@ class PrefillCalls:
             # Not a freed slot: a prefill drops an abandoned prompt only at its next step
             # (pdgate shims hold the slot until then), so this is no moment to send it more.
             self._release_then_free(call, inst, slot_freed=False)
+            self._shared.metrics.prefill_attempts.labels("abandoned").inc()
             _end(call.span, "abandoned")
             raise
         else:
@@ -224,7 +232,7 @@ class PrefillCalls:
                 kv_ids=[c.kv_id for c in calls],
                 request_id=calls[0].waiter.request_id,
                 timeout_s=min(max(last_deadline - time.monotonic(), 0.001), try_timeout),
-                headers=calls[0].headers(self._shared.tracing),
+                headers=calls[0].headers(self._shared.tracing, self._gateway),
                 path=path,
                 decode_max_tokens=[c.waiter.info.max_tokens for c in calls],
             ):
@@ -255,6 +263,7 @@ class PrefillCalls:
         except asyncio.CancelledError:  # gateway shutdown
             for call in pending.values():
                 self._release_then_free(call, inst, slot_freed=False)
+                self._shared.metrics.prefill_attempts.labels("abandoned").inc()
                 _end(call.span, "abandoned")
             raise
         else:
@@ -443,11 +452,11 @@ class PrefillCalls:
             if not isinstance(params, dict):
                 self._settle(call, inst, 502, UpstreamError(inst.url, "no kv_transfer_params"))
                 return
+            counter.labels("accepted").inc()  # the prefill took it, whoever still waits
             if waiter.future.done():
                 # The waiter left while the prefill computed: free the KV held for it.
                 self._release_then_free(call, inst, slot_freed=True, kv_params=params)
                 return
-            counter.labels("accepted").inc()
             self._shared.ejector.success(inst.id)
             took = time.monotonic() - call.started
             # What this prompt cost, not the batch it rode in: the estimates are of a prompt
@@ -505,10 +514,17 @@ class PrefillCalls:
             # before failing (or before our timeout fired). Nobody will fetch it.
             self._release_then_free(call, inst, slot_freed=False)
             self._tracker.failed(inst.id)
-            self._shared.ejector.failure(inst.id, "prefill")
+            gone = isinstance(answer, UpstreamUnreachable) and answer.refused
+            if gone:
+                self._shared.ejector.dead(inst.id, "prefill")
+            else:
+                self._shared.ejector.failure(inst.id, "prefill")
             counter.labels("failed").inc()
             log.warning("prefill %s failed: %s", inst.id, answer)
-            if not self._shared.budget.withdraw():
+            free = isinstance(answer, UpstreamError) and not spends_budget(
+                self._tracker, inst.id, answer
+            )
+            if not free and not self._shared.budget.withdraw():
                 # A fleet-wide failure must not multiply the load on what is left.
                 self._shared.metrics.retry_budget_exhausted.inc()
                 if not waiter.future.done():

@@ -213,6 +213,9 @@ class Queues:
             view = self._phase_views.get((f.model, f.group))
             if f.role is Role.AGGREGATED and view is not None:
                 members = self._shared.tracker.members(Role.AGGREGATED, f.model, f.group)
-                row["macro_instances"] = [list(m) for m in view.arrange(members)]
+                # Split as routing would, without storing it: `arrange` keeps the split and
+                # drops the rolling positions of macro instances that changed, which is
+                # routing's to do, never a read's.
+                row["macro_instances"] = [list(m) for m in view.mitosis.split(members)]
             rows.append(row)
         return rows

@@ -48,6 +48,7 @@ from pdgate.gateway.errors import (
     BadGateway,
     BadRequest,
     DecodeLost,
+    DecodeSilent,
     GatewayError,
     UpstreamError,
 )
@@ -121,6 +122,12 @@ class _Broken:
     message: str
     events: int  # events the leg had relayed
     final: GatewayError | None = None  # not placed again: the client gets this error
+    silent: bool = False  # its decode stopped answering every stream: it is ejected
+
+
+def _lost(exc: UpstreamError, events: int) -> _Broken:
+    reason = "truncated" if "without [DONE]" in str(exc) else "lost"
+    return _Broken(reason, str(exc), events, silent=isinstance(exc, DecodeSilent))
 
 
 class Relay:
@@ -241,6 +248,9 @@ class Relay:
                 self._current = None
                 avoid.add(placement.decode_id)
                 log.warning("decode %s broke: %s", placement.decode_id, broken.message)
+                if broken.silent:
+                    # Every stream on it is moving: no new one should go there meanwhile.
+                    self._dispatcher.ejector.dead(placement.decode_id, "decode")
             tries += 1
             self._early = False  # the first token went out (or will not) with the first leg
             if progress.finish is not None or (progress.events and progress.remaining <= 0):
@@ -477,8 +487,7 @@ class Relay:
         except StreamError as exc:
             return _Broken("error", str(exc), events)
         except UpstreamError as exc:
-            reason = "truncated" if "without [DONE]" in str(exc) else "lost"
-            return _Broken(reason, str(exc), events)
+            return _lost(exc, events)
 
     async def _bytes(self, placement: Placement) -> _Broken | None:
         """Migration off: bytes as they arrive, parsed only until the first event."""
@@ -529,8 +538,7 @@ class Relay:
         except StreamError as exc:
             return _Broken("error", str(exc), int(started))
         except UpstreamError as exc:
-            reason = "truncated" if "without [DONE]" in str(exc) else "lost"
-            return _Broken(reason, str(exc), int(started))
+            return _lost(exc, int(started))
         await out.end()
         return None
 

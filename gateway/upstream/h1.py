@@ -41,6 +41,7 @@ from pdgate.gateway.upstream.base import (
     batch_body,
     status_error,
 )
+from pdgate.gateway.upstream.stalls import DecodePace, StallBound, StallWatch, stall_error
 
 __all__ = ["H1Upstream"]
 
@@ -456,17 +457,21 @@ class _Stream:
         "_started",
         "_waiting_since",
         "closed",
+        "pace",
         "stalled",
         "url",
+        "whole",
     )
 
-    def __init__(self, conn: _Connection, url: str) -> None:
+    def __init__(self, conn: _Connection, url: str, pace: DecodePace) -> None:
         self._conn = conn
         self.url = url
         self._guard = SocketErrors(url)
         self._started = False  # data came: the decode holds the KV and is generating
         self._waiting_since = 0.0  # monotonic start of the read in progress (0: none)
+        self.pace = pace  # its decode's, shared by that decode's streams (stalls.py)
         self.stalled = 0.0  # > 0: given up after this many seconds of silence
+        self.whole = False  # given up with every stream of its decode
         self.closed = False
 
     async def read(self, size: int) -> bytes:
@@ -474,7 +479,7 @@ class _Stream:
             if self.stalled:
                 raise self._stalled()
             return b""
-        self._waiting_since = time.monotonic()
+        self._waiting_since = since = time.monotonic()
         try:
             with self._guard:
                 data = await self._conn.read(size)
@@ -489,13 +494,15 @@ class _Stream:
         finally:
             self._waiting_since = 0.0
         if data:
+            now = time.monotonic()
+            self.pace.heard(now - since if self._started else None, now)
             self._started = True
         else:
             self.close()  # read to the end: the connection goes back to the pool
         return data
 
     def _stalled(self) -> UpstreamUnreachable:
-        return UpstreamUnreachable(self.url, f"decode stalled: no data for {self.stalled:.1f} s")
+        return stall_error(self.url, self.stalled, whole=self.whole)
 
     def silent_s(self, now: float, *, started_only: bool) -> float:
         """How long the reader has been kept waiting (0: not waiting; with `started_only`,
@@ -504,8 +511,8 @@ class _Stream:
             return 0.0
         return now - self._waiting_since
 
-    def stall(self, silent_s: float) -> None:
-        self.stalled = silent_s
+    def stall(self, silent_s: float, *, whole: bool = False) -> None:
+        self.stalled, self.whole = max(silent_s, 1e-3), whole
         self.close()
 
     def at_eof(self) -> bool:
@@ -532,16 +539,18 @@ class H1Upstream(BaseUpstream):
         instance_headers: Mapping[str, Mapping[str, str]] | None = None,
         header_timeout_s: float = 5.0,
         stall_timeout_s: float | None = None,
+        stall_bound: StallBound | None = None,
         keepalive_s: float = _KEEPALIVE_S,
     ) -> None:
         """As `HttpUpstream`: `headers` go with every call, `instance_headers` (base URL ->
         headers) replace some of them towards one instance; a started decode stream silent
-        for `stall_timeout_s` is given up, and any stream silent for `read_timeout_s`."""
+        for `stall_timeout_s` (or, with `stall_bound`, for as long as its decode's pace
+        says: stalls.py) is given up, and any stream silent for `read_timeout_s`."""
         self._pool = _Pool(connections, keepalive_s)
         self._connect_timeout_s = connect_timeout_s
         self._read_timeout_s = read_timeout_s
         self._header_timeout_s = header_timeout_s
-        self._stall_timeout_s = stall_timeout_s
+        self._stalls = StallWatch(stall_bound, read_timeout_s, fixed_s=stall_timeout_s)
         self._max_response_bytes = max_response_bytes
         base = {"content-type": "application/json", "user-agent": _USER_AGENT, **(headers or {})}
         self._headers = _header_block(base)
@@ -698,7 +707,7 @@ class H1Upstream(BaseUpstream):
                 conn = await self._sent(target, head, body, connect_s)
                 status = await conn.status()
         if status == 200:
-            return self._watch(_Stream(conn, url))
+            return self._watch(_Stream(conn, url, self._stalls.pace(url)))
         try:
             with SocketErrors(url):
                 async with asyncio.timeout(self._read_timeout_s):
@@ -732,27 +741,12 @@ class H1Upstream(BaseUpstream):
         return stream
 
     async def _watch_stalls(self) -> None:
-        """Every quarter of the shorter limit (at most a second), give up the streams that
-        kept the relay waiting too long: a started one past the stall timeout, any one past
-        the read timeout. One timer for all streams: a timer per read would cost every token
+        """Every `StallWatch.period_s`, give up the streams that kept the relay waiting too
+        long (stalls.py). One timer for all streams: a timer per read would cost every token
         of every stream."""
-        stall = self._stall_timeout_s
-        period = min(1.0, self._read_timeout_s / 4, (stall or 4.0) / 4)
+        watch = self._stalls
         while self._streams:
-            await asyncio.sleep(period)
-            now = time.monotonic()
-            for stream in list(self._streams):
-                if stream.closed:
-                    self._streams.discard(stream)
-                    continue
-                silent = stream.silent_s(now, started_only=True)
-                if stall is not None and silent > stall:
-                    log.warning("decode %s stalled (%.1f s without data): moving on", stream.url,
-                                silent)  # fmt: skip
-                    stream.stall(silent)
-                    continue
-                silent = stream.silent_s(now, started_only=False)
-                if silent > self._read_timeout_s:
-                    log.warning("decode %s silent for %.1f s (upstream_read_timeout_s)",
-                                stream.url, silent)  # fmt: skip
-                    stream.stall(silent)
+            await asyncio.sleep(watch.period_s)
+            for stream in [s for s in self._streams if s.closed]:
+                self._streams.discard(stream)
+            watch.stalled(list(self._streams))

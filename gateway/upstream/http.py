@@ -26,6 +26,7 @@ from pdgate.gateway.upstream.base import (
     batch_body,
     status_error,
 )
+from pdgate.gateway.upstream.stalls import DecodePace, StallBound, StallWatch, stall_error
 
 __all__ = ["HttpUpstream"]
 
@@ -45,45 +46,62 @@ class _mapped(SocketErrors):
 class _Stream:
     """`DecodeStream` over an aiohttp response."""
 
-    __slots__ = ("__weakref__", "_guard", "_resp", "_started", "_waiting_since", "stalled", "url")
+    __slots__ = (
+        "__weakref__",
+        "_guard",
+        "_resp",
+        "_started",
+        "_waiting_since",
+        "pace",
+        "stalled",
+        "url",
+        "whole",
+    )
 
-    def __init__(self, resp: aiohttp.ClientResponse, url: str) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, url: str, pace: DecodePace) -> None:
         self._resp = resp
         self.url = url
         self._guard = _mapped(url)  # it holds nothing per use: one for every read
         self._started = False  # data came: the decode holds the KV and is generating
         self._waiting_since = 0.0  # monotonic start of the read in progress (0: none)
+        self.pace = pace  # its decode's, shared by that decode's streams (stalls.py)
         self.stalled = 0.0  # > 0: given up after this many seconds of silence
+        self.whole = False  # given up with every stream of its decode
 
     async def read(self, size: int) -> bytes:
         # What has arrived, up to `size`: no iterator of aiohttp's in between (this runs for
         # every token of every stream).
-        self._waiting_since = time.monotonic()
+        self._waiting_since = since = time.monotonic()
         try:
             with self._guard:
                 data = await self._resp.content.read(size)
         except UpstreamUnreachable:
             if self.stalled:
-                raise UpstreamUnreachable(
-                    self.url, f"decode stalled: no data for {self.stalled:.1f} s"
-                ) from None
+                raise stall_error(self.url, self.stalled, whole=self.whole) from None
             raise
         finally:
             self._waiting_since = 0.0
-        self._started = self._started or bool(data)
+        if data:
+            now = time.monotonic()
+            self.pace.heard(now - since if self._started else None, now)
+            self._started = True
         return data
 
-    def silent_s(self, now: float) -> float:
-        """How long a started stream has kept the relay waiting (0: not waiting, or not
-        started: before its first data a decode may be pulling KV or queueing)."""
-        if not self._started or not self._waiting_since or self._resp.closed:
+    @property
+    def closed(self) -> bool:
+        return self._resp.closed
+
+    def silent_s(self, now: float, *, started_only: bool = True) -> float:
+        """How long the reader has been kept waiting (0: not waiting; with `started_only`,
+        also 0 before the first data: a decode may be pulling KV or queueing)."""
+        if (started_only and not self._started) or not self._waiting_since or self._resp.closed:
             return 0.0
         return now - self._waiting_since
 
-    def stall(self, silent_s: float) -> None:
+    def stall(self, silent_s: float, *, whole: bool = False) -> None:
         """Give up on it: the read in progress raises (the request moves to another decode),
         and the dropped connection tells the decode, if it ever wakes, that nobody listens."""
-        self.stalled = silent_s
+        self.stalled, self.whole = max(silent_s, 1e-3), whole
         self.close()
 
     def at_eof(self) -> bool:
@@ -106,14 +124,17 @@ class HttpUpstream(BaseUpstream):
         instance_headers: Mapping[str, Mapping[str, str]] | None = None,
         header_timeout_s: float = 5.0,
         stall_timeout_s: float | None = None,
+        stall_bound: StallBound | None = None,
     ) -> None:
         """`headers` go with every call (e.g. the cluster token towards the shims);
         `instance_headers` (base URL -> headers) replace some of them towards one instance:
         a static server with an API key of its own (registry/static.py, `static_api_keys`).
         `stall_timeout_s`: a decode stream that started and then keeps the relay waiting this
-        long is given up (a hung or stopped decode); None: only `read_timeout_s`."""
+        long is given up (a hung or stopped decode); `stall_bound` instead: as long as its
+        decode's pace says (stalls.py); neither: only `read_timeout_s`."""
         self._session = session
-        self._stall_timeout_s = stall_timeout_s
+        self._watches = stall_timeout_s is not None or stall_bound is not None
+        self._stalls = StallWatch(stall_bound, float("inf"), fixed_s=stall_timeout_s)
         # Open decode streams, for the stall watchdog (one task, only while any is open).
         self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
         self._watchdog: asyncio.Task[None] | None = None
@@ -140,6 +161,7 @@ class HttpUpstream(BaseUpstream):
         instance_headers: Mapping[str, Mapping[str, str]] | None = None,
         header_timeout_s: float = 5.0,
         stall_timeout_s: float | None = None,
+        stall_bound: StallBound | None = None,
     ) -> HttpUpstream:
         """A new session with the gateway's pool settings; `aclose()` closes it."""
         connector = aiohttp.TCPConnector(
@@ -158,6 +180,7 @@ class HttpUpstream(BaseUpstream):
             instance_headers=instance_headers,
             header_timeout_s=header_timeout_s,
             stall_timeout_s=stall_timeout_s,
+            stall_bound=stall_bound,
         )
 
     async def aclose(self) -> None:
@@ -166,27 +189,20 @@ class HttpUpstream(BaseUpstream):
         await self._session.close()
 
     def _watch(self, stream: _Stream) -> _Stream:
-        if self._stall_timeout_s is not None:
+        if self._watches:
             self._streams.add(stream)
             if self._watchdog is None or self._watchdog.done():
                 self._watchdog = asyncio.create_task(self._watch_stalls(), name="stall-watchdog")
         return stream
 
     async def _watch_stalls(self) -> None:
-        """Every quarter of the stall timeout (at most a second), give up the streams whose
-        decode has kept the relay waiting longer than it. One timer for all streams: a
-        timeout per read would cost every token of every stream."""
-        assert self._stall_timeout_s is not None
-        limit = self._stall_timeout_s
+        """Every `StallWatch.period_s`, give up the started streams whose decode has kept
+        the relay waiting too long (stalls.py; aiohttp's own timeout bounds the rest). One
+        timer for all streams: a timeout per read would cost every token of every stream."""
+        watch = self._stalls
         while self._streams:
-            await asyncio.sleep(min(1.0, limit / 4))
-            now = time.monotonic()
-            for stream in list(self._streams):
-                silent = stream.silent_s(now)
-                if silent > limit:
-                    log.warning("decode %s stalled (%.1f s without data): moving on", stream.url,
-                                silent)  # fmt: skip
-                    stream.stall(silent)
+            await asyncio.sleep(watch.period_s)
+            watch.stalled(list(self._streams))
 
     def _timeout(self, total_s: float) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=total_s, connect=min(self._connect_timeout_s, total_s))
@@ -237,7 +253,7 @@ class HttpUpstream(BaseUpstream):
                     url, data=orjson.dumps(call.body), headers=self._sent(call), timeout=timeout
                 )
         if resp.status == 200:
-            return self._watch(_Stream(resp, url))
+            return self._watch(_Stream(resp, url, self._stalls.pace(url)))
         try:
             with _mapped(url):
                 raw = await self._read_limited(resp, url)

@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from pdgate.gateway.errors import UpstreamStatus, UpstreamUnreachable
+from pdgate.gateway.errors import DecodeSilent, UpstreamStatus, UpstreamUnreachable
 from pdgate.gateway.upstream.base import BaseUpstream, Call
 
 __all__ = ["Call", "MockUpstream", "Reply"]
@@ -37,6 +37,8 @@ class Reply:
     chunk_delay_s: float = 0.0
     # The instance dies after sending this many chunks (the stream raises UpstreamUnreachable).
     fail_after: int | None = None
+    # ... by going silent on every stream: the stall watchdog's `DecodeSilent` instead.
+    silent: bool = False
     # The connection fails before any answer (refused, reset, timed out).
     unreachable: bool = False
 
@@ -58,6 +60,8 @@ class _MockStream:
         if self.closed:
             return b""
         if reply.fail_after is not None and self.sent >= min(reply.fail_after, len(reply.chunks)):
+            if reply.silent:
+                raise DecodeSilent(self.url, "decode silent on every stream")
             raise UpstreamUnreachable(self.url, "connection lost mid-stream")
         if self.sent >= len(reply.chunks):
             return b""

@@ -85,7 +85,8 @@ def text_of(events: list[Any], chat: bool = False) -> str:
 @dataclass(frozen=True)
 class Fault:
     """How one decode call fails: ``status`` (500), ``unreachable``, or after `after` events
-    ``lost`` (connection), ``error`` (in-band error event) or ``truncated`` (no [DONE])."""
+    ``lost`` (connection), ``silent`` (the decode stopped answering every stream: the stall
+    watchdog gave up on it), ``error`` (in-band error event) or ``truncated`` (no [DONE])."""
 
     kind: str
     after: int = 0
@@ -113,8 +114,13 @@ class TokenCluster:
         if fault is None:
             return Reply(chunks=chunks, chunk_delay_s=self.chunk_delay_s)
         head = chunks[: fault.after]
-        if fault.kind == "lost":
-            return Reply(chunks=head, fail_after=fault.after, chunk_delay_s=self.chunk_delay_s)
+        if fault.kind in ("lost", "silent"):
+            return Reply(
+                chunks=head,
+                fail_after=fault.after,
+                chunk_delay_s=self.chunk_delay_s,
+                silent=fault.kind == "silent",
+            )
         if fault.kind == "error":
             error = {"error": {"message": "KV transfer failed", "type": "upstream_error"}}
             return Reply(chunks=[*head, sse_event(error), SSE_DONE])

@@ -149,6 +149,25 @@ class _BlackHole:
             c.close()
 
 
+def _register_decodes(redis_url: str, prefix: str, ports: dict[str, int]) -> None:
+    """Decode records (id -> a loopback port) no shim stands behind."""
+
+    async def register() -> None:
+        reg = RedisRegistry(redis_url, key_prefix=prefix)
+        for instance_id, port in ports.items():
+            record = InstanceRecord(
+                id=instance_id,
+                role=Role.DECODE,
+                url=f"http://127.0.0.1:{port}",
+                model=SIM_MODEL,
+                capacity=1000,
+            )
+            await reg.put(record, ttl_s=60, announce=True)
+        await reg.aclose()
+
+    asyncio.run(register())
+
+
 def test_a_decode_that_never_answers_is_passed_over_and_ejected(
     redis_url: str, registry_prefix: str, processes: Processes
 ) -> None:
@@ -156,20 +175,9 @@ def test_a_decode_that_never_answers_is_passed_over_and_ejected(
     processes.shim("decode", "--capacity", "16", "--instance-id", "d-real")
     hole = _BlackHole()
 
-    async def register_hole() -> None:
-        reg = RedisRegistry(redis_url, key_prefix=registry_prefix)
-        record = InstanceRecord(
-            id="a-hung-decode",  # ranks before d-real
-            role=Role.DECODE,
-            url=f"http://127.0.0.1:{hole.port}",
-            model=SIM_MODEL,
-            capacity=1000,
-        )
-        await reg.put(record, ttl_s=60, announce=True)
-        await reg.aclose()
-
     try:
-        asyncio.run(register_hole())
+        # Ranks before d-real.
+        _register_decodes(redis_url, registry_prefix, {"a-hung-decode": hole.port})
         url = processes.gateway(
             env={
                 "PDGATE_GATEWAY_DECODE_HEADER_TIMEOUT_S": "0.3",
@@ -230,3 +238,47 @@ def test_a_stopped_prefill_costs_clients_a_pause_not_an_error(processes: Process
         for t in threads:
             t.join(30)
     assert len(codes) > 30 and set(codes) == {200}, sorted(set(codes))
+
+
+def test_decodes_that_refuse_connections_are_ejected_at_once_and_spend_no_budget(
+    redis_url: str, registry_prefix: str, processes: Processes
+) -> None:
+    """Two decodes whose processes are gone (their ports refuse connections) rank first.
+    With a retry budget of one retry and nothing deposited, every request still succeeds on
+    the live decode: each refusal ejects its decode at once, and retrying past it takes
+    nothing from the budget (the second refusal would otherwise find it empty: a 502)."""
+    processes.shim("prefill", "--capacity", "4")
+    processes.shim("decode", "--capacity", "16", "--instance-id", "d-real")
+    ports = []
+    for _ in range(2):
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        ports.append(closed.getsockname()[1])
+        closed.close()  # bound, never listening, closed: connections to it are refused
+
+    # Rank before d-real.
+    _register_decodes(
+        redis_url, registry_prefix, {f"a-dead-decode-{n}": port for n, port in enumerate(ports)}
+    )
+    url = processes.gateway(
+        env={
+            "PDGATE_GATEWAY_RETRY_BUDGET_RATIO": "0",
+            "PDGATE_GATEWAY_RETRY_BUDGET_BURST": "1",
+            "PDGATE_GATEWAY_EJECT_AFTER_FAILURES": "5",
+            "PDGATE_GATEWAY_DECODE_CANDIDATES": "3",
+        }
+    )
+    wait_instances(url, 4)
+    for i in range(3):
+        time.sleep(0.25)  # past the reject hold: were they not ejected, they would rank first
+        resp = httpx.post(
+            url + "/v1/completions",
+            json={"model": SIM_MODEL, "prompt": f"q{i}", "max_tokens": 2},
+            timeout=10,
+        )
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-pdgate-decode"] == "d-real"
+        rows = instances_by_id(url)
+        assert rows["a-dead-decode-0"]["ejected"] and rows["a-dead-decode-1"]["ejected"]
+    metrics = httpx.get(url + "/metrics", timeout=5).text
+    assert "\npdgate_retry_budget_exhausted_total 0.0\n" in metrics

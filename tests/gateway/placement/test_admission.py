@@ -165,11 +165,11 @@ async def test_the_unit_holds_the_queue_while_a_prefilled_request_waits_for_a_de
     held_off, _, _, _ = _unit(decode_waits=waits, decode_backpressure=False)
     aggregated, _, _, _ = _unit()  # an aggregated queue: no decode holds it
     assert not admission.decodes_full()
-    waits.enter("m", None)
+    turn = waits.join("m", None, 5.0, resumed=False)
     assert admission.decodes_full()
     assert not held_off.decodes_full() and not aggregated.decodes_full()
-    waits.enter("m", "other")
-    waits.leave("m", None)
+    waits.join("m", "other", 5.0, resumed=False)
+    waits.leave(turn, placed=True)
     assert not admission.decodes_full()  # another group's wait holds another queue
 
 

@@ -261,15 +261,13 @@ async def test_the_last_request_to_stop_waiting_for_a_decode_wakes_the_forwarder
     not a back-off later."""
     tracker = InstanceTracker(reject_hold_s=0.05)
     waits = DecodeWaits(tracker)
-    waits.enter("m", None)
-    waits.enter("m", None)
-    waits.enter("m", "g")
+    turns = [waits.join("m", group, 5.0, resumed=False) for group in (None, None, "g")]
     assert (waits.waiting("m", None), waits.waiting("m", "g"), waits.total()) == (2, 1, 3)
     sleeper = asyncio.ensure_future(tracker.wait_freed(10.0))
     await asyncio.sleep(0)
-    waits.leave("m", None)
+    waits.leave(turns[0], placed=True)
     await asyncio.sleep(0)
     assert not sleeper.done()  # one of the queue's requests still waits: still held
-    waits.leave("m", None)
+    waits.leave(turns[1], placed=False)
     await asyncio.wait_for(sleeper, 1.0)
     assert (waits.waiting("m", None), waits.total()) == (0, 1)

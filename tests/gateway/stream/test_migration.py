@@ -153,6 +153,19 @@ async def test_an_in_band_client_error_before_the_first_event_is_a_real_400() ->
 # -- migration mid-stream ----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kind", ["lost", "silent"])
+async def test_a_decode_silent_on_every_stream_is_ejected_one_that_lost_one_is_not(
+    kind: str,
+) -> None:
+    """The stall watchdog found the decode silent on all its streams: it is out of the
+    rankings at once, not after `consecutive` failures (its other streams are moving too)."""
+    outcome, r, sink, _, metrics = await _run([Fault(kind, after=3)])
+    assert outcome == "ok" and r.migrations == 1
+    assert text_of(sink.events()) == expected_text(PROMPT, N)
+    ejected = metrics.registry.get_sample_value("pdgate_ejections_total", {"role": "decode"})
+    assert (ejected or 0) == (1 if kind == "silent" else 0)
+
+
 @pytest.mark.parametrize("kind", ["lost", "error", "truncated"])
 async def test_a_stream_broken_mid_way_continues_without_repeats(kind: str) -> None:
     body = stream_body(stream_options={"include_usage": True})

@@ -15,6 +15,7 @@ from aiohttp import web
 from pdgate.gateway.errors import UpstreamUnreachable
 from pdgate.gateway.upstream.h1 import H1Upstream
 from pdgate.gateway.upstream.http import HttpUpstream
+from tests.gateway.upstream._server import serving
 
 
 @pytest.fixture
@@ -38,17 +39,11 @@ async def decode() -> AsyncIterator[str]:
         await resp.write(b'data: {"n": 1}\n\ndata: [DONE]\n\n')
         return resp
 
-    app = web.Application()
-    app.router.add_post("/first-then-silence", first_then_silence)
-    app.router.add_post("/slow-start", slow_start)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield f"http://127.0.0.1:{port}"
-    done.set()
-    await runner.cleanup()
+    async with serving(
+        {"/first-then-silence": first_then_silence, "/slow-start": slow_start}
+    ) as url:
+        yield url
+        done.set()
 
 
 @pytest.mark.parametrize("client", [HttpUpstream, H1Upstream], ids=["aiohttp", "h1"])
@@ -64,7 +59,7 @@ async def test_a_stream_that_goes_silent_after_its_first_data_is_given_up(
         )
         assert await stream.read(1024) == b'data: {"n": 1}\n\n'
         began = time.monotonic()
-        with pytest.raises(UpstreamUnreachable, match="decode stalled"):
+        with pytest.raises(UpstreamUnreachable, match=r"decode (stalled|silent)"):
             await stream.read(1024)
         # Within the limit and one check period (a quarter of it), not the 60 s read timeout.
         assert time.monotonic() - began < 0.4 + 0.1 + 0.5
