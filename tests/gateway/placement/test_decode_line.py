@@ -20,6 +20,7 @@ import pytest
 from pdgate.config import GatewaySettings
 from pdgate.config.aio import ConstantBackoff
 from pdgate.config.tracing import Tracing
+from pdgate.gateway.admission.retry_after import RetryAfter
 from pdgate.gateway.errors import DeadlineExceeded
 from pdgate.gateway.instances.health import Ejector, RetryBudget
 from pdgate.gateway.instances.tracker import InstanceTracker, Lease
@@ -75,6 +76,7 @@ class _Line:
             backoff=ConstantBackoff(30.0),
             budget=RetryBudget(),
             metrics=metrics,
+            retry_after=RetryAfter(),
         )
 
     async def place(

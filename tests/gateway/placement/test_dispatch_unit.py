@@ -325,13 +325,13 @@ async def test_a_request_no_decode_took_is_told_when_the_decodes_would_have_room
     for _ in range(20):
         d.decode_capacity.held("d0", 1.0)
     waits = d._shared.decode_waits
-    for _ in range(9):
-        waits.enter("m", None)
+    later = time.monotonic() + 60
+    turns = [waits.join("m", None, later, resumed=False) for _ in range(9)]
     try:
         with pytest.raises(DeadlineExceeded, match="no decode instance") as raised:
             await place(d, deadline_s=0.3)
         assert raised.value.retry_after == 4.0
     finally:
-        for _ in range(9):
-            waits.leave("m", None)
+        for turn in turns:
+            waits.leave(turn, placed=False)
         await d.close()
