@@ -64,7 +64,7 @@ from pdgate.gateway.placement.shared import ForwardingOptions, Shared
 from pdgate.gateway.translate.base import Front
 from pdgate.gateway.translate.messages import MessagesFront
 from pdgate.gateway.translate.responses import ResponsesFront
-from pdgate.gateway.upstream.base import Upstream
+from pdgate.gateway.upstream.base import Upstream, UpstreamOptions
 from pdgate.gateway.upstream.h1 import H1Upstream
 from pdgate.gateway.upstream.http import HttpUpstream
 from pdgate.policies import admit_idle, load_policy
@@ -380,7 +380,7 @@ def open_upstream(
     """The HTTP client towards the instances (``upstream_client``): the cluster's token for
     every instance, a static server's own key for it (`static_api_keys`)."""
     transport = H1Upstream if settings.upstream_client == "h1" else HttpUpstream
-    return transport.connect(
+    options = UpstreamOptions(
         connections=settings.upstream_connections,
         connect_timeout_s=settings.upstream_connect_timeout_s,
         read_timeout_s=settings.upstream_read_timeout_s,
@@ -391,6 +391,7 @@ def open_upstream(
         header_timeout_s=settings.decode_header_timeout_s,
         stall_timeout_s=settings.decode_stall_timeout_s,
     )
+    return transport.connect(options)
 
 
 def open_fleet(
