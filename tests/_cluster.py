@@ -353,3 +353,11 @@ class Processes:
         """A gateway (`args`: more flags, `env`: more settings); its URL."""
         argv = ["gateway", "--host", "127.0.0.1", "--port", "0", *args]
         return gateway_url(start(self.procs, argv, {**self.env, **(env or {})}))
+
+    def gateways(self, n: int, instances: int, env: Mapping[str, str]) -> list[str]:
+        """`n` gateways named gw0, gw1, ... (`env`: more settings), returned once each sees
+        `instances` instances; their URLs."""
+        urls = [self.gateway(env={**env, "PDGATE_GATEWAY_GATEWAY_ID": f"gw{i}"}) for i in range(n)]
+        for url in urls:
+            wait_instances(url, instances)
+        return urls
