@@ -162,6 +162,8 @@ class Shape:
         self.logprobs = logprobs
         self.prompt_token_ids = None if prompt_token_ids is None else list(prompt_token_ids)
         self._started = False
+        self._held_logprobs: list[TokenLogprobs] = []
+        self._held_ids: list[int] = []
 
     @property
     def with_logprobs(self) -> bool:
@@ -234,7 +236,26 @@ class Shape:
         logprobs: Sequence[TokenLogprobs] = (),
         token_ids: Sequence[int] = (),
     ) -> bytes:
-        return self._event(self._content(text, delta=True), finish_reason, logprobs, token_ids)
+        """The stream's event for the next piece; b"" when `_delta` holds it back: its
+        tokens' logprobs and ids then go with the next event that is sent."""
+        piece = self._delta(text, finish_reason)
+        if piece is None:
+            self._held_logprobs.extend(logprobs)
+            self._held_ids.extend(token_ids)
+            return b""
+        if self._held_logprobs or self._held_ids:
+            logprobs = [*self._held_logprobs, *logprobs]
+            token_ids = [*self._held_ids, *token_ids]
+            self._held_logprobs.clear()
+            self._held_ids.clear()
+        content, finish_reason = piece
+        return self._event(content, finish_reason, logprobs, token_ids)
+
+    def _delta(
+        self, text: str, finish_reason: str | None
+    ) -> tuple[dict[str, Any], str | None] | None:
+        """A stream chunk's choice content and finish reason; None: nothing to send yet."""
+        return self._content(text, delta=True), finish_reason
 
     def _event(
         self,
@@ -302,8 +323,6 @@ class ChatShape(Shape):
     def __init__(self, model: str, *, tools: ToolCallParser | None = None, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
         self._tools = tools
-        self._held_logprobs: list[TokenLogprobs] = []
-        self._held_ids: list[int] = []
 
     def _whole(self, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
         tools = self._tools
@@ -311,31 +330,19 @@ class ChatShape(Shape):
             return super()._whole(text, finish_reason)
         return {"message": tools.message(text, finish_reason)}, tools.finish_reason(finish_reason)
 
-    def chunk(
-        self,
-        text: str,
-        finish_reason: str | None,
-        logprobs: Sequence[TokenLogprobs] = (),
-        token_ids: Sequence[int] = (),
-    ) -> bytes:
-        """The stream's event for the next piece; b"" when the tool-call parser has nothing
-        to send for it yet."""
+    def _delta(
+        self, text: str, finish_reason: str | None
+    ) -> tuple[dict[str, Any], str | None] | None:
+        """Through the tool-call parser when there is one: None while it holds the text back."""
         tools = self._tools
         if tools is None:
-            return super().chunk(text, finish_reason, logprobs, token_ids)
+            return super()._delta(text, finish_reason)
         delta = tools.feed(text, finish_reason)
         if finish_reason is not None:
-            finish_reason = tools.finish_reason(finish_reason)
-        elif delta is None:
-            self._held_logprobs.extend(logprobs)
-            self._held_ids.extend(token_ids)
-            return b""
-        if self._held_logprobs or self._held_ids:
-            logprobs = [*self._held_logprobs, *logprobs]
-            token_ids = [*self._held_ids, *token_ids]
-            self._held_logprobs.clear()
-            self._held_ids.clear()
-        return self._event({"delta": delta or {}}, finish_reason, logprobs, token_ids)
+            return {"delta": delta or {}}, tools.finish_reason(finish_reason)
+        if delta is None:
+            return None
+        return {"delta": delta}, None
 
     def _content(self, text: str, *, delta: bool) -> dict[str, Any]:
         if delta:

@@ -65,7 +65,7 @@ from pdgate.gateway.placement.shared import ForwardingOptions, Shared
 from pdgate.gateway.translate.base import Front
 from pdgate.gateway.translate.messages import MessagesFront
 from pdgate.gateway.translate.responses import ResponsesFront
-from pdgate.gateway.upstream.base import Upstream
+from pdgate.gateway.upstream.base import Upstream, UpstreamOptions
 from pdgate.gateway.upstream.h1 import H1Upstream
 from pdgate.gateway.upstream.http import HttpUpstream
 from pdgate.gateway.upstream.stalls import StallBound
@@ -398,7 +398,7 @@ def open_upstream(
     """The HTTP client towards the instances (``upstream_client``): the cluster's token for
     every instance, a static server's own key for it (`static_api_keys`)."""
     transport = H1Upstream if settings.upstream_client == "h1" else HttpUpstream
-    return transport.connect(
+    options = UpstreamOptions(
         connections=settings.upstream_connections,
         connect_timeout_s=settings.upstream_connect_timeout_s,
         read_timeout_s=settings.upstream_read_timeout_s,
@@ -415,6 +415,7 @@ def open_upstream(
             factor=settings.decode_stall_factor,
         ),
     )
+    return transport.connect(options)
 
 
 def open_fleet(

@@ -9,16 +9,34 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Mapping
+from typing import Any
 
 from pdgate.config.openai_api import OpenAIError
 
 
 class GatewayError(OpenAIError):
-    """What a client sees: each subclass fixes its status, OpenAI error type and code."""
+    """What a client sees: each subclass fixes its status, OpenAI error type and code, given
+    as keywords of its class line (what it leaves out it inherits)."""
 
     status = 500
     type = "internal_error"
     code: str | None = None
+
+    def __init_subclass__(
+        cls,
+        *,
+        status: int | None = None,
+        type_: str | None = None,
+        code: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init_subclass__(**kwargs)
+        if status is not None:
+            cls.status = status
+        if type_ is not None:
+            cls.type = type_
+        if code is not None:
+            cls.code = code
 
     def __init__(
         self,
@@ -40,85 +58,55 @@ class GatewayError(OpenAIError):
         )
 
 
-class BadRequest(GatewayError):
-    status = 400
-    type = "invalid_request_error"
+class BadRequest(GatewayError, status=400, type_="invalid_request_error"): ...
 
 
-class ContextLengthExceeded(BadRequest):
+class ContextLengthExceeded(BadRequest, code="context_length_exceeded"):
     """The prompt plus ``max_tokens`` do not fit in the model's context: no retry can help."""
 
-    code = "context_length_exceeded"
+
+class _ClientFault(GatewayError, type_="invalid_request_error"):
+    """The request is at fault, though not its body's fields (those are `BadRequest`)."""
 
 
-class RequestTimeout(GatewayError):
-    status = 408
-    type = "invalid_request_error"
-    code = "request_timeout"
+class RequestTimeout(_ClientFault, status=408, code="request_timeout"): ...
 
 
-class PayloadTooLarge(GatewayError):
-    status = 413
-    type = "invalid_request_error"
-    code = "payload_too_large"
+class PayloadTooLarge(_ClientFault, status=413, code="payload_too_large"): ...
 
 
-class Unauthorized(GatewayError):
-    status = 401
-    type = "invalid_request_error"
-    code = "invalid_api_key"
+class Unauthorized(_ClientFault, status=401, code="invalid_api_key"): ...
 
 
-class Forbidden(GatewayError):
-    status = 403
-    type = "invalid_request_error"
-    code = "forbidden"
+class Forbidden(_ClientFault, status=403, code="forbidden"): ...
 
 
-class RateLimited(GatewayError):
+class RateLimited(GatewayError, status=429, type_="rate_limit_error", code="rate_limit_exceeded"):
     """429: the client's key is over its requests per minute (gateway/admission/auth.py)."""
 
-    status = 429
-    type = "rate_limit_error"
-    code = "rate_limit_exceeded"
+
+class NotFound(_ClientFault, status=404, code="not_found"): ...
 
 
-class NotFound(GatewayError):
-    status = 404
-    type = "invalid_request_error"
-    code = "not_found"
+class ModelNotFound(_ClientFault, status=404, code="model_not_found"): ...
 
 
-class ModelNotFound(GatewayError):
-    status = 404
-    type = "invalid_request_error"
-    code = "model_not_found"
-
-
-class ServiceUnavailable(GatewayError):
+class ServiceUnavailable(GatewayError, status=503, type_="service_unavailable"):
     """Retryable by the client: always carries Retry-After."""
 
-    status = 503
-    type = "service_unavailable"
+
+class Overloaded(ServiceUnavailable, code="gateway_overloaded"): ...
 
 
-class Overloaded(ServiceUnavailable):
-    code = "gateway_overloaded"
-
-
-class ShuttingDown(ServiceUnavailable):
+class ShuttingDown(ServiceUnavailable, code="shutting_down"):
     """The gateway is stopping: another gateway can serve the request."""
 
-    code = "shutting_down"
 
-
-class DeadlineExceeded(ServiceUnavailable):
+class DeadlineExceeded(ServiceUnavailable, code="ttft_deadline_exceeded"):
     """No prefill (or decode) accepted the request before its TTFT deadline."""
 
-    code = "ttft_deadline_exceeded"
 
-
-class OverShare(GatewayError):
+class OverShare(GatewayError, status=429, type_="rate_limit_error", code="tenant_over_share"):
     """429, the one rule (gateway/placement/queue.py, "429 or 503"): other tenants are waiting
     too and this tenant already holds its share of the queue, so back off and retry; a request of a
     tenant under its share takes the place of an over-share tenant's newest, which gets this.
@@ -126,15 +114,8 @@ class OverShare(GatewayError):
     the request could not be prefilled in time, or the queue is full with every tenant
     within its share."""
 
-    status = 429
-    type = "rate_limit_error"
-    code = "tenant_over_share"
 
-
-class BadGateway(GatewayError):
-    status = 502
-    type = "upstream_error"
-    code = "upstream_error"
+class BadGateway(GatewayError, status=502, type_="upstream_error", code="upstream_error"): ...
 
 
 class DecodeLost(BadGateway):

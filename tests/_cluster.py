@@ -145,6 +145,21 @@ def openai_client(url: str, api_key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=30)
 
 
+def assert_serves_openai(url: str, prompt: str) -> None:
+    """The gateway at `url` answers the official client a whole completion of 6 tokens and a
+    streamed chat with content."""
+    client = openai_client(url)
+    whole = client.completions.create(model=SIM_MODEL, prompt=prompt, max_tokens=6)
+    assert whole.usage is not None and whole.usage.completion_tokens == 6
+    chunks = client.chat.completions.create(
+        model=SIM_MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=6,
+        stream=True,
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
 def get_instances(gateway_url: str, admin_token: str | None = None) -> list[dict[str, Any]]:
     headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
     resp = httpx.get(gateway_url + "/admin/instances", headers=headers, timeout=5)
@@ -338,3 +353,11 @@ class Processes:
         """A gateway (`args`: more flags, `env`: more settings); its URL."""
         argv = ["gateway", "--host", "127.0.0.1", "--port", "0", *args]
         return gateway_url(start(self.procs, argv, {**self.env, **(env or {})}))
+
+    def gateways(self, n: int, instances: int, env: Mapping[str, str]) -> list[str]:
+        """`n` gateways named gw0, gw1, ... (`env`: more settings), returned once each sees
+        `instances` instances; their URLs."""
+        urls = [self.gateway(env={**env, "PDGATE_GATEWAY_GATEWAY_ID": f"gw{i}"}) for i in range(n)]
+        for url in urls:
+            wait_instances(url, instances)
+        return urls

@@ -32,6 +32,7 @@ from pdgate.gateway.errors import (
     UpstreamStatus,
     UpstreamUnreachable,
 )
+from pdgate.gateway.upstream.stalls import StallBound
 
 __all__ = [
     "BaseUpstream",
@@ -39,6 +40,7 @@ __all__ = [
     "DecodeStream",
     "SocketErrors",
     "Upstream",
+    "UpstreamOptions",
     "batch_body",
     "prefill_reply",
     "status_error",
@@ -48,6 +50,28 @@ __all__ = [
 Leg = Literal["prefill", "decode", "release", "side"]
 
 _MAX_ERROR_BODY = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpstreamOptions:
+    """How a transport calls the instances, the same for each (`upstream_client`).
+
+    `headers` go with every call (e.g. the cluster token towards the shims);
+    `instance_headers` (base URL -> headers) replace some of them towards one instance: a
+    static server with an API key of its own (registry/static.py, `static_api_keys`).
+    `stall_timeout_s`: a decode stream that started and then keeps the relay waiting this
+    long is given up (a hung or stopped decode); `stall_bound` instead: as long as its
+    decode's pace says (stalls.py); neither: only `read_timeout_s`."""
+
+    connections: int
+    connect_timeout_s: float
+    read_timeout_s: float
+    max_response_bytes: int = 16 * 1024 * 1024
+    headers: Mapping[str, str] = field(default_factory=dict)
+    instance_headers: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    header_timeout_s: float = 5.0
+    stall_timeout_s: float | None = None
+    stall_bound: StallBound | None = None
 
 
 class DecodeStream(Protocol):

@@ -25,7 +25,7 @@ import ssl
 import time
 import weakref
 from collections.abc import AsyncIterator, Mapping
-from typing import Any, cast
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -38,10 +38,11 @@ from pdgate.gateway.upstream.base import (
     BaseUpstream,
     Call,
     SocketErrors,
+    UpstreamOptions,
     batch_body,
     status_error,
 )
-from pdgate.gateway.upstream.stalls import DecodePace, StallBound, StallWatch, stall_error
+from pdgate.gateway.upstream.stalls import DecodePace, StallWatch, stall_error
 
 __all__ = ["H1Upstream"]
 
@@ -528,34 +529,23 @@ class _Stream:
 
 
 class H1Upstream(BaseUpstream):
-    def __init__(
-        self,
-        *,
-        connections: int,
-        connect_timeout_s: float,
-        read_timeout_s: float,
-        max_response_bytes: int = 16 * 1024 * 1024,
-        headers: dict[str, str] | None = None,
-        instance_headers: Mapping[str, Mapping[str, str]] | None = None,
-        header_timeout_s: float = 5.0,
-        stall_timeout_s: float | None = None,
-        stall_bound: StallBound | None = None,
-        keepalive_s: float = _KEEPALIVE_S,
-    ) -> None:
-        """As `HttpUpstream`: `headers` go with every call, `instance_headers` (base URL ->
-        headers) replace some of them towards one instance; a started decode stream silent
-        for `stall_timeout_s` (or, with `stall_bound`, for as long as its decode's pace
-        says: stalls.py) is given up, and any stream silent for `read_timeout_s`."""
-        self._pool = _Pool(connections, keepalive_s)
-        self._connect_timeout_s = connect_timeout_s
-        self._read_timeout_s = read_timeout_s
-        self._header_timeout_s = header_timeout_s
-        self._stalls = StallWatch(stall_bound, read_timeout_s, fixed_s=stall_timeout_s)
-        self._max_response_bytes = max_response_bytes
-        base = {"content-type": "application/json", "user-agent": _USER_AGENT, **(headers or {})}
+    def __init__(self, options: UpstreamOptions, *, keepalive_s: float = _KEEPALIVE_S) -> None:
+        """A started decode stream silent for `options.stall_timeout_s` (or, with
+        `options.stall_bound`, for as long as its decode's pace says: stalls.py) is given up,
+        and any stream silent for `options.read_timeout_s`; an idle connection is used again
+        only within `keepalive_s`."""
+        self._pool = _Pool(options.connections, keepalive_s)
+        self._connect_timeout_s = options.connect_timeout_s
+        self._read_timeout_s = options.read_timeout_s
+        self._header_timeout_s = options.header_timeout_s
+        self._stalls = StallWatch(
+            options.stall_bound, options.read_timeout_s, fixed_s=options.stall_timeout_s
+        )
+        self._max_response_bytes = options.max_response_bytes
+        base = {"content-type": "application/json", "user-agent": _USER_AGENT, **options.headers}
         self._headers = _header_block(base)
         self._by_instance = {
-            url: _header_block({**base, **extra}) for url, extra in (instance_headers or {}).items()
+            url: _header_block({**base, **extra}) for url, extra in options.instance_headers.items()
         }
         self._targets: dict[str, _Target] = {}
         self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
@@ -565,9 +555,9 @@ class H1Upstream(BaseUpstream):
         return f"H1Upstream({self._pool.open} connections open)"
 
     @classmethod
-    def connect(cls, **options: Any) -> H1Upstream:
+    def connect(cls, options: UpstreamOptions) -> H1Upstream:
         """The same call as `HttpUpstream.connect` (nothing opens until the first call)."""
-        return cls(**options)
+        return cls(options)
 
     @property
     def open_connections(self) -> int:

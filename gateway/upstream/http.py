@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 
 import aiohttp
 import orjson
@@ -23,10 +23,11 @@ from pdgate.gateway.upstream.base import (
     BaseUpstream,
     Call,
     SocketErrors,
+    UpstreamOptions,
     batch_body,
     status_error,
 )
-from pdgate.gateway.upstream.stalls import DecodePace, StallBound, StallWatch, stall_error
+from pdgate.gateway.upstream.stalls import DecodePace, StallWatch, stall_error
 
 __all__ = ["HttpUpstream"]
 
@@ -113,75 +114,41 @@ class _Stream:
 
 
 class HttpUpstream(BaseUpstream):
-    def __init__(
-        self,
-        session: aiohttp.ClientSession,
-        *,
-        connect_timeout_s: float,
-        read_timeout_s: float,
-        max_response_bytes: int = 16 * 1024 * 1024,
-        headers: dict[str, str] | None = None,
-        instance_headers: Mapping[str, Mapping[str, str]] | None = None,
-        header_timeout_s: float = 5.0,
-        stall_timeout_s: float | None = None,
-        stall_bound: StallBound | None = None,
-    ) -> None:
-        """`headers` go with every call (e.g. the cluster token towards the shims);
-        `instance_headers` (base URL -> headers) replace some of them towards one instance:
-        a static server with an API key of its own (registry/static.py, `static_api_keys`).
-        `stall_timeout_s`: a decode stream that started and then keeps the relay waiting this
-        long is given up (a hung or stopped decode); `stall_bound` instead: as long as its
-        decode's pace says (stalls.py); neither: only `read_timeout_s`."""
+    def __init__(self, session: aiohttp.ClientSession, options: UpstreamOptions) -> None:
+        """Calls through `session`; `options.connections` is the session's to bound
+        (`connect` makes one that does)."""
         self._session = session
-        self._watches = stall_timeout_s is not None or stall_bound is not None
-        self._stalls = StallWatch(stall_bound, float("inf"), fixed_s=stall_timeout_s)
+        self._watches = options.stall_timeout_s is not None or options.stall_bound is not None
+        self._stalls = StallWatch(
+            options.stall_bound, float("inf"), fixed_s=options.stall_timeout_s
+        )
         # Open decode streams, for the stall watchdog (one task, only while any is open).
         self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
         self._watchdog: asyncio.Task[None] | None = None
-        self._header_timeout_s = header_timeout_s
-        self._connect_timeout_s = connect_timeout_s
-        self._read_timeout_s = read_timeout_s
-        self._max_response_bytes = max_response_bytes
-        self._headers = {**_JSON, **(headers or {})}
+        self._header_timeout_s = options.header_timeout_s
+        self._connect_timeout_s = options.connect_timeout_s
+        self._read_timeout_s = options.read_timeout_s
+        self._max_response_bytes = options.max_response_bytes
+        self._headers = {**_JSON, **options.headers}
         self._by_instance = {
-            url: {**self._headers, **extra} for url, extra in (instance_headers or {}).items()
+            url: {**self._headers, **extra} for url, extra in options.instance_headers.items()
         }
 
     def __repr__(self) -> str:
         return f"HttpUpstream({len(self._by_instance)} instances with headers of their own)"
 
     @classmethod
-    def connect(
-        cls,
-        *,
-        connections: int,
-        connect_timeout_s: float,
-        read_timeout_s: float,
-        headers: dict[str, str] | None = None,
-        instance_headers: Mapping[str, Mapping[str, str]] | None = None,
-        header_timeout_s: float = 5.0,
-        stall_timeout_s: float | None = None,
-        stall_bound: StallBound | None = None,
-    ) -> HttpUpstream:
+    def connect(cls, options: UpstreamOptions) -> HttpUpstream:
         """A new session with the gateway's pool settings; `aclose()` closes it."""
         connector = aiohttp.TCPConnector(
-            limit=connections, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=60
+            limit=options.connections, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=60
         )
         # No cookie jar: cookies one upstream sets must never ride along on other clients'
         # requests (and the jar's bookkeeping is per-call work on the hot path).
         session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
         )
-        return cls(
-            session,
-            connect_timeout_s=connect_timeout_s,
-            read_timeout_s=read_timeout_s,
-            headers=headers,
-            instance_headers=instance_headers,
-            header_timeout_s=header_timeout_s,
-            stall_timeout_s=stall_timeout_s,
-            stall_bound=stall_bound,
-        )
+        return cls(session, options)
 
     async def aclose(self) -> None:
         if self._watchdog is not None:

@@ -33,6 +33,7 @@ from pdgate.config.aio import run_unless, wait_disconnect
 from pdgate.config.server import bind_socket, bound_port, run, serving
 from pdgate.config.wire import prefill_kv_request
 from pdgate.gateway.errors import UpstreamError
+from pdgate.gateway.upstream.base import UpstreamOptions
 from pdgate.gateway.upstream.h1 import H1Upstream
 from pdgate.loadtest.gateway_cost.stock import _answer, not_http
 
@@ -122,7 +123,9 @@ class FloorApp:
 async def _serve_forever(args: argparse.Namespace) -> None:
     from pdgate.gateway.cli import _settle_gc
 
-    upstream = H1Upstream(connections=8192, connect_timeout_s=5, read_timeout_s=3600)
+    upstream = H1Upstream(
+        UpstreamOptions(connections=8192, connect_timeout_s=5, read_timeout_s=3600)
+    )
     app = FloorApp(upstream, args.prefill, args.decode)
     sock = bind_socket(args.host, args.port)
     try:

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletion
 
 from pdgate.config import sim_tokenizer as tokenizer
 from pdgate.engine_shim._sim_tools import tool_call
@@ -76,6 +77,30 @@ def _expected(messages: list[dict[str, Any]], use: ToolUse) -> str:
 def _arguments(text: str) -> dict[str, Any]:
     out: dict[str, Any] = json.loads(text.split("\n", 1)[1].removesuffix("</tool_call>"))
     return out
+
+
+def _ask(
+    client: openai.OpenAI,
+    tool_choice: Any = openai.NOT_GIVEN,
+    *,
+    messages: list[dict[str, Any]] = ASK,
+    max_tokens: int = 200,
+) -> ChatCompletion:
+    """A non-streaming chat call offering `TOOLS`."""
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice=tool_choice,
+        max_tokens=max_tokens,
+    )
+
+
+def _called(answer: ChatCompletion) -> list[str]:
+    """The names of the functions the answer calls."""
+    calls = answer.choices[0].message.tool_calls
+    assert calls is not None
+    return [c.function.name for c in calls]  # type: ignore[union-attr]
 
 
 def _idle(cluster: ThreadedCluster) -> None:
@@ -164,12 +189,7 @@ def test_the_assembled_answer_is_the_streamed_call(client: openai.OpenAI) -> Non
         call["function"].pop("parsed_arguments", None)
         return call
 
-    whole = client.chat.completions.create(
-        model=MODEL,
-        messages=ASK,  # type: ignore[arg-type]
-        tools=TOOLS,  # type: ignore[arg-type]
-        max_tokens=200,
-    )
+    whole = _ask(client)
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
@@ -196,15 +216,8 @@ def test_token_ids_of_a_call_through_the_gateway(cluster: ThreadedCluster) -> No
 
 
 def test_named_required_and_none(client: openai.OpenAI) -> None:
-    named = client.chat.completions.create(
-        model=MODEL,
-        messages=ASK,  # type: ignore[arg-type]
-        tools=TOOLS,  # type: ignore[arg-type]
-        tool_choice={"type": "function", "function": {"name": "get_time"}},
-        max_tokens=200,
-    )
-    calls = named.choices[0].message.tool_calls
-    assert calls is not None and [c.function.name for c in calls] == ["get_time"]  # type: ignore[union-attr]
+    named = _ask(client, {"type": "function", "function": {"name": "get_time"}})
+    assert _called(named) == ["get_time"]
     assert named.choices[0].finish_reason == "stop"  # a named choice, as OpenAI answers it
 
     after_tool: list[dict[str, Any]] = [
@@ -213,37 +226,18 @@ def test_named_required_and_none(client: openai.OpenAI) -> None:
          "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "call_0", "content": "noon"},
     ]  # fmt: skip
-    required = client.chat.completions.create(
-        model=MODEL,
-        messages=after_tool,  # type: ignore[arg-type]
-        tools=TOOLS,  # type: ignore[arg-type]
-        tool_choice="required",
-        max_tokens=200,
-    )
-    calls = required.choices[0].message.tool_calls
-    assert calls is not None and [c.function.name for c in calls] == ["get_weather"]  # type: ignore[union-attr]
+    required = _ask(client, "required", messages=after_tool)
+    assert _called(required) == ["get_weather"]
     assert required.choices[0].finish_reason == "tool_calls"
 
-    none = client.chat.completions.create(
-        model=MODEL,
-        messages=ASK,  # type: ignore[arg-type]
-        tools=TOOLS,  # type: ignore[arg-type]
-        tool_choice="none",
-        max_tokens=6,
-    )
+    none = _ask(client, "none", max_tokens=6)
     assert not none.choices[0].message.tool_calls
     assert none.choices[0].message.content and none.choices[0].finish_reason == "length"
 
 
 def test_an_unknown_named_tool_is_a_400(client: openai.OpenAI, cluster: ThreadedCluster) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(
-            model=MODEL,
-            messages=ASK,  # type: ignore[arg-type]
-            tools=TOOLS,  # type: ignore[arg-type]
-            tool_choice={"type": "function", "function": {"name": "launch_rockets"}},
-            max_tokens=20,
-        )
+        _ask(client, {"type": "function", "function": {"name": "launch_rockets"}}, max_tokens=20)
     err = info.value.body
     assert isinstance(err, dict) and err["param"] == "tool_choice"
     assert "launch_rockets" not in err["message"]

@@ -23,7 +23,6 @@ from tests._cluster import (
     instances_by_id,
     metric_by_label,
     wait_for,
-    wait_instances,
 )
 from tests._redis import free_port
 
@@ -61,23 +60,14 @@ def test_a_prefix_routed_through_one_gateway_is_found_through_the_other(
     processes: Processes,
 ) -> None:
     for name in ("a", "b", "c"):
-        processes.shim(
-            "prefill",
-            "--capacity",
-            "1",
-            "--instance-id",
-            name,
-            env={
-                "PDGATE_SHIM_KV_EVENTS_PORT": str(free_port()),
-                "PDGATE_SHIM_SIM_PREFIX_CACHE_BLOCKS": "120",
-            },
-        )
+        events = {
+            "PDGATE_SHIM_KV_EVENTS_PORT": str(free_port()),
+            "PDGATE_SHIM_SIM_PREFIX_CACHE_BLOCKS": "120",
+        }
+        processes.shim("prefill", "--capacity", "1", "--instance-id", name, env=events)
     processes.shim("decode", "--capacity", "64")
-    gateways = [
-        processes.gateway(env={**POLICY, "PDGATE_GATEWAY_GATEWAY_ID": f"gw{i}"}) for i in (0, 1)
-    ]
+    gateways = processes.gateways(2, 4, POLICY)
     for url in gateways:
-        wait_instances(url, 4)
         wait_for(
             lambda url=url: _value(url, "pdgate_kv_event_subscriptions") == 3,
             what="every gateway follows the three prefills' events",

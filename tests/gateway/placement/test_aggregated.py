@@ -18,6 +18,7 @@ from tests._cluster import (
     SIM_MODEL,
     Processes,
     ThreadedCluster,
+    assert_serves_openai,
     counts_released,
     get_instances,
     openai_client,
@@ -133,16 +134,7 @@ def test_separate_processes_on_redis_serve_aggregated(processes: Processes) -> N
     urls = [processes.gateway(), processes.gateway()]
     for url in urls:
         wait_instances(url, 2)
-        client = openai_client(url)
-        out = client.completions.create(model=SIM_MODEL, prompt=PROMPT, max_tokens=6)
-        assert out.usage is not None and out.usage.completion_tokens == 6
-        chat = client.chat.completions.create(
-            model=SIM_MODEL,
-            messages=[{"role": "user", "content": "Hi"}],
-            max_tokens=4,
-            stream=True,
-        )
-        assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+        assert_serves_openai(url, PROMPT)
     for url in urls:
         wait_for(lambda u=url: counts_released(u), what="every count back to zero")  # type: ignore[misc]
 

@@ -21,7 +21,6 @@ from tests._cluster import (
     registry_env,
     shim_load,
     wait_for,
-    wait_instances,
 )
 from tests._redis import RedisServer
 
@@ -44,14 +43,7 @@ def _cluster(
     for _ in range(prefills):
         processes.shim("prefill", "--capacity", str(prefill_capacity))
     processes.shim("decode", "--capacity", "64")
-    urls = [
-        processes.gateway(
-            env={**FLEET, "PDGATE_GATEWAY_GATEWAY_ID": f"gw{i}", **(gateway_env or {})}
-        )
-        for i in range(gateways)
-    ]
-    for u in urls:
-        wait_instances(u, prefills + 1)
+    urls = processes.gateways(gateways, prefills + 1, {**FLEET, **(gateway_env or {})})
     return urls, instance_urls(urls[0], "prefill")
 
 
@@ -179,12 +171,7 @@ def _multi_slot_cluster(processes: Processes, **gateway_env: str) -> tuple[list[
     for _ in range(2):
         processes.shim("prefill", "--capacity", "4", *A100)
     processes.shim("decode", "--capacity", "64", *A100)
-    urls = [
-        processes.gateway(env={**FLEET, "PDGATE_GATEWAY_GATEWAY_ID": f"gw{i}", **gateway_env})
-        for i in range(2)
-    ]
-    for u in urls:
-        wait_instances(u, 3)
+    urls = processes.gateways(2, 3, {**FLEET, **gateway_env})
     return urls, instance_urls(urls[0], "prefill")
 
 

@@ -13,7 +13,6 @@ from tests._cluster import (
     complete,
     instances_by_id,
     metric_by_label,
-    wait_instances,
 )
 
 FLEET = {"PDGATE_GATEWAY_FLEET_SYNC_INTERVAL_S": "0.05"}
@@ -27,21 +26,10 @@ def test_the_faster_prefill_is_preferred_once_measured_at_every_gateway(
     # The slow one sorts first: alike candidates tie and go by id, so without speeds every
     # lone request below would go to it.
     for name, gpu in (("a-slow", "l20"), ("b-fast", "h100")):
-        processes.shim(
-            "prefill",
-            "--capacity",
-            "1",
-            "--instance-id",
-            name,
-            "--sim-profile",
-            f"llama-3.1-8b@{gpu}",
-        )
+        profile = ("--sim-profile", f"llama-3.1-8b@{gpu}")
+        processes.shim("prefill", "--capacity", "1", "--instance-id", name, *profile)
     processes.shim("decode", "--capacity", "64", "--sim-profile", "llama-3.1-8b@h100")
-    gateways = [
-        processes.gateway(env={**FLEET, "PDGATE_GATEWAY_GATEWAY_ID": f"gw{i}"}) for i in (0, 1)
-    ]
-    for url in gateways:
-        wait_instances(url, 3)
+    gateways = processes.gateways(2, 3, FLEET)
     rows = instances_by_id(gateways[0])
     assert (rows["a-slow"]["hardware"], rows["b-fast"]["hardware"]) == ("l20", "h100")
 

@@ -19,7 +19,13 @@ from pdgate.config.wire import Role
 from pdgate.gateway.placement.partial import Mitosis, PhaseView, RollingActivation, macro_sizes
 from pdgate.loadtest.lib.deployed import DeployedCluster, Deployment
 from pdgate.policies.base import InstanceLoad
-from tests._cluster import SIM_MODEL, ThreadedCluster, counts_released, openai_client, shim_load
+from tests._cluster import (
+    SIM_MODEL,
+    ThreadedCluster,
+    assert_serves_openai,
+    counts_released,
+    shim_load,
+)
 from tests.gateway._fakes import info
 from tests.loadtest._procs import needs_redis
 
@@ -93,16 +99,7 @@ def test_a_partial_cluster_serves_the_openai_client_in_phases(cluster: ThreadedC
     assert cluster.info is not None
     urls = cluster.info.aggregated_urls
     assert len(urls) == 3
-    client = openai_client(cluster.url)
-    whole = client.completions.create(model=SIM_MODEL, prompt="about phases", max_tokens=6)
-    assert whole.usage is not None and whole.usage.completion_tokens == 6
-    chunks = client.chat.completions.create(
-        model=SIM_MODEL,
-        messages=[{"role": "user", "content": "Hi"}],
-        max_tokens=6,
-        stream=True,
-    )
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert_serves_openai(cluster.url, "about phases")
     queues = httpx.get(cluster.url + "/admin/queues", timeout=5).json()["queues"]
     assert [(q["role"], q["policy"]) for q in queues] == [("aggregated", "rolling_activation")]
     loads: list[dict[str, Any]] = [shim_load(u) for u in urls]

@@ -14,11 +14,13 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 import pytest
 
 from pdgate.gateway.errors import UpstreamProtocolError, UpstreamStatus, UpstreamUnreachable
+from pdgate.gateway.upstream.base import UpstreamOptions
 from pdgate.gateway.upstream.h1 import H1Upstream
 
 PREFILL_ANSWER = orjson.dumps({"id": "cmpl-1", "choices": [], "kv_transfer_params": {"k": 1}})
@@ -113,15 +115,14 @@ async def serve() -> AsyncIterator[Serve]:
         await srv.wait_closed()
 
 
-def _upstream(**options: object) -> H1Upstream:
-    settings: dict[str, object] = {
+def _upstream(keepalive_s: float = 4.0, **options: Any) -> H1Upstream:
+    defaults: dict[str, Any] = {
         "connections": 8,
         "connect_timeout_s": 1.0,
         "read_timeout_s": 5.0,
         "header_timeout_s": 1.0,
     }
-    settings.update(options)
-    return H1Upstream(**settings)  # type: ignore[arg-type]
+    return H1Upstream(UpstreamOptions(**{**defaults, **options}), keepalive_s=keepalive_s)
 
 
 async def _prefill(upstream: H1Upstream, url: str, **kw: object) -> dict[str, object]:

@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from pdgate.gateway.errors import UpstreamUnreachable
+from pdgate.gateway.upstream.base import UpstreamOptions
 from pdgate.gateway.upstream.h1 import H1Upstream
 from pdgate.gateway.upstream.http import HttpUpstream
 from tests.gateway.upstream._server import serving
@@ -51,7 +52,7 @@ async def test_a_stream_that_goes_silent_after_its_first_data_is_given_up(
     decode: str, client: type[HttpUpstream | H1Upstream]
 ) -> None:
     upstream = client.connect(
-        connections=4, connect_timeout_s=1, read_timeout_s=60, stall_timeout_s=0.4
+        UpstreamOptions(connections=4, connect_timeout_s=1, read_timeout_s=60, stall_timeout_s=0.4)
     )
     try:
         stream = await upstream.open_decode(
