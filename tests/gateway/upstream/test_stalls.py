@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from pdgate.gateway.errors import DecodeSilent
+from pdgate.gateway.upstream.base import UpstreamOptions
 from pdgate.gateway.upstream.h1 import H1Upstream
 from pdgate.gateway.upstream.http import HttpUpstream
 from pdgate.gateway.upstream.stalls import DecodePace, StallBound
@@ -81,7 +82,7 @@ async def test_a_decode_that_stops_is_given_up_on_its_own_pace_with_all_its_stre
     decode: str, client: type[HttpUpstream | H1Upstream]
 ) -> None:
     upstream = client.connect(
-        connections=4, connect_timeout_s=1, read_timeout_s=60, stall_bound=BOUND
+        UpstreamOptions(connections=4, connect_timeout_s=1, read_timeout_s=60, stall_bound=BOUND)
     )
     try:
         waiting = await upstream.open_decode(
