@@ -42,7 +42,7 @@ from pdgate.gateway.upstream.base import (
     batch_body,
     status_error,
 )
-from pdgate.gateway.upstream.stalls import DecodePace, StallWatch, stall_error
+from pdgate.gateway.upstream.stalls import DecodePace, PacedStream, StallWatch
 
 __all__ = ["H1Upstream"]
 
@@ -448,31 +448,17 @@ class _Pool:
             self._prune = asyncio.get_running_loop().call_later(self._keepalive_s, self._pruned)
 
 
-class _Stream:
+class _Stream(PacedStream):
     """`DecodeStream` over a connection whose answer is a 200 being read."""
 
-    __slots__ = (
-        "__weakref__",
-        "_conn",
-        "_guard",
-        "_started",
-        "_waiting_since",
-        "closed",
-        "pace",
-        "stalled",
-        "url",
-        "whole",
-    )
+    __slots__ = ("_conn", "_guard", "closed")
+
+    closed: bool  # a plain flag here: set by `close`
 
     def __init__(self, conn: _Connection, url: str, pace: DecodePace) -> None:
+        super().__init__(url, pace)
         self._conn = conn
-        self.url = url
         self._guard = SocketErrors(url)
-        self._started = False  # data came: the decode holds the KV and is generating
-        self._waiting_since = 0.0  # monotonic start of the read in progress (0: none)
-        self.pace = pace  # its decode's, shared by that decode's streams (stalls.py)
-        self.stalled = 0.0  # > 0: given up after this many seconds of silence
-        self.whole = False  # given up with every stream of its decode
         self.closed = False
 
     async def read(self, size: int) -> bytes:
@@ -495,26 +481,10 @@ class _Stream:
         finally:
             self._waiting_since = 0.0
         if data:
-            now = time.monotonic()
-            self.pace.heard(now - since if self._started else None, now)
-            self._started = True
+            self._heard(since)
         else:
             self.close()  # read to the end: the connection goes back to the pool
         return data
-
-    def _stalled(self) -> UpstreamUnreachable:
-        return stall_error(self.url, self.stalled, whole=self.whole)
-
-    def silent_s(self, now: float, *, started_only: bool) -> float:
-        """How long the reader has been kept waiting (0: not waiting; with `started_only`,
-        also 0 before the first data: a decode may be pulling KV or queueing)."""
-        if self.closed or not self._waiting_since or (started_only and not self._started):
-            return 0.0
-        return now - self._waiting_since
-
-    def stall(self, silent_s: float, *, whole: bool = False) -> None:
-        self.stalled, self.whole = max(silent_s, 1e-3), whole
-        self.close()
 
     def at_eof(self) -> bool:
         return self.closed or self._conn.at_eof

@@ -27,7 +27,7 @@ from pdgate.gateway.upstream.base import (
     batch_body,
     status_error,
 )
-from pdgate.gateway.upstream.stalls import DecodePace, StallWatch, stall_error
+from pdgate.gateway.upstream.stalls import DecodePace, PacedStream, StallWatch
 
 __all__ = ["HttpUpstream"]
 
@@ -44,30 +44,15 @@ class _mapped(SocketErrors):
     KINDS = (aiohttp.ClientError, TimeoutError, OSError)
 
 
-class _Stream:
+class _Stream(PacedStream):
     """`DecodeStream` over an aiohttp response."""
 
-    __slots__ = (
-        "__weakref__",
-        "_guard",
-        "_resp",
-        "_started",
-        "_waiting_since",
-        "pace",
-        "stalled",
-        "url",
-        "whole",
-    )
+    __slots__ = ("_guard", "_resp")
 
     def __init__(self, resp: aiohttp.ClientResponse, url: str, pace: DecodePace) -> None:
+        super().__init__(url, pace)
         self._resp = resp
-        self.url = url
         self._guard = _mapped(url)  # it holds nothing per use: one for every read
-        self._started = False  # data came: the decode holds the KV and is generating
-        self._waiting_since = 0.0  # monotonic start of the read in progress (0: none)
-        self.pace = pace  # its decode's, shared by that decode's streams (stalls.py)
-        self.stalled = 0.0  # > 0: given up after this many seconds of silence
-        self.whole = False  # given up with every stream of its decode
 
     async def read(self, size: int) -> bytes:
         # What has arrived, up to `size`: no iterator of aiohttp's in between (this runs for
@@ -78,32 +63,17 @@ class _Stream:
                 data = await self._resp.content.read(size)
         except UpstreamUnreachable:
             if self.stalled:
-                raise stall_error(self.url, self.stalled, whole=self.whole) from None
+                raise self._stalled() from None
             raise
         finally:
             self._waiting_since = 0.0
         if data:
-            now = time.monotonic()
-            self.pace.heard(now - since if self._started else None, now)
-            self._started = True
+            self._heard(since)
         return data
 
     @property
     def closed(self) -> bool:
         return self._resp.closed
-
-    def silent_s(self, now: float, *, started_only: bool = True) -> float:
-        """How long the reader has been kept waiting (0: not waiting; with `started_only`,
-        also 0 before the first data: a decode may be pulling KV or queueing)."""
-        if (started_only and not self._started) or not self._waiting_since or self._resp.closed:
-            return 0.0
-        return now - self._waiting_since
-
-    def stall(self, silent_s: float, *, whole: bool = False) -> None:
-        """Give up on it: the read in progress raises (the request moves to another decode),
-        and the dropped connection tells the decode, if it ever wakes, that nobody listens."""
-        self.stalled, self.whole = max(silent_s, 1e-3), whole
-        self.close()
 
     def at_eof(self) -> bool:
         return self._resp.content.at_eof()

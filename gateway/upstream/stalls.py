@@ -121,6 +121,52 @@ class Watched(Protocol):
     def stall(self, silent_s: float, *, whole: bool = False) -> None: ...
 
 
+class PacedStream:
+    """What each transport's decode stream keeps for the watchdog: when the read in progress
+    began, whether data came yet, its decode's pace, and whether (and how) it was given up.
+    A transport's stream times each read (`_waiting_since`, then `_heard` when data came)
+    and says whether it is `closed` and how to `close`."""
+
+    __slots__ = ("__weakref__", "_started", "_waiting_since", "pace", "stalled", "url", "whole")
+
+    def __init__(self, url: str, pace: DecodePace) -> None:
+        self.url = url
+        self._started = False  # data came: the decode holds the KV and is generating
+        self._waiting_since = 0.0  # monotonic start of the read in progress (0: none)
+        self.pace = pace  # its decode's, shared by that decode's streams
+        self.stalled = 0.0  # > 0: given up after this many seconds of silence
+        self.whole = False  # given up with every stream of its decode
+
+    @property
+    def closed(self) -> bool:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _heard(self, since: float) -> None:
+        """The read begun at `since` got data."""
+        now = time.monotonic()
+        self.pace.heard(now - since if self._started else None, now)
+        self._started = True
+
+    def _stalled(self) -> UpstreamUnreachable:
+        return stall_error(self.url, self.stalled, whole=self.whole)
+
+    def silent_s(self, now: float, *, started_only: bool = True) -> float:
+        """How long the reader has been kept waiting (0: not waiting; with `started_only`,
+        also 0 before the first data: a decode may be pulling KV or queueing)."""
+        if (started_only and not self._started) or not self._waiting_since or self.closed:
+            return 0.0
+        return now - self._waiting_since
+
+    def stall(self, silent_s: float, *, whole: bool = False) -> None:
+        """Give up on it: the read in progress raises (the request moves to another decode),
+        and the dropped connection tells the decode, if it ever wakes, that nobody listens."""
+        self.stalled, self.whole = max(silent_s, 1e-3), whole
+        self.close()
+
+
 class StallWatch:
     """The watchdog's judgement, shared by the transports: `bound` for started streams
     (None: no stall detection), `read_timeout_s` for any stream."""
