@@ -23,7 +23,6 @@ import collections
 import logging
 import ssl
 import time
-import weakref
 from collections.abc import AsyncIterator, Mapping
 from typing import cast
 from urllib.parse import urlsplit
@@ -31,7 +30,6 @@ from urllib.parse import urlsplit
 import httptools
 import orjson
 
-from pdgate.config.aio import cancel_and_wait
 from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, KV_ID_HEADER, REQUEST_ID_HEADER
 from pdgate.gateway.errors import UpstreamProtocolError, UpstreamUnreachable
 from pdgate.gateway.upstream.base import (
@@ -42,7 +40,7 @@ from pdgate.gateway.upstream.base import (
     batch_body,
     status_error,
 )
-from pdgate.gateway.upstream.stalls import DecodePace, PacedStream, StallWatch
+from pdgate.gateway.upstream.stalls import DecodePace, PacedStream, StallWatch, Watchdog
 
 __all__ = ["H1Upstream"]
 
@@ -518,8 +516,7 @@ class H1Upstream(BaseUpstream):
             url: _header_block({**base, **extra}) for url, extra in options.instance_headers.items()
         }
         self._targets: dict[str, _Target] = {}
-        self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
-        self._watchdog: asyncio.Task[None] | None = None
+        self._watchdog = Watchdog(self._stalls)
 
     def __repr__(self) -> str:
         return f"H1Upstream({self._pool.open} connections open)"
@@ -534,9 +531,8 @@ class H1Upstream(BaseUpstream):
         return self._pool.open
 
     async def aclose(self) -> None:
-        if self._watchdog is not None:
-            await cancel_and_wait([self._watchdog])
-        for stream in list(self._streams):
+        await self._watchdog.aclose()
+        for stream in list(self._watchdog.streams):
             stream.close()
         await self._pool.close()
 
@@ -667,7 +663,7 @@ class H1Upstream(BaseUpstream):
                 conn = await self._sent(target, head, body, connect_s)
                 status = await conn.status()
         if status == 200:
-            return self._watch(_Stream(conn, url, self._stalls.pace(url)))
+            return self._watchdog.add(_Stream(conn, url, self._stalls.pace(url)))
         try:
             with SocketErrors(url):
                 async with asyncio.timeout(self._read_timeout_s):
@@ -693,20 +689,3 @@ class H1Upstream(BaseUpstream):
             log.info(
                 "releasing KV at %s failed (%s); the prefill's hold timeout frees it", url, exc
             )
-
-    def _watch(self, stream: _Stream) -> _Stream:
-        self._streams.add(stream)
-        if self._watchdog is None or self._watchdog.done():
-            self._watchdog = asyncio.create_task(self._watch_stalls(), name="stall-watchdog")
-        return stream
-
-    async def _watch_stalls(self) -> None:
-        """Every `StallWatch.period_s`, give up the streams that kept the relay waiting too
-        long (stalls.py). One timer for all streams: a timer per read would cost every token
-        of every stream."""
-        watch = self._stalls
-        while self._streams:
-            await asyncio.sleep(watch.period_s)
-            for stream in [s for s in self._streams if s.closed]:
-                self._streams.discard(stream)
-            watch.stalled(list(self._streams))

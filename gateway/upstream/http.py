@@ -10,13 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import weakref
 from collections.abc import AsyncIterator
 
 import aiohttp
 import orjson
 
-from pdgate.config.aio import cancel_and_wait
 from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, KV_ID_HEADER, REQUEST_ID_HEADER
 from pdgate.gateway.errors import UpstreamProtocolError, UpstreamUnreachable
 from pdgate.gateway.upstream.base import (
@@ -27,7 +25,7 @@ from pdgate.gateway.upstream.base import (
     batch_body,
     status_error,
 )
-from pdgate.gateway.upstream.stalls import DecodePace, PacedStream, StallWatch
+from pdgate.gateway.upstream.stalls import DecodePace, PacedStream, StallWatch, Watchdog
 
 __all__ = ["HttpUpstream"]
 
@@ -89,12 +87,11 @@ class HttpUpstream(BaseUpstream):
         (`connect` makes one that does)."""
         self._session = session
         self._watches = options.stall_timeout_s is not None or options.stall_bound is not None
+        # aiohttp's own timeout bounds the reads: the watchdog judges started streams only.
         self._stalls = StallWatch(
             options.stall_bound, float("inf"), fixed_s=options.stall_timeout_s
         )
-        # Open decode streams, for the stall watchdog (one task, only while any is open).
-        self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
-        self._watchdog: asyncio.Task[None] | None = None
+        self._watchdog = Watchdog(self._stalls)
         self._header_timeout_s = options.header_timeout_s
         self._connect_timeout_s = options.connect_timeout_s
         self._read_timeout_s = options.read_timeout_s
@@ -121,25 +118,11 @@ class HttpUpstream(BaseUpstream):
         return cls(session, options)
 
     async def aclose(self) -> None:
-        if self._watchdog is not None:
-            await cancel_and_wait([self._watchdog])
+        await self._watchdog.aclose()
         await self._session.close()
 
     def _watch(self, stream: _Stream) -> _Stream:
-        if self._watches:
-            self._streams.add(stream)
-            if self._watchdog is None or self._watchdog.done():
-                self._watchdog = asyncio.create_task(self._watch_stalls(), name="stall-watchdog")
-        return stream
-
-    async def _watch_stalls(self) -> None:
-        """Every `StallWatch.period_s`, give up the started streams whose decode has kept
-        the relay waiting too long (stalls.py; aiohttp's own timeout bounds the rest). One
-        timer for all streams: a timeout per read would cost every token of every stream."""
-        watch = self._stalls
-        while self._streams:
-            await asyncio.sleep(watch.period_s)
-            watch.stalled(list(self._streams))
+        return self._watchdog.add(stream) if self._watches else stream
 
     def _timeout(self, total_s: float) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=total_s, connect=min(self._connect_timeout_s, total_s))

@@ -14,20 +14,23 @@ whole (stopped, hung, cut off): every stream on it is given up at once, the ones
 waiting for their first data included, and the error says so (`DecodeSilent`) so that the
 relay ejects the decode, instead of each stream finding out at its own pace.
 
-One timer for all streams (the transports' watchdog calls `stalled`): a timer per read would
+One timer for all streams (each transport's `Watchdog` calls `stalled`): a timer per read would
 cost every token of every stream. What a read costs here is one append to its decode's
 window (`DecodePace.heard`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
+from pdgate.config.aio import cancel_and_wait
 from pdgate.gateway.errors import DecodeSilent, UpstreamUnreachable
 
 __all__ = [
@@ -241,6 +244,39 @@ class StallWatch:
                                 silent)  # fmt: skip
                     s.stall(silent)
         return silent_decodes
+
+
+_S = TypeVar("_S", bound=PacedStream)
+
+
+class Watchdog:
+    """A transport's one timer: every `StallWatch.period_s`, while any stream it was given
+    is open, it gives up the streams that kept the relay waiting too long (`stalled`)."""
+
+    def __init__(self, watch: StallWatch) -> None:
+        self.watch = watch
+        self.streams: weakref.WeakSet[PacedStream] = (
+            weakref.WeakSet()
+        )  # open, or not yet seen closed
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, stream: _S) -> _S:
+        """Watch `stream` (the timer runs only while some stream is open)."""
+        self.streams.add(stream)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="stall-watchdog")
+        return stream
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            await cancel_and_wait([self._task])
+
+    async def _run(self) -> None:
+        while self.streams:
+            await asyncio.sleep(self.watch.period_s)
+            for stream in [s for s in self.streams if s.closed]:
+                self.streams.discard(stream)
+            self.watch.stalled(list(self.streams))
 
 
 def _origin(url: str) -> str:
