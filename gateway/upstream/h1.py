@@ -23,7 +23,6 @@ import collections
 import logging
 import ssl
 import time
-import weakref
 from collections.abc import AsyncIterator, Mapping
 from typing import cast
 from urllib.parse import urlsplit
@@ -31,7 +30,6 @@ from urllib.parse import urlsplit
 import httptools
 import orjson
 
-from pdgate.config.aio import cancel_and_wait
 from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, KV_ID_HEADER, REQUEST_ID_HEADER
 from pdgate.gateway.errors import UpstreamProtocolError, UpstreamUnreachable
 from pdgate.gateway.upstream.base import (
@@ -42,7 +40,7 @@ from pdgate.gateway.upstream.base import (
     batch_body,
     status_error,
 )
-from pdgate.gateway.upstream.stalls import DecodePace, StallWatch, stall_error
+from pdgate.gateway.upstream.stalls import DecodePace, PacedStream, StallWatch, Watchdog
 
 __all__ = ["H1Upstream"]
 
@@ -448,31 +446,17 @@ class _Pool:
             self._prune = asyncio.get_running_loop().call_later(self._keepalive_s, self._pruned)
 
 
-class _Stream:
+class _Stream(PacedStream):
     """`DecodeStream` over a connection whose answer is a 200 being read."""
 
-    __slots__ = (
-        "__weakref__",
-        "_conn",
-        "_guard",
-        "_started",
-        "_waiting_since",
-        "closed",
-        "pace",
-        "stalled",
-        "url",
-        "whole",
-    )
+    __slots__ = ("_conn", "_guard", "closed")
+
+    closed: bool  # a plain flag here: set by `close`
 
     def __init__(self, conn: _Connection, url: str, pace: DecodePace) -> None:
+        super().__init__(url, pace)
         self._conn = conn
-        self.url = url
         self._guard = SocketErrors(url)
-        self._started = False  # data came: the decode holds the KV and is generating
-        self._waiting_since = 0.0  # monotonic start of the read in progress (0: none)
-        self.pace = pace  # its decode's, shared by that decode's streams (stalls.py)
-        self.stalled = 0.0  # > 0: given up after this many seconds of silence
-        self.whole = False  # given up with every stream of its decode
         self.closed = False
 
     async def read(self, size: int) -> bytes:
@@ -495,26 +479,10 @@ class _Stream:
         finally:
             self._waiting_since = 0.0
         if data:
-            now = time.monotonic()
-            self.pace.heard(now - since if self._started else None, now)
-            self._started = True
+            self._heard(since)
         else:
             self.close()  # read to the end: the connection goes back to the pool
         return data
-
-    def _stalled(self) -> UpstreamUnreachable:
-        return stall_error(self.url, self.stalled, whole=self.whole)
-
-    def silent_s(self, now: float, *, started_only: bool) -> float:
-        """How long the reader has been kept waiting (0: not waiting; with `started_only`,
-        also 0 before the first data: a decode may be pulling KV or queueing)."""
-        if self.closed or not self._waiting_since or (started_only and not self._started):
-            return 0.0
-        return now - self._waiting_since
-
-    def stall(self, silent_s: float, *, whole: bool = False) -> None:
-        self.stalled, self.whole = max(silent_s, 1e-3), whole
-        self.close()
 
     def at_eof(self) -> bool:
         return self.closed or self._conn.at_eof
@@ -548,8 +516,7 @@ class H1Upstream(BaseUpstream):
             url: _header_block({**base, **extra}) for url, extra in options.instance_headers.items()
         }
         self._targets: dict[str, _Target] = {}
-        self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
-        self._watchdog: asyncio.Task[None] | None = None
+        self._watchdog = Watchdog(self._stalls)
 
     def __repr__(self) -> str:
         return f"H1Upstream({self._pool.open} connections open)"
@@ -564,9 +531,8 @@ class H1Upstream(BaseUpstream):
         return self._pool.open
 
     async def aclose(self) -> None:
-        if self._watchdog is not None:
-            await cancel_and_wait([self._watchdog])
-        for stream in list(self._streams):
+        await self._watchdog.aclose()
+        for stream in list(self._watchdog.streams):
             stream.close()
         await self._pool.close()
 
@@ -697,7 +663,7 @@ class H1Upstream(BaseUpstream):
                 conn = await self._sent(target, head, body, connect_s)
                 status = await conn.status()
         if status == 200:
-            return self._watch(_Stream(conn, url, self._stalls.pace(url)))
+            return self._watchdog.add(_Stream(conn, url, self._stalls.pace(url)))
         try:
             with SocketErrors(url):
                 async with asyncio.timeout(self._read_timeout_s):
@@ -723,20 +689,3 @@ class H1Upstream(BaseUpstream):
             log.info(
                 "releasing KV at %s failed (%s); the prefill's hold timeout frees it", url, exc
             )
-
-    def _watch(self, stream: _Stream) -> _Stream:
-        self._streams.add(stream)
-        if self._watchdog is None or self._watchdog.done():
-            self._watchdog = asyncio.create_task(self._watch_stalls(), name="stall-watchdog")
-        return stream
-
-    async def _watch_stalls(self) -> None:
-        """Every `StallWatch.period_s`, give up the streams that kept the relay waiting too
-        long (stalls.py). One timer for all streams: a timer per read would cost every token
-        of every stream."""
-        watch = self._stalls
-        while self._streams:
-            await asyncio.sleep(watch.period_s)
-            for stream in [s for s in self._streams if s.closed]:
-                self._streams.discard(stream)
-            watch.stalled(list(self._streams))

@@ -10,13 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import weakref
 from collections.abc import AsyncIterator
 
 import aiohttp
 import orjson
 
-from pdgate.config.aio import cancel_and_wait
 from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, KV_ID_HEADER, REQUEST_ID_HEADER
 from pdgate.gateway.errors import UpstreamProtocolError, UpstreamUnreachable
 from pdgate.gateway.upstream.base import (
@@ -27,7 +25,7 @@ from pdgate.gateway.upstream.base import (
     batch_body,
     status_error,
 )
-from pdgate.gateway.upstream.stalls import DecodePace, StallWatch, stall_error
+from pdgate.gateway.upstream.stalls import DecodePace, PacedStream, StallWatch, Watchdog
 
 __all__ = ["HttpUpstream"]
 
@@ -44,30 +42,15 @@ class _mapped(SocketErrors):
     KINDS = (aiohttp.ClientError, TimeoutError, OSError)
 
 
-class _Stream:
+class _Stream(PacedStream):
     """`DecodeStream` over an aiohttp response."""
 
-    __slots__ = (
-        "__weakref__",
-        "_guard",
-        "_resp",
-        "_started",
-        "_waiting_since",
-        "pace",
-        "stalled",
-        "url",
-        "whole",
-    )
+    __slots__ = ("_guard", "_resp")
 
     def __init__(self, resp: aiohttp.ClientResponse, url: str, pace: DecodePace) -> None:
+        super().__init__(url, pace)
         self._resp = resp
-        self.url = url
         self._guard = _mapped(url)  # it holds nothing per use: one for every read
-        self._started = False  # data came: the decode holds the KV and is generating
-        self._waiting_since = 0.0  # monotonic start of the read in progress (0: none)
-        self.pace = pace  # its decode's, shared by that decode's streams (stalls.py)
-        self.stalled = 0.0  # > 0: given up after this many seconds of silence
-        self.whole = False  # given up with every stream of its decode
 
     async def read(self, size: int) -> bytes:
         # What has arrived, up to `size`: no iterator of aiohttp's in between (this runs for
@@ -78,32 +61,17 @@ class _Stream:
                 data = await self._resp.content.read(size)
         except UpstreamUnreachable:
             if self.stalled:
-                raise stall_error(self.url, self.stalled, whole=self.whole) from None
+                raise self._stalled() from None
             raise
         finally:
             self._waiting_since = 0.0
         if data:
-            now = time.monotonic()
-            self.pace.heard(now - since if self._started else None, now)
-            self._started = True
+            self._heard(since)
         return data
 
     @property
     def closed(self) -> bool:
         return self._resp.closed
-
-    def silent_s(self, now: float, *, started_only: bool = True) -> float:
-        """How long the reader has been kept waiting (0: not waiting; with `started_only`,
-        also 0 before the first data: a decode may be pulling KV or queueing)."""
-        if (started_only and not self._started) or not self._waiting_since or self._resp.closed:
-            return 0.0
-        return now - self._waiting_since
-
-    def stall(self, silent_s: float, *, whole: bool = False) -> None:
-        """Give up on it: the read in progress raises (the request moves to another decode),
-        and the dropped connection tells the decode, if it ever wakes, that nobody listens."""
-        self.stalled, self.whole = max(silent_s, 1e-3), whole
-        self.close()
 
     def at_eof(self) -> bool:
         return self._resp.content.at_eof()
@@ -119,12 +87,11 @@ class HttpUpstream(BaseUpstream):
         (`connect` makes one that does)."""
         self._session = session
         self._watches = options.stall_timeout_s is not None or options.stall_bound is not None
+        # aiohttp's own timeout bounds the reads: the watchdog judges started streams only.
         self._stalls = StallWatch(
             options.stall_bound, float("inf"), fixed_s=options.stall_timeout_s
         )
-        # Open decode streams, for the stall watchdog (one task, only while any is open).
-        self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
-        self._watchdog: asyncio.Task[None] | None = None
+        self._watchdog = Watchdog(self._stalls)
         self._header_timeout_s = options.header_timeout_s
         self._connect_timeout_s = options.connect_timeout_s
         self._read_timeout_s = options.read_timeout_s
@@ -151,25 +118,11 @@ class HttpUpstream(BaseUpstream):
         return cls(session, options)
 
     async def aclose(self) -> None:
-        if self._watchdog is not None:
-            await cancel_and_wait([self._watchdog])
+        await self._watchdog.aclose()
         await self._session.close()
 
     def _watch(self, stream: _Stream) -> _Stream:
-        if self._watches:
-            self._streams.add(stream)
-            if self._watchdog is None or self._watchdog.done():
-                self._watchdog = asyncio.create_task(self._watch_stalls(), name="stall-watchdog")
-        return stream
-
-    async def _watch_stalls(self) -> None:
-        """Every `StallWatch.period_s`, give up the started streams whose decode has kept
-        the relay waiting too long (stalls.py; aiohttp's own timeout bounds the rest). One
-        timer for all streams: a timeout per read would cost every token of every stream."""
-        watch = self._stalls
-        while self._streams:
-            await asyncio.sleep(watch.period_s)
-            watch.stalled(list(self._streams))
+        return self._watchdog.add(stream) if self._watches else stream
 
     def _timeout(self, total_s: float) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=total_s, connect=min(self._connect_timeout_s, total_s))

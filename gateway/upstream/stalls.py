@@ -14,20 +14,23 @@ whole (stopped, hung, cut off): every stream on it is given up at once, the ones
 waiting for their first data included, and the error says so (`DecodeSilent`) so that the
 relay ejects the decode, instead of each stream finding out at its own pace.
 
-One timer for all streams (the transports' watchdog calls `stalled`): a timer per read would
+One timer for all streams (each transport's `Watchdog` calls `stalled`): a timer per read would
 cost every token of every stream. What a read costs here is one append to its decode's
 window (`DecodePace.heard`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
+from pdgate.config.aio import cancel_and_wait
 from pdgate.gateway.errors import DecodeSilent, UpstreamUnreachable
 
 __all__ = [
@@ -121,6 +124,52 @@ class Watched(Protocol):
     def stall(self, silent_s: float, *, whole: bool = False) -> None: ...
 
 
+class PacedStream:
+    """What each transport's decode stream keeps for the watchdog: when the read in progress
+    began, whether data came yet, its decode's pace, and whether (and how) it was given up.
+    A transport's stream times each read (`_waiting_since`, then `_heard` when data came)
+    and says whether it is `closed` and how to `close`."""
+
+    __slots__ = ("__weakref__", "_started", "_waiting_since", "pace", "stalled", "url", "whole")
+
+    def __init__(self, url: str, pace: DecodePace) -> None:
+        self.url = url
+        self._started = False  # data came: the decode holds the KV and is generating
+        self._waiting_since = 0.0  # monotonic start of the read in progress (0: none)
+        self.pace = pace  # its decode's, shared by that decode's streams
+        self.stalled = 0.0  # > 0: given up after this many seconds of silence
+        self.whole = False  # given up with every stream of its decode
+
+    @property
+    def closed(self) -> bool:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _heard(self, since: float) -> None:
+        """The read begun at `since` got data."""
+        now = time.monotonic()
+        self.pace.heard(now - since if self._started else None, now)
+        self._started = True
+
+    def _stalled(self) -> UpstreamUnreachable:
+        return stall_error(self.url, self.stalled, whole=self.whole)
+
+    def silent_s(self, now: float, *, started_only: bool = True) -> float:
+        """How long the reader has been kept waiting (0: not waiting; with `started_only`,
+        also 0 before the first data: a decode may be pulling KV or queueing)."""
+        if (started_only and not self._started) or not self._waiting_since or self.closed:
+            return 0.0
+        return now - self._waiting_since
+
+    def stall(self, silent_s: float, *, whole: bool = False) -> None:
+        """Give up on it: the read in progress raises (the request moves to another decode),
+        and the dropped connection tells the decode, if it ever wakes, that nobody listens."""
+        self.stalled, self.whole = max(silent_s, 1e-3), whole
+        self.close()
+
+
 class StallWatch:
     """The watchdog's judgement, shared by the transports: `bound` for started streams
     (None: no stall detection), `read_timeout_s` for any stream."""
@@ -195,6 +244,39 @@ class StallWatch:
                                 silent)  # fmt: skip
                     s.stall(silent)
         return silent_decodes
+
+
+_S = TypeVar("_S", bound=PacedStream)
+
+
+class Watchdog:
+    """A transport's one timer: every `StallWatch.period_s`, while any stream it was given
+    is open, it gives up the streams that kept the relay waiting too long (`stalled`)."""
+
+    def __init__(self, watch: StallWatch) -> None:
+        self.watch = watch
+        self.streams: weakref.WeakSet[PacedStream] = (
+            weakref.WeakSet()
+        )  # open, or not yet seen closed
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, stream: _S) -> _S:
+        """Watch `stream` (the timer runs only while some stream is open)."""
+        self.streams.add(stream)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="stall-watchdog")
+        return stream
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            await cancel_and_wait([self._task])
+
+    async def _run(self) -> None:
+        while self.streams:
+            await asyncio.sleep(self.watch.period_s)
+            for stream in [s for s in self.streams if s.closed]:
+                self.streams.discard(stream)
+            self.watch.stalled(list(self.streams))
 
 
 def _origin(url: str) -> str:

@@ -168,6 +168,16 @@ def _register_decodes(redis_url: str, prefix: str, ports: dict[str, int]) -> Non
     asyncio.run(register())
 
 
+def _completes_on_d_real(url: str, i: int) -> None:
+    resp = httpx.post(
+        url + "/v1/completions",
+        json={"model": SIM_MODEL, "prompt": f"q{i}", "max_tokens": 2},
+        timeout=10,
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-pdgate-decode"] == "d-real"
+
+
 def test_a_decode_that_never_answers_is_passed_over_and_ejected(
     redis_url: str, registry_prefix: str, processes: Processes
 ) -> None:
@@ -188,13 +198,7 @@ def test_a_decode_that_never_answers_is_passed_over_and_ejected(
         for i in range(4):
             time.sleep(0.25)  # past the reject hold: the hung decode ranks first again
             began = time.monotonic()
-            resp = httpx.post(
-                url + "/v1/completions",
-                json={"model": SIM_MODEL, "prompt": f"q{i}", "max_tokens": 2},
-                timeout=10,
-            )
-            assert resp.status_code == 200, resp.text
-            assert resp.headers["x-pdgate-decode"] == "d-real"
+            _completes_on_d_real(url, i)
             assert time.monotonic() - began < 3
         rows = instances_by_id(url)
         assert rows["a-hung-decode"]["ejected"] is True
@@ -271,13 +275,7 @@ def test_decodes_that_refuse_connections_are_ejected_at_once_and_spend_no_budget
     wait_instances(url, 4)
     for i in range(3):
         time.sleep(0.25)  # past the reject hold: were they not ejected, they would rank first
-        resp = httpx.post(
-            url + "/v1/completions",
-            json={"model": SIM_MODEL, "prompt": f"q{i}", "max_tokens": 2},
-            timeout=10,
-        )
-        assert resp.status_code == 200, resp.text
-        assert resp.headers["x-pdgate-decode"] == "d-real"
+        _completes_on_d_real(url, i)
         rows = instances_by_id(url)
         assert rows["a-dead-decode-0"]["ejected"] and rows["a-dead-decode-1"]["ejected"]
     metrics = httpx.get(url + "/metrics", timeout=5).text

@@ -100,14 +100,19 @@ class _Line:
             await asyncio.sleep(0)
 
 
+async def _held_line() -> tuple[_Line, Sequence[Lease]]:
+    """A line whose one decode slot a placed stream holds: whoever comes next waits."""
+    line = _Line()
+    return line, await line.place("holder", 30)
+
+
 def _free(leases: Sequence[Lease]) -> None:
     for lease in leases:
         lease.release()
 
 
 async def test_each_freed_slot_wakes_one_waiter_resumed_first_then_by_deadline() -> None:
-    line = _Line()
-    held = await line.place("holder", 30)
+    line, held = await _held_line()
     later = line.start("later", 20)
     sooner = line.start("sooner", 10)
     resumed = asyncio.create_task(line.place("resumed", 25, resumed=True))
@@ -134,8 +139,7 @@ async def test_each_freed_slot_wakes_one_waiter_resumed_first_then_by_deadline()
 
 
 async def test_a_newcomer_waits_behind_the_line_instead_of_taking_the_freed_slot() -> None:
-    line = _Line()
-    held = await line.place("holder", 30)
+    line, held = await _held_line()
     first = line.start("first", 10)
     await line.settle()
     _free(held)  # wakes `first`; a request arriving now must not take its slot
@@ -149,8 +153,7 @@ async def test_a_newcomer_waits_behind_the_line_instead_of_taking_the_freed_slot
 
 
 async def test_a_woken_waiter_that_is_cancelled_passes_its_slot_on() -> None:
-    line = _Line()
-    held = await line.place("holder", 30)
+    line, held = await _held_line()
     first = line.start("first", 10)
     second = line.start("second", 20)
     await line.settle()
@@ -163,8 +166,7 @@ async def test_a_woken_waiter_that_is_cancelled_passes_its_slot_on() -> None:
 
 
 async def test_a_waiter_leaves_the_line_once_at_its_deadline_or_cancelled() -> None:
-    line = _Line()
-    held = await line.place("holder", 30)
+    line, held = await _held_line()
     short = line.start("short", 0.2)
     cancelled = line.start("cancelled", 20)
     stays = line.start("stays", 20)
@@ -182,8 +184,7 @@ async def test_a_waiter_leaves_the_line_once_at_its_deadline_or_cancelled() -> N
 
 
 async def test_a_decode_that_joins_wakes_as_many_waiters_as_it_has_slots() -> None:
-    line = _Line()
-    held = await line.place("holder", 30)
+    line, held = await _held_line()
     waiting = [line.start(f"w{i}", 10 + i) for i in range(3)]
     await line.settle()
     assert line.waits.waiting("m", None) == 3

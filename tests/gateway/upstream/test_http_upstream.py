@@ -13,10 +13,7 @@ import pytest
 from aiohttp import web
 
 from pdgate.gateway.errors import UpstreamUnreachable
-from pdgate.gateway.upstream.base import UpstreamOptions
-from pdgate.gateway.upstream.h1 import H1Upstream
-from pdgate.gateway.upstream.http import HttpUpstream
-from tests.gateway.upstream._server import serving
+from tests.gateway.upstream._server import Client, both_clients, connect, event_stream, serving
 
 
 @pytest.fixture
@@ -27,15 +24,13 @@ async def decode() -> AsyncIterator[str]:
     done = asyncio.Event()
 
     async def first_then_silence(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await resp.prepare(request)
+        resp = await event_stream(request)
         await resp.write(b'data: {"n": 1}\n\n')
         await done.wait()  # silent until the test ends
         return resp
 
     async def slow_start(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await resp.prepare(request)
+        resp = await event_stream(request)
         await asyncio.sleep(0.8)
         await resp.write(b'data: {"n": 1}\n\ndata: [DONE]\n\n')
         return resp
@@ -47,13 +42,11 @@ async def decode() -> AsyncIterator[str]:
         done.set()
 
 
-@pytest.mark.parametrize("client", [HttpUpstream, H1Upstream], ids=["aiohttp", "h1"])
+@both_clients
 async def test_a_stream_that_goes_silent_after_its_first_data_is_given_up(
-    decode: str, client: type[HttpUpstream | H1Upstream]
+    decode: str, client: Client
 ) -> None:
-    upstream = client.connect(
-        UpstreamOptions(connections=4, connect_timeout_s=1, read_timeout_s=60, stall_timeout_s=0.4)
-    )
+    upstream = connect(client, stall_timeout_s=0.4)
     try:
         stream = await upstream.open_decode(
             decode, {}, request_id="r", connect_timeout_s=1, path="/first-then-silence"

@@ -13,11 +13,8 @@ import pytest
 from aiohttp import web
 
 from pdgate.gateway.errors import DecodeSilent
-from pdgate.gateway.upstream.base import UpstreamOptions
-from pdgate.gateway.upstream.h1 import H1Upstream
-from pdgate.gateway.upstream.http import HttpUpstream
 from pdgate.gateway.upstream.stalls import DecodePace, StallBound
-from tests.gateway.upstream._server import serving
+from tests.gateway.upstream._server import Client, both_clients, connect, event_stream, serving
 
 EVENTS = 120
 CEILING_S = 20.0
@@ -58,8 +55,7 @@ async def decode() -> AsyncIterator[str]:
     done = asyncio.Event()
 
     async def paced(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await resp.prepare(request)
+        resp = await event_stream(request)
         for n in range(EVENTS):
             await resp.write(b'data: {"n": %d}\n\n' % n)
             await asyncio.sleep(0.002)
@@ -67,8 +63,7 @@ async def decode() -> AsyncIterator[str]:
         return resp
 
     async def never(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await resp.prepare(request)
+        resp = await event_stream(request)
         await done.wait()
         return resp
 
@@ -77,13 +72,11 @@ async def decode() -> AsyncIterator[str]:
         done.set()
 
 
-@pytest.mark.parametrize("client", [HttpUpstream, H1Upstream], ids=["aiohttp", "h1"])
+@both_clients
 async def test_a_decode_that_stops_is_given_up_on_its_own_pace_with_all_its_streams(
-    decode: str, client: type[HttpUpstream | H1Upstream]
+    decode: str, client: Client
 ) -> None:
-    upstream = client.connect(
-        UpstreamOptions(connections=4, connect_timeout_s=1, read_timeout_s=60, stall_bound=BOUND)
-    )
+    upstream = connect(client, stall_bound=BOUND)
     try:
         waiting = await upstream.open_decode(
             decode, {}, request_id="w", connect_timeout_s=1, path="/never"

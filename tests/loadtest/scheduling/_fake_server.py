@@ -7,6 +7,8 @@ from contextlib import asynccontextmanager
 
 from aiohttp import web
 
+from tests.loadtest._http import served
+
 __all__ = ["completions_server"]
 
 
@@ -17,10 +19,5 @@ async def completions_server(
     """Serve `handler` at ``/v1/completions``; yield that URL."""
     app = web.Application()
     app.router.add_post("/v1/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
-    finally:
-        await runner.cleanup()
+    async with served(app) as url:
+        yield url + "/v1/completions"
