@@ -234,6 +234,12 @@ def hold_prefill_slot(prefill_url: str, prompt: str = "hold this slot") -> dict[
     return params
 
 
+def release_prefill_slot(held: dict[str, Any]) -> None:
+    """Free a slot `hold_prefill_slot` took, as a decode does once it has the KV."""
+    url = f"http://{held['remote_host']}:{held['remote_port']}/v1/kv/{held['remote_request_id']}"
+    assert httpx.delete(url).status_code == 204
+
+
 class Subprocess:
     """A ``pdgate`` child process; waits for its one "serving" line on stdout."""
 

@@ -13,14 +13,9 @@ from typing import Any
 import httpx
 import orjson
 
-from tests._cluster import ThreadedCluster, hold_prefill_slot, shim_load
+from tests._cluster import ThreadedCluster, hold_prefill_slot, release_prefill_slot, shim_load
 
 BODY: dict[str, Any] = {"model": "sim-llama-3.1-8b", "prompt": "a question", "max_tokens": 4}
-
-
-def release(held: dict[str, Any]) -> None:
-    url = f"http://{held['remote_host']}:{held['remote_port']}/v1/kv/{held['remote_request_id']}"
-    assert httpx.delete(url).status_code == 204
 
 
 def health(c: ThreadedCluster) -> dict[str, Any]:
@@ -48,8 +43,9 @@ def post_all(url: str, n: int, **kw: Any) -> list[httpx.Response]:
 def test_batch_forwarding_spreads_a_backlog_over_the_idle_prefills() -> None:
     shim = {"capacity": 4, "kv_hold_timeout_s": 30}
     # A long back-off (and busy hold) keeps the forwarder asleep while the test frees both
-    # prefills, so it wakes to two idle prefills and a backlog of four.
-    gateway = {"batch_forwarding": True, "backoff_initial_s": 1.0, "backoff_max_s": 1.0}
+    # prefills, so it wakes to two idle prefills and a backlog of four; long enough that a
+    # loaded machine frees both before it wakes.
+    gateway = {"batch_forwarding": True, "backoff_initial_s": 3.0, "backoff_max_s": 3.0}
     with ThreadedCluster(prefills=2, decodes=1, shim=shim, gateway=gateway) as c:
         assert c.info is not None
         held = [
@@ -62,7 +58,7 @@ def test_batch_forwarding_spreads_a_backlog_over_the_idle_prefills() -> None:
             ]
             c.wait_for(lambda: health(c)["queued"] == 4, what="4 requests queued at the gateway")
             time.sleep(0.1)  # the rejections that queued them are done: the forwarder sleeps
-            list(pool.map(release, held))  # both prefills become idle at once
+            list(pool.map(release_prefill_slot, held))  # both prefills become idle at once
             responses = [f.result() for f in futures]
         assert [r.status_code for r in responses] == [200] * 4
         used = collections.Counter(r.headers["x-pdgate-prefill"] for r in responses)
@@ -98,7 +94,7 @@ def test_queued_requests_expire_at_their_own_deadlines() -> None:
         assert 0.3 <= s_took < 1.3
         assert 1.5 <= l_took < 3.0
         assert health(c)["queued"] == 0
-        release(held)
+        release_prefill_slot(held)
         c.wait_for(lambda: no_leaks(c))
 
 
@@ -113,7 +109,7 @@ def test_direct_mode_is_one_try_without_retries() -> None:
         assert time.monotonic() - start < 1  # no waiting for the deadline
         prefill = next(r for r in c.instances() if r["role"] == "prefill")
         assert prefill["rejected"] == 1
-        release(held)
+        release_prefill_slot(held)
         assert httpx.post(c.url + "/v1/completions", json=BODY, timeout=30).status_code == 200
         c.wait_for(lambda: no_leaks(c))
 
@@ -221,7 +217,7 @@ def test_batch_endpoint_carries_a_whole_backlog_in_one_call() -> None:
             ]
             c.wait_for(lambda: health(c)["queued"] == 5, what="5 requests queued")
             time.sleep(0.1)
-            list(pool.map(release, held))
+            list(pool.map(release_prefill_slot, held))
             responses = [f.result() for f in futures]
         # Four fit in one batch; the fifth is rejected in that same call and served next.
         assert [r.status_code for r in responses] == [200] * 5

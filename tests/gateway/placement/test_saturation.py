@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests._cluster import ThreadedCluster, hold_prefill_slot, shim_load
+from tests._cluster import ThreadedCluster, hold_prefill_slot, release_prefill_slot, shim_load
 
 BODY = {"model": "sim-llama-3.1-8b", "prompt": "a request", "max_tokens": 4}
 
@@ -20,9 +20,7 @@ def no_leaks(c: ThreadedCluster) -> bool:
 
 @pytest.fixture
 def one_slot_prefill() -> Iterator[ThreadedCluster]:
-    with ThreadedCluster(
-        prefills=1, decodes=1, shim={"capacity": 1, "kv_hold_timeout_s": 0.6}
-    ) as c:
+    with ThreadedCluster(prefills=1, decodes=1, shim={"capacity": 1, "kv_hold_timeout_s": 30}) as c:
         yield c
 
 
@@ -37,8 +35,7 @@ def test_prefill_with_one_slot_rejects_the_second_request_at_once(
         json={**BODY, "kv_transfer_params": {"do_remote_decode": True}},
         timeout=10,
     )
-    # Rejected, not queued: a queued request would have been served once the held slot's
-    # hold timeout freed it.
+    # Rejected, not queued: a queued request would wait for the held slot (30 s) and time out.
     assert resp.status_code == 429
     assert "retry-after" in resp.headers
     # OpenAI's error object, with the wait it tells (the header's, to the millisecond).
@@ -50,14 +47,17 @@ def test_prefill_with_one_slot_rejects_the_second_request_at_once(
 def test_gateway_retries_until_the_slot_frees(one_slot_prefill: ThreadedCluster) -> None:
     c = one_slot_prefill
     assert c.info is not None
-    hold_prefill_slot(c.info.prefill_urls[0])  # freed by the 0.6 s hold timeout
-    start = time.monotonic()
-    resp = httpx.post(c.url + "/v1/completions", json=BODY, timeout=30)
-    waited = time.monotonic() - start
+    held = hold_prefill_slot(c.info.prefill_urls[0])
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(httpx.post, c.url + "/v1/completions", json=BODY, timeout=30)
+        c.wait_for(
+            lambda: {r["role"]: r for r in c.instances()}["prefill"]["rejected"] >= 1,
+            what="the prefill refusing the gateway's first try",
+        )
+        assert not future.done()  # refused, the request waits at the gateway: no answer yet
+        release_prefill_slot(held)
+        resp = future.result()
     assert resp.status_code == 200, resp.text
-    assert waited >= 0.3  # it really waited for the slot
-    rows = {r["role"]: r for r in c.instances()}
-    assert rows["prefill"]["rejected"] >= 1
     c.wait_for(lambda: no_leaks(c), what="open-stream counts back to 0")
 
 
