@@ -15,8 +15,8 @@ import pytest
 from pdgate.gateway.admission.auth import ApiKey, digest
 from pdgate.gateway.admission.tenancy import resolve_tenancy
 from pdgate.gateway.errors import BadRequest, Forbidden
-from tests._cluster import ThreadedCluster, hold_prefill_slot, keyed_cluster
-from tests.gateway.placement.test_forwarding import BODY, health, no_leaks, release
+from tests._cluster import ThreadedCluster, hold_prefill_slot, keyed_cluster, release_prefill_slot
+from tests.gateway.placement.test_forwarding import BODY, health, no_leaks
 
 SHIM = {"capacity": 1, "kv_hold_timeout_s": 30}
 # A long back-off and busy hold keep the forwarder asleep while a test fills the queue: each
@@ -70,7 +70,7 @@ def test_a_tenant_over_its_share_gets_429_while_another_tenants_requests_pass() 
             # A second light request still gets in.
             light2 = pool.submit(post, c.url, as_tenant("light"))
             c.wait_for(lambda: sum(f.done() for f in heavy) == 2, what="a second heavy displaced")
-            release(held)
+            release_prefill_slot(held)
             assert light.result().status_code == 200
             assert light2.result().status_code == 200
             statuses = sorted(f.result().status_code for f in heavy)
@@ -101,7 +101,7 @@ def test_a_high_priority_request_overtakes_queued_normal_ones() -> None:
                 c.wait_for(lambda: health(c)["queued"] == queued)  # noqa: B023 - waited at once
             futures.append(pool.submit(timed, "high", "high", "a short one"))
             c.wait_for(lambda: health(c)["queued"] == 4)
-            release(held)
+            release_prefill_slot(held)
             assert [f.result() for f in futures] == [200] * 4
         # Queued last, served first.
         assert finished["high"] < min(finished[f"normal{i}"] for i in range(3))

@@ -41,6 +41,7 @@ from tests._cluster import (
     ThreadedCluster,
     counts_released,
     hold_prefill_slot,
+    release_prefill_slot,
     wait_for,
     wait_instances,
 )
@@ -53,7 +54,7 @@ from tests.gateway._fakes import (
     tracker_for,
     waiter,
 )
-from tests.gateway.placement.test_forwarding import BODY, health, no_leaks, open_stream, release
+from tests.gateway.placement.test_forwarding import BODY, health, no_leaks, open_stream
 
 # -- the unit alone ----------------------------------------------------------------------
 
@@ -673,7 +674,7 @@ def test_full_queue_answers_503_at_once() -> None:
             assert resp.status_code == 503
             assert resp.json()["error"]["code"] == "gateway_overloaded"
             assert "retry-after" in resp.headers
-            release(held)
+            release_prefill_slot(held)
             assert [f.result().status_code for f in waiting] == [200, 200]
         c.wait_for(lambda: no_leaks(c))
 
