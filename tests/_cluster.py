@@ -173,6 +173,14 @@ def counts_released(gateway_url: str) -> bool:
     return all(r["open_streams"] == 0 and r["inflight"] == 0 for r in get_instances(gateway_url))
 
 
+def nothing_held(gateway_url: str) -> bool:
+    """Nothing pending, streaming, in flight or queued at the gateway, and no count left at
+    any instance."""
+    health = httpx.get(gateway_url + "/health", timeout=5).json()
+    counts = (health["pending"], health["open_streams"], health["inflight"], health["queued"])
+    return counts == (0, 0, 0, 0) and counts_released(gateway_url)
+
+
 def metric_by_label(url: str, name: str, label: str) -> dict[str, float]:
     """The samples of metric `name` at ``URL/metrics``, keyed by their `label`."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -70,6 +70,7 @@ class Shim:
 
 
 StartShim = Callable[..., Awaitable[Shim]]
+Pair = tuple[Shim, Shim]  # a prefill and a decode
 
 
 @pytest.fixture
@@ -103,7 +104,7 @@ async def start_shim(
 
 
 @pytest.fixture
-async def pair(start_shim: StartShim) -> tuple[Shim, Shim]:
+async def pair(start_shim: StartShim) -> Pair:
     """A prefill and a decode, 4 slots each."""
     return await start_shim(Role.PREFILL, capacity=4), await start_shim(Role.DECODE, capacity=4)
 

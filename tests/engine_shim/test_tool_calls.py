@@ -25,14 +25,7 @@ from pdgate.engine_shim._sim_tools import MAX_DEPTH, arguments, tool_call
 from pdgate.engine_shim._tool_calls import NO_TOOL_PARSER, ToolCallParser, tool_use
 from pdgate.engine_shim.backend import ChatPrompt, ToolUse, tool_call_text
 from pdgate.engine_shim.sim_engine import render_chat_text
-from tests.engine_shim.conftest import (
-    MODEL,
-    Shim,
-    StartShim,
-    assert_openai_error,
-    prefill_leg,
-    wait_load,
-)
+from tests.engine_shim import conftest as shims
 
 WEATHER_PARAMS: dict[str, Any] = {
     "type": "object",
@@ -301,7 +294,7 @@ def test_arguments_of_every_kind_and_bounded_depth() -> None:
 # -- through the shims ---------------------------------------------------------------------
 
 
-async def _post(shim: Shim, body: dict[str, Any]) -> tuple[int, Any]:
+async def _post(shim: shims.Shim, body: dict[str, Any]) -> tuple[int, Any]:
     async with shim.http.post(shim.url + CHAT_PATH, data=orjson.dumps(body)) as resp:
         return resp.status, await resp.json(content_type=None)
 
@@ -315,7 +308,7 @@ def _expected_call(messages: list[dict[str, Any]], use: ToolUse) -> tuple[str, l
 
 
 def _chat_body(**extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 200, **extra}
+    return {"model": shims.MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 200, **extra}
 
 
 def _streamed_call(events: list[Any]) -> tuple[dict[str, Any], list[int], str | None, str]:
@@ -344,10 +337,10 @@ def _streamed_call(events: list[Any]) -> tuple[dict[str, Any], list[int], str | 
     return call, ids, finish, content
 
 
-async def test_pd_streams_the_call_the_prefill_began(pair: tuple[Shim, Shim]) -> None:
+async def test_pd_streams_the_call_the_prefill_began(pair: shims.Pair) -> None:
     prefill, decode = pair
     text, call_ids = _expected_call(ASK, ToolUse(TOOLS))
-    status, first = await _post(prefill, prefill_leg(_chat_body(return_token_ids=True)))
+    status, first = await _post(prefill, shims.prefill_leg(_chat_body(return_token_ids=True)))
     assert status == 200, first
     # The prefill's one token is the call's first; the parser holds it back.
     assert first["choices"][0]["token_ids"] == call_ids[:1]
@@ -377,7 +370,7 @@ async def test_pd_streams_the_call_the_prefill_began(pair: tuple[Shim, Shim]) ->
     assert events[-2]["usage"]["completion_tokens"] == len(call_ids)
 
     # Whole: the same call (id too), content null, from a second P/D pass.
-    status, first = await _post(prefill, prefill_leg(_chat_body()))
+    status, first = await _post(prefill, shims.prefill_leg(_chat_body()))
     whole_body = _chat_body(return_token_ids=True, kv_transfer_params=first["kv_transfer_params"])
     status, whole = await _post(decode, whole_body)
     assert status == 200, whole
@@ -386,12 +379,12 @@ async def test_pd_streams_the_call_the_prefill_began(pair: tuple[Shim, Shim]) ->
     assert choice["finish_reason"] == "tool_calls"
     assert choice["token_ids"] == call_ids
     assert whole["usage"]["completion_tokens"] == len(call_ids)
-    await wait_load(prefill, "used", 0)
-    await wait_load(decode, "used", 0)
+    await shims.wait_load(prefill, "used", 0)
+    await shims.wait_load(decode, "used", 0)
 
 
 async def test_the_decode_and_an_aggregated_instance_compute_the_call_themselves(
-    pair: tuple[Shim, Shim], start_shim: StartShim
+    pair: shims.Pair, start_shim: shims.StartShim
 ) -> None:
     _, decode = pair
     aggregated = await start_shim(Role.AGGREGATED, capacity=2)
@@ -405,12 +398,12 @@ async def test_the_decode_and_an_aggregated_instance_compute_the_call_themselves
         status, whole = await _post(shim, _chat_body())
         assert status == 200, whole
         assert whole["choices"][0]["message"]["tool_calls"] == [call]
-        assert (await wait_load(shim, "used", 0))["local_prefills"] == 2
+        assert (await shims.wait_load(shim, "used", 0))["local_prefills"] == 2
     assert answers[0] == answers[1]  # deterministic: same prompt, same call, same id
     assert json.loads(answers[0]["function"]["arguments"]) == _args(text)[1]
 
 
-async def test_named_required_and_none_choices(pair: tuple[Shim, Shim]) -> None:
+async def test_named_required_and_none_choices(pair: shims.Pair) -> None:
     _, decode = pair
     named = {"type": "function", "function": {"name": "get_time"}}
     status, whole = await _post(decode, _chat_body(tool_choice=named))
@@ -445,7 +438,7 @@ async def test_named_required_and_none_choices(pair: tuple[Shim, Shim]) -> None:
         assert whole["usage"]["completion_tokens"] == 8
 
 
-async def test_max_tokens_inside_the_call(pair: tuple[Shim, Shim]) -> None:
+async def test_max_tokens_inside_the_call(pair: shims.Pair) -> None:
     _, decode = pair
     text, call_ids = _expected_call(ASK, ToolUse(TOOLS))
     cut = len(call_ids) - 8
@@ -460,25 +453,25 @@ async def test_max_tokens_inside_the_call(pair: tuple[Shim, Shim]) -> None:
     assert whole["choices"][0]["finish_reason"] == "length"
 
 
-async def test_an_unknown_named_tool_is_a_400_on_both_roles(pair: tuple[Shim, Shim]) -> None:
+async def test_an_unknown_named_tool_is_a_400_on_both_roles(pair: shims.Pair) -> None:
     kv = {"do_remote_decode": True, "do_remote_prefill": False}
     named = {"type": "function", "function": {"name": "launch_rockets"}}
     for shim in pair:
         status, body = await _post(shim, _chat_body(tool_choice=named, kv_transfer_params=kv))
         assert status == 400, body
-        err = assert_openai_error(body)
+        err = shims.assert_openai_error(body)
         assert err["param"] == "tool_choice" and "launch_rockets" not in err["message"]
         load = await shim.load()
         assert (load["used"], load["admitted"]) == (0, 0)
 
 
-async def test_a_raw_prompt_never_calls_a_tool(pair: tuple[Shim, Shim]) -> None:
+async def test_a_raw_prompt_never_calls_a_tool(pair: shims.Pair) -> None:
     prefill, decode = pair
     rendered = render_chat_text(ChatPrompt(ASK, tools=TOOLS))
-    body = {"model": MODEL, "prompt": rendered, "max_tokens": 8, "tools": TOOLS}
+    body = {"model": shims.MODEL, "prompt": rendered, "max_tokens": 8, "tools": TOOLS}
     events = await decode.stream(body, COMPLETIONS_PATH)
     text = "".join(e["choices"][0]["text"] for e in events[:-1])
     assert text and "<" not in text
-    status, first = await _post(prefill, prefill_leg(_chat_body(tool_choice="none")))
+    status, first = await _post(prefill, shims.prefill_leg(_chat_body(tool_choice="none")))
     assert status == 200 and "<" not in first["choices"][0]["message"]["content"]
     await prefill.kv("DELETE", first)

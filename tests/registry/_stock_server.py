@@ -56,6 +56,8 @@ from typing import Any
 import httpx
 import orjson
 
+from pdgate.config.wire import POOLING_ENDPOINTS
+
 READY = "stock-server: "
 
 # A gateway's settings that probe static servers often and give up on one soon (tests).
@@ -104,19 +106,6 @@ def embedding(text: str, dims: int = 8) -> list[float]:
     """The server's deterministic embedding of `text`."""
     digest = hashlib.blake2b(text.encode(), digest_size=dims).digest()
     return [round(b / 255, 4) for b in digest]
-
-
-# The routes vLLM registers for a pooling model, restated here on purpose: the gateway's own
-# list (config/wire.py) is checked against them.
-POOLING_PATHS = (
-    "/v1/embeddings",
-    "/pooling",
-    "/score",
-    "/v1/score",
-    "/rerank",
-    "/v1/rerank",
-    "/v2/rerank",
-)
 
 
 def _app(
@@ -291,7 +280,7 @@ def _app(
             "/v1/unload_lora_adapter",
         ]
         return paths + (
-            list(POOLING_PATHS) if pooling else ["/v1/completions", "/v1/chat/completions"]
+            list(POOLING_ENDPOINTS) if pooling else ["/v1/completions", "/v1/chat/completions"]
         )
 
     async def openapi(request: Request) -> Response:
@@ -429,7 +418,8 @@ def _app(
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
     ]
-    pooling_routes = [Route(p, pooled, methods=["POST"]) for p in POOLING_PATHS]
+    # vLLM's pooling routes, as the gateway lists them (config/wire.py).
+    pooling_routes = [Route(p, pooled, methods=["POST"]) for p in POOLING_ENDPOINTS]
     app = Starlette(
         routes=[
             Route("/v1/models", models_guarded, methods=["GET"]),

@@ -17,6 +17,7 @@ from pdgate.config.settings import (
     STATIC_PREFILL_CAPACITY,
     StaticInstance,
 )
+from pdgate.config.wire import POOLING_ENDPOINTS
 from pdgate.registry import (
     EventKind,
     InstanceState,
@@ -32,7 +33,7 @@ from pdgate.registry.static import (
     with_static_instances,
 )
 from tests._redis import RedisServer, free_port
-from tests.registry._stock_server import POOLING_PATHS, StockServer
+from tests.registry._stock_server import StockServer
 from tests.registry._util import eventually, make_record, no_event
 
 # --- settings --------------------------------------------------------------------------------
@@ -210,7 +211,7 @@ async def test_what_the_server_serves_is_read_and_adapters_follow_at_run_time(
         assert record.endpoints == ("/tokenize", "/detokenize")
         embed = records[f"{model}-embed"]
         assert (embed.max_model_len, embed.adapters) == (8192, ())
-        assert embed.endpoints == ("/tokenize", "/detokenize", *POOLING_PATHS)
+        assert embed.endpoints == ("/tokenize", "/detokenize", *POOLING_ENDPOINTS)
         events = reg.events()
         server.load_lora(f"{model}-poet")
         event = await _next(events, within=5)

@@ -15,24 +15,16 @@ import orjson
 import pytest
 
 from tests._cluster import get_instances, shim_load, wait_for
-from tests.vllm.conftest import (
-    MODEL,
-    PROMPTS,
-    REFERENCE_TOKENS,
-    START_TIMEOUT_S,
-    Proc,
-    VllmCluster,
-    _url,
-)
+from tests.vllm import conftest as harness
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 
 def _greedy_text(base_url: str, prompt: str) -> str:
     body = {
-        "model": MODEL,
+        "model": harness.MODEL,
         "prompt": prompt,
-        "max_tokens": REFERENCE_TOKENS,
+        "max_tokens": harness.REFERENCE_TOKENS,
         "temperature": 0,
         "stream": True,
     }
@@ -48,9 +40,9 @@ def _greedy_text(base_url: str, prompt: str) -> str:
     return "".join(texts)
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("prompt", harness.PROMPTS)
 def test_plain_request_on_the_decode_equals_the_disaggregated_output(
-    vllm_cluster: VllmCluster, prompt: str
+    vllm_cluster: harness.VllmCluster, prompt: str
 ) -> None:
     prefill0 = shim_load(vllm_cluster.prefill_url)
     decode0 = shim_load(vllm_cluster.decode_url)
@@ -67,7 +59,7 @@ def test_plain_request_on_the_decode_equals_the_disaggregated_output(
 
 
 def test_the_partial_strategy_in_front_of_vllm_gives_the_same_greedy_output(
-    vllm_cluster: VllmCluster, redis_url: str
+    vllm_cluster: harness.VllmCluster, redis_url: str
 ) -> None:
     """An aggregated vLLM shim that alternates phases, behind its own gateway (a registry
     of their own): every prompt's greedy output equals the aggregated engine's, the phases
@@ -82,26 +74,26 @@ def test_the_partial_strategy_in_front_of_vllm_gives_the_same_greedy_output(
     }
     cli = ["-m", "pdgate.config.cli"]
     procs = {
-        "shim": Proc(
+        "shim": harness.Proc(
             [*cli, "shim", "--role", "aggregated", "--capacity", "4"],
             {**shim_env, **registry, "PDGATE_SHIM_PHASES": "1"},
             "partial-shim",
         ),
-        "gateway": Proc(
+        "gateway": harness.Proc(
             [*cli, "gateway", "--port", "0"],
             {**registry, "PDGATE_GATEWAY_TTFT_TIMEOUT_S": "20"},
             "partial-gateway",
         ),
     }
     try:
-        gateway = _url(procs["gateway"].wait_line("pdgate gateway", 60))
-        shim = _url(procs["shim"].wait_line("pdgate shim", START_TIMEOUT_S))
+        gateway = harness._url(procs["gateway"].wait_line("pdgate gateway", 60))
+        shim = harness._url(procs["shim"].wait_line("pdgate shim", harness.START_TIMEOUT_S))
         wait_for(lambda: len(get_instances(gateway)) == 1, timeout=15, what="shim registered")
-        for prompt in PROMPTS:
+        for prompt in harness.PROMPTS:
             assert _greedy_text(gateway, prompt) == vllm_cluster.reference[prompt]["text"]
         load = shim_load(shim)
         assert load["role"] == "aggregated"
-        assert load["local_prefills"] == len(PROMPTS)
+        assert load["local_prefills"] == len(harness.PROMPTS)
         assert load["phase_switches"] >= 1 and load["pending_prefills"] == 0
         assert load["phase"] in ("prefill", "decode")
     finally:

@@ -18,6 +18,7 @@ from tests._cluster import (
     ThreadedCluster,
     counts_released,
     get_instances,
+    nothing_held,
     openai_client,
     shim_load,
     wait_for,
@@ -33,12 +34,6 @@ def cluster() -> Iterator[ThreadedCluster]:
     shim = {"max_model_len": 2048, "sim_lora_adapters": [ADAPTER]}
     with ThreadedCluster(prefills=1, decodes=1, shim=shim) as c:
         yield c
-
-
-def _nothing_held(url: str) -> bool:
-    health = httpx.get(url + "/health", timeout=5).json()
-    counts = (health["pending"], health["open_streams"], health["inflight"], health["queued"])
-    return counts == (0, 0, 0, 0) and counts_released(url)
 
 
 def test_models_lists_max_model_len_and_the_adapter_with_its_parent(
@@ -96,7 +91,7 @@ def test_tokenize_and_detokenize_are_the_engines_own_answers(cluster: ThreadedCl
     bad = _post(url, "/detokenize", {"model": SIM_MODEL, "tokens": [-1]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert bad.headers["x-request-id"]
-    wait_for(lambda: _nothing_held(url), what="nothing held")
+    wait_for(lambda: nothing_held(url), what="nothing held")
 
 
 def test_side_requests_the_model_has_no_endpoint_for_get_a_404_naming_it(
@@ -116,7 +111,7 @@ def test_side_requests_the_model_has_no_endpoint_for_get_a_404_naming_it(
         resp = _post(cluster.url, "/tokenize", body)
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["type"] == "invalid_request_error"
-    wait_for(lambda: _nothing_held(cluster.url), what="nothing held")
+    wait_for(lambda: nothing_held(cluster.url), what="nothing held")
 
 
 @pytest.mark.parametrize("api", ["completions", "chat"])
@@ -153,7 +148,7 @@ def test_a_prompt_over_the_context_is_a_400_naming_both_numbers_not_a_503(
     )
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens"
     assert "2100 tokens (2000 in the prompt, 100 in the completion)" in resp.text
-    wait_for(lambda: _nothing_held(cluster.url), what="nothing held")
+    wait_for(lambda: nothing_held(cluster.url), what="nothing held")
 
 
 def test_a_request_for_an_adapter_reaches_only_the_instances_that_hold_it(

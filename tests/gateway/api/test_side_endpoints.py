@@ -11,17 +11,17 @@ from typing import Any
 import httpx
 import pytest
 
+from pdgate.config.wire import SIDE_ENDPOINTS
 from tests._cluster import (
     Processes,
-    counts_released,
     get_instances,
+    nothing_held,
     openai_client,
     wait_for,
     wait_instances,
 )
 from tests.registry._stock_server import (
     FAST_PROBES,
-    POOLING_PATHS,
     StockServer,
     byte_tokens,
     embedding,
@@ -45,12 +45,6 @@ def _gateway(processes: Processes, servers: list[StockServer], *extra: str, **en
     return url
 
 
-def _nothing_held(url: str) -> bool:
-    health = httpx.get(url + "/health", timeout=5).json()
-    counts = (health["pending"], health["open_streams"], health["inflight"], health["queued"])
-    return counts == (0, 0, 0, 0) and counts_released(url)
-
-
 def _served(servers: list[StockServer], path: str) -> int:
     return sum(int(s.stats()["side"].get(path, 0)) for s in servers)
 
@@ -60,7 +54,7 @@ def test_embeddings_through_the_official_client(
 ) -> None:
     url = _gateway(processes, pooling)
     rows = get_instances(url)
-    assert {tuple(r["endpoints"]) for r in rows} == {("/tokenize", "/detokenize", *POOLING_PATHS)}
+    assert {tuple(r["endpoints"]) for r in rows} == {SIDE_ENDPOINTS}  # tokens, then pooling
     client = openai_client(url)
     texts = ["first text", "second, longer text"]
     out = client.embeddings.create(model=EMBED, input=texts)  # base64 on the wire, as it asks
@@ -71,7 +65,7 @@ def test_embeddings_through_the_official_client(
     floats = client.embeddings.create(model=EMBED, input="plain", encoding_format="float")
     assert floats.data[0].embedding == embedding("plain")
     assert _served(pooling, "/v1/embeddings") == 2  # one request each, not one per text
-    wait_for(lambda: _nothing_held(url), what="nothing held")
+    wait_for(lambda: nothing_held(url), what="nothing held")
 
 
 def _post(url: str, path: str, body: Any) -> httpx.Response:
@@ -105,7 +99,7 @@ def test_each_side_path_is_relayed_as_the_instance_answers(
         k: v for k, v in own.json().items() if k not in strip
     }
     assert _served(pooling, path) == 2  # one through the gateway, one directly
-    wait_for(lambda: _nothing_held(url), what="nothing held")
+    wait_for(lambda: nothing_held(url), what="nothing held")
 
 
 def test_a_failing_instance_is_left_for_another_and_the_engines_400_is_relayed(
@@ -127,7 +121,7 @@ def test_a_failing_instance_is_left_for_another_and_the_engines_400_is_relayed(
     assert resp.status_code == 400
     assert "maximum context length is 8192 tokens" in resp.json()["error"]["message"]
     assert _served(pooling, "/v1/embeddings") == before + 1
-    wait_for(lambda: _nothing_held(url), what="nothing held")
+    wait_for(lambda: nothing_held(url), what="nothing held")
 
 
 def test_no_instance_answering_in_time_is_a_503_or_a_502_never_a_hang(
@@ -141,7 +135,7 @@ def test_no_instance_answering_in_time_is_a_503_or_a_502_never_a_hang(
     if resp.status_code == 503:
         assert 1 <= int(resp.headers["retry-after"]) <= 120
     assert resp.json()["error"]["type"] in ("upstream_error", "service_unavailable")
-    wait_for(lambda: _nothing_held(url), what="nothing held")
+    wait_for(lambda: nothing_held(url), what="nothing held")
 
 
 def test_side_endpoints_need_the_client_key(

@@ -79,18 +79,10 @@ from typing import Any
 import httpx
 import orjson
 
+from pdgate.config.wire import prefill_kv_request
 from tests.registry._stock_server import ServerProcess, completion_text, openai_answer
 
 READY = "vllm-connector: "
-# toy_proxy_server.py's, restated here on purpose: the gateway's are checked against vLLM's.
-NIXL_PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 BLOCK_TOKENS = 16
 _MAX_VIOLATIONS = 200
 _BASE_RE = re.compile(r"-[0-9a-f]{8}$")  # vLLM's nixl/utils.py _RANDOM_SUFFIX_RE
@@ -216,7 +208,8 @@ class Fake:
         if self.connector in ("nixl", "nixl_push"):
             if "min_tokens" in body or "min_completion_tokens" in body:
                 raise self.violated("prefill leg: min_tokens popped (toy_proxy_server.py)")
-            if params != NIXL_PREFILL_PARAMS:
+            # toy_proxy_server.py's six params, which the gateway builds in config/wire.py.
+            if params != prefill_kv_request():
                 raise self.violated(
                     f"prefill leg: kv_transfer_params {params!r} are not toy_proxy_server.py's"
                 )

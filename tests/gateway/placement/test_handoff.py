@@ -14,7 +14,6 @@ from pdgate.gateway.placement.handoff import Handoffs, StockLeg
 from pdgate.gateway.upstream.mock import Call, MockUpstream, Reply
 from pdgate.policies.base import InstanceLoad
 from pdgate.registry.base import InstanceRecord
-from tests.gateway.placement._vllm_connectors import NIXL_PREFILL_PARAMS
 
 PREFILL = InstanceRecord(id="p", role=Role.PREFILL, url="http://p:8000", model="m")
 BODY = {
@@ -49,7 +48,7 @@ def test_a_nixl_pull_leg_is_toy_proxy_servers() -> None:
     decode gets the answer's params unchanged, under the same request id."""
     leg = StockLeg("nixl", "r1", replace(PREFILL, connector="nixl"))
     body = leg.prefill_body(BODY)
-    assert body["kv_transfer_params"] == NIXL_PREFILL_PARAMS
+    assert body["kv_transfer_params"] == prefill_kv_request()
     assert "min_tokens" not in body and body["temperature"] == 0 and body["max_tokens"] == 1
     assert leg.prefill_headers() == {}
     assert leg.decode_params(NIXL_ANSWER) == NIXL_ANSWER
