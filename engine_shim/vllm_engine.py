@@ -52,22 +52,8 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from pdgate.config import Role, ShimSettings
+from pdgate.engine_shim import backend
 from pdgate.engine_shim._vllm_spool import FileKvSink, FileKvSource, Spool
-from pdgate.engine_shim.backend import (
-    ChatPrompt,
-    DecodeJob,
-    EngineBusy,
-    EngineStats,
-    Generated,
-    InvalidRequest,
-    KvSink,
-    LocalKv,
-    PrefillOutput,
-    Prompt,
-    Sampling,
-    ServedModel,
-    TokenLogprobs,
-)
 from pdgate.engine_shim.vllm_connector import LOAD_KEY, LOAD_TOKENS_KEY, SAVE_KEY
 
 __all__ = [
@@ -157,8 +143,8 @@ class _Stats:
         self.query_tokens = 0
         self.aborted = 0
 
-    def snapshot(self) -> EngineStats:
-        return EngineStats(
+    def snapshot(self) -> backend.EngineStats:
+        return backend.EngineStats(
             running=self.running,
             waiting=self.waiting,
             prefix_hit_tokens=self.hit_tokens,
@@ -246,7 +232,7 @@ class _VllmEngine:
             raise RuntimeError("engine is not started")
         return self._spool
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: backend.Prompt) -> list[int]:
         if self._tokenizer is None:
             raise RuntimeError("engine is not started")
         if isinstance(prompt, str):
@@ -258,14 +244,14 @@ class _VllmEngine:
                 raise ValueError(f"token id {t} is outside the vocabulary [0, {self._vocab})")
         return ids
 
-    def served_model(self) -> ServedModel:
+    def served_model(self) -> backend.ServedModel:
         if self._llm is None:
             raise RuntimeError("engine is not started")
-        return ServedModel(int(self._llm.model_config.max_model_len))
+        return backend.ServedModel(int(self._llm.model_config.max_model_len))
 
     def _no_adapter(self, adapter: str | None) -> None:
         if adapter is not None:
-            raise InvalidRequest("this engine serves no LoRA adapters")
+            raise backend.InvalidRequest("this engine serves no LoRA adapters")
 
     def tokenize_text(self, text: str, *, add_special_tokens: bool) -> tuple[list[int], list[str]]:
         if self._tokenizer is None:
@@ -273,7 +259,7 @@ class _VllmEngine:
         ids = list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
         return ids, list(self._tokenizer.convert_ids_to_tokens(ids))
 
-    def tokenize_chat(self, chat: ChatPrompt) -> tuple[list[int], list[str]]:
+    def tokenize_chat(self, chat: backend.ChatPrompt) -> tuple[list[int], list[str]]:
         ids = self.render_chat(chat)
         return ids, list(self._tokenizer.convert_ids_to_tokens(ids))
 
@@ -282,7 +268,7 @@ class _VllmEngine:
             raise RuntimeError("engine is not started")
         return str(self._tokenizer.decode(self.tokenize(ids)))  # ids checked as a prompt's
 
-    def render_chat(self, chat: ChatPrompt) -> list[int]:
+    def render_chat(self, chat: backend.ChatPrompt) -> list[int]:
         """The conversation in the model's chat template, tokenized as vLLM's chat API does
         it: rendered to text, then encoded without adding special tokens (the template
         writes its own BOS)."""
@@ -303,20 +289,20 @@ class _VllmEngine:
             raise ValueError(f"the chat template refused the conversation: {exc}") from None
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> backend.EngineStats:
         return self._stats.snapshot()
 
     def _token_text(self, token_id: int, logprob: Any) -> str:
         decoded = getattr(logprob, "decoded_token", None)
         return decoded if decoded is not None else str(self._tokenizer.decode([token_id]))
 
-    def _logprobs(self, completion: Any) -> list[TokenLogprobs | None] | None:
+    def _logprobs(self, completion: Any) -> list[backend.TokenLogprobs | None] | None:
         """vLLM's logprobs of the tokens of one (delta) output, in pdgate's shape. vLLM gives,
         per token, a mapping of candidate token id to ``Logprob`` (the top ones and the
         sampled one), or None for a token it has none for."""
         if completion.logprobs is None:
             return None
-        out: list[TokenLogprobs | None] = []
+        out: list[backend.TokenLogprobs | None] = []
         for i, token_id in enumerate(completion.token_ids):
             candidates: Mapping[int, Any] | None = completion.logprobs[i]
             if candidates is None or token_id not in candidates:
@@ -332,7 +318,7 @@ class _VllmEngine:
             )
             chosen = candidates[token_id]
             out.append(
-                TokenLogprobs(
+                backend.TokenLogprobs(
                     self._token_text(token_id, chosen),
                     max(float(chosen.logprob), _MIN_LOGPROB),
                     tuple(top),
@@ -340,7 +326,9 @@ class _VllmEngine:
             )
         return out
 
-    def _params(self, max_tokens: int, sampling: Sampling | None, kv: dict[str, Any]) -> Any:
+    def _params(
+        self, max_tokens: int, sampling: backend.Sampling | None, kv: dict[str, Any]
+    ) -> Any:
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -349,7 +337,7 @@ class _VllmEngine:
                 **(sampling or {}),
             )
         except (ValueError, TypeError, VLLMClientError) as exc:
-            raise InvalidRequest(str(exc)) from None
+            raise backend.InvalidRequest(str(exc)) from None
 
     async def _outputs(self, tokens: Sequence[int], params: Any) -> AsyncGenerator[Any, None]:
         """vLLM's RequestOutputs; counts an abort when the consumer leaves early."""
@@ -364,9 +352,9 @@ class _VllmEngine:
                 finished = out.finished
                 yield out
         except _OVERLOAD as exc:
-            raise EngineBusy(str(exc) or type(exc).__name__) from None
+            raise backend.EngineBusy(str(exc) or type(exc).__name__) from None
         except VLLMClientError as exc:
-            raise InvalidRequest(str(exc)) from None
+            raise backend.InvalidRequest(str(exc)) from None
         except (asyncio.CancelledError, GeneratorExit):
             if not finished:
                 # Left while the request was in vLLM: AsyncLLM.generate aborts it.
@@ -384,12 +372,16 @@ class VllmPrefillEngine(_VllmEngine):
         self._computing = 0
 
     async def prefill(
-        self, tokens: Sequence[int], sampling: Sampling | None = None, *, adapter: str | None = None
-    ) -> PrefillOutput:
+        self,
+        tokens: Sequence[int],
+        sampling: backend.Sampling | None = None,
+        *,
+        adapter: str | None = None,
+    ) -> backend.PrefillOutput:
         self._no_adapter(adapter)
         # Bounded: the shim admits at most one batch of prompts (its slots) at a time.
         if self._computing >= self._max_batch:
-            raise EngineBusy("prefill batch is full")
+            raise backend.EngineBusy("prefill batch is full")
         spool = self.spool
         name = spool.new_name()
         params = self._params(1, sampling, {SAVE_KEY: name})
@@ -414,7 +406,7 @@ class VllmPrefillEngine(_VllmEngine):
             self._computing -= 1
             if not done:  # withdrawn or failed: the connector may have written part of it
                 spool.remove(name)
-        return PrefillOutput(
+        return backend.PrefillOutput(
             first_token=last.outputs[0].text,
             prompt_tokens=len(tokens),
             cached_tokens=last.num_cached_tokens or 0,
@@ -431,13 +423,13 @@ class VllmDecodeEngine(_VllmEngine):
         super().__init__(settings)
         self._active = 0
 
-    def kv_sink(self, tokens: Sequence[int], nbytes: int) -> KvSink:
+    def kv_sink(self, tokens: Sequence[int], nbytes: int) -> backend.KvSink:
         return FileKvSink(self.spool, len(tokens), nbytes)
 
-    def local_kv(self, tokens: Sequence[int]) -> KvSink:
-        return LocalKv()
+    def local_kv(self, tokens: Sequence[int]) -> backend.KvSink:
+        return backend.LocalKv()
 
-    async def generate(self, job: DecodeJob) -> AsyncGenerator[Generated, None]:
+    async def generate(self, job: backend.DecodeJob) -> AsyncGenerator[backend.Generated, None]:
         self._no_adapter(job.adapter)
         tokens, kv = job.tokens, job.kv
         load: dict[str, Any] = {}  # a local prefill: no KV to load, vLLM computes the prompt
@@ -445,10 +437,10 @@ class VllmDecodeEngine(_VllmEngine):
             # The KV may cover only a prefix of the prompt (a continued stream): vLLM
             # computes the rest.
             load.update({LOAD_KEY: kv.name, LOAD_TOKENS_KEY: kv.tokens})
-        elif not isinstance(kv, LocalKv):
+        elif not isinstance(kv, backend.LocalKv):
             raise ValueError("generate needs a committed KV sink of this engine")
         if self._active >= self._max_batch:
-            raise EngineBusy("decode batch is full")
+            raise backend.EngineBusy("decode batch is full")
         params = self._params(job.max_tokens, job.sampling, load)
         self._active += 1
         try:
@@ -459,7 +451,7 @@ class VllmDecodeEngine(_VllmEngine):
                 # One item per token: the delta's text on the first, empty on the rest (a
                 # delta carries several tokens when the reader fell behind).
                 for i, token_id in enumerate(completion.token_ids):
-                    yield Generated(
+                    yield backend.Generated(
                         completion.text if i == 0 else "",
                         None if logprobs is None else logprobs[i],
                         int(token_id),

@@ -123,10 +123,6 @@ class Dispatcher:
         self._decode_legs = decode_legs
         self._local = local
         self._push = push
-        # KV releases and batch calls outlive the requests that started them; `close` waits
-        # for them before the upstream session closes.
-        self.background = shared.background
-        self.fleet = shared.fleet
         self.ejector = shared.ejector
         self.budget = shared.budget
         self.advisor = shared.advisor
@@ -134,7 +130,9 @@ class Dispatcher:
 
     async def close(self) -> None:
         await self._queues.close()
-        await self.background.aclose()
+        # KV releases and batch calls outlive the requests that started them: waited for
+        # here, before the upstream session closes.
+        await self._shared.background.aclose()
 
     def shed(self, error: GatewayError) -> None:
         """Every queue's waiting requests, and those that would queue from now on, fail with

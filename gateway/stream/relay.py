@@ -44,23 +44,11 @@ from starlette.types import Send
 from pdgate.config.openai_api import Api, ApiRequest, ChatCompletionRequest
 from pdgate.config.tracing import Span, Tracing
 from pdgate.config.wire import EXT_CONTINUATION, SSE_DONE
-from pdgate.gateway.errors import (
-    BadGateway,
-    BadRequest,
-    DecodeLost,
-    DecodeSilent,
-    GatewayError,
-    UpstreamError,
-)
+from pdgate.gateway import errors
 from pdgate.gateway.observe.metrics import ANY_GROUP, GatewayMetrics
 from pdgate.gateway.placement.dispatch import Dispatcher
 from pdgate.gateway.placement.placed import DecodeLeg, Placement, PrefillGrant
-from pdgate.gateway.stream.assemble import (
-    StreamError,
-    one_event,
-    parse_event,
-    sse_events,
-)
+from pdgate.gateway.stream.assemble import StreamError, one_event, parse_event, sse_events
 from pdgate.gateway.stream.continuation import JoinedStop, Progress, not_continuable
 from pdgate.gateway.stream.ids import StreamIds
 from pdgate.gateway.stream.out import ClientOut, Item, StreamOut, WholeOut
@@ -106,7 +94,7 @@ async def _drain(placement: Placement, chunk_bytes: int) -> None:
     per request on both sides, a visible share of the gateway's CPU under load. A decode that
     keeps sending after [DONE] is cut off."""
     extra = 0
-    with contextlib.suppress(UpstreamError, TimeoutError):
+    with contextlib.suppress(errors.UpstreamError, TimeoutError):
         async with asyncio.timeout(_DRAIN_S):
             while chunk := await placement.stream.read(chunk_bytes):
                 extra += len(chunk)
@@ -121,13 +109,13 @@ class _Broken:
     reason: str
     message: str
     events: int  # events the leg had relayed
-    final: GatewayError | None = None  # not placed again: the client gets this error
+    final: errors.GatewayError | None = None  # not placed again: the client gets this error
     silent: bool = False  # its decode stopped answering every stream: it is ejected
 
 
-def _lost(exc: UpstreamError, events: int) -> _Broken:
+def _lost(exc: errors.UpstreamError, events: int) -> _Broken:
     reason = "truncated" if "without [DONE]" in str(exc) else "lost"
-    return _Broken(reason, str(exc), events, silent=isinstance(exc, DecodeSilent))
+    return _Broken(reason, str(exc), events, silent=isinstance(exc, errors.DecodeSilent))
 
 
 class Relay:
@@ -228,9 +216,9 @@ class Relay:
             broken_at: Placement | None = None
             try:
                 placement = await self._place(continuing, deadline, avoid, retry=tries > 0)
-            except DecodeLost as exc:
+            except errors.DecodeLost as exc:
                 broken = _Broken("status", str(exc), 0)
-            except GatewayError as exc:
+            except errors.GatewayError as exc:
                 _end(migration, "failed")
                 if not self.started:
                     raise
@@ -279,7 +267,7 @@ class Relay:
             if progress.events:
                 deadline = time.monotonic() + options.ttft_timeout_s
 
-    def _refused(self, broken: _Broken, placement: Placement | None) -> GatewayError | None:
+    def _refused(self, broken: _Broken, placement: Placement | None) -> errors.GatewayError | None:
         """Why the broken leg is not placed again, as the client's error (None: it is)."""
         if broken.final is not None:
             return broken.final
@@ -300,8 +288,8 @@ class Relay:
             return None
         log.warning("request %s not continued: %s", self._request.request_id, why)
         if broken.events or progress.events:
-            return BadGateway("the decode instance failed mid-stream")
-        return BadGateway("the decode instance failed before answering")
+            return errors.BadGateway("the decode instance failed mid-stream")
+        return errors.BadGateway("the decode instance failed before answering")
 
     def _leg_info(self) -> RequestInfo:
         info = self._request.info
@@ -417,7 +405,7 @@ class Relay:
                 self._received += len(chunk)
                 whole_too_big = not self._stream and self._received > limit
                 if whole_too_big or len(buffer) + len(chunk) > limit:
-                    error = BadGateway(f"the decode's answer is larger than {limit} bytes")
+                    error = errors.BadGateway(f"the decode's answer is larger than {limit} bytes")
                     return _Broken("error", str(error), events, final=error)
                 one = one_event(chunk) if not buffer else None
                 if unparsed and one is not None:
@@ -483,10 +471,10 @@ class Relay:
                 if out:
                     self._emitted(len(out), placement)
                     await self._out.events(out)
-            raise UpstreamError(placement.stream.url, "stream ended without [DONE]")
+            raise errors.UpstreamError(placement.stream.url, "stream ended without [DONE]")
         except StreamError as exc:
             return _Broken("error", str(exc), events)
-        except UpstreamError as exc:
+        except errors.UpstreamError as exc:
             return _lost(exc, events)
 
     async def _bytes(self, placement: Placement) -> _Broken | None:
@@ -534,10 +522,10 @@ class Relay:
                 await out.raw(rest)
                 tail = (tail + rest)[-_TAIL:]
             if SSE_DONE not in tail:
-                raise UpstreamError(placement.stream.url, "stream ended without [DONE]")
+                raise errors.UpstreamError(placement.stream.url, "stream ended without [DONE]")
         except StreamError as exc:
             return _Broken("error", str(exc), int(started))
-        except UpstreamError as exc:
+        except errors.UpstreamError as exc:
             return _lost(exc, int(started))
         await out.end()
         return None
@@ -551,7 +539,7 @@ def _in_band(event: dict[str, Any], events: int) -> _Broken:
     message = str(err.get("message") or "the decode failed")
     code = err.get("code")
     if err.get("type") == "invalid_request_error" or (type(code) is int and 400 <= code < 500):
-        return _Broken("error", message, events, final=BadRequest(message[:1024]))
+        return _Broken("error", message, events, final=errors.BadRequest(message[:1024]))
     return _Broken("error", message, events)
 
 

@@ -17,14 +17,7 @@ import orjson
 
 from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, KV_ID_HEADER, REQUEST_ID_HEADER
 from pdgate.gateway.errors import UpstreamProtocolError, UpstreamUnreachable
-from pdgate.gateway.upstream.base import (
-    BaseUpstream,
-    Call,
-    SocketErrors,
-    UpstreamOptions,
-    batch_body,
-    status_error,
-)
+from pdgate.gateway.upstream import base
 from pdgate.gateway.upstream.stalls import DecodePace, PacedStream, StallWatch, Watchdog
 
 __all__ = ["HttpUpstream"]
@@ -35,7 +28,7 @@ _JSON = {"content-type": "application/json"}
 _RELEASE_TIMEOUT_S = 2.0
 
 
-class _mapped(SocketErrors):
+class _mapped(base.SocketErrors):
     """aiohttp's failures too: nothing above this module sees an aiohttp type."""
 
     __slots__ = ()
@@ -81,8 +74,8 @@ class _Stream(PacedStream):
             self._resp.close()
 
 
-class HttpUpstream(BaseUpstream):
-    def __init__(self, session: aiohttp.ClientSession, options: UpstreamOptions) -> None:
+class HttpUpstream(base.BaseUpstream):
+    def __init__(self, session: aiohttp.ClientSession, options: base.UpstreamOptions) -> None:
         """Calls through `session`; `options.connections` is the session's to bound
         (`connect` makes one that does)."""
         self._session = session
@@ -105,7 +98,7 @@ class HttpUpstream(BaseUpstream):
         return f"HttpUpstream({len(self._by_instance)} instances with headers of their own)"
 
     @classmethod
-    def connect(cls, options: UpstreamOptions) -> HttpUpstream:
+    def connect(cls, options: base.UpstreamOptions) -> HttpUpstream:
         """A new session with the gateway's pool settings; `aclose()` closes it."""
         connector = aiohttp.TCPConnector(
             limit=options.connections, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=60
@@ -127,14 +120,14 @@ class HttpUpstream(BaseUpstream):
     def _timeout(self, total_s: float) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=total_s, connect=min(self._connect_timeout_s, total_s))
 
-    def _sent(self, call: Call) -> dict[str, str]:
+    def _sent(self, call: base.Call) -> dict[str, str]:
         return {
             **self._by_instance.get(call.url, self._headers),
             **call.headers,
             REQUEST_ID_HEADER: call.request_id,
         }
 
-    async def _post(self, call: Call, timeout_s: float) -> tuple[int, bytes]:
+    async def _post(self, call: base.Call, timeout_s: float) -> tuple[int, bytes]:
         url = call.url + call.path
         sent = self._sent(call)
         if call.kv_id is not None:
@@ -146,20 +139,20 @@ class HttpUpstream(BaseUpstream):
                 return resp.status, await self._read_limited(resp, url)
 
     async def _post_batch(
-        self, url: str, calls: list[Call], timeout_s: float
+        self, url: str, calls: list[base.Call], timeout_s: float
     ) -> AsyncIterator[bytes]:
         sent = self._sent(calls[0])
         sent.pop(DECODE_MAX_TOKENS_HEADER, None)
         with _mapped(url):
             async with self._session.post(
-                url, data=batch_body(calls), headers=sent, timeout=self._timeout(timeout_s)
+                url, data=base.batch_body(calls), headers=sent, timeout=self._timeout(timeout_s)
             ) as resp:
                 if resp.status != 200:
-                    raise status_error(url, resp.status, await resp.read(), "prefill")
+                    raise base.status_error(url, resp.status, await resp.read(), "prefill")
                 while line := await resp.content.readline():
                     yield line
 
-    async def _open(self, call: Call, connect_timeout_s: float) -> _Stream | tuple[int, bytes]:
+    async def _open(self, call: base.Call, connect_timeout_s: float) -> _Stream | tuple[int, bytes]:
         url = call.url + call.path
         timeout = aiohttp.ClientTimeout(
             total=None,
