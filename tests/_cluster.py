@@ -181,6 +181,21 @@ def nothing_held(gateway_url: str) -> bool:
     return counts == (0, 0, 0, 0) and counts_released(gateway_url)
 
 
+def queued_heads(gateway_url: str, count: int, group: str | None = None) -> list[float]:
+    """Once `count` requests (of `group`, if given) wait in the gateway's queues: each such
+    queue's milliseconds to its head's deadline (``head_ms`` at ``GET /admin/queues``)."""
+    heads: list[float] = []
+
+    def queued() -> bool:
+        rows = httpx.get(gateway_url + "/admin/queues", timeout=5).json()["queues"]
+        rows = [r for r in rows if r["queued"] and group in (None, r["group"])]
+        heads[:] = [float(r["head_ms"]) for r in rows]
+        return sum(int(r["queued"]) for r in rows) == count
+
+    wait_for(queued, what=f"{count} queued")
+    return heads
+
+
 def metric_by_label(url: str, name: str, label: str) -> dict[str, float]:
     """The samples of metric `name` at ``URL/metrics``, keyed by their `label`."""
     from prometheus_client.parser import text_string_to_metric_families

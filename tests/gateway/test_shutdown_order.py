@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -100,9 +99,7 @@ def test_a_pending_kv_release_finishes_before_the_upstream_session_closes(
     # The abandoned request's KV is released at the prefill ...
     wait_for(lambda: fakes.state["release_started"] == 1, what="the release sent")
     # ... and the gateway is told to stop while the prefill is still answering it.
-    stopped = time.monotonic()
     assert gw.terminate(timeout=20) == 0
+    # It waited for the release to be answered, then closed the session.
     assert fakes.state["release_completed"] == 1, (fakes.state, "".join(gw.lines[-20:]))
     assert fakes.state["release_cut"] == 0
-    # It waited for the release, not for some longer timeout.
-    assert time.monotonic() - stopped < RELEASE_S + 5

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -79,9 +78,7 @@ def test_workers_serve_share_the_fleet_restart_and_stop_cleanly(
 
     # SIGTERM: every worker stops, then the supervisor, cleanly.
     current = _children(sup.proc.pid)
-    began = time.monotonic()
     assert sup.terminate(timeout=30) == 0
-    assert time.monotonic() - began < 20
     assert not any(_alive(pid) for pid in current)
 
 

@@ -25,6 +25,7 @@ from tests._cluster import (
     Subprocess,
     gateway_url,
     hold_prefill_slot,
+    queued_heads,
     registry_env,
     start,
     wait_for,
@@ -58,11 +59,6 @@ def _post(url: str, group: str, prompt: str) -> httpx.Response:
     )
 
 
-def _queued(url: str, group: str) -> int:
-    rows = httpx.get(url + "/admin/queues", timeout=5).json()["queues"]
-    return sum(int(r["queued"]) for r in rows if r["group"] == group)
-
-
 def test_each_group_has_its_own_deadline_and_queue_bound(
     redis_url: str, registry_prefix: str, procs: list[Subprocess], tmp_path: Path
 ) -> None:
@@ -86,22 +82,21 @@ def test_each_group_has_its_own_deadline_and_queue_bound(
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         began = time.monotonic()
         first = pool.submit(_post, url, "short", "first")
-        wait_for(lambda: _queued(url, "short") == 1, what="the short queue holds one")
+        # Queued with the short group's deadline (0.5 s, not the default 1 s).
+        assert max(queued_heads(url, 1, "short")) <= 500
         # The short group's queue (1) is full: refused at once, while ...
         full = _post(url, "short", "second")
         assert full.status_code == 503 and "Retry-After" in full.headers
         assert full.json()["error"]["code"] == "gateway_overloaded"
         # ... the long group's queue still admits.
         longs = [pool.submit(_post, url, "long", f"long {i}") for i in range(3)]
-        wait_for(lambda: _queued(url, "long") == 3, what="the long queue holds three")
+        assert min(queued_heads(url, 3, "long")) > 1000  # the long group's 20 s
 
-        # The short group's deadline (0.5 s, not the default 1 s) ends its wait.
+        # The short group's deadline ends its wait.
         timed_out = first.result()
-        waited = time.monotonic() - began
         assert timed_out.status_code == 503, timed_out.text
         assert timed_out.json()["error"]["code"] == "ttft_deadline_exceeded"
         assert int(timed_out.headers["Retry-After"]) >= 1
-        assert 0.4 <= waited < 0.95
 
         # The long group waits past the default deadline; its slot frees, and all succeed.
         time.sleep(max(0.0, began + 1.5 - time.monotonic()))

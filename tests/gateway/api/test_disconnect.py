@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import time
 
 import httpx
 import orjson
@@ -34,7 +33,6 @@ def test_disconnect_mid_stream_frees_decode_and_prefill_slots() -> None:
         decode = c.info.decode_urls[0]
         assert shim_load(decode)["used"] == 1
         sock.close()
-        start = time.monotonic()
         c.wait_for(lambda: shim_load(decode)["used"] == 0, timeout=3, what="decode slot freed")
         c.wait_for(
             lambda: shim_load(c.info.prefill_urls[0])["used"] == 0,
@@ -42,7 +40,9 @@ def test_disconnect_mid_stream_frees_decode_and_prefill_slots() -> None:
             what="prefill slot freed",
         )
         c.wait_for(lambda: all(r["open_streams"] == 0 for r in c.instances()), timeout=3)
-        assert time.monotonic() - start < 3
+        # Freed because the client left: the decode's stream was cut, not finished.
+        load = shim_load(decode)
+        assert (load["cancelled"], load["completed"]) == (1, 0), load
 
 
 def test_disconnect_while_waiting_for_a_prefill_cancels_the_wait() -> None:

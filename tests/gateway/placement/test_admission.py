@@ -398,11 +398,10 @@ async def test_requests_queued_before_the_pace_was_known_are_refused_once_it_is(
         await asyncio.sleep(0.01)
         assert not doomed.done()  # no sweep unless asked for
         p.admission._options = replace(p.admission._options, drain_sweep=True)
-        began = time.monotonic()
         reached = asyncio.create_task(_take(p.fwd, waiter(101, deadline_s=20.0)))
+        # Refused by the sweep (a deadline's would be DeadlineExceeded).
         with pytest.raises(Overloaded, match="would not reach this request"):
             await doomed
-        assert time.monotonic() - began < 0.5  # long before its deadline
         await reached  # the arrival itself is queued and served
         await first
         sheds = p.metrics.registry.get_sample_value("pdgate_queue_sheds_total", {"reason": "drain"})
@@ -549,20 +548,18 @@ async def test_decodes_that_do_not_enforce_their_slots_bound_nothing() -> None:
     assert not await _judged_at_a_backlogs_start(hard=False)  # queued: no evidence either way
 
 
-async def _burst(
-    url: str, n: int, *, max_tokens: int, ttft_ms: int
-) -> list[tuple[int, float, str]]:
-    """`n` requests at once: each one's status, seconds to its answer's status line (to its
-    whole answer for a 200) and Retry-After."""
+async def _burst(url: str, n: int, *, max_tokens: int, ttft_ms: int) -> list[tuple[int, str, str]]:
+    """`n` requests at once: each one's status, Retry-After and error message ("" for a
+    200)."""
     body = {"model": SIM_MODEL, "prompt": "burst", "max_tokens": max_tokens}
     headers = {TTFT_HEADER: str(ttft_ms)}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
 
-        async def one() -> tuple[int, float, str]:
-            began = time.monotonic()
+        async def one() -> tuple[int, str, str]:
             async with session.post(f"{url}/v1/completions", json=body, headers=headers) as r:
-                await r.read()
-                return r.status, time.monotonic() - began, r.headers.get("Retry-After", "")
+                answer = await r.json()
+                message = "" if r.status == 200 else answer["error"]["message"]
+                return r.status, r.headers.get("Retry-After", ""), message
 
         return await asyncio.gather(*(one() for _ in range(n)))
 
@@ -596,14 +593,20 @@ def test_a_burst_past_what_the_decodes_take_is_refused_on_arrival(
     answers = asyncio.run(_burst(target, 60, max_tokens=50, ttft_ms=2000))
     statuses = Counter(status for status, _, _ in answers)
     assert set(statuses) <= {200, 503}, statuses
-    fast = [took for status, took, after in answers if status == 503 and after and took < 0.6]
+    # Told at once, on arrival (the burst's only arrivals, so the only judgement), that the
+    # queue would not reach them; the others are served or wait out their deadline.
+    refused = [
+        message
+        for status, after, message in answers
+        if status == 503 and after and "would not reach this request" in message
+    ]
     # About 2 s x 5 a second beyond 2 free slots are served; at least most of the rest
     # are told at once.
     assert 5 <= statuses[200] <= 30, statuses
     if bound:
-        assert len(fast) >= 25, (statuses, sorted(took for _, took, _ in answers))
+        assert len(refused) >= 25, (statuses, Counter(message for _, _, message in answers))
     else:
-        assert not fast, sorted(fast)
+        assert not refused, Counter(message for _, _, message in answers)
     wait_for(lambda: counts_released(target), timeout=10, what="every count released")
     wait_for(lambda: counts_released(url), timeout=10, what="every count released")
 
@@ -621,10 +624,9 @@ async def test_hopeless_request_is_dropped_without_a_prefill_call() -> None:
     )
     for _ in range(32):  # recent history: 100 chars took 2 s
         fwd.prefill_times.record(100, 2.0)
-    began = time.monotonic()
+    # Dropped at once: not the expiry's "no prefill instance accepted the request".
     with pytest.raises(DeadlineExceeded, match="cannot be prefilled"):
         await fwd.acquire(short_waiter(100, 1.0))  # type: ignore[arg-type]
-    assert time.monotonic() - began < 0.5  # at once, not at its deadline
     assert upstream.calls == []
     assert fwd.queue.peek() is None and fwd.waiting == 0
     assert metrics.registry.get_sample_value("pdgate_early_drops_total") == 1
@@ -668,12 +670,14 @@ def test_full_queue_answers_503_at_once() -> None:
                 for _ in range(2)
             ]
             c.wait_for(lambda: health(c)["queued"] == 2)
-            start = time.monotonic()
             resp = httpx.post(c.url + "/v1/completions", json=BODY, timeout=30)
-            assert time.monotonic() - start < 1
+            # Refused by the full queue (not at a deadline), the two ahead still waiting.
             assert resp.status_code == 503
-            assert resp.json()["error"]["code"] == "gateway_overloaded"
+            error = resp.json()["error"]
+            assert error["code"] == "gateway_overloaded"
+            assert error["message"] == "the gateway's queue for this model and group is full"
             assert "retry-after" in resp.headers
+            assert health(c)["queued"] == 2
             release_prefill_slot(held)
             assert [f.result().status_code for f in waiting] == [200, 200]
         c.wait_for(lambda: no_leaks(c))

@@ -299,12 +299,14 @@ async def test_a_prompt_in_a_batch_is_timed_at_its_share_of_the_batch() -> None:
     upstream = MockUpstream(FakeCluster(prefill_delay_s=0.4))
     tracker = tracker_for([4])
     fwd, _, background = batching_forwarder(upstream, tracker)
+    began = time.monotonic()
     grants = await asyncio.gather(*(fwd.acquire(waiter(i, prompt=f"prompt {i}")) for i in range(4)))
+    took = time.monotonic() - began  # the batch call and more
     assert [len(b) for b in upstream.batches] == [4]
     recorded = fwd.prefill_times.take_new()
     assert [chars for chars, _, _ in recorded] == [len("prompt 0")] * 4
-    # 0.4 s / 4 each; timed whole, each would be 0.4 s or more.
-    assert all(0.09 < seconds < 0.3 for _, seconds, _ in recorded), recorded
+    # A quarter of the batch call (0.4 s or more) each; timed whole, each would be all of it.
+    assert all(0.09 < seconds <= took / 4 for _, seconds, _ in recorded), (recorded, took)
     for g in grants:
         g.close()
     await eventually(lambda: tracker.totals() == (0, 0))
@@ -470,11 +472,10 @@ async def test_a_call_that_breaks_in_the_gateway_fails_its_request_and_frees_eve
         fwd, _, background = batching_forwarder(upstream, tracker)
     else:
         fwd, _, background = forwarder(upstream, tracker)
-    began = time.monotonic()
     outcomes = await asyncio.gather(
         *(fwd.acquire(unwritable_waiter(i)) for i in range(4)), return_exceptions=True
     )
-    assert time.monotonic() - began < 1.0  # at once, not at the 5 s deadline
+    # At once, not at the 5 s deadline (that would be a 503).
     for outcome in outcomes:
         assert isinstance(outcome, GatewayError) and outcome.status == 500, outcome
     assert len(upstream.released()) == 4  # each KV id, in case the prefill stored any
