@@ -51,6 +51,13 @@ def ping(url: str, timeout_s: float = 0.5) -> bool:
         client.close()
 
 
+def record_ttl_ms(url: str, prefix: str, instance_id: str) -> int:
+    """Milliseconds left to an instance's registry record under `prefix` (Redis PTTL:
+    negative when there is none or it never expires)."""
+    with redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2) as client:
+        return int(client.pttl(f"{prefix}:instance:{instance_id}"))
+
+
 def delete_prefix(url: str, prefix: str) -> int:
     """Delete every key under ``{prefix}:``; returns how many (best effort)."""
     client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)

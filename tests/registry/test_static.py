@@ -5,7 +5,6 @@ and `MergedRegistry` over a real Redis registry."""
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -273,9 +272,7 @@ async def test_a_dead_server_does_not_hold_start_up_and_joins_when_it_answers(
     reg = _static([StaticInstance(url=f"http://127.0.0.1:{port}")])
     events = reg.events()
     try:
-        started = time.monotonic()
-        assert await reg.snapshot() == []
-        assert time.monotonic() - started < 1.5  # bounded by one probe timeout, not a hang
+        assert await reg.snapshot() == []  # not held until the server answers
         servers.append(StockServer(model, port=port).start())
         event = await _next(events, within=5)
         assert event.kind is EventKind.JOIN and event.record is not None

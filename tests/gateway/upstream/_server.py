@@ -21,9 +21,10 @@ both_clients = pytest.mark.parametrize("client", [HttpUpstream, H1Upstream], ids
 
 
 def connect(client: Client, **options: Any) -> HttpUpstream | H1Upstream:
-    """`client` with a small pool, 1 s to connect and a 60 s read timeout, plus `options`."""
+    """`client` with a small pool, 1 s to connect and a read timeout past the test's time
+    limit (a read only it would end fails the test), plus `options`."""
     return client.connect(
-        UpstreamOptions(connections=4, connect_timeout_s=1, read_timeout_s=60, **options)
+        UpstreamOptions(connections=4, connect_timeout_s=1, read_timeout_s=600, **options)
     )
 
 

@@ -11,7 +11,6 @@ are each exercised."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -266,12 +265,11 @@ async def test_a_server_that_never_answers_times_out_and_is_disconnected(
     serve: Serve,
 ) -> None:
     server = await serve(lambda head: None)
-    upstream = _upstream()
+    # Only the call's own timeouts can end a call before the test's time limit.
+    upstream = _upstream(read_timeout_s=600, header_timeout_s=600)
     try:
-        began = time.monotonic()
         with pytest.raises(UpstreamUnreachable, match="TimeoutError"):
             await upstream.prefill(server.url, {}, request_id="r", timeout_s=0.3)
-        assert time.monotonic() - began < 1.0
         with pytest.raises(UpstreamUnreachable, match="TimeoutError"):
             await upstream.open_decode(server.url, {}, request_id="r", connect_timeout_s=0.3)
         await asyncio.sleep(0.05)
@@ -361,15 +359,14 @@ async def test_a_header_value_that_would_end_its_line_is_not_sent(serve: Serve) 
 
 
 async def test_a_stream_silent_past_the_read_timeout_is_given_up(serve: Serve) -> None:
-    # Headers, then nothing: not started, so only the read timeout applies.
+    # Headers, then nothing: not started, so only the read timeout applies (the stall limit
+    # is past the test's time limit anyway).
     server = await serve(lambda head: b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
-    upstream = _upstream(read_timeout_s=0.4, stall_timeout_s=30)
+    upstream = _upstream(read_timeout_s=0.4, stall_timeout_s=600)
     try:
         stream = await upstream.open_decode(server.url, {}, request_id="r", connect_timeout_s=1)
-        began = time.monotonic()
         with pytest.raises(UpstreamUnreachable, match="no data for"):
             await stream.read(1024)
-        assert time.monotonic() - began < 0.4 + 0.1 + 0.5
     finally:
         await upstream.aclose()
 

@@ -6,7 +6,6 @@ pulling KV, or queueing) is not a stall."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -52,11 +51,9 @@ async def test_a_stream_that_goes_silent_after_its_first_data_is_given_up(
             decode, {}, request_id="r", connect_timeout_s=1, path="/first-then-silence"
         )
         assert await stream.read(1024) == b'data: {"n": 1}\n\n'
-        began = time.monotonic()
+        # Given up by the stall limit: the read timeout is past the test's time limit.
         with pytest.raises(UpstreamUnreachable, match=r"decode (stalled|silent)"):
             await stream.read(1024)
-        # Within the limit and one check period (a quarter of it), not the 60 s read timeout.
-        assert time.monotonic() - began < 0.4 + 0.1 + 0.5
         stream.close()
         # Before its first data the decode may be pulling KV or queueing: not a stall.
         slow = await upstream.open_decode(

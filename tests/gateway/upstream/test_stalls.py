@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 from aiohttp import web
@@ -76,7 +77,8 @@ async def decode() -> AsyncIterator[str]:
 async def test_a_decode_that_stops_is_given_up_on_its_own_pace_with_all_its_streams(
     decode: str, client: Client
 ) -> None:
-    upstream = connect(client, stall_bound=BOUND)
+    # A ceiling (and read timeout) past the test's time limit: only the pace can give up.
+    upstream = connect(client, stall_bound=replace(BOUND, ceiling_s=600.0))
     try:
         waiting = await upstream.open_decode(
             decode, {}, request_id="w", connect_timeout_s=1, path="/never"
@@ -88,11 +90,8 @@ async def test_a_decode_that_stops_is_given_up_on_its_own_pace_with_all_its_stre
         seen = b""
         while seen.count(b"\n\n") < EVENTS:
             seen += await stream.read(65536)
-        with pytest.raises(DecodeSilent) as silent:
+        with pytest.raises(DecodeSilent):
             await stream.read(1024)
-        # Given up on its pace (floor 0.3 s), long before the ceiling.
-        given_up_after = float(str(silent.value).rsplit("for ", 1)[1].split()[0])
-        assert given_up_after < CEILING_S / 2
         # Its other stream, which never had data, went with it.
         with pytest.raises(DecodeSilent):
             await pending
