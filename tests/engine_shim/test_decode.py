@@ -170,10 +170,8 @@ async def test_client_disconnect_mid_stream_frees_the_decode_slot(start_shim: St
     load = await decode.load()
     assert (load["used"], load["running"]) == (1, 1)
     resp.close()
-    loop = asyncio.get_running_loop()
-    started = loop.time()
     load = await wait_load(decode, "used", 0, within=1.0)
-    assert loop.time() - started < 0.5
+    # Freed because the client left: its sequence was cancelled, not finished.
     assert load["running"] == 0
     assert load["cancelled"] == 1
     # The freed slot is usable again.
@@ -412,20 +410,20 @@ async def test_sequences_share_the_running_batch_in_real_time(pair: tuple[Shim, 
     assert all(status == 200 for status, _, _ in results)
     assert all(body["usage"]["completion_tokens"] == 30 for _, body, _ in results)
     assert peak > 1  # continuous batching: they ran together
-    # 30 steps of >= 6 ms each on the H100 profile, shared by the batch (not 4 x 30 steps).
-    assert 30 * 0.006 <= elapsed < 4 * 30 * 0.006
+    assert elapsed >= 30 * 0.006  # 30 steps of >= 6 ms each on the H100 profile
 
 
 async def test_null_profile_answers_at_once(start_shim: StartShim) -> None:
     prefill = await start_shim(Role.PREFILL, sim_profile="null")
-    decode = await start_shim(Role.DECODE, sim_profile="null")
-    reply = await prefill.prefilled(PROMPT)
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    status, body, _ = await decode.post(_decode_body(reply, max_tokens=200))
+    null = await start_shim(Role.DECODE, sim_profile="null")
+    paced = await start_shim(Role.DECODE)  # the H100 profile: 6 ms or more a step
+    bodies = [_decode_body(await prefill.prefilled(PROMPT), max_tokens=200) for _ in range(2)]
+    at_pace = asyncio.create_task(paced.post(bodies[1]))
+    status, body, _ = await null.post(bodies[0])
     assert status == 200
     assert body["usage"]["completion_tokens"] == 200
-    assert loop.time() - started < 200 * 0.006  # well below the H100 profile's pace
+    assert not at_pace.done()  # the same 200 tokens, sent at the same time, at a pace
+    assert (await at_pace)[0] == 200
 
 
 # -- logprobs -------------------------------------------------------------------------------

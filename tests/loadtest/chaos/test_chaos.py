@@ -192,8 +192,9 @@ async def test_the_reader_keeps_gaps_ttft_and_the_in_band_error_code() -> None:
             await read_stream(resp, record, origin, start)
     assert record.events == 4 and record.errored and record.code == "upstream_error"
     assert not record.done and record.error_label() == "200 upstream_error"
-    assert len(record.gaps) == 1 and 0.35 < record.gaps[0][1] - record.gaps[0][0] < 2.0
-    assert record.ttft_s is not None and record.ttft_s < 0.35
+    assert len(record.gaps) == 1 and record.gaps[0][1] - record.gaps[0][0] > 0.35
+    # The first token before the stall (the start is the origin here).
+    assert record.ttft_s is not None and record.ttft_s <= record.gaps[0][0]
 
 
 def test_a_plan_refuses_unknown_faults_and_a_fleet_without_spares() -> None:
