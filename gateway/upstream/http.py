@@ -15,7 +15,12 @@ from collections.abc import AsyncIterator
 import aiohttp
 import orjson
 
-from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, KV_ID_HEADER, REQUEST_ID_HEADER
+from pdgate.config.wire import (
+    ADMISSION_HEADER,
+    DECODE_MAX_TOKENS_HEADER,
+    KV_ID_HEADER,
+    REQUEST_ID_HEADER,
+)
 from pdgate.gateway.errors import UpstreamProtocolError, UpstreamUnreachable
 from pdgate.gateway.upstream.base import (
     BaseUpstream,
@@ -183,7 +188,7 @@ class HttpUpstream(BaseUpstream):
             resp.release()
         return resp.status, raw
 
-    async def _delete(self, url: str, request_id: str) -> None:
+    async def _delete(self, url: str, request_id: str) -> str | None:
         try:
             with _mapped(url):
                 async with self._session.delete(
@@ -192,10 +197,12 @@ class HttpUpstream(BaseUpstream):
                     timeout=aiohttp.ClientTimeout(total=_RELEASE_TIMEOUT_S),
                 ) as resp:
                     await resp.read()
+                    return resp.headers.get(ADMISSION_HEADER)
         except UpstreamUnreachable as exc:
             log.info(
                 "releasing KV at %s failed (%s); the prefill's hold timeout frees it", url, exc
             )
+            return None
 
     async def _read_limited(self, resp: aiohttp.ClientResponse, url: str) -> bytes:
         chunks: list[bytes] = []
