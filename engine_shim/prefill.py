@@ -205,6 +205,8 @@ class PrefillShim(ShimService[PrefillBackend]):
         return {
             "admission": self._settings.admission.value,
             "kv_held": len(self._store),
+            # The fleet gateways some of it is held for (one held for a dead one must go).
+            "kv_gateways": self._store.gateways(),
             "kv_sending": self._sending,
             "prompt_tokens_inflight": self._prompt_tokens,
             "kv_expired": self._store.expired,
