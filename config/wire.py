@@ -168,6 +168,12 @@ UNKNOWN_KV_SOURCE = "unknown_kv_source"
 # Response headers of the KV pull.
 KV_TOKENS_HEADER = "x-pdgate-kv-tokens"
 KV_DIGEST_HEADER = "x-pdgate-kv-digest"  # blake2b-128 hex of the body, checked by the decode
+# Response header of the KV release (``DELETE``, 204 or 404 alike): what the prefill did with
+# the call that named the id: admitted, rejected (429), or unseen (neither, and it never will:
+# a call with the id that arrives later is refused uncounted). A gateway that cut a call off
+# unanswered learns so which count the prefill put it in; a 204 has no body to carry it.
+ADMISSION_HEADER = "x-pdgate-admission"
+ADMISSIONS = ("admitted", "rejected", "unseen")
 
 SSE_DONE = b"data: [DONE]\n\n"
 

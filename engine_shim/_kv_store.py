@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from pdgate.engine_shim._metrics import Histogram
 from pdgate.engine_shim._slots import Slot
@@ -78,6 +79,47 @@ class HeldKv:
             self._holds.observe(time.monotonic() - self._held_since, outcome)
 
 
+class RecentAdmissions:
+    """What this prefill did with the calls that ended lately (admitted or rejected), by
+    their KV id: a gateway that cut a call off unanswered asks with the id's release, which
+    may come after the call ended. Bounded by count (oldest first) and by age."""
+
+    def __init__(
+        self,
+        max_ids: int = 4096,
+        ttl_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._outcomes: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._max_ids = max_ids
+        self._ttl_s = ttl_s
+        self._clock = clock
+
+    def __len__(self) -> int:
+        return len(self._outcomes)
+
+    def remember(self, kv_id: str, outcome: str) -> None:
+        now = self._clock()
+        self._outcomes[kv_id] = (outcome, now)
+        self._outcomes.move_to_end(kv_id)
+        self._forget_old(now)
+        while len(self._outcomes) > self._max_ids:
+            self._outcomes.popitem(last=False)
+
+    def get(self, kv_id: str) -> str | None:
+        self._forget_old(self._clock())
+        item = self._outcomes.get(kv_id)
+        return None if item is None else item[0]
+
+    def _forget_old(self, now: float) -> None:
+        # Oldest first: insertion order is time order (`remember` moves an id to the end).
+        while self._outcomes:
+            _, (_, since) = next(iter(self._outcomes.items()))
+            if now - since < self._ttl_s:
+                break
+            self._outcomes.popitem(last=False)
+
+
 class KvStore:
     def __init__(self, hold_timeout_s: float, max_tombstones: int = 4096) -> None:
         self._hold_timeout_s = hold_timeout_s
@@ -115,11 +157,21 @@ class KvStore:
         return True
 
     def release_unknown(self, request_id: str) -> None:
-        """DELETE of an id not (yet) held: remember it in case its KV is still being made."""
+        """DELETE of an id not (yet) held: remember it in case its KV is still being made,
+        or its call is still to be admitted (`withdrawn`)."""
         self._tombstones[request_id] = None
         self._tombstones.move_to_end(request_id)
         while len(self._tombstones) > self._max_tombstones:
             self._tombstones.popitem(last=False)
+
+    def released_early(self, request_id: str) -> bool:
+        """Whether a DELETE came for `request_id` before its KV was held."""
+        return request_id in self._tombstones
+
+    def withdrawn(self, request_id: str) -> bool:
+        """Whether `request_id` was released before its call was admitted or refused (its
+        releaser heard "unseen"); forgets it: the call is refused once, uncounted."""
+        return self._tombstones.pop(request_id, 0) is None
 
     def take(self, request_id: str) -> HeldKv | None:
         """Remove and return the entry; the caller owns (and must close) it."""

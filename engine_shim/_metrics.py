@@ -35,6 +35,7 @@ _COUNTERS = frozenset(
         "kv_fetched",
         "kv_lost",
         "kv_released",
+        "withdrawn",
         "kv_expired",
         "kv_gateway_gone",
         "kv_hold_over_5s",

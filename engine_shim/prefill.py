@@ -10,6 +10,11 @@ KV (``GET /v1/kv/{id}``, single consumer), the gateway released it (``DELETE``),
 timeout expired. A reader that disconnects midway through the GET also frees the slot: the
 KV counts as consumed (a decode that lost it fails its request, as a real transfer failure
 would), which keeps a slot from waiting out the hold timeout for a transfer that is over.
+
+Each call is counted once, admitted or rejected, and the ``DELETE`` of its KV id says which
+(``x-pdgate-admission``), for a while after the call ended too: a gateway that cut a call off
+unanswered counts it as the prefill did. A ``DELETE`` that comes first ("unseen") withdraws
+the id: the call, arriving later, is refused and counted withdrawn, in neither count.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from pdgate.config.openai_api import (
 )
 from pdgate.config.tracing import Span, Tracing
 from pdgate.config.wire import (
+    ADMISSION_HEADER,
     BATCH_SUFFIX,
     DECODE_MAX_TOKENS_HEADER,
     GATEWAY_ID_HEADER,
@@ -61,7 +67,7 @@ from pdgate.engine_shim._http import (
     json_response,
     until_disconnect,
 )
-from pdgate.engine_shim._kv_store import HeldKv, KvStore
+from pdgate.engine_shim._kv_store import HeldKv, KvStore, RecentAdmissions
 from pdgate.engine_shim._metrics import Histograms
 from pdgate.engine_shim._service import ShimService, caller_request_id, end_span, engine_sampling
 from pdgate.engine_shim._slots import PoolFull, Slot, SlotPool
@@ -141,6 +147,7 @@ class PrefillShim(ShimService[PrefillBackend]):
         "kv_fetched",
         "kv_lost",
         "kv_released",
+        "withdrawn",
     )
 
     def __init__(
@@ -171,8 +178,10 @@ class PrefillShim(ShimService[PrefillBackend]):
         self._remote_port = split.port or (443 if split.scheme == "https" else 80)
         self._store = KvStore(settings.kv_hold_timeout_s)
         # KV ids of requests admitted and not yet in the store (computing): an id is in use
-        # from admission until its KV is let go, so a second request cannot claim it.
-        self._computing: set[str] = set()
+        # from admission until its KV is let go, so a second request cannot claim it. Each
+        # with its admission so far (None: still waiting for it in the local queue).
+        self._computing: dict[str, str | None] = {}
+        self._admissions = RecentAdmissions()
         self._sending = 0
         # Prompt tokens of the requests admitted (or waiting in the local queue) and not yet
         # answered: the token-work load as the prefill itself sees it, reported on /load.
@@ -196,6 +205,8 @@ class PrefillShim(ShimService[PrefillBackend]):
         return {
             "admission": self._settings.admission.value,
             "kv_held": len(self._store),
+            # The fleet gateways some of it is held for (one held for a dead one must go).
+            "kv_gateways": self._store.gateways(),
             "kv_sending": self._sending,
             "prompt_tokens_inflight": self._prompt_tokens,
             "kv_expired": self._store.expired,
@@ -278,7 +289,9 @@ class PrefillShim(ShimService[PrefillBackend]):
             return await self._compute(req, tokens, kv_id, rid, guard, span, gateway)
         finally:
             # In the store now, or never will be: either way no longer "computing".
-            self._computing.discard(kv_id)
+            outcome = self._computing.pop(kv_id, None)
+            if outcome is not None:
+                self._admissions.remember(kv_id, outcome)
             self._prompt_tokens -= len(tokens)
 
     def _claim_kv_id(self, given: str) -> str:
@@ -295,7 +308,7 @@ class PrefillShim(ShimService[PrefillBackend]):
             )
         else:
             kv_id = given
-        self._computing.add(kv_id)
+        self._computing[kv_id] = None
         return kv_id
 
     async def _compute(
@@ -310,7 +323,7 @@ class PrefillShim(ShimService[PrefillBackend]):
     ) -> dict[str, Any]:
         settings = self._settings
         tools = self._tool_use(req)
-        slot = await self._admit(guard, span)
+        slot = await self._admit(kv_id, guard, span)
         compute = self._tracing.start("pdgate.shim.prefill_compute", parent=span)
         if compute.is_recording():
             compute.set_attribute("pdgate.prompt_tokens", len(tokens))
@@ -330,7 +343,7 @@ class PrefillShim(ShimService[PrefillBackend]):
         except BaseException as exc:
             _free_when_engine_done(work, slot)
             if isinstance(exc, EngineBusy):
-                self._counts["rejected"] += 1
+                self._engine_refused(kv_id)
                 end_span(compute, "rejected", 429)
                 raise busy("prefill batch is full", code="no_free_slot") from None
             if isinstance(exc, InvalidRequest):
@@ -378,31 +391,59 @@ class PrefillShim(ShimService[PrefillBackend]):
             },
         )
 
-    async def _admit(self, guard: Callable[[Awaitable[Any]], Awaitable[Any]], parent: Span) -> Slot:
+    async def _admit(
+        self, kv_id: str, guard: Callable[[Awaitable[Any]], Awaitable[Any]], parent: Span
+    ) -> Slot:
         span = self._tracing.start("pdgate.shim.admission", parent=parent)
         if span.is_recording():
             span.set_attribute("pdgate.admission", self._settings.admission.value)
             span.set_attribute("pdgate.free_slots", self._slots.free)
-        if self._settings.admission == PrefillAdmission.REJECT:
+        reject = self._settings.admission == PrefillAdmission.REJECT
+        slot: Slot | None
+        if reject:
             slot = self._slots.try_acquire()
-            if slot is None:
-                self._counts["rejected"] += 1
-                end_span(span, "rejected", 429)
-                raise busy("no free prefill slot", code="no_free_slot")
         else:
             try:
                 slot = await guard(self._slots.acquire())
             except PoolFull:
-                self._counts["rejected"] += 1
-                end_span(span, "rejected", 429)
-                raise busy("prefill queue is full", code="queue_full") from None
+                slot = None
             except (ClientGone, asyncio.CancelledError):
                 self._counts["cancelled"] += 1
                 end_span(span, "cancelled")
                 raise
-        self._counts["admitted"] += 1
+        if self._store.withdrawn(kv_id):
+            # Released before it was admitted or refused: the releaser heard "unseen" and
+            # counted it so; it must stay out of both counts.
+            if slot is not None:
+                slot.release()
+            self._counts["withdrawn"] += 1
+            end_span(span, "withdrawn", 409)
+            raise conflict(f"KV id {kv_id} was released before this request", code="kv_released")
+        outcome = "rejected" if slot is None else "admitted"
+        self._counts[outcome] += 1
+        self._computing[kv_id] = outcome
+        if slot is None:
+            end_span(span, "rejected", 429)
+            if reject:
+                raise busy("no free prefill slot", code="no_free_slot")
+            raise busy("prefill queue is full", code="queue_full")
         end_span(span, "accepted")
         return slot
+
+    def _engine_refused(self, kv_id: str) -> None:
+        """The engine refused a prompt the slots admitted: the caller gets a 429, so the call
+        counts once, rejected (the admitted count steps back: a race the slots keep rare).
+        Unless its id was released meanwhile: the releaser heard "admitted", and left."""
+        if self._store.released_early(kv_id):
+            return
+        self._counts["admitted"] -= 1
+        self._counts["rejected"] += 1
+        self._computing[kv_id] = "rejected"
+
+    def _admission(self, kv_id: str) -> str:
+        """What this prefill did with the call that named `kv_id`, for its release."""
+        outcome = self._computing.get(kv_id) or self._admissions.get(kv_id)
+        return outcome or "unseen"
 
     # -- POST /v1/completions/batch (pdgate extension) ----------------------------------------
 
@@ -537,14 +578,16 @@ class PrefillShim(ShimService[PrefillBackend]):
         except ApiError as exc:
             return exc.response()
         request_id = request.path_params["request_id"]
+        admission = {ADMISSION_HEADER: self._admission(request_id)}
         entry = self._store.take(request_id)
         if entry is None:
             if len(request_id) <= 64:
+                # An "unseen" id is withdrawn so: its call, if it comes, is refused uncounted.
                 self._store.release_unknown(request_id)
-            return _unknown_kv(request_id)
+            return _unknown_kv(request_id, admission)
         entry.close("released")
         self._counts["kv_released"] += 1
-        return Response(status_code=204)
+        return Response(status_code=204, headers=admission)
 
 
 def _gateway(request: Request) -> str:
@@ -576,9 +619,10 @@ def _free_when_engine_done(work: asyncio.Future[PrefillOutput], slot: Slot) -> N
         work.add_done_callback(done)
 
 
-def _unknown_kv(request_id: str) -> Response:
+def _unknown_kv(request_id: str, headers: Mapping[str, str] | None = None) -> Response:
     return ApiError(
         404,
         f"no KV held for request {request_id[:64]} (fetched, released or expired)",
         code="kv_not_found",
+        headers=headers,
     ).response()

@@ -96,6 +96,13 @@ class GatewayMetrics:
         self.prefill_attempts = counter(
             "pdgate_prefill_attempts", "Prefill calls by result", ["result"]
         )
+        self.prefill_abandoned_outcomes = counter(
+            "pdgate_prefill_abandoned_outcomes",
+            "Prefill calls released unanswered (result: abandoned, deadline, failed), by "
+            "what the prefill said it did with them when released: admitted, rejected, "
+            "unseen (neither, and never will), unknown (it did not say)",
+            ["result", "outcome"],
+        )
         self.early_drops = Counter(
             "pdgate_early_drops",
             "Queued requests answered 503 before any prefill call: even an optimistic prefill "
@@ -201,6 +208,11 @@ class GatewayMetrics:
         r.register(_QueueCollector(queues))
         if fleet is not None:
             r.register(_FleetCollector(fleet))
+
+    def abandoned_outcome(self, result: str, admission: str | None) -> None:
+        """A prefill call released unanswered (`result`), and what the prefill said it did
+        with it (None: it did not say)."""
+        self.prefill_abandoned_outcomes.labels(result, admission or "unknown").inc()
 
 
 class LoopHistogram(Collector):

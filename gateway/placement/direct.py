@@ -8,6 +8,7 @@ baseline does not know which one has room). It exists to be measured against
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import Sequence
@@ -85,15 +86,21 @@ class DirectPrefill:
             params: dict[str, Any] | None,
             *,
             slot_freed: bool,
+            result: str | None = None,
             leases: Sequence[Lease] = (stream, inflight),
         ) -> None:
+            """`result`: how an unanswered call ended, to count what the prefill did with it."""
             try:
                 if stock is not None:
                     # vLLM aborted an unanswered one; an answered one's blocks: a release leg.
                     if params is not None and handoffs is not None:
                         await handoffs.release(stock, params)
+                    elif params is None and result is not None:
+                        self._metrics.abandoned_outcome(result, None)
                 elif params is None:
-                    await upstream.release_kv_id(inst.url, kv_id, request_id=request_id)
+                    admission = await upstream.release_kv_id(inst.url, kv_id, request_id=request_id)
+                    if result is not None:
+                        self._metrics.abandoned_outcome(result, admission)
                 else:
                     await upstream.release_kv(params, request_id=request_id)
             finally:
@@ -135,7 +142,7 @@ class DirectPrefill:
             if exc.is_client_error:
                 release_after(exc, stream, inflight)
                 raise client_error(exc) from exc
-            await shielded(release(None, slot_freed=False))
+            await shielded(release(None, slot_freed=False, result="failed"))
             counter.labels("failed").inc()
             raise DeadlineExceeded(
                 "the prefill failed before the TTFT deadline",
@@ -143,14 +150,19 @@ class DirectPrefill:
             ) from exc
         except UpstreamError as exc:
             # Timed out or lost: the prefill may hold KV for an answer we will never read.
-            await shielded(release(None, slot_freed=False))
+            await shielded(release(None, slot_freed=False, result="failed"))
             counter.labels("failed").inc()
             raise DeadlineExceeded(
                 "the prefill did not answer before the TTFT deadline",
                 retry_after=self._retry_after_s,
             ) from exc
-        except BaseException:
-            await shielded(release(None, slot_freed=False))
+        except BaseException as exc:
+            # Cut off unanswered (its client left), or a bug here (as the forwarder's).
+            abandoned = isinstance(exc, asyncio.CancelledError)
+            if abandoned:
+                counter.labels("abandoned").inc()
+            result = "abandoned" if abandoned else "failed"
+            await shielded(release(None, slot_freed=False, result=result))
             raise
         counter.labels("accepted").inc()
         if self._index is not None and blocks is not None:

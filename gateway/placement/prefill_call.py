@@ -13,6 +13,9 @@ error fails the request in the client's words; anything else counts against the 
 (ejection, the retry budget) and requeues it. Every call that is abandoned (deadline, client
 gone, timeout, failure) releases its KV by the id the gateway chose for it, and only then
 gives back its counts: the prefill frees the slot when the release arrives, not before.
+A pdgate prefill answers the release with what it did with the call (admitted, rejected, or
+unseen: it never will), counted in ``pdgate_prefill_abandoned_outcomes``, so the gateway's
+counts add up to the prefills' exactly (docs/observability.md).
 
 A prefill computes a run as one batch, so every answer of a run comes when the whole run is
 computed: each is timed at its share of the run's characters, what the prompt itself cost.
@@ -207,7 +210,7 @@ class PrefillCalls:
             # now and hold KV for an answer nobody reads. Release it by the id we chose.
             # Not a freed slot: a prefill drops an abandoned prompt only at its next step
             # (pdgate shims hold the slot until then), so this is no moment to send it more.
-            self._release_then_free(call, inst, slot_freed=False)
+            self._release_then_free(call, inst, "abandoned", slot_freed=False)
             self._shared.metrics.prefill_attempts.labels("abandoned").inc()
             _end(call.span, "abandoned")
             raise
@@ -262,7 +265,7 @@ class PrefillCalls:
                 self._broke(call, inst)
         except asyncio.CancelledError:  # gateway shutdown
             for call in pending.values():
-                self._release_then_free(call, inst, slot_freed=False)
+                self._release_then_free(call, inst, "abandoned", slot_freed=False)
                 self._shared.metrics.prefill_attempts.labels("abandoned").inc()
                 _end(call.span, "abandoned")
             raise
@@ -275,7 +278,7 @@ class PrefillCalls:
         deadline. The request is shed (503), and the prefill, which may still be computing
         a prompt nobody waits for, is not counted as failed (a burst of short deadlines
         would eject healthy prefills); whatever it holds for the call is released."""
-        self._release_then_free(call, inst, slot_freed=False)
+        self._release_then_free(call, inst, "deadline", slot_freed=False)
         self._shared.metrics.prefill_attempts.labels("deadline").inc()
         _end(call.span, "deadline")
         self._expire(call.waiter)
@@ -285,7 +288,7 @@ class PrefillCalls:
         may hold for it is released, its counts given back, and its request fails with a 500
         rather than being tried again elsewhere (it would break there too)."""
         log.exception("prefill call to %s failed in the gateway", inst.id)
-        self._release_then_free(call, inst, slot_freed=False)
+        self._release_then_free(call, inst, "failed", slot_freed=False)
         _end(call.span, "failed")
         if not call.waiter.future.done():
             call.waiter.future.set_exception(GatewayError("internal gateway error"))
@@ -362,21 +365,26 @@ class PrefillCalls:
         self,
         call: PrefillCall,
         inst: InstanceLoad,
+        result: str | None,
         *,
         slot_freed: bool,
         kv_params: dict[str, Any] | None = None,
     ) -> None:
         """Release the call's KV at the prefill (by the answer's params when there is one, by
         our id otherwise), then give back the call's leases: the prefill frees the slot only
-        when the release arrives, so counting it free earlier invites a 429."""
+        when the release arrives, so counting it free earlier invites a 429. `result`: how
+        an unanswered call ended (``pdgate_prefill_attempts``), to count what the prefill
+        says it did with it."""
         held = (call.work, call.computing, call.stream, call.inflight)
         request_id = call.waiter.request_id
         call.end(False)
         if call.leg is not None:
+            if kv_params is None and result is not None:
+                self._shared.metrics.abandoned_outcome(result, None)  # a stock server does not say
             self._free_stock(call.leg, kv_params, held, slot_freed=slot_freed)
             return
         self._free_after_release(
-            inst, request_id, call.kv_id, kv_params, held, slot_freed=slot_freed
+            inst, request_id, call.kv_id, kv_params, held, slot_freed=slot_freed, result=result
         )
 
     def _free_stock(
@@ -415,6 +423,7 @@ class PrefillCalls:
         held: Sequence[Lease],
         *,
         slot_freed: bool,
+        result: str | None = None,
     ) -> None:
         """As `_release_then_free`, from the call's parts (the grant's release must not hold
         the call: see `_settle`)."""
@@ -425,9 +434,12 @@ class PrefillCalls:
                 if kv_params is not None:
                     await self._shared.upstream.release_kv(kv_params, request_id=request_id)
                 else:
-                    await self._shared.upstream.release_kv_id(
+                    admission = await self._shared.upstream.release_kv_id(
                         inst.url, kv_id, request_id=request_id
                     )
+                    if result is not None:
+                        # Before the leases: once they are back, every release has ended.
+                        self._shared.metrics.abandoned_outcome(result, admission)
             finally:
                 for lease in held:
                     lease.release(slot_freed=slot_freed)
@@ -455,7 +467,7 @@ class PrefillCalls:
             counter.labels("accepted").inc()  # the prefill took it, whoever still waits
             if waiter.future.done():
                 # The waiter left while the prefill computed: free the KV held for it.
-                self._release_then_free(call, inst, slot_freed=True, kv_params=params)
+                self._release_then_free(call, inst, None, slot_freed=True, kv_params=params)
                 return
             self._shared.ejector.success(inst.id)
             took = time.monotonic() - call.started
@@ -512,7 +524,7 @@ class PrefillCalls:
         else:
             # 5xx, timeout, connection lost, a bad answer: the prefill may have stored KV
             # before failing (or before our timeout fired). Nobody will fetch it.
-            self._release_then_free(call, inst, slot_freed=False)
+            self._release_then_free(call, inst, "failed", slot_freed=False)
             self._tracker.failed(inst.id)
             gone = isinstance(answer, UpstreamUnreachable) and answer.refused
             if gone:

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Literal, Protocol
 import orjson
 
 from pdgate.config.wire import (
+    ADMISSIONS,
     BATCH_SUFFIX,
     COMPLETIONS_PATH,
     DECODE_MAX_TOKENS_HEADER,
@@ -152,8 +153,11 @@ class Upstream(Protocol):
         (here and on the prefill legs) are extra ones, e.g. the trace's ``traceparent``."""
         ...
 
-    async def release_kv_id(self, base_url: str, kv_id: str, *, request_id: str) -> None:
-        """Release KV by the id this gateway chose for it; best effort, never raises."""
+    async def release_kv_id(self, base_url: str, kv_id: str, *, request_id: str) -> str | None:
+        """Release KV by the id this gateway chose for it; best effort, never raises. What
+        the prefill did with the call that named the id, as it says (``ADMISSIONS``:
+        admitted, rejected, unseen); None when it does not say (a stock server, a failed
+        or timed-out release)."""
         ...
 
     async def post(
@@ -211,8 +215,9 @@ class BaseUpstream:
         """POST `call` (a decode leg); the open stream of a 200, else the status and body."""
         raise NotImplementedError
 
-    async def _delete(self, url: str, request_id: str) -> None:
-        """DELETE `url` (a KV release); best effort, never raises."""
+    async def _delete(self, url: str, request_id: str) -> str | None:
+        """DELETE `url` (a KV release); best effort, never raises. The answer's
+        ``ADMISSION_HEADER``, if it came with one."""
         raise NotImplementedError
 
     async def aclose(self) -> None:
@@ -277,8 +282,9 @@ class BaseUpstream:
             raise status_error(base_url + path, *opened, "decode")
         return opened
 
-    async def release_kv_id(self, base_url: str, kv_id: str, *, request_id: str) -> None:
-        await self._delete(kv_release_url(base_url, kv_id), request_id)
+    async def release_kv_id(self, base_url: str, kv_id: str, *, request_id: str) -> str | None:
+        admission = await self._delete(kv_release_url(base_url, kv_id), request_id)
+        return admission if admission in ADMISSIONS else None
 
     async def post(
         self,

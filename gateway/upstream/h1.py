@@ -30,7 +30,12 @@ from urllib.parse import urlsplit
 import httptools
 import orjson
 
-from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, KV_ID_HEADER, REQUEST_ID_HEADER
+from pdgate.config.wire import (
+    ADMISSION_HEADER,
+    DECODE_MAX_TOKENS_HEADER,
+    KV_ID_HEADER,
+    REQUEST_ID_HEADER,
+)
 from pdgate.gateway.errors import UpstreamProtocolError, UpstreamUnreachable
 from pdgate.gateway.upstream.base import (
     BaseUpstream,
@@ -57,6 +62,7 @@ _LOW_WATER = 64 * 1024
 _KEEPALIVE_S = 4.0
 _MAX_TARGETS = 4096  # parsed URLs kept (instances x APIs; KV releases are not kept)
 _USER_AGENT = "pdgate"
+_ADMISSION = ADMISSION_HEADER.encode()
 
 _Key = tuple[str, str, int]  # scheme, host, port: which connections may serve a URL
 
@@ -110,6 +116,7 @@ class _Connection(asyncio.Protocol):
         self._keep_alive = False
         self._complete = False
         self._error: str | None = None  # why the answer cannot be read further
+        self.admission: bytes | None = None  # a KV release's ADMISSION_HEADER
         self.closed = False
         self.counted = False  # counts against the pool's limit (from connect until closed)
         self.idle_since = 0.0
@@ -154,6 +161,8 @@ class _Connection(asyncio.Protocol):
             lower == b"transfer-encoding" and b"chunked" in value.lower()
         ):
             self._framed = True
+        elif lower == _ADMISSION:
+            self.admission = value
 
     def on_headers_complete(self) -> None:
         self._status = self._parser.get_status_code()
@@ -182,6 +191,7 @@ class _Connection(asyncio.Protocol):
         self._framed = False
         self._complete = False
         self._error = None
+        self.admission = None
         self._transport.writelines((head, body))
 
     async def status(self) -> int:
@@ -671,7 +681,7 @@ class H1Upstream(BaseUpstream):
         except UpstreamUnreachable:
             return status, b""
 
-    async def _delete(self, url: str, request_id: str) -> None:
+    async def _delete(self, url: str, request_id: str) -> str | None:
         try:
             with SocketErrors(url):
                 target = _Target(url)
@@ -685,7 +695,12 @@ class H1Upstream(BaseUpstream):
                 async with asyncio.timeout(_RELEASE_TIMEOUT_S):
                     conn = await self._sent(target, head, b"", self._connect_timeout_s)
                     await self._answer(conn, url)
+                    # Read before any await: the connection is back in the pool, free for
+                    # the next call (which clears it).
+                    admission = conn.admission
         except (UpstreamUnreachable, UpstreamProtocolError) as exc:
             log.info(
                 "releasing KV at %s failed (%s); the prefill's hold timeout frees it", url, exc
             )
+            return None
+        return None if admission is None else admission.decode("latin-1")

@@ -15,7 +15,12 @@ from collections.abc import AsyncIterator
 import aiohttp
 import orjson
 
-from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, KV_ID_HEADER, REQUEST_ID_HEADER
+from pdgate.config.wire import (
+    ADMISSION_HEADER,
+    DECODE_MAX_TOKENS_HEADER,
+    KV_ID_HEADER,
+    REQUEST_ID_HEADER,
+)
 from pdgate.gateway.errors import UpstreamProtocolError, UpstreamUnreachable
 from pdgate.gateway.upstream import base
 from pdgate.gateway.upstream.stalls import DecodePace, PacedStream, StallWatch, Watchdog
@@ -176,7 +181,7 @@ class HttpUpstream(base.BaseUpstream):
             resp.release()
         return resp.status, raw
 
-    async def _delete(self, url: str, request_id: str) -> None:
+    async def _delete(self, url: str, request_id: str) -> str | None:
         try:
             with _mapped(url):
                 async with self._session.delete(
@@ -185,10 +190,12 @@ class HttpUpstream(base.BaseUpstream):
                     timeout=aiohttp.ClientTimeout(total=_RELEASE_TIMEOUT_S),
                 ) as resp:
                     await resp.read()
+                    return resp.headers.get(ADMISSION_HEADER)
         except UpstreamUnreachable as exc:
             log.info(
                 "releasing KV at %s failed (%s); the prefill's hold timeout frees it", url, exc
             )
+            return None
 
     async def _read_limited(self, resp: aiohttp.ClientResponse, url: str) -> bytes:
         chunks: list[bytes] = []

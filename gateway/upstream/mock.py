@@ -86,6 +86,8 @@ class MockUpstream(BaseUpstream):
     batches: list[list[Call]] = field(default_factory=list)  # each batch call's prefill legs
     streams: list[_MockStream] = field(default_factory=list)
     record: bool = True
+    # What every KV release answers in its admission header (None: none, as a stock server).
+    admission: str | None = None
 
     async def _answer(self, call: Call) -> Reply:
         if self.record:
@@ -135,9 +137,10 @@ class MockUpstream(BaseUpstream):
             self.streams.append(stream)
         return stream
 
-    async def _delete(self, url: str, request_id: str) -> None:
+    async def _delete(self, url: str, request_id: str) -> str | None:
         if self.record:
             self.calls.append(Call("release", url, None, request_id))
+        return self.admission
 
     async def aclose(self) -> None:
         return None

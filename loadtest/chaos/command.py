@@ -7,11 +7,15 @@ requests go through two gateways; then, each followed by recovery: kill -9 a pre
 a decode mid-stream (each replaced), SIGSTOP a prefill and then a decode for 10 s, kill -9
 a gateway (restarted), kill -9 the Redis primary (Sentinel fails over; the old one rejoins
 as a replica), and the Redis emptied. Per fault: client errors and their codes, the longest
-stall of a running stream, time to recover, and what the gateways, shims and Redis still
-hold afterwards (must be nothing). Then the overload: how fast and how the gateway sheds
-(429/503, Retry-After), its /health latency and RSS. ``--runs`` runs (default 3; 1 with
-``--quick``); progress on stderr, one JSON line on stdout; files ``OUT/KIND.md``,
-``OUT/KIND.csv`` and, unless ``--no-doc``, the ``chaos:KIND`` block of the doc.
+stall of a running stream and the p99 over the streams open in the fault's window, time to
+recover, and what the gateways, shims and Redis still hold afterwards (must be nothing); for
+a decode's kill or stop, the streams that stalled across it and how many failed or missed
+their deadline; for the gateway's kill, how long the prefills held KV for it after the kill
+against the fleet's lease time, and their 429s while they did past it. Then the overload:
+how fast and how the gateway sheds (429/503, Retry-After), its /health latency and RSS.
+``--runs`` runs (default 3; 1 with ``--quick``); progress on stderr, one JSON line on
+stdout; files ``OUT/KIND.md``, ``OUT/KIND.csv`` and, unless ``--no-doc``, the
+``chaos:KIND`` block of the doc.
 """
 
 from __future__ import annotations

@@ -9,7 +9,17 @@ the arrivals paused after it, loadtest/chaos/run.py):
   the gateway's kill, the requests that were open on the killed gateway at the kill;
 * **stall**: the longest gap between two consecutive SSE events of any stream, among the
   gaps that overlap the fault window (its start to 5 s after its end); a stream that broke
-  stalls from its last event to its end;
+  stalls from its last event to its end; **p99 stall**: the p99, over the streams open in
+  the window (their first event before its end, their end after its start), of each one's
+  longest such gap (0 for one with none kept);
+* a decode's kill or stop (**streams**): the streams in flight at the fault, those of them
+  whose events stopped across it (a kept gap, or the break, from before 0.1 s after the
+  fault to after it: the target's streams as a client sees them) and how many of each
+  failed or missed their TTFT deadline;
+* a gateway's kill (**dead gateway's KV**): from the kill until no prefill held KV for the
+  killed gateway's fleet id (0 when none did at the first poll; a lower bound when one
+  still did at the last), and the prefills' 429s in each poll interval that began after
+  the fleet's lease time and at whose start that prefill still held it;
 * **recover**: from the fault's start to the issue of the last request that failed or whose
   TTFT was above the steady phase's (``max(2 x p99, p99 + 0.25 s)``); 0 when none; marked
   ``>`` when that request was among the last 2 s issued before the pause (not proven back);
@@ -21,6 +31,7 @@ the arrivals paused after it, loadtest/chaos/run.py):
 from __future__ import annotations
 
 import csv
+import itertools
 import math
 import statistics
 from collections import Counter
@@ -35,35 +46,117 @@ from pdgate.loadtest.lib.probes import bucket_quantile
 from pdgate.loadtest.lib.stats import percentile
 
 __all__ = [
+    "DeadGatewayKv",
     "FaultRow",
     "OverloadRow",
+    "StreamsHit",
+    "dead_gateway_kv",
+    "fault_figures",
     "fault_rows",
     "longest_stall",
     "markdown",
     "overload_row",
     "recovery_s",
     "spread_cell",
+    "stall_p99",
+    "streams_hit",
     "summary_json",
     "write_csv",
 ]
 
 STALL_AFTER_S = 5.0  # the fault window runs on this long after the fault's end
+_DECODE_FAULTS = ("kill-decode", "stop-decode")
 _UNPROVEN_S = 2.0  # a bad request this close to the pause: recovery not shown
+
+
+def _gaps(r: StreamRecord) -> list[tuple[float, float]]:
+    """`r`'s kept gaps; a stream that broke after its first event also stalled from its
+    last event to its end."""
+    if r.status == 200 and not r.completed and r.last_event_s is not None:
+        return [*r.gaps, (r.last_event_s, r.ended_s)]
+    return r.gaps
+
+
+def _stall(r: StreamRecord, start_s: float, end_s: float) -> float:
+    return max((b - a for a, b in _gaps(r) if a < end_s and b > start_s), default=0.0)
 
 
 def longest_stall(records: Iterable[StreamRecord], start_s: float, end_s: float) -> float:
     """The longest gap between consecutive events of any stream, among gaps overlapping
-    [start_s, end_s]; a stream that broke after its first event also stalled from its last
-    event to its end. 0.0 when no kept gap overlaps (every gap was ordinary decoding)."""
-    longest = 0.0
-    for r in records:
-        gaps = list(r.gaps)
-        if r.status == 200 and not r.completed and r.last_event_s is not None:
-            gaps.append((r.last_event_s, r.ended_s))
-        for a, b in gaps:
-            if a < end_s and b > start_s:
-                longest = max(longest, b - a)
-    return longest
+    [start_s, end_s]. 0.0 when no kept gap overlaps (every gap was ordinary decoding)."""
+    return max((_stall(r, start_s, end_s) for r in records), default=0.0)
+
+
+def stall_p99(records: Iterable[StreamRecord], start_s: float, end_s: float) -> float:
+    """The p99, over the streams open in [start_s, end_s] (first event before its end,
+    ended after its start), of each one's longest gap overlapping it; NaN when none."""
+    open_ = [r for r in records if r.first_event_s is not None and r.first_event_s <= end_s
+             and r.ended_s >= start_s]  # fmt: skip
+    return percentile([_stall(r, start_s, end_s) for r in open_], 99)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamsHit:
+    """A decode fault's streams: in flight at the fault, and those of them whose events
+    stopped across it; how many of each failed or missed their TTFT deadline."""
+
+    in_flight: int
+    in_flight_bad: int
+    stalled: int
+    stalled_bad: int
+
+
+def streams_hit(records: Iterable[StreamRecord], at_s: float, deadline_s: float) -> StreamsHit:
+    """The streams in flight at `at_s`; stalled: had their first event by then and a kept
+    gap (or their break) from before `at_s` + `GAP_KEEP_S` to after `at_s` (the last event
+    the target sent before the fault reaches the client a little after it); bad: failed,
+    or no first token within `deadline_s`."""
+    in_flight = [r for r in records if r.issued_s <= at_s < r.ended_s]
+    stalled = [r for r in in_flight if r.first_event_s is not None and r.first_event_s <= at_s
+               and any(a <= at_s + GAP_KEEP_S and b > at_s for a, b in _gaps(r))]  # fmt: skip
+
+    def bad(rs: list[StreamRecord]) -> int:
+        return sum(r.failed or r.ttft_s is None or r.ttft_s > deadline_s for r in rs)
+
+    return StreamsHit(len(in_flight), bad(in_flight), len(stalled), bad(stalled))
+
+
+@dataclass(frozen=True, slots=True)
+class DeadGatewayKv:
+    """After a gateway's kill, the KV the prefills held for it."""
+
+    held_s: float  # from the kill until no prefill held any (0: none did at the first poll)
+    released: bool  # False: still held at the last poll (held_s is a lower bound)
+    prefills: int  # how many held some at the first poll
+    late_429: int  # 429s of a prefill still holding it, past the lease
+    lease_s: float
+    new_id: bool | None  # the restarted gateway's fleet id differs (None: not read)
+
+
+def dead_gateway_kv(event: FaultEvent) -> DeadGatewayKv | None:
+    """From `event.kv_polls` (a gateway's kill); None when it has none."""
+    polls = event.kv_polls
+    if not polls:
+        return None
+    held_s, released = polls[-1][0] - event.began_s, False
+    for n, (at, holds) in enumerate(polls):
+        if all(h is not None and not h[0] for h in holds):
+            held_s, released = (at - event.began_s if n else 0.0), True
+            break
+    late = 0
+    for (at, before), (_, after) in itertools.pairwise(polls):
+        if at - event.began_s >= event.lease_s:
+            late += sum(max(0, b[1] - a[1]) for a, b in zip(before, after, strict=True)
+                        if a is not None and b is not None and a[0])  # fmt: skip
+    killed, restarted = event.gateway_ids
+    return DeadGatewayKv(
+        held_s=held_s,
+        released=released,
+        prefills=sum(h is not None and h[0] for h in polls[0][1]),
+        late_429=late,
+        lease_s=event.lease_s,
+        new_id=restarted != killed if killed and restarted else None,
+    )
 
 
 def ttft_limit(steady: Sequence[StreamRecord]) -> float:
@@ -97,12 +190,15 @@ class FaultRow:
     unexpected: int
     codes: Mapping[str, int]
     stall_s: float
+    stall_p99_s: float
     recover_s: float
     recover_proven: bool
     whole_s: float
     held: Mapping[str, float]  # only the counts that are not 0
     open_at_fault: int | None = None
     note: str = ""
+    streams: StreamsHit | None = None  # a decode's kill or stop
+    dead_kv: DeadGatewayKv | None = None  # a gateway's kill
 
     @property
     def held_ok(self) -> bool:
@@ -125,9 +221,11 @@ def nonzero(held: Mapping[str, float]) -> dict[str, float]:
 def fault_rows(result: ChaosResult) -> list[FaultRow]:
     steady = [r for r in result.records if r.issued_s < result.steady[1]]
     limit = ttft_limit(steady)
+    deadline = result.plan.scenario().ttft_deadline_s
     rows = []
     for event in result.faults:
         mine = [r for r in result.records if _in_fault(r, event)]
+        window = event.began_s, event.ended_s + STALL_AFTER_S
         failed = [r for r in mine if r.failed]
         slot = result.plan.gateways - 1 if event.fault == "kill-gateway" else None
         recover, proven = recovery_s(result.records, event.began_s, event.paused_s, limit)
@@ -139,13 +237,20 @@ def fault_rows(result: ChaosResult) -> list[FaultRow]:
                 errors=len(failed),
                 unexpected=sum(not _expected(r, event, slot) for r in failed),
                 codes=dict(Counter(r.error_label() for r in failed)),
-                stall_s=longest_stall(mine, event.began_s, event.ended_s + STALL_AFTER_S),
+                stall_s=longest_stall(mine, *window),
+                stall_p99_s=stall_p99(mine, *window),
                 recover_s=recover,
                 recover_proven=proven,
                 whole_s=event.ready_s - event.began_s,
                 held=nonzero(event.held),
                 open_at_fault=event.open_at_fault,
                 note=event.note,
+                streams=(
+                    streams_hit(mine, event.began_s, deadline)
+                    if event.fault in _DECODE_FAULTS
+                    else None
+                ),
+                dead_kv=dead_gateway_kv(event),
             )
         )
     return rows
@@ -255,19 +360,19 @@ def _recover_cell(rows: Sequence[FaultRow]) -> str:
     return cell if all(r.recover_proven for r in rows) else f"> {cell}"
 
 
-def _stall_cell(rows: Sequence[FaultRow]) -> str:
-    """The longest stall over the runs; a run whose every gap was shorter than the reader
-    keeps (`GAP_KEEP_S`) counts as that bound, shown ``<``."""
-    if all(r.stall_s == 0 for r in rows):
+def _stall_cell(stalls: Sequence[float]) -> str:
+    """A stall over the runs; a run whose every gap was shorter than the reader keeps
+    (`GAP_KEEP_S`) counts as that bound, shown ``<``."""
+    if all(s == 0 for s in stalls):
         return f"< {GAP_KEEP_S:g}"
-    return spread_cell([r.stall_s or GAP_KEEP_S for r in rows], 2)
+    return spread_cell([s or GAP_KEEP_S for s in stalls], 2)
 
 
 def fault_table(runs: Sequence[Sequence[FaultRow]]) -> list[str]:
     lines = [
         "| fault | requests | client errors | unexpected | status / code | longest stall, s "
-        "| recover, s | fleet whole, s | held +5 s (idle) |",
-        "|---|--:|--:|--:|---|--:|--:|--:|---|",
+        "| p99 stall, s | recover, s | fleet whole, s | held +5 s (idle) |",
+        "|---|--:|--:|--:|---|--:|--:|--:|--:|---|",
     ]
     faults = [r.fault for r in runs[0]] if runs else []
     for i, fault in enumerate(faults):
@@ -278,7 +383,8 @@ def fault_table(runs: Sequence[Sequence[FaultRow]]) -> list[str]:
             f"| {spread_cell([r.errors for r in rows], 0)} "
             f"| {spread_cell([r.unexpected for r in rows], 0)} "
             f"| {codes_cell(r.codes for r in rows)} "
-            f"| {_stall_cell(rows)} | {_recover_cell(rows)} "
+            f"| {_stall_cell([r.stall_s for r in rows])} "
+            f"| {_stall_cell([r.stall_p99_s for r in rows])} | {_recover_cell(rows)} "
             f"| {spread_cell([r.whole_s for r in rows])} | {held_cell(r.held for r in rows)} |"
         )
     return lines
@@ -352,16 +458,66 @@ def markdown(results: Sequence[ChaosResult], command: str, *, date: str, machine
         said = [f"run {n + 1}: {run[i].note}" for n, run in enumerate(runs) if run[i].note]
         if said:
             notes.append(f"{row.fault}: " + "; ".join(said))
-        held = [run[i].open_at_fault for run in runs if i < len(run)]
+        same = [run[i] for run in runs if i < len(run)]
+        held = [r.open_at_fault for r in same]
         if any(h is not None for h in held):
             what = "requests pending" if row.fault == "kill-gateway" else "slots in use"
             notes.append(f"{row.fault}: the target had {held} {what} at the fault (per run)")
+        hit = [r.streams for r in same if r.streams is not None]
+        if hit:
+            deadline = plan.scenario().ttft_deadline_s
+            notes.append(
+                f"{row.fault}: {[h.stalled for h in hit]} streams stalled across the fault "
+                f"(their events stopped over {GAP_KEEP_S:g} s across it: the target's, as "
+                "clients see them), "
+                f"{[h.stalled_bad for h in hit]} of them failed or missed their {deadline:g} s "
+                f"TTFT deadline; of all {[h.in_flight for h in hit]} in flight at the fault, "
+                f"{[h.in_flight_bad for h in hit]} (per run)"
+            )
+        kv = [r.dead_kv for r in same if r.dead_kv is not None]
+        if kv:
+            notes.append(f"{row.fault}: {_dead_kv_note(kv)}")
     lines += [f"- {n}" for n in notes]
     lines.append(
         f"- wall time per run: {', '.join(f'{r.wall_s:.0f} s' for r in results)}; load "
         f"average {', '.join(f'{a:.1f}->{b:.1f}' for a, b in (r.load_avg for r in results))}"
     )
     return "\n".join(lines) + "\n"
+
+
+def _dead_kv_note(kv: Sequence[DeadGatewayKv]) -> str:
+    held = ", ".join(f"{'' if k.released else '> '}{k.held_s:.1f}" for k in kv)
+    ids = {k.new_id for k in kv}
+    if ids == {True}:
+        restarted = "a new fleet id (KV held for the old one is the dead gateway's alone)"
+    elif False in ids:
+        restarted = (
+            "the same fleet id in some run (KV held for it after the restart may be the new "
+            "process's)"
+        )
+    else:
+        restarted = "a fleet id not read in some run"
+    return (
+        f"the dead gateway's KV held for [{held}] s after the kill (lease "
+        f"{kv[0].lease_s:g} s; held by {[k.prefills for k in kv]} prefills at the kill); "
+        f"prefill 429s while it was held past the lease: {[k.late_429 for k in kv]}; the "
+        f"restarted gateway had {restarted} (per run)"
+    )
+
+
+def fault_figures(row: FaultRow) -> dict[str, Any]:
+    """The figures of one kind of fault (none for the others), for the JSON and the CSV."""
+    out: dict[str, Any] = {}
+    if row.streams is not None:
+        h = row.streams
+        out.update(in_flight=h.in_flight, in_flight_bad=h.in_flight_bad, stalled=h.stalled,
+                   stalled_bad=h.stalled_bad)  # fmt: skip
+    if row.dead_kv is not None:
+        k = row.dead_kv
+        out.update(dead_kv_held_s=round(k.held_s, 3), dead_kv_released=k.released,
+                   dead_kv_prefills=k.prefills, late_429=k.late_429, lease_s=k.lease_s,
+                   new_gateway_id=k.new_id)  # fmt: skip
+    return out
 
 
 def summary_json(results: Sequence[ChaosResult]) -> dict[str, Any]:
@@ -374,9 +530,11 @@ def summary_json(results: Sequence[ChaosResult]) -> dict[str, Any]:
                     "unexpected": row.unexpected,
                     "codes": row.codes,
                     "stall_s": round(row.stall_s, 3),
+                    "stall_p99_s": round(row.stall_p99_s, 3),
                     "recover_s": round(row.recover_s, 3),
                     "whole_s": round(row.whole_s, 3),
                     "held": row.held,
+                    **fault_figures(row),
                 }
             )
         for o in map(overload_row, result.overloads):
@@ -402,8 +560,12 @@ def summary_json(results: Sequence[ChaosResult]) -> dict[str, Any]:
 
 CSV_FIELDS = (
     "run", "fault", "target", "requests", "errors", "unexpected", "codes", "stall_s",
-    "recover_s", "recover_proven", "whole_s", "held",
+    "stall_p99_s", "recover_s", "recover_proven", "whole_s", "held", "figures",
 )  # fmt: skip
+
+
+def _pairs(figures: Mapping[str, Any]) -> str:
+    return ";".join(f"{k}={v}" for k, v in figures.items())
 
 
 def write_csv(results: Sequence[ChaosResult], path: Path) -> None:
@@ -415,12 +577,13 @@ def write_csv(results: Sequence[ChaosResult], path: Path) -> None:
             for row in fault_rows(result):
                 w.writerow([i, row.fault, row.target, row.requests, row.errors, row.unexpected,
                             ";".join(f"{k}={v}" for k, v in row.codes.items()),
-                            f"{row.stall_s:.3f}", f"{row.recover_s:.3f}", row.recover_proven,
-                            f"{row.whole_s:.3f}",
-                            ";".join(f"{k}={v:g}" for k, v in row.held.items())])  # fmt: skip
+                            f"{row.stall_s:.3f}", f"{row.stall_p99_s:.3f}", f"{row.recover_s:.3f}",
+                            row.recover_proven, f"{row.whole_s:.3f}",
+                            ";".join(f"{k}={v:g}" for k, v in row.held.items()),
+                            _pairs(fault_figures(row))])  # fmt: skip
             for o in map(overload_row, result.overloads):
                 w.writerow([i, "overload", o.label, o.requests, o.requests - o.ok,
                             o.requests - o.ok - o.shed,
                             ";".join(f"{k}={v}" for k, v in o.codes.items()),
-                            "", "", "", "",
-                            ";".join(f"{k}={v:g}" for k, v in o.held.items())])  # fmt: skip
+                            "", "", "", "", "",
+                            ";".join(f"{k}={v:g}" for k, v in o.held.items()), ""])  # fmt: skip

@@ -18,6 +18,11 @@ A fault's life (times since the run's origin, all kept in `FaultEvent`):
   slot leases in Redis. With no request open every one of them must be 0, as in the
   baseline snapshot taken the same way before the first fault;
 * the arrivals resume (``resumed_s``) and the next fault waits `ChaosPlan.settle_s`.
+
+A gateway's kill also follows the KV the prefills held for it: from the kill, every
+`_KV_POLL_S`, each prefill's ``/load`` says whether it holds KV for the killed gateway's
+fleet id (``kv_gateways``) and how many calls it refused with 429 so far (``rejected``),
+until none holds any (``kv_polls``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any
 
 import aiohttp
 
+from pdgate.config.settings import GatewaySettings
 from pdgate.loadtest.chaos.load import OpenStreamingLoad, StreamRecord
 from pdgate.loadtest.chaos.sentinel import SentinelRedis
 from pdgate.loadtest.lib.children import Child
@@ -155,6 +161,12 @@ class FaultEvent:
     # What the target held at the fault: a gateway's pending requests, a shim's used slots.
     open_at_fault: int | None = None
     note: str = ""
+    # A gateway's kill: its fleet id and its replacement's ("" not read), the fleet's lease
+    # time, and from the kill each poll of the prefills: (since origin, per prefill whether
+    # it held KV for the killed gateway and its 429s so far; None: it did not answer).
+    gateway_ids: tuple[str, str] = ("", "")
+    lease_s: float = 0.0
+    kv_polls: list[tuple[float, list[tuple[bool, int] | None]]] = field(default_factory=list)
 
 
 @dataclass
@@ -209,6 +221,8 @@ async def _get_json(session: aiohttp.ClientSession, url: str, timeout_s: float =
 # whenever it holds any.
 _MID_STREAM = {"prefill": 1, "decode": 2}
 
+_KV_POLL_S = 0.1  # how often a gateway's kill reads what the prefills hold for it
+
 _GATEWAY_HELD = ("open_streams", "inflight", "pending", "queued")
 _SHIM_HELD = ("used", "queued", "running", "waiting", "kv_held", "kv_sending", "retrieving")
 
@@ -228,6 +242,27 @@ async def fleet_leases(redis_url: str, prefix: str = _PREFIX) -> dict[str, float
         return out
     finally:
         await client.aclose()
+
+
+async def _gateway_id(session: aiohttp.ClientSession, url: str) -> str:
+    """The gateway's id in the fleet ("" if it did not say)."""
+    try:
+        health = await _get_json(session, url + "/health", 2.0)
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+        return ""
+    return str(health.get("gateway_id", ""))
+
+
+async def _kv_for(
+    session: aiohttp.ClientSession, url: str, gateway_id: str
+) -> tuple[bool, int] | None:
+    """(whether the prefill at `url` holds KV for `gateway_id`, its 429s so far); None if
+    it did not answer."""
+    try:
+        load = await _get_json(session, url + "/load", 1.0)
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+        return None
+    return gateway_id in load.get("kv_gateways", ()), int(load.get("rejected", 0))
 
 
 async def snapshot(
@@ -338,6 +373,19 @@ class _Chaos(FleetRun[ChaosPlan]):
                 return best, used[best]
             await asyncio.sleep(0.02)
 
+    async def watch_kv(self, gateway_id: str, event: FaultEvent) -> None:
+        """Every `_KV_POLL_S` each prefill's hold for `gateway_id` and its 429s, into
+        `event.kv_polls`, until no prefill holds any (or `observe_s` passed)."""
+        end = time.monotonic() + self.plan.observe_s
+        while time.monotonic() < end:
+            at = self.now()
+            reads = (_kv_for(self.session, u, gateway_id) for u in self.cluster.prefill_urls)
+            polls = list(await asyncio.gather(*reads))
+            event.kv_polls.append((at, polls))
+            if all(p is not None and not p[0] for p in polls):
+                return
+            await asyncio.sleep(max(0.0, _KV_POLL_S - (self.now() - at)))
+
     async def quiesce(self, not_before_s: float) -> tuple[float, float, dict[str, float]]:
         """Pause the arrivals, let the open requests end, read what is held; resume."""
         if self.background is not None:
@@ -381,10 +429,15 @@ class _Chaos(FleetRun[ChaosPlan]):
             index = len(cluster.gateways) - 1
             child = cluster.gateways[index]
             event.target = child.name
+            killed = ""  # its fleet id
             with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
                 health = await _get_json(self.session, self.pool.urls[index] + "/health", 2.0)
                 event.open_at_fault = int(health["pending"])
+                killed = str(health.get("gateway_id", ""))
+            event.lease_s = GatewaySettings(**cluster.deployment.gateway_settings).fleet_ttl_s
             event.began_s = event.ended_s = self.now()
+            if killed:  # its first poll comes once the signal is sent
+                self.background = asyncio.create_task(self.watch_kv(killed, event))
             await _kill9(child)
             # The load balancer keeps the dead address until the new one is up: its
             # clients are refused and retry on the other gateway.
@@ -393,6 +446,7 @@ class _Chaos(FleetRun[ChaosPlan]):
                 self.session, url, len(self.shim_urls()), self.plan.register_timeout_s
             )
             self.pool.add(index, url)
+            event.gateway_ids = (killed, await _gateway_id(self.session, url))
         elif fault == "kill-redis-primary":
             event.target = f"redis :{self.redis.primary_port}"
             event.began_s = self.now()

@@ -9,7 +9,9 @@ and waiting until a server answers or a gateway sees its instances.
   cumulative) and ``kv_held`` (held now). Older shims and other servers lack the hold keys:
   they read as NaN ("not reported"), never as 0;
 * gateway ``/metrics``: ``pdgate_prefill_attempts_total{result}`` (accepted, rejected,
-  failed), ``pdgate_prefill_rejections`` (429s per placed request),
+  failed), ``pdgate_prefill_abandoned_outcomes_total{outcome}`` (calls released unanswered,
+  by what their prefill did with them: ``abandoned_admitted``, ..., summed over their
+  result), ``pdgate_prefill_rejections`` (429s per placed request),
   ``pdgate_requests_total{outcome}``, the fleet's calls, and what tells one gateway's lot
   from another's: ``pdgate_early_drops_total``, ``pdgate_fleet_yields_total`` and
   ``pdgate_queue_sheds_total{reason}``, summed and also kept per gateway (``gwI_...``, I
@@ -63,6 +65,9 @@ def parse_gateway_metrics(text: str) -> Counters:
         for sample in family.samples:
             if sample.name == "pdgate_prefill_attempts_total":
                 out[f"attempts_{sample.labels['result']}"] = sample.value
+            elif sample.name == "pdgate_prefill_abandoned_outcomes_total":
+                key = f"abandoned_{sample.labels['outcome']}"
+                out[key] = out.get(key, 0.0) + sample.value
             elif sample.name == "pdgate_requests_total":
                 # Summed over the other labels (the scenario group).
                 key = f"outcome_{sample.labels['outcome']}"

@@ -66,6 +66,8 @@ def test_the_kv_held_for_a_killed_gateway_is_released_and_a_live_one_s_kept(
         )
         request.start()
         wait_for(lambda: shim_load(prefill)["kv_held"] == 2, 10, "the prefill holding A's KV")
+        dying_id = httpx.get(dying + "/health", timeout=5).json()["gateway_id"]
+        assert shim_load(prefill)["kv_gateways"] == sorted([alive_id, dying_id])
         dead = [p for p in processes.procs if p.lines and _serves(p, dying)]
         assert len(dead) == 1
         dead[0].kill()
@@ -73,7 +75,7 @@ def test_the_kv_held_for_a_killed_gateway_is_released_and_a_live_one_s_kept(
         wait_for(lambda: shim_load(prefill)["kv_held"] == 1, 30, "A's KV released")
         load = shim_load(prefill)
         assert load["kv_gateway_gone"] == 1 and load["used"] == 1  # B's still held
-        assert load["kv_expired"] == 0
+        assert load["kv_expired"] == 0 and load["kv_gateways"] == [alive_id]
     finally:
         os.kill(decode.proc.pid, signal.SIGCONT)
 

@@ -102,18 +102,6 @@ def test_malformed_batches_are_400(prefill: str, body: bytes) -> None:
     assert "error" in resp.json()
 
 
-def test_delete_before_the_kv_exists_drops_it_on_arrival(prefill: str) -> None:
-    # A gateway that gave up on a call releases the id it chose, possibly before the KV exists.
-    assert httpx.delete(f"{prefill}/v1/kv/{'c' * 16}").status_code == 404
-    resp = httpx.post(
-        prefill + "/v1/completions", json=item("late"), headers={"x-pdgate-kv-id": "c" * 16}
-    )
-    assert resp.status_code == 200
-    load = shim_load(prefill)
-    assert load["kv_dropped_on_arrival"] >= 1
-    assert load["used"] == 0
-
-
 def test_duplicate_kv_ids_fail_alone_and_the_stream_goes_on(prefill: str) -> None:
     # Index 1 repeats index 0's id: a 409 line for it, the others are served and the NDJSON
     # answer has a line for every request.

@@ -106,9 +106,9 @@ async def test_a_call_abandoned_at_the_deadline_releases_its_kv_then_its_count()
     release_gate = asyncio.Event()
 
     class SlowRelease(MockUpstream):
-        async def release_kv_id(self, base_url: str, kv_id: str, *, request_id: str) -> None:
+        async def release_kv_id(self, base_url: str, kv_id: str, *, request_id: str) -> str | None:
             await release_gate.wait()
-            await super().release_kv_id(base_url, kv_id, request_id=request_id)
+            return await super().release_kv_id(base_url, kv_id, request_id=request_id)
 
     upstream = SlowRelease(FakeCluster(prefill_delay_s=1.0))
     tracker = tracker_for([1])
@@ -144,6 +144,31 @@ async def test_a_call_whose_waiter_gave_up_before_it_started_gives_its_counts_ba
     grant = await fwd.acquire(waiter(1))  # the slot serves the next request
     grant.close()
     await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()
+
+
+@pytest.mark.parametrize("said", ["admitted", "rejected", "unseen", None])
+async def test_a_call_cut_off_is_counted_by_what_its_prefill_said_of_it(said: str | None) -> None:
+    """A call released unanswered is counted by what the prefill answered to the release
+    (unknown: it did not say), before its counts are given back: once they are, the
+    gateway's and the prefills' counts can be compared."""
+    failure = Reply(status=500, json={"error": {"message": "boom"}})
+    cluster = FakeCluster(prefill_delay_s=0.2, prefill_script=[failure])
+    upstream = MockUpstream(cluster, admission=said)
+    tracker = tracker_for([1, 1])
+    fwd, metrics, background = forwarder(upstream, tracker)
+    leaving = asyncio.create_task(fwd.acquire(waiter(0)))
+    # The first call fails; its client leaves while the second computes.
+    await eventually(lambda: len([c for c in upstream.calls if c.leg == "prefill"]) == 2)
+    leaving.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await leaving
+    await eventually(lambda: tracker.totals() == (0, 0))
+    sample = metrics.registry.get_sample_value
+    for result in ("failed", "abandoned"):
+        labels = {"result": result, "outcome": said or "unknown"}
+        assert sample("pdgate_prefill_abandoned_outcomes_total", labels) == 1
     await fwd.close()
     await background.aclose()
 

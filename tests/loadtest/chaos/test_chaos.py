@@ -16,6 +16,7 @@ from aiohttp import web
 from pdgate.loadtest.chaos.load import DROPPED, StreamRecord, read_stream
 from pdgate.loadtest.chaos.report import (
     codes_cell,
+    dead_gateway_kv,
     fault_rows,
     held_cell,
     longest_stall,
@@ -23,6 +24,8 @@ from pdgate.loadtest.chaos.report import (
     overload_row,
     recovery_s,
     spread_cell,
+    stall_p99,
+    streams_hit,
     ttft_limit,
 )
 from pdgate.loadtest.chaos.run import ChaosPlan, ChaosResult, FaultEvent, OverloadResult
@@ -36,7 +39,8 @@ def _rec(issued: float, ended: float, *, status: int = 200, done: bool = True,
          last: float | None = None, code: str = "", gateway: int = 0) -> StreamRecord:  # fmt: skip
     return StreamRecord(issued_s=issued, ended_s=ended, status=status, done=done, ttft_s=ttft,
                         gaps=gaps or [], last_event_s=last, code=code, gateway=gateway,
-                        errored=bool(code) and status == 200)  # fmt: skip
+                        errored=bool(code) and status == 200,
+                        first_event_s=None if ttft is None else issued + ttft)  # fmt: skip
 
 
 def test_the_longest_stall_is_the_longest_gap_overlapping_the_window() -> None:
@@ -52,6 +56,58 @@ def test_the_longest_stall_is_the_longest_gap_overlapping_the_window() -> None:
     assert longest_stall([broken], 4.0, 5.0) == pytest.approx(5.0)
     # A refused request never streamed: no stall.
     assert longest_stall([_rec(0, 8.0, status=503, done=False, last=None)], 0, 9) == 0.0
+
+
+def test_the_p99_stall_is_over_each_open_stream_s_longest_gap_in_the_window() -> None:
+    stalled = [_rec(0, 10, gaps=[(2.5, 2.7), (3.0, 8.5)])]  # its longest: 5.5 s
+    smooth = [_rec(0, 10) for _ in range(99)]  # no gap kept: 0
+    outside = [_rec(11, 20, gaps=[(12, 19)]), _rec(0, 1, ttft=0.5)]  # not open in [2, 9]
+    records = [*stalled, *smooth, *outside]
+    # 100 open streams, one of them stalled 5.5 s: the p99 lies between 0 and 5.5.
+    assert stall_p99(records, 2.0, 9.0) == pytest.approx(0.01 * 5.5)
+    assert stall_p99([*stalled, *stalled, *smooth], 2.0, 9.0) == pytest.approx(5.5)
+    # A stream that broke stalls from its last event to its end, as for the longest.
+    assert stall_p99([_rec(0, 8.0, done=False, last=3.0)], 4.0, 5.0) == pytest.approx(5.0)
+    assert math.isnan(stall_p99(outside, 2.0, 9.0))  # nobody streamed in the window
+
+
+def test_streams_hit_are_those_whose_events_stopped_across_the_fault() -> None:
+    at = 20.0
+    records = [
+        _rec(18.0, 25.0, gaps=[(19.9, 25.0)]),  # on the target: stalled across it
+        _rec(18.0, 26.0, done=False, last=20.05),  # its last event came just after: broke
+        _rec(18.0, 24.0, gaps=[(20.2, 20.5)]),  # on the other decode: a later stall only
+        _rec(19.9, 31.0, ttft=10.5),  # waiting for its first token: past the 10 s deadline
+        _rec(18.0, 19.0, gaps=[(18.5, 18.9)]),  # ended before the fault
+        _rec(21.0, 24.0, gaps=[(22.0, 23.0)]),  # issued after it
+    ]
+    hit = streams_hit(records, at, 10.0)
+    assert (hit.in_flight, hit.in_flight_bad, hit.stalled, hit.stalled_bad) == (4, 2, 2, 1)
+
+
+def test_the_dead_gateway_s_kv_is_timed_from_the_kill_and_late_429s_counted() -> None:
+    kill = FaultEvent("kill-gateway", "gateway-1", 40.0, 40.0, lease_s=2.0,
+                      gateway_ids=("gw-a", "gw-b"))  # fmt: skip
+    held, free = (True, 0), (False, 0)
+    kill.kv_polls = [
+        (40.0, [held, free]),
+        (41.0, [(True, 1), None]),  # a 429 inside the lease: not counted
+        (42.0, [(True, 1), (False, 3)]),  # the other prefill's 429s: it held nothing
+        (42.5, [(True, 3), (False, 3)]),  # two while it held the KV past the lease
+        (43.0, [(False, 4), (False, 3)]),  # one more in the interval it let go in
+        (43.5, [(False, 6), (False, 3)]),
+    ]
+    kv = dead_gateway_kv(kill)
+    assert kv is not None and kv.released and kv.held_s == pytest.approx(3.0)
+    assert (kv.prefills, kv.late_429, kv.lease_s, kv.new_id) == (1, 3, 2.0, True)
+    # Still held at the last poll: a lower bound. Held by none at the first: 0.
+    kill.kv_polls = kill.kv_polls[:4]
+    kv = dead_gateway_kv(kill)
+    assert kv is not None and not kv.released and kv.held_s == pytest.approx(2.5)
+    kill.kv_polls, kill.gateway_ids = [(40.05, [free, free])], ("gw-a", "gw-a")
+    kv = dead_gateway_kv(kill)
+    assert kv is not None and kv.released and kv.held_s == 0.0 and kv.new_id is False
+    assert dead_gateway_kv(FaultEvent("kill-decode", "decode-0", 1.0, 1.0)) is None
 
 
 def test_recovery_ends_at_the_last_bad_request_after_the_fault() -> None:
@@ -100,7 +156,7 @@ def _result(seed: int) -> ChaosResult:
     records = [
         *steady,
         # kill-decode at 20: one stream stalls 1.2 s (migrated), one request slow.
-        _rec(19.0, 24.0, gaps=[(20.1, 21.3)]),
+        _rec(19.0, 24.0, gaps=[(19.95, 21.15)]),
         _rec(20.5, 23.0, ttft=1.5),
         _rec(22.0, 25.0),
         # kill-gateway (slot 1) at 40: the stream open on it breaks; a refused one retried.
@@ -120,6 +176,9 @@ def _result(seed: int) -> ChaosResult:
             53.5,
             held={"gw_pending": 0.0, "redis_slot_leases": float(seed)},
             open_at_fault=3,
+            gateway_ids=("gw-a", "gw-b"),
+            lease_s=2.0,
+            kv_polls=[(40.0, [(True, 0), (False, 0)]), (42.6, [(False, 0), (False, 0)])],
         ),
     ]
     shed = [_rec(61 + i / 10, 61.1 + i / 10, status=503, done=False, ttft=None,
@@ -142,6 +201,13 @@ def _result(seed: int) -> ChaosResult:
 def test_rows_count_errors_stalls_recovery_and_what_is_held() -> None:
     decode, gateway = fault_rows(_result(0))
     assert (decode.errors, decode.unexpected) == (0, 0) and decode.stall_s == pytest.approx(1.2)
+    # Of the three streams open in the window one stalled 1.2 s; the one in flight at the
+    # kill is the one that stalled across it.
+    assert decode.stall_p99_s == pytest.approx(0.98 * 1.2)
+    assert decode.streams is not None and decode.streams.stalled == 1
+    assert (decode.streams.stalled_bad, decode.streams.in_flight_bad) == (0, 0)
+    assert gateway.streams is None and decode.dead_kv is None
+    assert gateway.dead_kv is not None and gateway.dead_kv.held_s == pytest.approx(2.6)
     assert decode.recover_s == pytest.approx(0.5) and decode.recover_proven
     assert decode.whole_s == pytest.approx(3.0) and decode.held_ok
     # The stream open on the killed gateway may fail; the 503 after it may not.
@@ -162,7 +228,13 @@ def test_the_markdown_has_a_row_per_fault_and_the_overload_with_spreads() -> Non
     text = markdown([_result(0), _result(1), _result(2)], "pdgate bench chaos",
                     date="2026-11-26", machine="2 cores, 24 GiB, CPU, sim engine")  # fmt: skip
     assert text.startswith("`pdgate bench chaos` — 2026-11-26; 2 cores, 24 GiB, CPU, sim engine")
-    assert "| 1. kill -9 a decode mid-stream, start a replacement | 3 | 0 | 0 | - | 1.20 |" in text
+    decode_row = "| 1. kill -9 a decode mid-stream, start a replacement | 3 | 0 | 0 | - |"
+    assert decode_row + " 1.20 | 1.18 |" in text  # the longest stall, then the p99
+    assert "kill-decode: [1, 1, 1] streams stalled across the fault" in text
+    assert "[0, 0, 0] of them failed or missed their 10 s TTFT deadline" in text
+    assert "kill-gateway: the dead gateway's KV held for [2.6, 2.6, 2.6] s after the kill" in text
+    assert "(lease 2 s; held by [1, 1, 1] prefills at the kill)" in text
+    assert "past the lease: [0, 0, 0]; the restarted gateway had a new fleet id" in text
     assert "| 2. kill -9 a gateway, restart it | 2 | 2 | 1 |" in text
     assert "| 200 broken x3, 503 gateway_overloaded x3 |" in text
     assert "run 1: 0; run 2: redis_slot_leases=1; run 3: redis_slot_leases=2" in text

@@ -21,6 +21,11 @@ _EXPOSITION = """\
 # TYPE pdgate_prefill_attempts_total counter
 pdgate_prefill_attempts_total{result="accepted"} 120.0
 pdgate_prefill_attempts_total{result="rejected"} 33.0
+# HELP pdgate_prefill_abandoned_outcomes_total Prefill calls released unanswered
+# TYPE pdgate_prefill_abandoned_outcomes_total counter
+pdgate_prefill_abandoned_outcomes_total{result="abandoned",outcome="admitted"} 5.0
+pdgate_prefill_abandoned_outcomes_total{result="deadline",outcome="admitted"} 2.0
+pdgate_prefill_abandoned_outcomes_total{result="abandoned",outcome="unseen"} 1.0
 # HELP pdgate_requests_total Completed client requests by outcome
 # TYPE pdgate_requests_total counter
 pdgate_requests_total{outcome="ok"} 118.0
@@ -52,6 +57,8 @@ def test_parse_gateway_metrics_picks_the_counters_of_interest() -> None:
     assert got == {
         "attempts_accepted": 120.0,
         "attempts_rejected": 33.0,
+        "abandoned_admitted": 7.0,
+        "abandoned_unseen": 1.0,
         "outcome_ok": 118.0,
         "outcome_deadline_exceeded": 2.0,
         "prefill_rejections_count": 120.0,
