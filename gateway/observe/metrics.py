@@ -296,6 +296,31 @@ class _LoopSeries:
         return out
 
 
+# Per-instance series: (name, help, the tracker row's field); the flags are booleans there.
+_INSTANCE_GAUGES = (
+    ("open_streams", "Open client streams through the instance, whole fleet", "fleet_open_streams"),
+    (
+        "inflight",
+        "Requests at the instance, whole fleet (prefill: until KV taken)",
+        "fleet_inflight",
+    ),
+    (
+        "computing",
+        "Prefill calls the instance has not answered yet, whole fleet",
+        "fleet_computing",
+    ),
+    ("capacity", "Slots the instance declares", "capacity"),
+    ("ejected", "1 while the instance is ejected as an outlier", "ejected"),
+    ("busy", "1 while the instance is skipped after a 429", "busy"),
+    ("speed", "Prefill speed against the fastest hardware type (1: alike or unknown)", "speed"),
+)
+_INSTANCE_COUNTERS = (
+    ("accepted", "Calls this gateway sent to the instance", "accepted"),
+    ("rejected", "429s from the instance to this gateway", "rejected"),
+    ("failed", "Failed calls to the instance from this gateway", "failed"),
+)
+
+
 class _InstanceCollector(Collector):
     """Per-instance series from the tracker, at scrape time (bounded by membership)."""
 
@@ -307,39 +332,20 @@ class _InstanceCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         labels = ["instance", "role", "group"]
-        gauges = {
-            name: GaugeMetricFamily(f"pdgate_instance_{name}", text, labels=labels)
-            for name, text in (
-                ("open_streams", "Open client streams through the instance, whole fleet"),
-                ("inflight", "Requests at the instance, whole fleet (prefill: until KV taken)"),
-                ("computing", "Prefill calls the instance has not answered yet, whole fleet"),
-                ("capacity", "Slots the instance declares"),
-                ("ejected", "1 while the instance is ejected as an outlier"),
-                ("busy", "1 while the instance is skipped after a 429"),
-                ("speed", "Prefill speed against the fastest hardware type (1: alike or unknown)"),
+        families: list[tuple[GaugeMetricFamily | CounterMetricFamily, str]] = [
+            (kind(f"pdgate_instance_{name}", text, labels=labels), field)
+            for kind, table in (
+                (GaugeMetricFamily, _INSTANCE_GAUGES),
+                (CounterMetricFamily, _INSTANCE_COUNTERS),
             )
-        }
-        counters = {
-            name: CounterMetricFamily(f"pdgate_instance_{name}", text, labels=labels)
-            for name, text in (
-                ("accepted", "Calls this gateway sent to the instance"),
-                ("rejected", "429s from the instance to this gateway"),
-                ("failed", "Failed calls to the instance from this gateway"),
-            )
-        }
+            for name, text, field in table
+        ]
         for row in self._rows():
             values = [str(row["id"]), str(row["role"]), str(row["group"])]
-            gauges["open_streams"].add_metric(values, float(row["fleet_open_streams"]))
-            gauges["inflight"].add_metric(values, float(row["fleet_inflight"]))
-            gauges["computing"].add_metric(values, float(row["fleet_computing"]))
-            gauges["capacity"].add_metric(values, float(row["capacity"]))
-            gauges["ejected"].add_metric(values, float(bool(row["ejected"])))
-            gauges["busy"].add_metric(values, float(bool(row["busy"])))
-            gauges["speed"].add_metric(values, float(row["speed"]))
-            for name, family in counters.items():
-                family.add_metric(values, float(row[name]))
-        yield from gauges.values()
-        yield from counters.values()
+            for family, field in families:
+                family.add_metric(values, float(row[field]))
+        for family, _ in families:
+            yield family
 
 
 class _QueueCollector(Collector):

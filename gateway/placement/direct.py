@@ -138,23 +138,17 @@ class DirectPrefill:
             raise DeadlineExceeded(
                 "the prefill instance is busy", retry_after=self._retry_after_s
             ) from exc
-        except UpstreamStatus as exc:
-            if exc.is_client_error:
+        except UpstreamError as exc:
+            answered = isinstance(exc, UpstreamStatus)
+            if isinstance(exc, UpstreamStatus) and exc.is_client_error:
                 release_after(exc, stream, inflight)
                 raise client_error(exc) from exc
+            # Failed, timed out or lost: the prefill may hold KV for an answer nobody reads.
             await shielded(release(None, slot_freed=False, result="failed"))
             counter.labels("failed").inc()
+            what = "failed" if answered else "did not answer"
             raise DeadlineExceeded(
-                "the prefill failed before the TTFT deadline",
-                retry_after=self._retry_after_s,
-            ) from exc
-        except UpstreamError as exc:
-            # Timed out or lost: the prefill may hold KV for an answer we will never read.
-            await shielded(release(None, slot_freed=False, result="failed"))
-            counter.labels("failed").inc()
-            raise DeadlineExceeded(
-                "the prefill did not answer before the TTFT deadline",
-                retry_after=self._retry_after_s,
+                f"the prefill {what} before the TTFT deadline", retry_after=self._retry_after_s
             ) from exc
         except BaseException as exc:
             # Cut off unanswered (its client left), or a bug here (as the forwarder's).

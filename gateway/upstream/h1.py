@@ -110,10 +110,11 @@ class _Connection(asyncio.Protocol):
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
         self._paused = False
+        self._keep_alive = False
+        # One exchange's state, set afresh by each `send` (`_begin`).
         self._busy = False  # an exchange is under way
         self._status: int | None = None
         self._framed = False  # content-length or chunked: the end is in the bytes, not EOF
-        self._keep_alive = False
         self._complete = False
         self._error: str | None = None  # why the answer cannot be read further
         self.admission: bytes | None = None  # a KV release's ADMISSION_HEADER
@@ -186,13 +187,18 @@ class _Connection(asyncio.Protocol):
     def send(self, head: bytes, body: bytes) -> None:
         if self.closed or self._transport is None or self._transport.is_closing():
             raise _Broken("the connection closed before the call was sent")
+        self._begin()
+        self._transport.writelines((head, body))
+
+    def _begin(self) -> None:
+        """A new exchange on this (kept-alive) connection: nothing of the last one's answer
+        counts for it."""
         self._busy = True
         self._status = None
         self._framed = False
         self._complete = False
         self._error = None
         self.admission = None
-        self._transport.writelines((head, body))
 
     async def status(self) -> int:
         while self._status is None:
