@@ -29,7 +29,7 @@ def test_prefill_with_one_slot_rejects_the_second_request_at_once(
 ) -> None:
     assert one_slot_prefill.info is not None
     prefill = one_slot_prefill.info.prefill_urls[0]
-    hold_prefill_slot(prefill)
+    held = hold_prefill_slot(prefill)
     resp = httpx.post(
         prefill + "/v1/completions",
         json={**BODY, "kv_transfer_params": {"do_remote_decode": True}},
@@ -42,6 +42,7 @@ def test_prefill_with_one_slot_rejects_the_second_request_at_once(
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code", "retry_after"}
     assert round(error["retry_after"] * 1000) == int(resp.headers["retry-after-ms"])
+    release_prefill_slot(held)  # else the cluster's shutdown waits out the 30 s hold
 
 
 def test_gateway_retries_until_the_slot_frees(one_slot_prefill: ThreadedCluster) -> None:
