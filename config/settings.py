@@ -628,6 +628,12 @@ class GatewaySettings(_Settings):
         "slots over the mean time a request holds one, beyond those free now (decodes "
         "that answer 429 when full, as pdgate's shims do).",
     )
+    retry_keeps_place: bool = Field(
+        default=True,
+        description="dispatch=queue: keep the place of a request a queue refused (503, 429) "
+        "for its retry, the same request sent again before its Retry-After has long passed: "
+        'it goes where its first try stood (docs/scheduling.md, "Retry-After").',
+    )
     decode_backpressure: bool = Field(
         default=True,
         description="dispatch=queue: while a prefilled request waits for a decode (all "

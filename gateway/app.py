@@ -284,6 +284,7 @@ def queue_parts(
             drain_sweep=settings.drain_sweep,
             drain_headroom=settings.drain_headroom,
             decode_backpressure=settings.decode_backpressure,
+            retry_keeps_place=settings.retry_keeps_place,
             prefill_estimate_quantile=settings.prefill_estimate_quantile,
         ),
     )

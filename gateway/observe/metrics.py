@@ -149,6 +149,12 @@ class GatewayMetrics:
             "not reach it before its deadline)",
             ["reason"],
         )
+        self.queue_places = counter(
+            "pdgate_queue_places",
+            "Places in a queue kept for refused requests (kept) and taken back by their "
+            "retries (taken): the retry goes where its first try stood",
+            ["outcome"],
+        )
         self.migrations = counter(
             "pdgate_migrations",
             "Streams continued on another decode after theirs broke mid-stream (prompt + "

@@ -43,8 +43,9 @@ from pdgate.gateway.placement.drain import (
     Pace,
     QueueDrain,
 )
+from pdgate.gateway.placement.places import Places
 from pdgate.gateway.placement.prefill_time import PrefillTimes
-from pdgate.gateway.placement.queue import Admission, Waiter, WaiterState, WaitQueue
+from pdgate.gateway.placement.queue import Admission, Waiter, WaitQueue
 
 __all__ = ["AdmissionOptions", "QueueAdmission"]
 
@@ -74,6 +75,9 @@ class AdmissionOptions:
     # Hold a queue's prefills while a prefilled request of its model and group waits for a
     # decode (drain.py, `DecodeWaits`).
     decode_backpressure: bool = True
+    # Keep a refused request's place for its retry (places.py), so that the Retry-After it
+    # is told comes true.
+    retry_keeps_place: bool = True
 
 
 class QueueAdmission:
@@ -109,6 +113,7 @@ class QueueAdmission:
         self._arrivals = ArrivalRate()  # those drain admission judges
         self._grants_new = 0  # ours since the last `take_grants`
         self._next_sweep = 0.0  # monotonic: when drain admission may sweep the queue next
+        self._places = Places(queue.max_size) if options.retry_keeps_place else None
 
     @property
     def shedding(self) -> GatewayError | None:
@@ -119,6 +124,10 @@ class QueueAdmission:
         """Queue `waiter`, or raise what it is told instead (503 or 429, module docstring)."""
         if self._shed is not None:
             raise self._shed
+        if self._places is not None and not waiter.admitted:
+            waiter.place = self._places.take(waiter.info, time.monotonic())
+            if waiter.place is not None:
+                self._metrics.queue_places.labels("taken").inc()
         # Started by then, it most likely makes its deadline (the queue's start guard).
         estimate = self._prefill_times.upper_bound_s(waiter.info.prompt_chars, _GUARD_QUANTILE)
         if estimate is not None:
@@ -128,7 +137,7 @@ class QueueAdmission:
             late = self._too_late(waiter)
         if late is not None:
             self._metrics.queue_sheds.labels("drain").inc()
-            raise self._out_of_reach(late)
+            raise self._out_of_reach(self._keep_place(waiter, late))
         admission = self.queue.push(waiter)
         if admission is Admission.FULL:
             # Under its tenant's share: it takes the place of an over-share tenant's newest
@@ -148,7 +157,8 @@ class QueueAdmission:
                     leave, self._options.retry_after.drain(self.queue.overflow(), pace.per_s)
                 )
             raise Overloaded(
-                "the gateway's queue for this model and group is full", retry_after=leave
+                "the gateway's queue for this model and group is full",
+                retry_after=self._keep_place(waiter, leave),
             )
         if admission is Admission.OVER_SHARE:
             self._metrics.queue_sheds.labels("over_share").inc()
@@ -178,9 +188,10 @@ class QueueAdmission:
             self._next_sweep = now + _SWEEP_S
             self._sweep(pace, now, 1.0 + headroom)
         reachable = pace.reach(waiter.deadline - now) * (1.0 - headroom)
-        if len(self.queue) <= reachable:
+        places = 0.0 if self._places is None else len(self._places) * self._places.return_share
+        if len(self.queue) + places <= reachable:
             return None
-        ahead = self.queue.ahead(waiter)
+        ahead = self.queue.ahead(waiter) + self._places_ahead(waiter, now)
         if ahead <= reachable:
             return None
         return self._options.retry_after.drain(ahead - reachable, pace.per_s)
@@ -218,7 +229,9 @@ class QueueAdmission:
             self.queue.remove(late)
             self._metrics.queue_sheds.labels("drain").inc()
             if not late.future.done():
-                late.future.set_exception(self._out_of_reach(self._retry_anew(late)))
+                late.future.set_exception(
+                    self._out_of_reach(self._keep_place(late, self._retry_anew(late)))
+                )
 
     def granted(self, now: float) -> None:
         """A prefill accepted one of this gateway's requests of the queue."""
@@ -266,7 +279,7 @@ class QueueAdmission:
             waiter.future.set_exception(
                 DeadlineExceeded(
                     "the request cannot be prefilled before its TTFT deadline",
-                    retry_after=self._retry_anew(waiter),
+                    retry_after=self._keep_place(waiter, self._retry_anew(waiter)),
                 )
             )
         return True
@@ -277,7 +290,7 @@ class QueueAdmission:
             waiter.future.set_exception(
                 DeadlineExceeded(
                     "no prefill instance accepted the request before its TTFT deadline",
-                    retry_after=self._retry_anew(waiter),
+                    retry_after=self._keep_place(waiter, self._retry_anew(waiter)),
                 )
             )
 
@@ -293,7 +306,12 @@ class QueueAdmission:
     # -- what a refused request is told to wait (retry_after.py) ---------------------------
 
     def _retry_wait(
-        self, ahead: int, budget_s: float | None, pace: Pace | None, now: float, share: float = 1.0
+        self,
+        ahead: float,
+        budget_s: float | None,
+        pace: Pace | None,
+        now: float,
+        share: float = 1.0,
     ) -> float:
         """Until the pace (`share` of it) has served all but what it reaches within
         `budget_s` of the `ahead` requests before this one: a retry then is admitted, and
@@ -310,17 +328,38 @@ class QueueAdmission:
         """For an arrival: the requests ahead of it now, with its own time left."""
         now = time.monotonic()
         pace = self._pace(now)
-        ahead = self.queue.ahead(waiter)
+        ahead = self.queue.ahead(waiter) + self._places_ahead(waiter, now)
         return self._retry_wait(ahead, waiter.deadline - now, pace, now, share)
 
     def _retry_anew(self, waiter: Waiter) -> float:
-        """For a request that waited here in vain: its retry queues behind every request of
-        its tenant and the more urgent classes queued now, with its whole TTFT budget."""
+        """For a request that waited here in vain, with its whole TTFT budget: its retry goes
+        where it stood (its place is kept), or else behind every request of its tenant and
+        the more urgent classes queued now."""
         now = time.monotonic()
-        ahead = self.queue.ahead(waiter, due=math.inf)
-        if waiter.state is WaiterState.QUEUED:
-            ahead -= 1  # itself, at its deadline still queued
+        ahead: float
+        if self._places is None:
+            ahead = self.queue.ahead(waiter, at=(math.inf, 0))
+        else:
+            at = self.queue.place_of(waiter)
+            ahead = self.queue.ahead(waiter, at=at) + self._places_ahead(waiter, now)
         return self._retry_wait(ahead, waiter.info.ttft_s, self._pace(now), now)
+
+    def _places_ahead(self, waiter: Waiter, now: float) -> float:
+        """The refused requests, likely to come back, whose kept places are before
+        `waiter`'s."""
+        places = self._places
+        if places is None or not places:
+            return 0.0
+        info = waiter.info
+        return places.ahead(info.priority, info.tenant, self.queue.place_of(waiter), now)
+
+    def _keep_place(self, waiter: Waiter, retry_after: float) -> float:
+        """`waiter` is refused and told `retry_after`: keep its place for its retry."""
+        if self._places is not None:
+            at = self.queue.place_of(waiter)
+            self._places.keep(waiter.info, at, retry_after, time.monotonic())
+            self._metrics.queue_places.labels("kept").inc()
+        return retry_after
 
     def _out_of_reach(self, retry_after: float) -> Overloaded:
         return Overloaded(
@@ -334,5 +373,7 @@ class QueueAdmission:
         return OverShare(
             f"the fleet is busy and tenant {waiter.tenant!r} holds its share of the queue; "
             "back off and retry",
-            retry_after=self._retry_ahead(waiter, self.queue.share(waiter)),
+            retry_after=self._keep_place(
+                waiter, self._retry_ahead(waiter, self.queue.share(waiter))
+            ),
         )

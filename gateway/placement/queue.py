@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-import math
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
@@ -79,7 +78,9 @@ class Waiter:
     request_id: str
     deadline: float  # monotonic
     future: asyncio.Future[Any]
-    key: tuple[float, int] = (0.0, 0)  # order within its tenant
+    key: tuple[float, int] = (0.0, 0)  # order within its tenant (0: not queued yet)
+    # Its place kept from an earlier try that the queue refused (places.py): its key then.
+    place: tuple[float, int] | None = None
     state: WaiterState = WaiterState.QUEUED
     attempts: int = 0  # prefill calls made for it
     rejections: int = 0
@@ -161,7 +162,7 @@ class WaitQueue:
         self._counters: dict[str, float] = {}  # tenant -> tokens charged (insertion = LRU)
         self._deadlines = _Heap()  # every queued waiter by deadline (fleet heads)
         self._live = 0
-        self._seq = itertools.count()
+        self._seq = itertools.count(1)
         self._nonempty = asyncio.Event()
         self._arrived = asyncio.Event()  # replaced (after being set) on every insertion
 
@@ -186,10 +187,23 @@ class WaitQueue:
             return Admission.OVER_SHARE
         if self.full:
             return Admission.FULL
-        seq = next(self._seq)
-        waiter.key = (waiter.deadline, seq) if self._order is QueueOrder.EDF else (float(seq), seq)
+        waiter.key = self.place_of(waiter)
         self._insert(waiter)
         return Admission.OK
+
+    @property
+    def max_size(self) -> int:
+        return self._max_size
+
+    def place_of(self, waiter: Waiter) -> tuple[float, int]:
+        """`waiter`'s key in this queue's order: its kept place, its key if it was queued
+        here, else the key of an arrival now (by deadline in EDF, by arrival in FIFO)."""
+        if waiter.place is not None:
+            return waiter.place
+        if waiter.key[1]:
+            return waiter.key
+        seq = next(self._seq)
+        return (waiter.deadline, seq) if self._order is QueueOrder.EDF else (float(seq), seq)
 
     def _queued_by_tenant(self) -> dict[str, tuple[int, float]]:
         """Tenant -> (queued, weight) over every class."""
@@ -317,24 +331,31 @@ class WaitQueue:
         if not self._live:
             self._nonempty.clear()
 
-    def ahead(self, waiter: Waiter, due: float | None = None) -> int:
-        """A lower bound of the queued requests that would go before `waiter` were it queued
-        now (with deadline `due`, by default its own): every request of a more urgent class,
-        and those of its own tenant and class that its order puts first (all of them in
-        FIFO; in EDF those due no later). Other tenants' are not counted: fair sharing may
-        let it pass them. O(its tenant's queued) in EDF."""
+    def ahead(self, waiter: Waiter, at: tuple[float, int] | None = None) -> int:
+        """A lower bound of the other queued requests that would go before `waiter` were it
+        queued now at key `at`: every request of a more urgent class, and those of its own
+        tenant and class that its order puts first. By default it goes where its kept place
+        puts it, else after all of them in FIFO and after those due no later in EDF. Other
+        tenants' are not counted: fair sharing may let it pass them. O(its tenant's queued)
+        unless it goes last in FIFO."""
         priority = waiter.info.priority
         n = sum(c.queued for p, c in self._classes.items() if p < priority)
         cls = self._classes.get(priority)
         tenant = None if cls is None else cls.tenants.get(waiter.tenant)
         if tenant is None:
             return n
-        due = waiter.deadline if due is None else due
-        if self._order is not QueueOrder.EDF or due == math.inf:
-            return n + tenant.queued
-        return n + sum(
-            1 for _, w in tenant.heap.entries if w.state is WaiterState.QUEUED and w.deadline <= due
+        at = waiter.place if at is None else at
+        if at is None and self._order is not QueueOrder.EDF:
+            queued = waiter.key[1] and waiter.state is WaiterState.QUEUED  # itself
+            return n + tenant.queued - bool(queued)
+        live = (
+            (k, w)
+            for k, w in tenant.heap.entries
+            if w.state is WaiterState.QUEUED and w is not waiter
         )
+        if at is not None:
+            return n + sum(1 for k, _ in live if k < at)
+        return n + sum(1 for _, w in live if w.deadline <= waiter.deadline)
 
     def waiters(self) -> list[Waiter]:
         """Every queued waiter, in no particular order."""

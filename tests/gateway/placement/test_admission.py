@@ -133,8 +133,9 @@ async def test_the_units_sweep_refuses_queued_requests_out_of_reach_but_not_read
     admission.admit(waiter(102, deadline_s=20.0))  # its arrival sweeps the queue
     with pytest.raises(Overloaded, match="would not reach this request") as refused:
         doomed.future.result()
-    # Its retry queues behind the 41 left, at 20 a second (it has no TTFT budget of its own).
-    assert refused.value.retry_after == pytest.approx(41 / 20, abs=0.01)
+    # Its retry goes where it stood, behind the 40 before it, at 20 a second (it has no TTFT
+    # budget of its own).
+    assert refused.value.retry_after == pytest.approx(40 / 20, abs=0.01)
     assert doomed not in queue.waiters() and kept in queue.waiters()
     assert not kept.future.done() and _sheds(metrics, "drain") == 1
 
@@ -241,7 +242,9 @@ class _Paced:
 
 
 @contextlib.asynccontextmanager
-async def _paced_backlog(order: QueueOrder, *, drain: bool) -> AsyncIterator[_Paced]:
+async def _paced_backlog(
+    order: QueueOrder, *, drain: bool, keep_places: bool = True
+) -> AsyncIterator[_Paced]:
     """One prefill of one slot, 0.05 s a prompt (about 20 grants a second), and 80 requests
     due in 30 s queued for over a second, so the pace is known; no sweep unless a test
     turns it on; all of it cancelled and closed on exit."""
@@ -249,7 +252,9 @@ async def _paced_backlog(order: QueueOrder, *, drain: bool) -> AsyncIterator[_Pa
     fwd, metrics, background = forwarder(
         upstream,
         tracker_for([1]),
-        admission=AdmissionOptions(drain_admission=drain, drain_sweep=False),
+        admission=AdmissionOptions(
+            drain_admission=drain, drain_sweep=False, retry_keeps_place=keep_places
+        ),
         order=order,
     )
     tasks = [asyncio.create_task(_take(fwd, waiter(i, deadline_s=30))) for i in range(80)]
@@ -289,6 +294,40 @@ async def test_a_request_the_pace_cannot_reach_in_time_is_refused_at_once() -> N
         # One the pace reaches in time is queued and served.
         await _take(p.fwd, waiter(101, deadline_s=20.0))
         assert len(p.upstream.calls) > calls
+
+
+@pytest.mark.parametrize("keep_places", [True, False])
+async def test_a_refused_request_retried_when_told_is_served_where_it_stood(
+    keep_places: bool,
+) -> None:
+    """The same request sent again after its Retry-After goes where its first try stood,
+    before the requests that came meanwhile, and is served; were its retry a new arrival,
+    those would be ahead of it and it would be refused again."""
+    async with _paced_backlog(QueueOrder.FIFO, drain=True, keep_places=keep_places) as p:
+        with pytest.raises(Overloaded, match="would not reach this request") as refused:
+            await p.fwd.acquire(waiter(100, deadline_s=1.0))
+        told = refused.value.retry_after
+        assert told is not None and told > 0.5  # some 50 queued, 20 served a second
+        later = [
+            asyncio.create_task(_take(p.fwd, waiter(200 + i, deadline_s=30))) for i in range(15)
+        ]
+        try:
+            await asyncio.sleep(told + 0.3)
+            retry = p.fwd.acquire(waiter(100, deadline_s=1.0))  # the same request again
+            if not keep_places:
+                with pytest.raises(Overloaded, match="would not reach this request"):
+                    await retry
+                return
+            (await retry).close()  # granted before its deadline
+            assert not any(t.done() for t in later)  # all 15 still behind it
+            taken = p.metrics.registry.get_sample_value(
+                "pdgate_queue_places_total", {"outcome": "taken"}
+            )
+            assert taken == 1
+        finally:
+            for t in later:
+                t.cancel()
+            await asyncio.gather(*later, return_exceptions=True)
 
 
 async def _waits_out_its_deadline(p: _Paced) -> None:
@@ -354,8 +393,9 @@ async def test_under_heavy_overload_admission_keeps_headroom_below_the_sweeps_re
     """A request the pace reaches with a fifth of its time to spare is queued while requests
     arrive about as fast as the queue drains. Once they arrive five times as fast, the same
     request is refused on arrival: `drain_headroom` 0.3 applies, where a dip of the pace past
-    a fifth would have had the sweep refuse it late."""
-    async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
+    a fifth would have had the sweep refuse it late. (The burst's refused requests never
+    come back: no place is kept for them.)"""
+    async with _paced_backlog(QueueOrder.FIFO, drain=True, keep_places=False) as p:
         assert p.admission._options.drain_headroom == 0.3  # the default
 
         def at_the_edge(i: int) -> Waiter:
