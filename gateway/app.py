@@ -349,7 +349,13 @@ def build_dispatcher(
             settings, tracker, ranking, upstream, metrics, shared.background, index, handoffs
         ),
         whole=WholeRequests(
-            settings, tracker, queues, decodes, ejector=ejector, budget=budget, metrics=metrics
+            tracker,
+            queues,
+            decodes,
+            ejector=ejector,
+            budget=budget,
+            metrics=metrics,
+            retry_after=groups.retry_after,
         ),
         decode_legs=DecodeLegs(
             settings,
@@ -370,7 +376,14 @@ def build_dispatcher(
         push=None
         if handoffs is None
         else PushDecodes(
-            tracker, decodes, handoffs, decode_policy, shared.backoff, settings.retry_after_s
+            tracker,
+            decodes,
+            handoffs,
+            decode_policy,
+            shared.backoff,
+            retry_after=groups.retry_after,
+            waits=shared.decode_waits,
+            capacity=shared.decode_capacity,
         ),
     )
     fleet.serve_queues(dispatcher.heads, dispatcher)

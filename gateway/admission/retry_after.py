@@ -7,14 +7,18 @@ queue that refused it; a figure from the queue spreads them over the time it nee
 error path asks this unit with what it knows (docs/scheduling.md, "Retry-After"):
 
 - `drain`: ``excess`` requests must leave before this one would be admitted (or reached in
-  time), at ``per_s`` grants a second (the fleet's pace while saturated, bounded by the
-  decodes'): ``excess / per_s``. The queue's refusals (drain admission and its sweep, a full
-  queue, early drop, expiry) count as excess the requests ahead of it in deadline order less
-  what the pace serves within its TTFT budget; a tenant over its share counts its own
-  requests ahead, at its share of the pace; a prefilled request that found no decode counts
-  the others waiting, at the decodes' pace.
+  time), at ``per_s`` a second: ``excess / per_s``. The queue's refusals (drain admission
+  and its sweep, a full queue, early drop, expiry) count as excess the requests ahead of it
+  in deadline order less what the fleet's pace (while saturated, bounded by the decodes')
+  serves within its TTFT budget; a tenant over its share counts its own requests ahead, at
+  its share of the pace; an aggregated instance that did not answer in time, the queue's
+  requests as expiry does. A request no decode took (or, pushed, no decode had room for)
+  counts the others waiting for a decode beyond the free slots, at the decodes' pace. At
+  ``max_pending`` or ``max_uploads`` the excess is the count past the limit, one more for
+  this request, at the rate those requests have been finishing (`Departures`).
 - `membership`: no instance serves it; the gateway sees a new one at its next read of the
   fleet's membership.
+- `elsewhere`: the gateway stops; another gateway of the fleet serves it at once.
 - `bounded`: a figure found elsewhere (a key's rate limit: until its bucket holds a token).
 
 With nothing to go by (no pace measured yet) it is the floor; every figure is held between
@@ -25,8 +29,9 @@ default is the longest wait the official OpenAI clients honour: past it they giv
 from __future__ import annotations
 
 import math
+from collections import deque
 
-__all__ = ["RetryAfter"]
+__all__ = ["Departures", "RetryAfter"]
 
 
 class RetryAfter:
@@ -64,3 +69,34 @@ class RetryAfter:
     def membership(self) -> float:
         """Until the gateway's next read of the fleet's members: a new instance shows then."""
         return self.bounded(self._poll)
+
+    def elsewhere(self) -> float:
+        """The gateway stops: another gateway serves the request at once, so the shortest
+        wait, the floor."""
+        return self._floor
+
+
+class Departures:
+    """How fast requests leave a bounded count (``max_pending``, ``max_uploads``): the
+    departures of the last `window_s`, at most `keep` of them, over the time since the first
+    of them (so a silence since the last one slows it). None: fewer than two to go by."""
+
+    __slots__ = ("_times", "_window")
+
+    def __init__(self, *, window_s: float = 10.0, keep: int = 64) -> None:
+        if window_s <= 0 or keep < 2:
+            raise ValueError("need window_s > 0 and keep >= 2")
+        self._window = window_s
+        self._times: deque[float] = deque(maxlen=keep)
+
+    def left(self, now: float) -> None:
+        """One request left the count."""
+        self._times.append(now)
+
+    def per_s(self, now: float) -> float | None:
+        times = self._times
+        while times and times[0] < now - self._window:
+            times.popleft()
+        if len(times) < 2 or now <= times[0]:
+            return None
+        return (len(times) - 1) / (now - times[0])

@@ -65,6 +65,7 @@ from pdgate.config.wire import REQUEST_ID_HEADER, TPOT_SLO_HEADER, valid_request
 from pdgate.gateway.admission.auth import PRIORITIES, ApiKey, KeyRing
 from pdgate.gateway.admission.context import ContextLimit
 from pdgate.gateway.admission.groups import GROUP_HEADER, GroupResolver
+from pdgate.gateway.admission.retry_after import Departures
 from pdgate.gateway.admission.tenancy import resolve_tenancy
 from pdgate.gateway.errors import (
     BadRequest,
@@ -116,14 +117,18 @@ class CompletionsEndpoint:
         self._dispatcher = dispatcher
         self._tracker = tracker
         self._metrics = metrics
-        self.pending = 0  # admitted: body whole, not finished
+        self.pending = 0  # admitted: body whole, not finished (`finished`)
         self.uploading = 0  # connections whose body is still arriving
+        # How fast each count frees a place: what a request refused at its limit is told.
+        self._finishing = Departures()
+        self._uploaded = Departures()
         self.stopping = False  # `stop`: no new request, and none left without an answer
 
     def shutting_down(self) -> ShuttingDown:
         """What a request is told while the gateway stops: another gateway serves it now."""
         return ShuttingDown(
-            "the gateway is shutting down; retry on another", retry_after=self.retry_after.floor_s
+            "the gateway is shutting down; retry on another",
+            retry_after=self.retry_after.elsewhere(),
         )
 
     def stop(self) -> None:
@@ -142,9 +147,21 @@ class CompletionsEndpoint:
         if self.pending >= self._settings.max_pending:
             return Overloaded(
                 "the gateway is at its limit of pending requests",
-                retry_after=self.retry_after.floor_s,
+                retry_after=self._until_room(
+                    self.pending, self._settings.max_pending, self._finishing
+                ),
             )
         return None
+
+    def finished(self) -> None:
+        """An admitted request (of any endpoint counted in `pending`) has ended."""
+        self.pending -= 1
+        self._finishing.left(time.monotonic())
+
+    def _until_room(self, count: int, limit: int, departures: Departures) -> float:
+        """Until enough of `count` have left for one more to fit under `limit`, at the rate
+        they have been leaving (none measured yet: the floor)."""
+        return self.retry_after.drain(count - limit + 1, departures.per_s(time.monotonic()))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         arrived = time.monotonic()
@@ -264,7 +281,7 @@ class CompletionsEndpoint:
                 placement.close()
             if watcher is not None:
                 watcher.cancel()
-            self.pending -= 1
+            self.finished()
             self._metrics.requests.labels(outcome, group).inc()
             self._observe(outcome, info, placement, arrived)
             if span.is_recording():
@@ -308,7 +325,7 @@ class CompletionsEndpoint:
         if self.uploading >= settings.max_uploads:
             raise Overloaded(
                 "the gateway is at its limit of requests being uploaded",
-                retry_after=self.retry_after.floor_s,
+                retry_after=self._until_room(self.uploading, settings.max_uploads, self._uploaded),
             )
         self.uploading += 1
         try:
@@ -317,6 +334,7 @@ class CompletionsEndpoint:
             raise from_openai_error(exc) from exc
         finally:
             self.uploading -= 1
+            self._uploaded.left(time.monotonic())
         if not body:
             raise BadRequest("request body is empty; expected a JSON object")
         return body

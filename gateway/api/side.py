@@ -195,7 +195,7 @@ class SideEndpoint:
         finally:
             if watcher is not None:
                 watcher.cancel()
-            admission.pending -= 1
+            admission.finished()
             self._count(path, outcome, group)
             if span.is_recording():
                 span.set_attribute("pdgate.outcome", outcome)

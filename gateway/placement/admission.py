@@ -294,6 +294,12 @@ class QueueAdmission:
                 )
             )
 
+    def answered_late(self, waiter: Waiter) -> float:
+        """`waiter` was granted, but its instance did not answer before its deadline (an
+        aggregated instance: the slot is the whole request): the Retry-After to tell it,
+        as to one that expired here, its place kept."""
+        return self._keep_place(waiter, self._retry_anew(waiter))
+
     def shed(self, error: GatewayError) -> None:
         """The gateway stops: every queued request, and every one that would queue from now on
         (a new one, a retry), fails with `error` at once, so that its client can go to another

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from pdgate.config.settings import GatewaySettings
 from pdgate.config.wire import TPOT_SLO_HEADER, TTFT_LEFT_HEADER, Role
+from pdgate.gateway.admission.retry_after import RetryAfter
 from pdgate.gateway.errors import DeadlineExceeded, UpstreamError, UpstreamRejected, UpstreamStatus
 from pdgate.gateway.instances.health import Ejector, RetryBudget, spends_budget
 from pdgate.gateway.instances.tracker import InstanceTracker
@@ -29,6 +29,7 @@ from pdgate.gateway.placement.decode_attempt import (
     out_of_time,
     retry_or_fail,
 )
+from pdgate.gateway.placement.forwarder import PrefillForwarder
 from pdgate.gateway.placement.partial import PhaseView
 from pdgate.gateway.placement.placed import LegRequest, Placement, as_stream, whole
 from pdgate.gateway.placement.queue import Waiter
@@ -42,7 +43,6 @@ class WholeRequests:
 
     def __init__(
         self,
-        settings: GatewaySettings,
         tracker: InstanceTracker,
         queues: Queues,
         attempts: DecodeAttempts,
@@ -50,8 +50,10 @@ class WholeRequests:
         ejector: Ejector,
         budget: RetryBudget,
         metrics: GatewayMetrics,
+        retry_after: RetryAfter,
     ) -> None:
-        self._retry_after_s = settings.retry_after_s
+        """`retry_after`: what a request whose instance did not answer in time is told."""
+        self._retry_after = retry_after
         self._tracker = tracker
         self._queues = queues
         self._attempts = attempts
@@ -104,7 +106,7 @@ class WholeRequests:
                 if out_of_time(req.deadline):
                     raise DeadlineExceeded(
                         "no instance answered before the TTFT deadline",
-                        retry_after=self._retry_after_s,
+                        retry_after=self._late(fwd, waiter),
                     ) from exc
                 self._retry_or_fail(inst.id, exc)
                 continue
@@ -126,6 +128,19 @@ class WholeRequests:
             if view is not None:
                 view.routed(inst.id, placement, info.tpot_s)
             return placement
+
+    def _late(self, fwd: PrefillForwarder, waiter: Waiter) -> float:
+        """What a request is told whose instance took it and did not answer before its
+        deadline. With no ready instance left that is not ejected, the wait until the
+        gateway's next read of the membership, when a new one shows. Otherwise the instance
+        was busy or slow, and its retry meets the queue: the queue tells it what it tells a
+        request that expired in it, its place kept (admission.py). The instance that failed
+        it tells nothing of when another has room."""
+        info = waiter.info
+        loads = self._tracker.loads(Role.AGGREGATED, info.model, info.group)
+        if all(c.ejected for c in loads):
+            return self._retry_after.membership()
+        return fwd.admission.answered_late(waiter)
 
     def _retry_or_fail(self, instance_id: str, exc: UpstreamError) -> None:
         retry_or_fail(

@@ -50,7 +50,7 @@ from pdgate.gateway.placement.placed import LegRequest
 from pdgate.gateway.upstream.base import DecodeStream, upstream_error_code
 from pdgate.policies.base import InstanceLoad, Ranker, RequestInfo
 
-__all__ = ["DecodeLegs", "declaring"]
+__all__ = ["DecodeLegs", "declaring", "until_decode_room"]
 
 
 class DecodeLegs:
@@ -156,13 +156,9 @@ class DecodeLegs:
         return min(self._backoff.delay(round_no), deadline - time.monotonic())
 
     def _room(self, info: RequestInfo) -> float:
-        """Until the decodes, at their pace (slots over the time a request holds one), have
-        taken the prefilled requests waiting for them beyond their free slots."""
-        bound = None if self._capacity is None else self._capacity.bound(info.model, info.group)
-        if bound is None:
-            return self._retry_after.floor_s
+        """Until the decodes have taken the prefilled requests waiting for them."""
         waiting = self._waits.waiting(info.model, info.group)
-        return self._retry_after.drain(waiting - bound.free, bound.per_s)
+        return until_decode_room(self._retry_after, self._capacity, info, waiting)
 
     async def _round(
         self,
@@ -235,3 +231,16 @@ def declaring(
     return [
         c for c in loads if (rec := records.get(c.id)) is not None and extension in rec.extensions
     ]
+
+
+def until_decode_room(
+    retry_after: RetryAfter, capacity: DecodeCapacity | None, info: RequestInfo, waiting: int
+) -> float:
+    """What a request refused for want of a decode is told: until the decodes of `info`'s
+    model and group, at their pace (slots over the time a request holds one), have taken the
+    `waiting` requests (itself included) beyond their free slots. The floor where that pace
+    is not known (`DecodeCapacity.bound`)."""
+    bound = None if capacity is None else capacity.bound(info.model, info.group)
+    if bound is None:
+        return retry_after.floor_s
+    return retry_after.drain(waiting - bound.free, bound.per_s)

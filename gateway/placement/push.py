@@ -41,9 +41,12 @@ from typing import Any
 from pdgate.config.aio import Backoff
 from pdgate.config.tracing import Span
 from pdgate.config.wire import Role
+from pdgate.gateway.admission.retry_after import RetryAfter
 from pdgate.gateway.errors import DeadlineExceeded, UpstreamRejected, UpstreamUnreachable
 from pdgate.gateway.instances.tracker import InstanceTracker, Lease
 from pdgate.gateway.placement.decode_attempt import DecodeAttempts
+from pdgate.gateway.placement.decode_leg import until_decode_room
+from pdgate.gateway.placement.drain import DecodeCapacity, DecodeWaits
 from pdgate.gateway.placement.handoff import PUSH, Handoffs, StockLeg
 from pdgate.gateway.placement.placed import as_stream
 from pdgate.gateway.upstream.base import DecodeStream
@@ -191,14 +194,24 @@ class PushDecodes:
         handoffs: Handoffs,
         policy: Ranker,
         backoff: Backoff,
-        retry_after_s: float,
+        *,
+        retry_after: RetryAfter,
+        waits: DecodeWaits,
+        capacity: DecodeCapacity | None = None,
     ) -> None:
+        """`retry_after`, `waits` (the prefilled requests waiting for a decode) and
+        `capacity`: what a request that found no decode is told to wait."""
         self._tracker = tracker
         self._decodes = decodes
         self._handoffs = handoffs
         self._policy = policy
         self._backoff = backoff
-        self._retry_after_s = retry_after_s
+        self._retry_after = retry_after
+        self._waits = waits
+        self._capacity = capacity
+        # Requests waiting in `reserve` for a decode with room, by model and group: bounded
+        # by the requests waiting, each counted once while it waits.
+        self._reserving: dict[tuple[str, str | None], int] = {}
 
     def pushes(self, info: RequestInfo) -> bool:
         """Whether `info`'s prefills push their KV (NixlPushConnector)."""
@@ -218,30 +231,59 @@ class PushDecodes:
         request that finds every one full waits for a freed slot until `deadline`
         (`DeadlineExceeded`, as one with no decode at all)."""
         round_no = 0
-        while True:
-            loads = self._tracker.loads(Role.DECODE, info.model, info.group)
-            candidates = self._handoffs.decodes(PUSH, loads)
-            ranked = self._policy.rank(info, [c for c in candidates if not c.ejected])
-            ranked = [c for c in ranked if c.id not in avoid] + [c for c in ranked if c.id in avoid]
-            for inst in ranked:
-                if self._tracker.has_room(inst.id, inst.capacity):
-                    leases = (self._tracker.open_stream(inst.id), self._tracker.begin(inst.id))
-                    return PushDecode(
-                        inst,
-                        leases,
-                        self._decodes,
-                        self._handoffs,
-                        body=body,
-                        path=path,
-                        deadline=deadline,
-                        span=span,
-                    )
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                what = "no decode instance had room" if candidates else "no decode instance"
-                raise DeadlineExceeded(
-                    f"{what} for a push prefill before the TTFT deadline",
-                    retry_after=self._retry_after_s,
-                )
-            await self._tracker.wait_freed(min(self._backoff.delay(round_no), remaining))
-            round_no += 1
+        line = (info.model, info.group)
+        waiting = False  # counted in `_reserving`
+        try:
+            while True:
+                loads = self._tracker.loads(Role.DECODE, info.model, info.group)
+                candidates = self._handoffs.decodes(PUSH, loads)
+                ranked = self._policy.rank(info, [c for c in candidates if not c.ejected])
+                ranked = [c for c in ranked if c.id not in avoid] + [
+                    c for c in ranked if c.id in avoid
+                ]
+                for inst in ranked:
+                    if self._tracker.has_room(inst.id, inst.capacity):
+                        leases = (self._tracker.open_stream(inst.id), self._tracker.begin(inst.id))
+                        return PushDecode(
+                            inst,
+                            leases,
+                            self._decodes,
+                            self._handoffs,
+                            body=body,
+                            path=path,
+                            deadline=deadline,
+                            span=span,
+                        )
+                if not waiting:
+                    waiting = True
+                    self._reserving[line] = self._reserving.get(line, 0) + 1
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise self._no_room(info, decodes=bool(candidates))
+                await self._tracker.wait_freed(min(self._backoff.delay(round_no), remaining))
+                round_no += 1
+        finally:
+            if waiting:
+                left = self._reserving[line] - 1
+                if left:
+                    self._reserving[line] = left
+                else:
+                    del self._reserving[line]
+
+    def _no_room(self, info: RequestInfo, *, decodes: bool) -> DeadlineExceeded:
+        """The deadline passed with no push decode reserved. With none at all, a new one
+        shows at the gateway's next read of the membership. With all full, until their pace
+        has taken those waiting beyond their free slots: the push requests waiting here and
+        the prefilled requests waiting for a decode of the same model and group (a push
+        decode that refused its leg sends its request there), which the same slots serve."""
+        if not decodes:
+            return DeadlineExceeded(
+                "no decode instance for a push prefill before the TTFT deadline",
+                retry_after=self._retry_after.membership(),
+            )
+        line = (info.model, info.group)
+        waiting = self._reserving.get(line, 0) + self._waits.waiting(*line)
+        return DeadlineExceeded(
+            "no decode instance had room for a push prefill before the TTFT deadline",
+            retry_after=until_decode_room(self._retry_after, self._capacity, info, waiting),
+        )

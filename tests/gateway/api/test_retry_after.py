@@ -1,6 +1,7 @@
 """The Retry-After every 503 and 429 carries (gateway/admission/retry_after.py), through a
 real gateway server: the figure from what the gateway knows, in ``Retry-After`` (whole
-seconds), ``retry-after-ms`` and the error body, on every API it serves. The queue's own
+seconds), ``retry-after-ms`` and the error body, on every API it serves, and at the gateway's
+own limits (``max_pending``, ``max_uploads``). The queue's own
 figures are pinned in tests/gateway/placement/test_admission.py; the key's rate limit in
 tests/gateway/admission/test_auth.py."""
 
@@ -8,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -21,7 +23,7 @@ from pdgate.gateway.api.completions import TTFT_HEADER
 from pdgate.gateway.app import build_gateway_app
 from pdgate.gateway.upstream.mock import MockUpstream
 from pdgate.registry import InstanceRecord, MemoryRegistry
-from tests.gateway._fakes import FakeCluster
+from tests.gateway._fakes import FakeCluster, eventually
 
 
 @asynccontextmanager
@@ -116,3 +118,77 @@ async def test_a_request_the_queue_cannot_reach_is_told_when_it_would() -> None:
             for task in backlog:
                 task.cancel()
             await asyncio.gather(*backlog, return_exceptions=True)
+
+
+_PROMPT = {"model": "m", "prompt": "hi", "max_tokens": 2}
+
+
+async def _told_at_a_limit(
+    send: Callable[[], Awaitable[httpx.Response]], message: str
+) -> tuple[float, float]:
+    """A client keeps one request at a time in the gateway with `send`, while another tries
+    until it is refused with `message`: what it was told, and one over the rate the
+    requests have been leaving the count, as their answers came (the first finished some
+    five before)."""
+    left: list[float] = []
+
+    async def one() -> httpx.Response:
+        resp = await send()
+        if resp.status_code == 200:
+            left.append(time.monotonic())
+        return resp
+
+    async def keep_one() -> None:
+        while True:
+            if (await one()).status_code != 200:
+                await asyncio.sleep(0.01)  # the other got in: its turn first
+
+    feeder = asyncio.create_task(keep_one())
+    try:
+        await eventually(lambda: len(left) >= 6, timeout_s=20)
+        while (resp := await one()).status_code == 200:
+            pass  # it got in between two of the feeder's: once more
+        told = _told(resp)
+        rate = (len(left) - 1) / (time.monotonic() - left[0])
+    finally:
+        feeder.cancel()
+        await asyncio.gather(feeder, return_exceptions=True)
+    assert resp.status_code == 503 and resp.json()["error"]["message"] == message
+    return told, 1 / rate
+
+
+async def test_a_request_past_max_pending_is_told_when_a_pending_one_will_have_finished() -> None:
+    """``max_pending`` 1, held by one request after another, each some 0.2 s (one prefill
+    slot, 0.2 s a prompt): a request beyond it is told when the pending one will likely
+    have finished, one over the rate they have been finishing at (some 0.2 s), not the
+    floor (0.01 s here)."""
+    async with (
+        _gateway(instances=True, prefill_delay_s=0.2, max_pending=1, retry_after_s=0.01) as url,
+        httpx.AsyncClient(timeout=30) as client,
+    ):
+        told, expected = await _told_at_a_limit(
+            lambda: client.post(url + "/v1/completions", json=_PROMPT),
+            "the gateway is at its limit of pending requests",
+        )
+        assert 0.15 < told == pytest.approx(expected, rel=0.25)
+
+
+async def test_a_request_past_max_uploads_is_told_when_an_upload_will_have_finished() -> None:
+    """``max_uploads`` 1, held by one upload after another, each some 0.2 s (its body's
+    second half 0.2 s after the first): a request beyond it is told when the upload will
+    likely have finished (some 0.2 s), not the floor (0.01 s here)."""
+
+    async def slow_body() -> AsyncIterator[bytes]:
+        yield b'{"model": "m", '
+        await asyncio.sleep(0.2)
+        yield b'"prompt": "hi", "max_tokens": 2}'
+
+    async with (
+        _gateway(instances=True, max_uploads=1, retry_after_s=0.01) as url,
+        httpx.AsyncClient(timeout=30) as client,
+    ):
+        told, expected = await _told_at_a_limit(
+            lambda: client.post(url + "/v1/completions", content=slow_body()),
+            "the gateway is at its limit of requests being uploaded",
+        )
+        assert 0.15 < told == pytest.approx(expected, rel=0.25)

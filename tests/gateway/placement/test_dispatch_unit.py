@@ -10,12 +10,13 @@ from typing import Any
 import orjson
 import pytest
 
-from pdgate.config import DispatchMode
-from pdgate.config.wire import EXT_QUEUELESS
+from pdgate.config import DispatchMode, Role
+from pdgate.config.wire import EXT_QUEUELESS, KvConnector
 from pdgate.gateway.errors import BadGateway, DeadlineExceeded
 from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.placement.placed import Placement
 from pdgate.gateway.upstream.mock import MockUpstream, Reply
+from pdgate.registry import InstanceRecord
 from tests.gateway._fakes import (
     FakeCluster,
     Sink,
@@ -335,3 +336,147 @@ async def test_a_request_no_decode_took_is_told_when_the_decodes_would_have_room
         for turn in turns:
             waits.leave(turn, placed=False)
         await d.close()
+
+
+def _push_fleet(decode_connector: str = KvConnector.NIXL_PUSH) -> InstanceTracker:
+    """A push prefill and a decode of 2 slots that enforces them (429 when full)."""
+    recs = records([1], [2])
+    recs["p0"] = dataclasses.replace(recs["p0"], connector=KvConnector.NIXL_PUSH)
+    recs["d0"] = dataclasses.replace(
+        recs["d0"], connector=decode_connector, extensions=(EXT_QUEUELESS,)
+    )
+    tracker = InstanceTracker(reject_hold_s=0.05)
+    tracker.update_membership(recs)
+    return tracker
+
+
+async def test_a_push_request_no_decode_had_room_for_is_told_when_one_would() -> None:
+    """The push decode's 2 slots are both held, each 1 s a request (2 a second); 5 other push
+    requests wait for room beside this one and 3 prefilled requests wait for a decode of
+    the group: the 9 go at 2 a second, 4.5 s, not the floor (0.01 s here)."""
+    tracker = _push_fleet()
+    d, _ = dispatcher(MockUpstream(FakeCluster()), tracker, retry_after_s=0.01)
+    assert d.decode_capacity is not None and d._push is not None
+    for _ in range(20):
+        d.decode_capacity.held("d0", 1.0)
+    held = [tracker.begin("d0") for _ in range(2)]
+    waits = d._shared.decode_waits
+    later = time.monotonic() + 60
+    turns = [waits.join("m", None, later, resumed=False) for _ in range(3)]
+
+    def reserve(name: str, deadline_s: float) -> Any:
+        assert d._push is not None
+        return d._push.reserve(
+            info(name), body={}, path="/v1/completions", deadline=time.monotonic() + deadline_s,
+            span=None,
+        )  # fmt: skip
+
+    others = [asyncio.ensure_future(reserve(f"o{i}", 60)) for i in range(5)]
+    try:
+        await asyncio.sleep(0.01)  # each has found no room and waits
+        with pytest.raises(DeadlineExceeded, match="no decode instance had room") as raised:
+            await reserve("late", 0.3)
+        assert raised.value.retry_after == 4.5
+    finally:
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+        for turn in turns:
+            waits.leave(turn, placed=False)
+        for lease in held:
+            lease.release()
+        await d.close()
+
+
+async def test_a_push_request_with_no_push_decode_is_told_the_next_read_of_the_fleet() -> None:
+    """No decode takes a push prefill's KV (the one there pulls): a new one shows at the
+    gateway's next read of the membership (1 s), not after the floor (0.01 s here)."""
+    tracker = _push_fleet(decode_connector=KvConnector.NIXL)
+    d, _ = dispatcher(MockUpstream(FakeCluster()), tracker, retry_after_s=0.01)
+    assert d._push is not None
+    with pytest.raises(DeadlineExceeded, match="no decode instance for a push") as raised:
+        await d._push.reserve(
+            info(), body={}, path="/v1/completions", deadline=time.monotonic() + 0.1, span=None
+        )
+    assert raised.value.retry_after == 1.0
+    await d.close()
+
+
+def _aggregated(capacity: int = 1) -> InstanceTracker:
+    tracker = InstanceTracker(reject_hold_s=0.05)
+    record = InstanceRecord(
+        id="a0", role=Role.AGGREGATED, url="http://a0", model="m", capacity=capacity
+    )
+    tracker.update_membership({"a0": record})
+    return tracker
+
+
+async def test_an_aggregated_instance_that_did_not_answer_in_time_tells_the_queues_wait() -> None:
+    """The one-slot aggregated instance takes a request (its TTFT budget 1 s) and does not
+    answer by its deadline, while 30 of a more urgent class queue, the queue served at
+    some 13 a second while saturated (40 grants the fleet reported over some 3 s): its
+    retry, at its kept place, still goes after those 30, less the 13 the pace reaches in
+    its budget, some 1.25 s, as the queue tells a request that expired in it; not the floor
+    (0.01 s here)."""
+
+    async def handler(call: Any) -> Reply:
+        if call.request_id == "probe":
+            await asyncio.sleep(30)  # busy: no answer before the deadline
+        return await FakeCluster()(call)
+
+    upstream = MockUpstream(handler)
+    tracker = _aggregated()
+    d, _ = dispatcher(upstream, tracker, retry_after_s=0.01)
+    probe = dataclasses.replace(info("probe"), ttft_s=1.0)
+    fwd = d._queues.get(probe, Role.AGGREGATED)
+    now = time.monotonic()
+    fwd.admission.saturated(now - 2.0)
+    fwd.admission.reported(now - 1.0, 40)
+    forward = {"model": "m", "prompt": "p", "max_tokens": 4}
+
+    async def backlog() -> list[Any]:
+        await eventually(lambda: any(c.request_id == "probe" for c in upstream.calls))
+        return [
+            asyncio.ensure_future(
+                d.prefill(
+                    dataclasses.replace(info(f"b{i}"), priority=0),
+                    forward,
+                    request_id=f"b{i}",
+                    deadline=now + 60,
+                )
+            )
+            for i in range(30)
+        ]
+
+    queued = asyncio.ensure_future(backlog())
+    try:
+        with pytest.raises(DeadlineExceeded, match="no instance answered") as raised:
+            await d.prefill(probe, forward, request_id="probe", deadline=now + 1.0)
+        per_s, _, headroom = fwd.admission.drain_view()  # as it was judged: nothing ran since
+        assert len(fwd.queue) == 30 and headroom == 0.0
+        assert per_s == pytest.approx(40 / 3, rel=0.2)
+        assert raised.value.retry_after == pytest.approx((30 - per_s * 1.0) / per_s, abs=0.002)
+    finally:
+        tasks = await queued
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await d.close()
+
+
+async def test_an_aggregated_request_whose_instance_was_ejected_is_told_the_next_read() -> None:
+    """The only aggregated instance took the request and was ejected (failing) before its
+    deadline: none is left to serve it until a new one shows at the gateway's next read of
+    the membership (1 s), not after the floor (0.01 s here)."""
+    tracker = _aggregated()
+
+    async def handler(call: Any) -> Reply:
+        tracker.eject("a0", time.monotonic() + 30)
+        await asyncio.sleep(30)
+        return Reply()
+
+    d, _ = dispatcher(MockUpstream(handler), tracker, retry_after_s=0.01)
+    with pytest.raises(DeadlineExceeded, match="no instance answered") as raised:
+        await place(d, deadline_s=0.3)
+    assert raised.value.retry_after == 1.0
+    await d.close()
