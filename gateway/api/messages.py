@@ -71,7 +71,7 @@ async def _count(request: Request, front: MessagesFront) -> Response:
     if tokens is None:
         raise ServiceUnavailable(
             f"no instance of {model!r} could count the tokens",
-            retry_after=endpoint.retry_after.floor_s,
+            retry_after=endpoint.retry_after.membership(),  # all failed: others may join
         )
     return ORJSONResponse({"input_tokens": tokens})
 

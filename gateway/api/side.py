@@ -297,9 +297,11 @@ class SideEndpoint:
             tracker.failed(inst.id)
             dispatcher.ejector.failure(inst.id, "aggregated")
             if time.monotonic() >= deadline:
+                # It failed on instances (a busy one would have answered 429 and the queue
+                # told it at its deadline): the membership's next read may bring others.
                 raise DeadlineExceeded(
                     f"no instance answered {path} before the request's deadline",
-                    retry_after=self._admission.retry_after.floor_s,
+                    retry_after=self._admission.retry_after.membership(),
                 )
             if not dispatcher.budget.withdraw():
                 self._metrics.retry_budget_exhausted.inc()

@@ -192,3 +192,17 @@ async def test_a_request_past_max_uploads_is_told_when_an_upload_will_have_finis
             "the gateway is at its limit of requests being uploaded",
         )
         assert 0.15 < told == pytest.approx(expected, rel=0.25)
+
+
+async def test_tokens_no_instance_could_count_tell_the_wait_for_the_next_read_of_the_fleet() -> (
+    None
+):
+    """Every instance of the model failed to count (the mock serves no tokenizer): others
+    may join at the gateway's next read of the membership, 2.5 s here, not a fixed second."""
+    async with (
+        _gateway(instances=True, poll_s=2.5, retry_after_s=0.01) as url,
+        httpx.AsyncClient() as client,
+    ):
+        resp = await client.post(url + _REQUESTS[4][0], json=_REQUESTS[4][1])
+        assert "could count the tokens" in resp.json()["error"]["message"]
+        assert _told(resp, "anthropic") == 2.5
