@@ -15,7 +15,7 @@ import pytest
 
 from pdgate.config import Role
 from pdgate.config.wire import ADMISSION_HEADER, KV_ID_HEADER, kv_release_url
-from pdgate.engine_shim._kv_store import RecentAdmissions
+from pdgate.engine_shim._kv_store import HeldKv, KvStore, RecentAdmissions
 from pdgate.engine_shim.backend import EngineBusy, PrefillOutput, Sampling
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.prefill_call import release_unanswered
@@ -238,3 +238,35 @@ def test_recent_admissions_forget_by_age_and_by_count() -> None:
     recent.remember("d", "admitted")
     assert (recent.get("b"), recent.get("c"), recent.get("d")) == (None, "admitted", "admitted")
     assert len(recent) == 2
+
+
+class _Freed:
+    """A KV's blocks or a slot that says whether it was freed."""
+
+    nbytes = 0
+
+    def __init__(self) -> None:
+        self.freed = False
+
+    def release(self) -> None:
+        self.freed = True
+
+
+async def test_an_id_released_early_is_forgotten_by_the_first_that_asks() -> None:
+    """The store remembers an id released before it was held (a tombstone), and forgets it
+    once: the late KV is dropped on arrival or the late call withdrawn, and a later use of
+    the id is as any other."""
+    store = KvStore(hold_timeout_s=120)
+    assert not store.withdrawn("a")  # never released
+    store.release_unknown("a")
+    assert store.released_early("a")
+    assert store.withdrawn("a")
+    assert not store.withdrawn("a") and not store.released_early("a")  # forgotten
+    store.release_unknown("b")
+    kv, slot = _Freed(), _Freed()
+    assert not store.put(HeldKv("b", kv, slot))  # type: ignore[arg-type]
+    assert (kv.freed, slot.freed, store.dropped_on_arrival) == (True, True, 1)
+    assert not store.released_early("b")
+    assert store.put(HeldKv("b", _Freed(), _Freed()))  # type: ignore[arg-type]
+    assert "b" in store and store.dropped_on_arrival == 1
+    store.close()
