@@ -145,7 +145,7 @@ class KvStore:
             # The prefill shim reserves ids at admission, so this is a bug; hold nothing.
             entry.close()
             raise KeyError(f"duplicate KV request id {entry.request_id}")
-        if self._tombstones.pop(entry.request_id, 0) is None:
+        if self._forget_tombstone(entry.request_id):
             self.dropped_on_arrival += 1
             entry.close()
             return False
@@ -171,7 +171,14 @@ class KvStore:
     def withdrawn(self, request_id: str) -> bool:
         """Whether `request_id` was released before its call was admitted or refused (its
         releaser heard "unseen"); forgets it: the call is refused once, uncounted."""
-        return self._tombstones.pop(request_id, 0) is None
+        return self._forget_tombstone(request_id)
+
+    def _forget_tombstone(self, request_id: str) -> bool:
+        """Whether a DELETE came for `request_id` before it was held; forgets it if so."""
+        if request_id not in self._tombstones:
+            return False
+        del self._tombstones[request_id]
+        return True
 
     def take(self, request_id: str) -> HeldKv | None:
         """Remove and return the entry; the caller owns (and must close) it."""

@@ -24,6 +24,7 @@ from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.decode_attempt import client_error, release_after
 from pdgate.gateway.placement.handoff import Handoffs, OnSend
 from pdgate.gateway.placement.placed import LegRequest, PrefillGrant
+from pdgate.gateway.placement.prefill_call import release_unanswered
 from pdgate.gateway.upstream.base import Upstream
 from pdgate.policies.base import Ranker
 
@@ -77,35 +78,36 @@ class DirectPrefill:
             self._index.routed(blocks, inst.id)
         stream, inflight = self._tracker.open_stream(inst.id), self._tracker.begin(inst.id)
         counter = self._metrics.prefill_attempts
-        kv_id = secrets.token_hex(16)
         upstream = self._upstream
         handoffs = self._handoffs
         stock = None if handoffs is None else handoffs.stock_leg(inst.id, request_id)
+        # The id the call names its KV by, to release it unanswered (a stock server's: none).
+        kv_id = secrets.token_hex(16) if stock is None else None
 
-        async def release(
-            params: dict[str, Any] | None,
-            *,
-            slot_freed: bool,
-            result: str | None = None,
-            leases: Sequence[Lease] = (stream, inflight),
-        ) -> None:
-            """`result`: how an unanswered call ended, to count what the prefill did with it."""
+        async def release_answered(params: dict[str, Any], leases: Sequence[Lease]) -> None:
+            """An answered call's KV, then its counts: a stock server's blocks by a release
+            leg, a pdgate prefill's by the answer's params."""
             try:
-                if stock is not None:
-                    # vLLM aborted an unanswered one; an answered one's blocks: a release leg.
-                    if params is not None and handoffs is not None:
-                        await handoffs.release(stock, params)
-                    elif params is None and result is not None:
-                        self._metrics.abandoned_outcome(result, None)
-                elif params is None:
-                    admission = await upstream.release_kv_id(inst.url, kv_id, request_id=request_id)
-                    if result is not None:
-                        self._metrics.abandoned_outcome(result, admission)
-                else:
+                if stock is None:
                     await upstream.release_kv(params, request_id=request_id)
+                elif handoffs is not None:
+                    await handoffs.release(stock, params)
             finally:
                 for lease in leases:
-                    lease.release(slot_freed=slot_freed)
+                    lease.release()
+
+        async def release_unanswered_call(result: str) -> None:
+            pending = release_unanswered(
+                upstream,
+                self._metrics,
+                result,
+                (stream, inflight),
+                url=inst.url,
+                kv_id=kv_id,
+                request_id=request_id,
+            )
+            if pending is not None:
+                await shielded(pending)
 
         ended = None if stock is None or on_send is None else on_send(inst, stock)
         computing = self._tracker.computing(inst.id)  # for the `idle` filter's view
@@ -117,7 +119,7 @@ class DirectPrefill:
                     body if stock is None else stock.prefill_body(body),
                     request_id=request_id if stock is None else stock.leg_id,
                     timeout_s=remaining,
-                    kv_id=kv_id if stock is None else None,
+                    kv_id=kv_id,
                     path=path,
                     headers={DECODE_MAX_TOKENS_HEADER: str(info.max_tokens)}
                     if stock is None
@@ -139,14 +141,16 @@ class DirectPrefill:
                 "the prefill instance is busy", retry_after=self._retry_after_s
             ) from exc
         except UpstreamError as exc:
-            answered = isinstance(exc, UpstreamStatus)
-            if isinstance(exc, UpstreamStatus) and exc.is_client_error:
-                release_after(exc, stream, inflight)
-                raise client_error(exc) from exc
+            if isinstance(exc, UpstreamStatus):
+                if exc.is_client_error:
+                    release_after(exc, stream, inflight)
+                    raise client_error(exc) from exc
+                what = "failed"  # it answered, with an error of its own
+            else:
+                what = "did not answer"
             # Failed, timed out or lost: the prefill may hold KV for an answer nobody reads.
-            await shielded(release(None, slot_freed=False, result="failed"))
+            await release_unanswered_call("failed")
             counter.labels("failed").inc()
-            what = "failed" if answered else "did not answer"
             raise DeadlineExceeded(
                 f"the prefill {what} before the TTFT deadline", retry_after=self._retry_after_s
             ) from exc
@@ -155,8 +159,7 @@ class DirectPrefill:
             abandoned = isinstance(exc, asyncio.CancelledError)
             if abandoned:
                 counter.labels("abandoned").inc()
-            result = "abandoned" if abandoned else "failed"
-            await shielded(release(None, slot_freed=False, result=result))
+            await release_unanswered_call("abandoned" if abandoned else "failed")
             raise
         counter.labels("accepted").inc()
         if self._index is not None and blocks is not None:
@@ -170,7 +173,7 @@ class DirectPrefill:
             reply,
             stream,
             inflight,
-            lambda leases: background.spawn(release(params, slot_freed=True, leases=leases)),
+            lambda leases: background.spawn(release_answered(params, leases)),
             attempts=1,
             rejections=0,
             leg=stock,

@@ -27,7 +27,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,7 @@ from pdgate.gateway.errors import (
 )
 from pdgate.gateway.instances.health import spends_budget
 from pdgate.gateway.instances.tracker import Lease
+from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.batching import BatchForming
 from pdgate.gateway.placement.decode_attempt import out_of_time
 from pdgate.gateway.placement.handoff import StockLeg
@@ -53,9 +54,10 @@ from pdgate.gateway.placement.placed import PrefillGrant, release_counts
 from pdgate.gateway.placement.prefill_time import QueueTimes, cached_tokens
 from pdgate.gateway.placement.queue import Waiter
 from pdgate.gateway.placement.shared import Shared
+from pdgate.gateway.upstream.base import Upstream
 from pdgate.policies.base import InstanceLoad
 
-__all__ = ["PrefillCall", "PrefillCalls"]
+__all__ = ["PrefillCall", "PrefillCalls", "release_unanswered"]
 
 log = logging.getLogger("pdgate.forwarder")
 
@@ -108,6 +110,10 @@ class PrefillCall:
         ended, self.ended = self.ended, None
         if ended is not None:
             ended(answered)
+
+    @property
+    def leases(self) -> tuple[Lease, Lease, Lease, Lease]:
+        return (self.work, self.computing, self.stream, self.inflight)
 
     def release(self, *, slot_freed: bool) -> None:
         self.work.release()
@@ -210,7 +216,7 @@ class PrefillCalls:
             # now and hold KV for an answer nobody reads. Release it by the id we chose.
             # Not a freed slot: a prefill drops an abandoned prompt only at its next step
             # (pdgate shims hold the slot until then), so this is no moment to send it more.
-            self._release_then_free(call, inst, "abandoned", slot_freed=False)
+            self._release_unanswered(call, inst, "abandoned")
             self._shared.metrics.prefill_attempts.labels("abandoned").inc()
             _end(call.span, "abandoned")
             raise
@@ -265,7 +271,7 @@ class PrefillCalls:
                 self._broke(call, inst)
         except asyncio.CancelledError:  # gateway shutdown
             for call in pending.values():
-                self._release_then_free(call, inst, "abandoned", slot_freed=False)
+                self._release_unanswered(call, inst, "abandoned")
                 self._shared.metrics.prefill_attempts.labels("abandoned").inc()
                 _end(call.span, "abandoned")
             raise
@@ -278,7 +284,7 @@ class PrefillCalls:
         deadline. The request is shed (503), and the prefill, which may still be computing
         a prompt nobody waits for, is not counted as failed (a burst of short deadlines
         would eject healthy prefills); whatever it holds for the call is released."""
-        self._release_then_free(call, inst, "deadline", slot_freed=False)
+        self._release_unanswered(call, inst, "deadline")
         self._shared.metrics.prefill_attempts.labels("deadline").inc()
         _end(call.span, "deadline")
         self._expire(call.waiter)
@@ -288,7 +294,7 @@ class PrefillCalls:
         may hold for it is released, its counts given back, and its request fails with a 500
         rather than being tried again elsewhere (it would break there too)."""
         log.exception("prefill call to %s failed in the gateway", inst.id)
-        self._release_then_free(call, inst, "failed", slot_freed=False)
+        self._release_unanswered(call, inst, "failed")
         _end(call.span, "failed")
         if not call.waiter.future.done():
             call.waiter.future.set_exception(GatewayError("internal gateway error"))
@@ -361,47 +367,38 @@ class PrefillCalls:
         while len(self._no_batch_endpoint) > _MAX_REMEMBERED:
             self._no_batch_endpoint.popitem(last=False)
 
-    def _release_then_free(
-        self,
-        call: PrefillCall,
-        inst: InstanceLoad,
-        result: str | None,
-        *,
-        slot_freed: bool,
-        kv_params: dict[str, Any] | None = None,
-    ) -> None:
-        """Release the call's KV at the prefill (by the answer's params when there is one, by
-        our id otherwise), then give back the call's leases: the prefill frees the slot only
-        when the release arrives, so counting it free earlier invites a 429. `result`: how
-        an unanswered call ended (``pdgate_prefill_attempts``), to count what the prefill
-        says it did with it."""
-        held = (call.work, call.computing, call.stream, call.inflight)
-        request_id = call.waiter.request_id
+    def _release_unanswered(self, call: PrefillCall, inst: InstanceLoad, result: str) -> None:
+        """A call that ended unanswered (`result`, as ``pdgate_prefill_attempts`` counts
+        it): `release_unanswered`, in the background."""
         call.end(False)
-        if call.leg is not None:
-            if kv_params is None and result is not None:
-                self._shared.metrics.abandoned_outcome(result, None)  # a stock server does not say
-            self._free_stock(call.leg, kv_params, held, slot_freed=slot_freed)
-            return
-        self._free_after_release(
-            inst, request_id, call.kv_id, kv_params, held, slot_freed=slot_freed, result=result
+        pending = release_unanswered(
+            self._shared.upstream,
+            self._shared.metrics,
+            result,
+            call.leases,
+            url=inst.url,
+            kv_id=call.kv_id if call.leg is None else None,
+            request_id=call.waiter.request_id,
         )
+        if pending is not None:
+            self._shared.background.spawn(pending)
 
-    def _free_stock(
-        self,
-        leg: StockLeg,
-        kv_params: dict[str, Any] | None,
-        held: Sequence[Lease],
-        *,
-        slot_freed: bool,
-    ) -> None:
-        """A stock prefill's counts: without an answer, vLLM aborted the request when the
-        call closed (nothing held); with one, a release leg frees its blocks first
-        (gateway/placement/handoff.py)."""
+    def _release_answered(self, call: PrefillCall, kv_params: dict[str, Any]) -> None:
+        """A call answered after its waiter left: free the KV the answer names, then give
+        back the call's leases (a freed slot: the prefill is done with the prompt)."""
+        call.end(False)
+        if call.leg is None:
+            self._free_after_release(call.waiter.request_id, kv_params, call.leases)
+        else:
+            self._free_stock(call.leg, kv_params, call.leases)
+
+    def _free_stock(self, leg: StockLeg, kv_params: dict[str, Any], held: Sequence[Lease]) -> None:
+        """An answered stock prefill's counts: a release leg frees its blocks first
+        (gateway/placement/handoff.py), where its connector has one."""
         handoffs = self._shared.handoffs
-        if kv_params is None or handoffs is None or leg.release_params(kv_params) is None:
+        if handoffs is None or leg.release_params(kv_params) is None:
             for lease in held:
-                lease.release(slot_freed=slot_freed)
+                lease.release()
             return
         held = tuple(held)
 
@@ -410,39 +407,25 @@ class PrefillCalls:
                 await handoffs.release(leg, kv_params)
             finally:
                 for lease in held:
-                    lease.release(slot_freed=slot_freed)
+                    lease.release()
 
         self._shared.background.spawn(run())
 
     def _free_after_release(
-        self,
-        inst: InstanceLoad,
-        request_id: str,
-        kv_id: str,
-        kv_params: dict[str, Any] | None,
-        held: Sequence[Lease],
-        *,
-        slot_freed: bool,
-        result: str | None = None,
+        self, request_id: str, kv_params: dict[str, Any], held: Sequence[Lease]
     ) -> None:
-        """As `_release_then_free`, from the call's parts (the grant's release must not hold
-        the call: see `_settle`)."""
+        """An answered pdgate prefill's counts: released by the answer's params first, the
+        prefill frees the slot only when the release arrives (counting it free earlier
+        invites a 429). From the call's parts: the grant's release must not hold the call
+        (see `_settle`)."""
         held = tuple(held)
 
         async def run() -> None:
             try:
-                if kv_params is not None:
-                    await self._shared.upstream.release_kv(kv_params, request_id=request_id)
-                else:
-                    admission = await self._shared.upstream.release_kv_id(
-                        inst.url, kv_id, request_id=request_id
-                    )
-                    if result is not None:
-                        # Before the leases: once they are back, every release has ended.
-                        self._shared.metrics.abandoned_outcome(result, admission)
+                await self._shared.upstream.release_kv(kv_params, request_id=request_id)
             finally:
                 for lease in held:
-                    lease.release(slot_freed=slot_freed)
+                    lease.release()
 
         self._shared.background.spawn(run())
 
@@ -467,7 +450,7 @@ class PrefillCalls:
             counter.labels("accepted").inc()  # the prefill took it, whoever still waits
             if waiter.future.done():
                 # The waiter left while the prefill computed: free the KV held for it.
-                self._release_then_free(call, inst, None, slot_freed=True, kv_params=params)
+                self._release_answered(call, params)
                 return
             self._shared.ejector.success(inst.id)
             took = time.monotonic() - call.started
@@ -484,7 +467,7 @@ class PrefillCalls:
                 self._tracker.set_speeds(self._model, self._group, times.compute_times.speeds())
             self._shared.advisor.prefill(inst.group, own, hardware)
             self._remember_prefix(waiter, inst)
-            request_id, kv_id, leg = waiter.request_id, call.kv_id, call.leg
+            request_id, leg = waiter.request_id, call.leg
             if leg is not None and self._shared.handoffs is not None:
                 self._shared.handoffs.learn(leg, params)
             waiter.future.set_result(
@@ -495,13 +478,9 @@ class PrefillCalls:
                     call.inflight,
                     # Not the call or the waiter: the grant is the waiter's future's result,
                     # and a reference back would make each request a cycle for the GC.
-                    (
-                        lambda leases: self._free_after_release(
-                            inst, request_id, kv_id, params, leases, slot_freed=True
-                        )
-                    )
+                    (lambda leases: self._free_after_release(request_id, params, leases))
                     if leg is None
-                    else lambda leases: self._free_stock(leg, params, leases, slot_freed=True),
+                    else lambda leases: self._free_stock(leg, params, leases),
                     waiter.attempts,
                     waiter.rejections,
                     on_handover=times.prefill_times.record_handover,
@@ -524,7 +503,7 @@ class PrefillCalls:
         else:
             # 5xx, timeout, connection lost, a bad answer: the prefill may have stored KV
             # before failing (or before our timeout fired). Nobody will fetch it.
-            self._release_then_free(call, inst, "failed", slot_freed=False)
+            self._release_unanswered(call, inst, "failed")
             self._tracker.failed(inst.id)
             gone = isinstance(answer, UpstreamUnreachable) and answer.refused
             if gone:
@@ -545,6 +524,50 @@ class PrefillCalls:
                     )
                 return
             self._retry(waiter)
+
+
+def release_unanswered(
+    upstream: Upstream,
+    metrics: GatewayMetrics,
+    result: str,
+    held: Sequence[Lease],
+    *,
+    url: str,
+    kv_id: str | None,
+    request_id: str,
+) -> Coroutine[Any, Any, None] | None:
+    """Release a prefill call that ended unanswered (`result`: how, as
+    ``pdgate_prefill_attempts`` counts it), count what the prefill did with it in
+    ``pdgate_prefill_abandoned_outcomes``, then give back `held`, once.
+
+    `kv_id`: the id the call named its KV by, for a pdgate prefill; its answer to the release
+    says whether it admitted the call, rejected it or never saw it (and never will). None:
+    a stock server's call, which named none: vLLM aborted the request when the call closed
+    and does not say (outcome unknown), so it is counted and its leases go back now, and
+    this returns None. Otherwise it returns the release still to run (awaited or spawned),
+    which gives the leases back when it ends, whatever happens: the prefill frees the slot
+    only when the release arrives, so counting it free earlier invites a 429. Not a freed
+    slot either way: a prefill drops an abandoned prompt only at its next step."""
+    if kv_id is None:
+        metrics.abandoned_outcome(result, None)
+        _give_back(held)
+        return None
+    held = tuple(held)
+
+    async def release() -> None:
+        try:
+            admission = await upstream.release_kv_id(url, kv_id, request_id=request_id)
+            # Before the leases: once they are back, every release has ended.
+            metrics.abandoned_outcome(result, admission)
+        finally:
+            _give_back(held)
+
+    return release()
+
+
+def _give_back(held: Sequence[Lease]) -> None:
+    for lease in held:
+        lease.release(slot_freed=False)
 
 
 def _never_started(task: asyncio.Task[None], call: PrefillCall) -> None:

@@ -244,12 +244,17 @@ async def fleet_leases(redis_url: str, prefix: str = _PREFIX) -> dict[str, float
         await client.aclose()
 
 
-async def _gateway_id(session: aiohttp.ClientSession, url: str) -> str:
-    """The gateway's id in the fleet ("" if it did not say)."""
+async def _health(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    """The gateway's /health ({} if it did not answer)."""
     try:
         health = await _get_json(session, url + "/health", 2.0)
     except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
-        return ""
+        return {}
+    return health if isinstance(health, dict) else {}
+
+
+def _gateway_id(health: dict[str, Any]) -> str:
+    """The gateway's id in the fleet, from its /health ("" if it did not say)."""
     return str(health.get("gateway_id", ""))
 
 
@@ -429,11 +434,10 @@ class _Chaos(FleetRun[ChaosPlan]):
             index = len(cluster.gateways) - 1
             child = cluster.gateways[index]
             event.target = child.name
-            killed = ""  # its fleet id
-            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
-                health = await _get_json(self.session, self.pool.urls[index] + "/health", 2.0)
+            health = await _health(self.session, self.pool.urls[index])
+            if "pending" in health:
                 event.open_at_fault = int(health["pending"])
-                killed = str(health.get("gateway_id", ""))
+            killed = _gateway_id(health)  # its fleet id
             event.lease_s = GatewaySettings(**cluster.deployment.gateway_settings).fleet_ttl_s
             event.began_s = event.ended_s = self.now()
             if killed:  # its first poll comes once the signal is sent
@@ -446,7 +450,7 @@ class _Chaos(FleetRun[ChaosPlan]):
                 self.session, url, len(self.shim_urls()), self.plan.register_timeout_s
             )
             self.pool.add(index, url)
-            event.gateway_ids = (killed, await _gateway_id(self.session, url))
+            event.gateway_ids = (killed, _gateway_id(await _health(self.session, url)))
         elif fault == "kill-redis-primary":
             event.target = f"redis :{self.redis.primary_port}"
             event.began_s = self.now()

@@ -15,9 +15,13 @@ import pytest
 
 from pdgate.config import Role
 from pdgate.config.wire import ADMISSION_HEADER, KV_ID_HEADER, kv_release_url
-from pdgate.engine_shim._kv_store import RecentAdmissions
+from pdgate.engine_shim._kv_store import HeldKv, KvStore, RecentAdmissions
 from pdgate.engine_shim.backend import EngineBusy, PrefillOutput, Sampling
+from pdgate.gateway.observe.metrics import GatewayMetrics
+from pdgate.gateway.placement.prefill_call import release_unanswered
+from pdgate.gateway.upstream.http import HttpUpstream
 from tests.engine_shim.conftest import Shim, StartShim, assert_openai_error, prefill_body, wait_load
+from tests.gateway._fakes import tracker_for
 from tests.gateway.upstream._server import Client, both_clients, connect
 
 LONG = "long " * 4000  # computes for a while (~0.5 s in the sim)
@@ -184,6 +188,43 @@ async def test_the_gateway_s_release_returns_what_the_prefill_said(
     assert (await shim.load())["kv_released"] == 1
 
 
+@pytest.mark.parametrize("said", ["admitted", "rejected", "unseen"])
+async def test_a_call_the_gateway_cut_off_is_counted_as_its_prefill_said(
+    start_shim: StartShim, said: str
+) -> None:
+    """The gateway's release of an unanswered call (`release_unanswered`) counts it by the
+    prefill's answer, before the call's counts go back: once they are, the gateway's and
+    the prefill's counts agree."""
+    shim = await start_shim(Role.PREFILL, capacity=1)
+    assert (await _post(shim, "held", "a" * 16))[0] == 200
+    assert (await _post(shim, "no room", "r" * 16))[0] == 429
+    kv_id = {"admitted": "a" * 16, "rejected": "r" * 16, "unseen": "u" * 16}[said]
+    tracker = tracker_for([1])
+    metrics = GatewayMetrics(tracker.totals, lambda: 0)
+
+    def counted() -> float | None:
+        labels = {"result": "abandoned", "outcome": said}
+        return metrics.registry.get_sample_value("pdgate_prefill_abandoned_outcomes_total", labels)
+
+    at_give_back: list[float | None] = []
+    leases = (
+        tracker.open_stream("p0"),
+        tracker.begin("p0", also=lambda: at_give_back.append(counted())),
+    )
+    upstream = connect(HttpUpstream)
+    try:
+        pending = release_unanswered(
+            upstream, metrics, "abandoned", leases, url=shim.url, kv_id=kv_id, request_id="r1"
+        )
+        assert pending is not None
+        await pending
+    finally:
+        await upstream.aclose()
+    assert at_give_back == [1]  # counted already when the slot went back, and once
+    assert tracker.totals() == (0, 0)
+    assert _counts(await shim.load())[:2] == (1, 1)
+
+
 def test_recent_admissions_forget_by_age_and_by_count() -> None:
     now = [0.0]
     recent = RecentAdmissions(max_ids=2, ttl_s=10.0, clock=lambda: now[0])
@@ -197,3 +238,35 @@ def test_recent_admissions_forget_by_age_and_by_count() -> None:
     recent.remember("d", "admitted")
     assert (recent.get("b"), recent.get("c"), recent.get("d")) == (None, "admitted", "admitted")
     assert len(recent) == 2
+
+
+class _Freed:
+    """A KV's blocks or a slot that says whether it was freed."""
+
+    nbytes = 0
+
+    def __init__(self) -> None:
+        self.freed = False
+
+    def release(self) -> None:
+        self.freed = True
+
+
+async def test_an_id_released_early_is_forgotten_by_the_first_that_asks() -> None:
+    """The store remembers an id released before it was held (a tombstone), and forgets it
+    once: the late KV is dropped on arrival or the late call withdrawn, and a later use of
+    the id is as any other."""
+    store = KvStore(hold_timeout_s=120)
+    assert not store.withdrawn("a")  # never released
+    store.release_unknown("a")
+    assert store.released_early("a")
+    assert store.withdrawn("a")
+    assert not store.withdrawn("a") and not store.released_early("a")  # forgotten
+    store.release_unknown("b")
+    kv, slot = _Freed(), _Freed()
+    assert not store.put(HeldKv("b", kv, slot))  # type: ignore[arg-type]
+    assert (kv.freed, slot.freed, store.dropped_on_arrival) == (True, True, 1)
+    assert not store.released_early("b")
+    assert store.put(HeldKv("b", _Freed(), _Freed()))  # type: ignore[arg-type]
+    assert "b" in store and store.dropped_on_arrival == 1
+    store.close()

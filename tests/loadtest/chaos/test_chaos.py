@@ -7,6 +7,7 @@ import asyncio
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -28,7 +29,14 @@ from pdgate.loadtest.chaos.report import (
     streams_hit,
     ttft_limit,
 )
-from pdgate.loadtest.chaos.run import ChaosPlan, ChaosResult, FaultEvent, OverloadResult
+from pdgate.loadtest.chaos.run import (
+    ChaosPlan,
+    ChaosResult,
+    FaultEvent,
+    OverloadResult,
+    _gateway_id,
+    _health,
+)
 from pdgate.loadtest.lib.rss import RssSample
 from tests.loadtest._http import served
 from tests.loadtest._procs import RunBench
@@ -267,6 +275,35 @@ async def test_the_reader_keeps_gaps_ttft_and_the_in_band_error_code() -> None:
     assert len(record.gaps) == 1 and record.gaps[0][1] - record.gaps[0][0] > 0.35
     # The first token before the stall (the start is the origin here).
     assert record.ttft_s is not None and record.ttft_s <= record.gaps[0][0]
+
+
+async def test_a_gateway_s_fleet_id_comes_from_its_health_or_is_empty() -> None:
+    """The kill-gateway step reads the gateway's open requests and its fleet id from one
+    /health; a gateway that does not answer (or answers an error) says nothing."""
+    answers = [web.json_response({"pending": 3, "gateway_id": "gw-1"}), web.Response(status=500)]
+    reads = 0
+
+    async def health(request: web.Request) -> web.StreamResponse:
+        nonlocal reads
+        reads += 1
+        return answers[reads - 1]
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    async with served(app) as url, aiohttp.ClientSession() as session:
+        first = await _health(session, url)
+        assert (first["pending"], _gateway_id(first)) == (3, "gw-1")
+        assert await _health(session, url) == {}  # the 500
+    assert reads == 2
+    assert _gateway_id(await _health_of_nothing()) == ""
+
+
+async def _health_of_nothing() -> dict[str, Any]:
+    """/health of a port nobody listens on (served, then closed)."""
+    async with served(web.Application()) as url:
+        pass
+    async with aiohttp.ClientSession() as session:
+        return await _health(session, url)
 
 
 def test_a_plan_refuses_unknown_faults_and_a_fleet_without_spares() -> None:
