@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Awaitable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from starlette.types import Receive
@@ -191,12 +191,19 @@ class Background:
     def __len__(self) -> int:
         return len(self._tasks)
 
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def spawn(
+        self, coro: Coroutine[Any, Any, None], *, dropped: Callable[[], None] | None = None
+    ) -> None:
+        """Run `coro` in the background; past the bound it is dropped, and `dropped` called
+        instead: a coroutine closed before it started runs none of its ``finally``, so what
+        it would have given back in one must be given back there."""
         if len(self._tasks) >= self._limit:
             # Bounded. Clean-ups are best effort by nature: the instance's own timeout (e.g. a
-            # prefill's KV hold timeout) is the backstop for one that never runs.
+            # prefill's KV hold timeout) is the backstop for a release call that never runs.
             log.warning("%s: %d clean-up tasks pending; dropping one", self._name, self._limit)
             coro.close()
+            if dropped is not None:
+                dropped()
             return
         task = asyncio.create_task(coro, name=self._name)
         self._tasks.add(task)

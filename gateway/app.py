@@ -346,7 +346,14 @@ def build_dispatcher(
         shared,
         queues=queues,
         direct=DirectPrefill(
-            settings, tracker, ranking, upstream, metrics, shared.background, index, handoffs
+            groups.retry_after,
+            tracker,
+            ranking,
+            upstream,
+            metrics,
+            shared.background,
+            index,
+            handoffs,
         ),
         whole=WholeRequests(
             tracker,

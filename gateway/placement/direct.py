@@ -12,11 +12,12 @@ import asyncio
 import secrets
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from pdgate.config.aio import Background, shielded
-from pdgate.config.settings import GatewaySettings
 from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, Role
+from pdgate.gateway.admission.retry_after import Departures, RetryAfter
 from pdgate.gateway.errors import DeadlineExceeded, UpstreamError, UpstreamRejected, UpstreamStatus
 from pdgate.gateway.instances.affinity import PrefixLookup
 from pdgate.gateway.instances.tracker import InstanceTracker, Lease
@@ -24,7 +25,7 @@ from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.decode_attempt import client_error, release_after
 from pdgate.gateway.placement.handoff import Handoffs, OnSend
 from pdgate.gateway.placement.placed import LegRequest, PrefillGrant
-from pdgate.gateway.placement.prefill_call import release_unanswered
+from pdgate.gateway.placement.prefill_call import release_all, release_unanswered
 from pdgate.gateway.upstream.base import Upstream
 from pdgate.policies.base import Ranker
 
@@ -34,7 +35,7 @@ __all__ = ["DirectPrefill"]
 class DirectPrefill:
     def __init__(
         self,
-        settings: GatewaySettings,
+        retry_after: RetryAfter,
         tracker: InstanceTracker,
         policy: Ranker,
         upstream: Upstream,
@@ -43,9 +44,13 @@ class DirectPrefill:
         index: PrefixLookup | None = None,
         handoffs: Handoffs | None = None,
     ) -> None:
-        """`background`: where the KV releases of its grants run (they outlive requests);
-        `handoffs`: stock servers' legs (handoff.py)."""
-        self._retry_after_s = settings.retry_after_s
+        """`retry_after`: what a refused request is told; `background`: where the KV
+        releases of its grants run (they outlive requests); `handoffs`: stock servers' legs
+        (handoff.py)."""
+        self._retry_after = retry_after
+        # Prefill calls answered, fleet-wide: a busy prefill's next free slot comes at the
+        # pace calls end (there is no gateway queue here to count ahead).
+        self._answered = Departures()
         self._tracker = tracker
         self._policy = policy
         self._upstream = upstream
@@ -69,7 +74,7 @@ class DirectPrefill:
         ranked = self._policy.rank(info, [c for c in loads if not c.ejected]) or loads
         if not ranked:
             raise DeadlineExceeded(
-                "no prefill instance is available", retry_after=self._retry_after_s
+                "no prefill instance is available", retry_after=self._retry_after.membership()
             )
         inst = ranked[0]
         blocks = None
@@ -138,7 +143,7 @@ class DirectPrefill:
             self._tracker.rejected(inst.id)
             counter.labels("rejected").inc()
             raise DeadlineExceeded(
-                "the prefill instance is busy", retry_after=self._retry_after_s
+                "the prefill instance is busy", retry_after=self._busy()
             ) from exc
         except UpstreamError as exc:
             if isinstance(exc, UpstreamStatus):
@@ -146,13 +151,15 @@ class DirectPrefill:
                     release_after(exc, stream, inflight)
                     raise client_error(exc) from exc
                 what = "failed"  # it answered, with an error of its own
+                told = self._retry_after.membership()  # another may show, this one ejected
             else:
                 what = "did not answer"
+                told = self._busy()  # slow or swamped: as busy
             # Failed, timed out or lost: the prefill may hold KV for an answer nobody reads.
             await release_unanswered_call("failed")
             counter.labels("failed").inc()
             raise DeadlineExceeded(
-                f"the prefill {what} before the TTFT deadline", retry_after=self._retry_after_s
+                f"the prefill {what} before the TTFT deadline", retry_after=told
             ) from exc
         except BaseException as exc:
             # Cut off unanswered (its client left), or a bug here (as the forwarder's).
@@ -162,6 +169,7 @@ class DirectPrefill:
             await release_unanswered_call("abandoned" if abandoned else "failed")
             raise
         counter.labels("accepted").inc()
+        self._answered.left(time.monotonic())
         if self._index is not None and blocks is not None:
             self._index.record(blocks, inst.id)
         params: dict[str, Any] = reply["kv_transfer_params"]
@@ -173,8 +181,16 @@ class DirectPrefill:
             reply,
             stream,
             inflight,
-            lambda leases: background.spawn(release_answered(params, leases)),
+            lambda leases: background.spawn(
+                release_answered(params, leases),
+                dropped=partial(release_all, leases),
+            ),
             attempts=1,
             rejections=0,
             leg=stock,
         )
+
+    def _busy(self) -> float:
+        """Until the next prefill call ends, at the pace they have been ending."""
+        now = time.monotonic()
+        return self._retry_after.drain(1, self._answered.per_s(now))

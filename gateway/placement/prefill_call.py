@@ -29,6 +29,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import orjson
@@ -57,7 +58,7 @@ from pdgate.gateway.placement.shared import Shared
 from pdgate.gateway.upstream.base import Upstream
 from pdgate.policies.base import InstanceLoad
 
-__all__ = ["PrefillCall", "PrefillCalls", "release_unanswered"]
+__all__ = ["PrefillCall", "PrefillCalls", "release_all", "release_unanswered"]
 
 log = logging.getLogger("pdgate.forwarder")
 
@@ -172,10 +173,16 @@ class PrefillCalls:
                 and self._speaks_batch(inst)
                 and inst.url + path not in self._no_batch_endpoint
             ):
-                self._shared.background.spawn(self._attempt_batch(calls, inst))
+                self._shared.background.spawn(
+                    self._attempt_batch(calls, inst),
+                    dropped=partial(self._start_attempts, calls, inst),
+                )
             else:
-                for call in calls:
-                    self._start_attempt(call, inst)
+                self._start_attempts(calls, inst)
+
+    def _start_attempts(self, calls: Sequence[PrefillCall], inst: InstanceLoad) -> None:
+        for call in calls:
+            self._start_attempt(call, inst)
 
     def _start_attempt(self, call: PrefillCall, inst: InstanceLoad) -> None:
         """`_attempt` in a task of its own, which the waiter cancels when it gives up."""
@@ -381,7 +388,7 @@ class PrefillCalls:
             request_id=call.waiter.request_id,
         )
         if pending is not None:
-            self._shared.background.spawn(pending)
+            self._shared.background.spawn(pending, dropped=partial(_give_back, call.leases))
 
     def _release_answered(self, call: PrefillCall, kv_params: dict[str, Any]) -> None:
         """A call answered after its waiter left: free the KV the answer names, then give
@@ -406,10 +413,9 @@ class PrefillCalls:
             try:
                 await handoffs.release(leg, kv_params)
             finally:
-                for lease in held:
-                    lease.release()
+                release_all(held)
 
-        self._shared.background.spawn(run())
+        self._shared.background.spawn(run(), dropped=partial(release_all, held))
 
     def _free_after_release(
         self, request_id: str, kv_params: dict[str, Any], held: Sequence[Lease]
@@ -424,10 +430,9 @@ class PrefillCalls:
             try:
                 await self._shared.upstream.release_kv(kv_params, request_id=request_id)
             finally:
-                for lease in held:
-                    lease.release()
+                release_all(held)
 
-        self._shared.background.spawn(run())
+        self._shared.background.spawn(run(), dropped=partial(release_all, held))
 
     def _settle(self, call: PrefillCall, inst: InstanceLoad, status: int, answer: Any) -> None:
         """One prefill call's outcome, whichever way it was made."""
@@ -563,6 +568,12 @@ def release_unanswered(
             _give_back(held)
 
     return release()
+
+
+def release_all(held: Sequence[Lease]) -> None:
+    """Give back `held`: a clean-up's counts where its call to the prefill never runs."""
+    for lease in held:
+        lease.release()
 
 
 def _give_back(held: Sequence[Lease]) -> None:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pdgate.config.aio import ExponentialBackoff, run_unless
+from pdgate.config.aio import Background, ExponentialBackoff, run_unless
 
 
 def test_exponential_backoff_grows_caps_and_jitters() -> None:
@@ -107,3 +107,24 @@ async def test_run_unless_raises_lost_when_gone_fires_while_the_work_runs() -> N
     with pytest.raises(LookupError):
         await caller
     assert held.closed
+
+
+async def test_a_clean_up_dropped_past_the_bound_gives_back_what_it_held() -> None:
+    """Past its bound a clean-up is dropped without a line of it run (its ``finally``
+    neither), so what it holds goes back through `dropped`; one within the bound runs."""
+    background = Background("test", limit=1)
+    ran: list[str] = []
+    gate = asyncio.Event()
+
+    async def clean_up(name: str) -> None:
+        try:
+            await gate.wait()
+        finally:
+            ran.append(name)
+
+    background.spawn(clean_up("first"), dropped=lambda: ran.append("first dropped"))
+    background.spawn(clean_up("second"), dropped=lambda: ran.append("second dropped"))
+    assert ran == ["second dropped"] and len(background) == 1
+    gate.set()
+    await background.aclose()
+    assert ran == ["second dropped", "first"]

@@ -176,6 +176,47 @@ async def test_direct_dispatch_tries_the_top_prefill_once() -> None:
     await d.close()
 
 
+async def test_direct_dispatch_tells_a_refused_request_when_a_prefill_call_next_ends() -> None:
+    """Without a gateway queue a busy prefill's next free slot comes as calls end: with none
+    answered yet, the floor (0.01 s here); after five answered some 0.1 s apart, about the
+    gap between them. No prefill at all: the wait for the fleet's next read (1 s)."""
+    busy = False
+
+    async def handler(call: Any) -> Reply:
+        if busy and call.leg == "prefill":
+            return Reply(status=429, json={})
+        return await FakeCluster()(call)
+
+    tracker = tracker_for([1, 1], [4])
+    d, _ = dispatcher(
+        MockUpstream(handler), tracker, dispatch=DispatchMode.DIRECT, retry_after_s=0.01
+    )
+    busy = True
+    with pytest.raises(DeadlineExceeded, match="busy") as first:
+        await place(d)
+    assert first.value.retry_after == 0.01
+    busy = False
+    for _ in range(5):
+        (await place(d)).close()
+        await asyncio.sleep(0.1)
+    busy = True
+    with pytest.raises(DeadlineExceeded, match="busy") as later:
+        await place(d)
+    assert later.value.retry_after is not None and 0.08 <= later.value.retry_after <= 0.2
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await d.close()
+    none, _ = dispatcher(
+        MockUpstream(FakeCluster()),
+        tracker_for([], [4]),
+        dispatch=DispatchMode.DIRECT,
+        retry_after_s=0.01,
+    )
+    with pytest.raises(DeadlineExceeded, match="no prefill instance") as absent:
+        await place(none)
+    assert absent.value.retry_after == 1.0
+    await none.close()
+
+
 async def test_no_decode_before_the_deadline_is_a_503_and_the_kv_is_released() -> None:
     cluster = FakeCluster(decode_script=[Reply(status=429, json={})] * 100)
     upstream = MockUpstream(cluster)
