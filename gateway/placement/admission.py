@@ -14,6 +14,9 @@ guard: its deadline minus a pessimistic estimate of its prefill, queue.py), then
    answers 503, unless the request's tenant is under its share, when it takes the place of an
    over-share tenant's newest request, which is told 429; a tenant over its share gets 429.
 
+A refused request's place is kept for its retry (places.py): the same request sent again
+goes where its first try stood, as its Retry-After counted.
+
 Once queued, a request is shed (503, without a prefill call) when its prefill would likely
 end past its deadline (early drop, `hopeless`, checked by the forwarder at the head and while
 it forms a batch) or when its deadline passes (`expire`). While a prefilled request of the
@@ -188,10 +191,9 @@ class QueueAdmission:
             self._next_sweep = now + _SWEEP_S
             self._sweep(pace, now, 1.0 + headroom)
         reachable = pace.reach(waiter.deadline - now) * (1.0 - headroom)
-        places = 0.0 if self._places is None else len(self._places) * self._places.return_share
-        if len(self.queue) + places <= reachable:
+        if len(self.queue) <= reachable:
             return None
-        ahead = self.queue.ahead(waiter) + self._places_ahead(waiter, now)
+        ahead = self.queue.ahead(waiter)
         if ahead <= reachable:
             return None
         return self._options.retry_after.drain(ahead - reachable, pace.per_s)
@@ -334,7 +336,7 @@ class QueueAdmission:
         """For an arrival: the requests ahead of it now, with its own time left."""
         now = time.monotonic()
         pace = self._pace(now)
-        ahead = self.queue.ahead(waiter) + self._places_ahead(waiter, now)
+        ahead = self.queue.ahead(waiter)
         return self._retry_wait(ahead, waiter.deadline - now, pace, now, share)
 
     def _retry_anew(self, waiter: Waiter) -> float:
@@ -342,28 +344,15 @@ class QueueAdmission:
         where it stood (its place is kept), or else behind every request of its tenant and
         the more urgent classes queued now."""
         now = time.monotonic()
-        ahead: float
-        if self._places is None:
-            ahead = self.queue.ahead(waiter, at=(math.inf, 0))
-        else:
-            at = self.queue.place_of(waiter)
-            ahead = self.queue.ahead(waiter, at=at) + self._places_ahead(waiter, now)
+        at = math.inf if self._places is None else self.queue.place_of(waiter)
+        ahead = self.queue.ahead(waiter, at=at)
         return self._retry_wait(ahead, waiter.info.ttft_s, self._pace(now), now)
-
-    def _places_ahead(self, waiter: Waiter, now: float) -> float:
-        """The refused requests, likely to come back, whose kept places are before
-        `waiter`'s."""
-        places = self._places
-        if places is None or not places:
-            return 0.0
-        info = waiter.info
-        return places.ahead(info.priority, info.tenant, self.queue.place_of(waiter), now)
 
     def _keep_place(self, waiter: Waiter, retry_after: float) -> float:
         """`waiter` is refused and told `retry_after`: keep its place for its retry."""
         if self._places is not None:
-            at = self.queue.place_of(waiter)
-            self._places.keep(waiter.info, at, retry_after, time.monotonic())
+            order = self.queue.place_of(waiter)
+            self._places.keep(waiter.info, order, retry_after, time.monotonic())
             self._metrics.queue_places.labels("kept").inc()
         return retry_after
 

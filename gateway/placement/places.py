@@ -1,27 +1,29 @@
 """Where a refused request stood in its queue, kept for its retry.
 
 A request the queue refuses (503 or 429) is told the seconds after which it would likely be
-served (gateway/admission/retry_after.py): until the requests ahead of it have gone. Were
-its retry a new arrival, every request that came while it waited would be ahead of it too,
-and under sustained overload the figure would never come true: about pace / arrivals of
-retries would get in, however long they waited. So the queue keeps the refused request's
-place (its key in the queue's order: deadline or arrival, then sequence) until a while after
-the time it was told, and the same request sent again (same tenant, priority, model, group,
-prompt and `max_tokens`: what the official clients resend) takes it: it is ordered as its
-first try was, with the whole TTFT budget of its new arrival. A retry that comes early finds
-the same requests ahead and is refused again, told the time left, its place still kept.
+served (gateway/admission/retry_after.py): until the pace has served the requests ahead of
+it. Were its retry a new arrival, every request that came while it waited would be ahead of
+it too, and under sustained overload the figure would seldom come true: about pace /
+arrivals of retries would get in, however long they waited. So the queue keeps the refused
+request's place (its order value: its deadline in EDF, its arrival in FIFO) until a while
+after the time it was told, and the same request sent again (same tenant, priority, model,
+group, prompt and `max_tokens`: what the official clients resend) takes it: it is ordered
+as its first try was, with the whole TTFT budget of its new arrival. A retry that comes
+early finds the same requests ahead and is refused again, told the time left, its place
+still kept.
+
+A kept place is not counted as a request ahead of anyone: its client may never come back
+(it gave up, or it resends to another gateway), and counting it would turn away requests
+that are here for one that is not, while the queue runs dry. A retry that does come back
+goes before the requests that came after its first try, and the sweep refuses those that
+then fall out of reach, as it refuses any request the pace no longer reaches.
 
 Places cost a request nothing while the queue refuses none. They are bounded (`max_places`,
-the oldest dropped first), each kept at most `_KEEP_FACTOR` times its Retry-After plus
-`_KEEP_EXTRA_S`, and taken once. As requests ahead of others (drain admission and the
-Retry-After count them beside the queued ones) they are weighted by the share of places
-recently taken back: clients that do not resend the same request, or resend it to another
-gateway, leave places nobody takes, and those must not turn away the requests that are here.
+the oldest dropped first), each kept `_KEEP_FACTOR` times its Retry-After plus
+`_KEEP_EXTRA_S`, and taken once.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from pdgate.policies.base import RequestInfo
 
@@ -32,16 +34,6 @@ __all__ = ["Places"]
 # told has given the place up.
 _KEEP_FACTOR = 1.5
 _KEEP_EXTRA_S = 1.0
-# The share of places taken back is counted over about this many recent outcomes.
-_OUTCOMES = 64
-
-
-@dataclass(frozen=True, slots=True)
-class _Place:
-    key: tuple[float, int]  # the refused request's key in its queue's order
-    priority: int
-    tenant: str
-    until: float  # monotonic: kept until then
 
 
 def _fingerprint(info: RequestInfo) -> int:
@@ -51,85 +43,40 @@ def _fingerprint(info: RequestInfo) -> int:
 
 
 class Places:
-    """The places of one queue's refused requests, by request."""
+    """The places of one queue's refused requests, by request: (order value, kept until)."""
 
-    __slots__ = ("_lapsed", "_max", "_places", "_returned")
+    __slots__ = ("_max", "_places")
 
     def __init__(self, max_places: int) -> None:
         if max_places <= 0:
             raise ValueError("max_places must be positive")
         self._max = max_places
-        self._places: dict[int, _Place] = {}  # insertion order: oldest first
-        # Recent outcomes of places, decayed: taken back by a retry, or dropped unused. A
-        # new queue assumes half come back.
-        self._returned = 1.0
-        self._lapsed = 1.0
+        self._places: dict[int, tuple[float, float]] = {}  # insertion order: oldest first
 
     def __len__(self) -> int:
         return len(self._places)
 
-    @property
-    def return_share(self) -> float:
-        """The share of recent places whose request came back for them."""
-        return self._returned / (self._returned + self._lapsed)
-
-    def keep(
-        self, info: RequestInfo, key: tuple[float, int], retry_after: float, now: float
-    ) -> None:
-        """`info`'s request was refused at `key` and told to come back in `retry_after`."""
-        self._expire(now)
+    def keep(self, info: RequestInfo, order: float, retry_after: float, now: float) -> None:
+        """`info`'s request was refused where `order` put it, told to come back in
+        `retry_after`."""
+        places = self._places
+        while places:  # the oldest first, while they are past their time
+            oldest = next(iter(places))
+            if places[oldest][1] >= now:
+                break
+            del places[oldest]
         fingerprint = _fingerprint(info)
-        self._places.pop(fingerprint, None)  # re-inserted: the newest last
-        until = now + retry_after * _KEEP_FACTOR + _KEEP_EXTRA_S
-        self._places[fingerprint] = _Place(key, info.priority, info.tenant, until)
-        while len(self._places) > self._max:
-            del self._places[next(iter(self._places))]
-            self._outcome(returned=False)
+        places.pop(fingerprint, None)  # re-inserted: the newest last
+        places[fingerprint] = (order, now + retry_after * _KEEP_FACTOR + _KEEP_EXTRA_S)
+        while len(places) > self._max:
+            del places[next(iter(places))]
 
-    def take(self, info: RequestInfo, now: float) -> tuple[float, int] | None:
+    def take(self, info: RequestInfo, now: float) -> float | None:
         """The place kept for `info`'s request, if it was refused and is back in time; the
         place is then its and no longer kept."""
         if not self._places:
             return None
         place = self._places.pop(_fingerprint(info), None)
-        if place is None:
+        if place is None or place[1] < now:
             return None
-        if place.until < now:
-            self._outcome(returned=False)
-            return None
-        self._outcome(returned=True)
-        return place.key
-
-    def ahead(self, priority: int, tenant: str, key: tuple[float, int], now: float) -> float:
-        """The places whose requests would go before one of `priority` and `tenant` at `key`
-        (as `WaitQueue.ahead` counts the queued: more urgent classes', and its tenant's in
-        its class that its order puts first), weighted by `return_share`."""
-        if not self._places:
-            return 0.0
-        self._expire(now)
-        count = sum(
-            1
-            for p in self._places.values()
-            if p.until >= now
-            and (
-                p.priority < priority
-                or (p.priority == priority and p.tenant == tenant and p.key < key)
-            )
-        )
-        return count * self.return_share
-
-    def _expire(self, now: float) -> None:
-        """Drop the oldest places while they are past their time (those behind them are
-        skipped when counted, and dropped when they reach the front)."""
-        places = self._places
-        while places:
-            fingerprint = next(iter(places))
-            if places[fingerprint].until >= now:
-                return
-            del places[fingerprint]
-            self._outcome(returned=False)
-
-    def _outcome(self, *, returned: bool) -> None:
-        decay = 1.0 - 1.0 / _OUTCOMES
-        self._returned = self._returned * decay + returned
-        self._lapsed = self._lapsed * decay + (not returned)
+        return place[0]

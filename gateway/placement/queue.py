@@ -18,8 +18,10 @@ One `WaitQueue` per (model, group). Which waiting request goes next, in order:
 4. **Within a tenant**: FIFO or earliest-deadline-first.
 
 A request a prefill rejected goes back to its old place (its keys are kept and its charge
-refunded), so a rejection never costs it its turn. Expiry is the waiter's own business: it
-stops waiting at its deadline and leaves the queue.
+refunded), so a rejection never costs it its turn. So does the retry of a request the
+queue refused, sent again after its Retry-After (`Waiter.place`, places.py): it goes where
+its first try stood, ahead of the requests that came since. Expiry is the waiter's own
+business: it stops waiting at its deadline and leaves the queue.
 
 **429 or 503, the one rule.** 429 (`OVER_SHARE`: back off, the fleet is busy *for you*)
 means other tenants are waiting too and the request's tenant already holds its share of the
@@ -79,8 +81,9 @@ class Waiter:
     deadline: float  # monotonic
     future: asyncio.Future[Any]
     key: tuple[float, int] = (0.0, 0)  # order within its tenant (0: not queued yet)
-    # Its place kept from an earlier try that the queue refused (places.py): its key then.
-    place: tuple[float, int] | None = None
+    # Its place kept from an earlier try that the queue refused (places.py): the order value
+    # (deadline in EDF, arrival in FIFO) that try had.
+    place: float | None = None
     state: WaiterState = WaiterState.QUEUED
     attempts: int = 0  # prefill calls made for it
     rejections: int = 0
@@ -187,7 +190,7 @@ class WaitQueue:
             return Admission.OVER_SHARE
         if self.full:
             return Admission.FULL
-        waiter.key = self.place_of(waiter)
+        waiter.key = (self.place_of(waiter), next(self._seq))
         self._insert(waiter)
         return Admission.OK
 
@@ -195,15 +198,16 @@ class WaitQueue:
     def max_size(self) -> int:
         return self._max_size
 
-    def place_of(self, waiter: Waiter) -> tuple[float, int]:
-        """`waiter`'s key in this queue's order: its kept place, its key if it was queued
-        here, else the key of an arrival now (by deadline in EDF, by arrival in FIFO)."""
+    def place_of(self, waiter: Waiter) -> float:
+        """`waiter`'s order value in this queue: its kept place, its key's if it was queued
+        here, else an arrival's now (its deadline in EDF, its arrival in FIFO)."""
         if waiter.place is not None:
             return waiter.place
         if waiter.key[1]:
-            return waiter.key
-        seq = next(self._seq)
-        return (waiter.deadline, seq) if self._order is QueueOrder.EDF else (float(seq), seq)
+            return waiter.key[0]
+        if self._order is QueueOrder.EDF:
+            return waiter.deadline
+        return float(next(self._seq))
 
     def _queued_by_tenant(self) -> dict[str, tuple[int, float]]:
         """Tenant -> (queued, weight) over every class."""
@@ -331,13 +335,13 @@ class WaitQueue:
         if not self._live:
             self._nonempty.clear()
 
-    def ahead(self, waiter: Waiter, at: tuple[float, int] | None = None) -> int:
+    def ahead(self, waiter: Waiter, at: float | None = None) -> int:
         """A lower bound of the other queued requests that would go before `waiter` were it
-        queued now at key `at`: every request of a more urgent class, and those of its own
-        tenant and class that its order puts first. By default it goes where its kept place
-        puts it, else after all of them in FIFO and after those due no later in EDF. Other
-        tenants' are not counted: fair sharing may let it pass them. O(its tenant's queued)
-        unless it goes last in FIFO."""
+        queued now at order value `at`: every request of a more urgent class, and those of
+        its own tenant and class that its order puts first. By default it goes where its
+        kept place puts it, else after all of them in FIFO and after those due no later in
+        EDF. Other tenants' are not counted: fair sharing may let it pass them. O(its
+        tenant's queued) unless it goes last in FIFO."""
         priority = waiter.info.priority
         n = sum(c.queued for p, c in self._classes.items() if p < priority)
         cls = self._classes.get(priority)
@@ -354,7 +358,7 @@ class WaitQueue:
             if w.state is WaiterState.QUEUED and w is not waiter
         )
         if at is not None:
-            return n + sum(1 for k, _ in live if k < at)
+            return n + sum(1 for k, _ in live if k[0] < at)
         return n + sum(1 for _, w in live if w.deadline <= waiter.deadline)
 
     def waiters(self) -> list[Waiter]:

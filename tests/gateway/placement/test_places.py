@@ -1,8 +1,8 @@
 """Places kept for refused requests (gateway/placement/places.py): the same request sent
-again takes its first try's place, once, within its time; places are bounded; as requests
-ahead they count by the share that comes back. Through a queue's admission: a refused
-request's Retry-After counts the places before it, and an early retry finds the same
-requests ahead and is told the time left."""
+again takes its first try's place, once, within its time, and places are bounded. Through a
+queue's admission: a retry goes where its first try stood, ahead of the requests that came
+since; one that comes early finds the same requests ahead and is told the time left; kept
+places never turn away requests that are here."""
 
 from __future__ import annotations
 
@@ -24,97 +24,121 @@ from tests.gateway._fakes import info, tracker_for, waiter
 def test_the_same_request_takes_its_place_once_within_its_time() -> None:
     places = Places(8)
     now = 100.0
-    places.keep(info("a"), (5.0, 1), retry_after=2.0, now=now)
+    places.keep(info("a"), 5.0, retry_after=2.0, now=now)
     assert places.take(info("b"), now + 1) is None  # another request
-    other_tenant = replace(info("a"), tenant="t2")
-    assert places.take(other_tenant, now + 1) is None
-    assert places.take(info("a"), now + 2) == (5.0, 1)
+    assert places.take(replace(info("a"), tenant="t2"), now + 1) is None
+    assert places.take(replace(info("a"), max_tokens=5), now + 1) is None
+    assert places.take(info("a"), now + 2) == 5.0
     assert places.take(info("a"), now + 2) is None  # taken once
     # Kept for 1.5 times its Retry-After and a second: a retry far later has none.
-    places.keep(info("a"), (5.0, 1), retry_after=2.0, now=now)
+    places.keep(info("a"), 5.0, retry_after=2.0, now=now)
     assert places.take(info("a"), now + 4.1) is None
     assert not places
 
 
-def test_places_are_bounded_and_count_by_the_share_that_comes_back() -> None:
+def test_places_are_bounded_oldest_and_lapsed_first() -> None:
     places = Places(4)
     for i in range(10):
-        places.keep(info(f"p{i}"), (float(i), i), retry_after=60.0, now=0.0)
+        places.keep(info(f"p{i}"), float(i), retry_after=60.0, now=0.0)
     assert len(places) == 4  # the oldest dropped
-    assert places.take(info("p0"), 1.0) is None and places.take(info("p9"), 1.0) == (9.0, 9)
-    # Six dropped unused and one taken back: fewer than half count as coming back.
-    share = places.return_share
-    assert 0.1 < share < 0.5
-    # Three left (keys 6 to 8), all before key 100 of the same class and tenant, one before 7.
-    assert places.ahead(1, "anonymous", (100.0, 0), 1.0) == pytest.approx(3 * share)
-    assert places.ahead(1, "anonymous", (7.0, 0), 1.0) == pytest.approx(share)
-    assert places.ahead(1, "other", (100.0, 0), 1.0) == 0  # another tenant: not counted
-    assert places.ahead(2, "other", (0.0, 0), 1.0) == pytest.approx(3 * share)  # less urgent
-    for i in range(100):  # a run of clients that come back for their places
-        places.keep(info(f"q{i}"), (0.0, 0), retry_after=1.0, now=2.0)
-        assert places.take(info(f"q{i}"), 2.5) is not None
-    assert places.return_share > 0.8
+    assert places.take(info("p5"), 1.0) is None and places.take(info("p9"), 1.0) == 9.0
+    places.keep(info("late"), 10.0, retry_after=1.0, now=200.0)  # the others lapsed by now
+    assert len(places) == 1
 
 
-def _admission(*, keep_places: bool = True) -> tuple[QueueAdmission, GatewayMetrics]:
-    metrics = GatewayMetrics(tracker_for([1]).totals, lambda: 0)
+def _admission(*, keep_places: bool = True, size: int = 100) -> QueueAdmission:
+    """A FIFO queue's admission at 20 grants a second over the last 2 s, saturated."""
     admission = QueueAdmission(
-        WaitQueue(100, QueueOrder.FIFO),
+        WaitQueue(size, QueueOrder.FIFO),
         PrefillTimes(quantile=0.9),
-        metrics,
+        GatewayMetrics(tracker_for([1]).totals, lambda: 0),
         AdmissionOptions(drain_sweep=False, retry_keeps_place=keep_places),
         model="m",
         group=None,
     )
-    now = time.monotonic()  # 20 grants a second over the last 2 s, the queue saturated
+    now = time.monotonic()
     admission.saturated(now - 2.0)
     for i in range(1, 41):
         admission.granted(now - 2.0 + i / 20)
-    return admission, metrics
+    return admission
 
 
-def _told_twice(*, keep_places: bool) -> tuple[float, float]:
-    """40 queued at 20 a second; two requests due in half a second, both refused: what each
-    is told."""
-    admission, _ = _admission(keep_places=keep_places)
+@pytest.mark.parametrize("keep_places", [True, False])
+async def test_a_retry_goes_where_its_first_try_stood(keep_places: bool) -> None:
+    """40 queued at 20 a second: a request due in half a second is refused. 35 of the 40
+    are served and 20 more arrive; sent again, it has the 5 left ahead of it, which the pace
+    reaches in its time (7 to 10), not the 20 behind them too."""
+    admission = _admission(keep_places=keep_places)
+    queue = admission.queue
     for i in range(40):
         admission.admit(waiter(i, deadline_s=30))
-    told = []
-    for i in (100, 101):
-        with pytest.raises(Overloaded) as refused:
-            admission.admit(waiter(i, deadline_s=0.5))
-        assert refused.value.retry_after is not None
-        told.append(refused.value.retry_after)
-    return told[0], told[1]
-
-
-async def test_a_refusal_counts_the_places_kept_before_it() -> None:
-    """The second refused request has the first one's place before it too, counted at the
-    share of places that come back (a half, before any came back): 0.5 / 20 s more than
-    without places (where it is told more only as the arrivals' rate raised the headroom)."""
-    first, second = _told_twice(keep_places=True)
-    plain_first, plain_second = _told_twice(keep_places=False)
-    assert first == pytest.approx(plain_first, abs=0.002)
-    assert (second - first) - (plain_second - plain_first) == pytest.approx(0.5 / 20, abs=0.002)
+    with pytest.raises(Overloaded):
+        admission.admit(waiter(100, deadline_s=0.5))
+    for _ in range(35):
+        queue.pop()
+    for i in range(20):
+        admission.admit(waiter(200 + i, deadline_s=30))
+    retry = waiter(100, deadline_s=0.5)
+    if not keep_places:
+        with pytest.raises(Overloaded):  # a new arrival: behind all 25
+            admission.admit(retry)
+        return
+    admission.admit(retry)
+    order = [queue.pop() for _ in range(len(queue))]
+    assert order.index(retry) == 5  # after the 5 that were ahead of it, before the 20
+    taken = admission._metrics.registry.get_sample_value(
+        "pdgate_queue_places_total", {"outcome": "taken"}
+    )
+    assert taken == 1
 
 
 async def test_an_early_retry_is_refused_again_and_told_the_time_left() -> None:
-    """Back at once, the same requests are ahead of it: refused, told about what it was told
-    first, its place still kept; a request that came after it has that place before it."""
-    admission, metrics = _admission()
+    admission = _admission()
     for i in range(40):
         admission.admit(waiter(i, deadline_s=30))
     with pytest.raises(Overloaded) as first:
         admission.admit(waiter(100, deadline_s=0.5))
-    with pytest.raises(Overloaded) as again:
+    for _ in range(10):
+        admission.queue.pop()
+    with pytest.raises(Overloaded) as again:  # back at once: 30 still ahead of its place
         admission.admit(waiter(100, deadline_s=0.5))
     assert first.value.retry_after is not None and again.value.retry_after is not None
-    # The same 40 ahead of it (the headroom grew a little with the arrivals' rate).
-    assert again.value.retry_after == pytest.approx(first.value.retry_after, abs=0.01)
-    taken = metrics.registry.get_sample_value("pdgate_queue_places_total", {"outcome": "taken"})
-    assert taken == 1  # taken by the early retry, and kept again when it was refused
-    with pytest.raises(Overloaded) as later:
-        admission.admit(waiter(101, deadline_s=0.5))
-    assert later.value.retry_after is not None
-    # Its place, taken back once of two, counts as two thirds of a request: 0.033 s.
-    assert later.value.retry_after > again.value.retry_after + 0.02
+    # Ten fewer ahead at 20 a second: half a second less (the headroom moves a little).
+    assert again.value.retry_after == pytest.approx(first.value.retry_after - 0.5, abs=0.05)
+    # Still kept: once the rest have gone, it is admitted at its place.
+    for _ in range(25):
+        admission.queue.pop()
+    admission.admit(waiter(100, deadline_s=0.5))
+
+
+async def test_places_whose_requests_never_come_back_turn_nobody_away() -> None:
+    """A burst of 200 refused requests that are never sent again: an arrival the queue
+    reaches is admitted as it would be with no place kept."""
+    admission = _admission()
+    for i in range(40):
+        admission.admit(waiter(i, deadline_s=30))
+    for i in range(200):
+        with pytest.raises(Overloaded):
+            admission.admit(waiter(1000 + i, deadline_s=0.5))
+    admission.admit(waiter(2000, deadline_s=10.0))  # 40 ahead, some 140 reached in 10 s
+    assert len(admission.queue) == 41
+
+
+async def test_a_swept_request_retried_at_its_place_beside_its_dead_entry() -> None:
+    """A queued request refused by the sweep leaves its entry in the queue's heaps until
+    compacted; its retry, at the same place, must sort beside it (a key of its own)."""
+    admission = _admission(size=1000)
+    for i in range(60):
+        admission.queue.push(waiter(i, deadline_s=30))
+    doomed = waiter(100, deadline_s=1.0)
+    admission.queue.push(doomed)
+    for late in admission.queue.beyond_reach(lambda s: 20 * s, time.monotonic()):
+        admission.queue.remove(late)
+        admission._keep_place(late, 1.0)
+    assert doomed.done
+    for _ in range(58):
+        admission.queue.pop()
+    retry = waiter(100, deadline_s=1.0)
+    admission.admit(retry)
+    assert retry.key[0] == doomed.key[0] and retry.key != doomed.key
+    assert [admission.queue.pop() for _ in range(3)][-1] is retry
