@@ -57,6 +57,9 @@ _GUARD_QUANTILE = 0.9
 # How often drain admission looks through the whole queue (O(n log n)) for requests the pace
 # cannot reach: often enough that none waits long for a 503 it will get anyway.
 _SWEEP_S = 0.5
+# Places are kept for refused requests while arrivals come at most this many times as fast
+# as the pace serves (`_keep_place`).
+_PLACES_UP_TO = 2.0
 
 
 @dataclass(frozen=True)
@@ -349,10 +352,17 @@ class QueueAdmission:
         return self._retry_wait(ahead, waiter.info.ttft_s, self._pace(now), now)
 
     def _keep_place(self, waiter: Waiter, retry_after: float) -> float:
-        """`waiter` is refused and told `retry_after`: keep its place for its retry."""
-        if self._places is not None:
-            order = self.queue.place_of(waiter)
-            self._places.keep(waiter.info, order, retry_after, time.monotonic())
+        """`waiter` is refused and told `retry_after`: keep its place for its retry, while
+        the queue can keep that promise. Once arrivals come more than twice as fast as the
+        pace serves, more are refused than the pace serves: the retries holding places
+        would alone outrun it, and each place kept would only move a failure onto a retry
+        that waited longer. Past that, as without places, a retry is a new arrival."""
+        if self._places is None:
+            return retry_after
+        now = time.monotonic()
+        pace = self._pace(now)
+        if pace is None or self._arrivals.per_s(now) <= _PLACES_UP_TO * pace.per_s:
+            self._places.keep(waiter.info, self.queue.place_of(waiter), retry_after, now)
             self._metrics.queue_places.labels("kept").inc()
         return retry_after
 

@@ -15,6 +15,7 @@ from pdgate.config import QueueOrder
 from pdgate.gateway.errors import Overloaded
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.admission import AdmissionOptions, QueueAdmission
+from pdgate.gateway.placement.drain import ArrivalRate
 from pdgate.gateway.placement.places import Places
 from pdgate.gateway.placement.prefill_time import PrefillTimes
 from pdgate.gateway.placement.queue import WaitQueue
@@ -71,13 +72,13 @@ async def test_a_retry_goes_where_its_first_try_stood(keep_places: bool) -> None
     admission = _admission(keep_places=keep_places)
     queue = admission.queue
     for i in range(40):
-        admission.admit(waiter(i, deadline_s=30))
+        queue.push(waiter(i, deadline_s=30))  # queued before: not arrivals it judges now
     with pytest.raises(Overloaded):
         admission.admit(waiter(100, deadline_s=0.5))
     for _ in range(35):
         queue.pop()
     for i in range(20):
-        admission.admit(waiter(200 + i, deadline_s=30))
+        queue.push(waiter(200 + i, deadline_s=30))
     retry = waiter(100, deadline_s=0.5)
     if not keep_places:
         with pytest.raises(Overloaded):  # a new arrival: behind all 25
@@ -95,7 +96,7 @@ async def test_a_retry_goes_where_its_first_try_stood(keep_places: bool) -> None
 async def test_an_early_retry_is_refused_again_and_told_the_time_left() -> None:
     admission = _admission()
     for i in range(40):
-        admission.admit(waiter(i, deadline_s=30))
+        admission.queue.push(waiter(i, deadline_s=30))
     with pytest.raises(Overloaded) as first:
         admission.admit(waiter(100, deadline_s=0.5))
     for _ in range(10):
@@ -103,7 +104,7 @@ async def test_an_early_retry_is_refused_again_and_told_the_time_left() -> None:
     with pytest.raises(Overloaded) as again:  # back at once: 30 still ahead of its place
         admission.admit(waiter(100, deadline_s=0.5))
     assert first.value.retry_after is not None and again.value.retry_after is not None
-    # Ten fewer ahead at 20 a second: half a second less (the headroom moves a little).
+    # Ten fewer ahead at 20 a second: half a second less.
     assert again.value.retry_after == pytest.approx(first.value.retry_after - 0.5, abs=0.05)
     # Still kept: once the rest have gone, it is admitted at its place.
     for _ in range(25):
@@ -111,17 +112,39 @@ async def test_an_early_retry_is_refused_again_and_told_the_time_left() -> None:
     admission.admit(waiter(100, deadline_s=0.5))
 
 
-async def test_places_whose_requests_never_come_back_turn_nobody_away() -> None:
-    """A burst of 200 refused requests that are never sent again: an arrival the queue
-    reaches is admitted as it would be with no place kept."""
+async def test_places_whose_requests_never_come_back_turn_nobody_away(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """200 refused requests, their places kept, never sent again: an arrival the queue
+    reaches is admitted as it would be with no place kept. (The arrivals' rate is held low,
+    as if they had come over a while: a burst keeps no place, below.)"""
     admission = _admission()
+    monkeypatch.setattr(ArrivalRate, "per_s", lambda self, now: 1.0)
     for i in range(40):
-        admission.admit(waiter(i, deadline_s=30))
+        admission.queue.push(waiter(i, deadline_s=30))
     for i in range(200):
         with pytest.raises(Overloaded):
             admission.admit(waiter(1000 + i, deadline_s=0.5))
+    assert admission._places is not None and len(admission._places) == 100  # the bound
     admission.admit(waiter(2000, deadline_s=10.0))  # 40 ahead, some 140 reached in 10 s
     assert len(admission.queue) == 41
+
+
+async def test_no_place_is_kept_once_arrivals_outrun_twice_the_pace() -> None:
+    """More refused than the pace serves: the retries holding places would alone outrun it.
+    A burst of 100 arrivals at a pace of 20 a second keeps places only for the first."""
+    admission = _admission()
+    for i in range(40):
+        admission.queue.push(waiter(i, deadline_s=30))
+    for i in range(100):
+        with pytest.raises(Overloaded):
+            admission.admit(waiter(1000 + i, deadline_s=0.5))
+    kept = admission._metrics.registry.get_sample_value(
+        "pdgate_queue_places_total", {"outcome": "kept"}
+    )
+    assert kept is not None and 0 < kept < 60
+    pace = admission.drain_view()[0]
+    assert pace is not None and admission._arrivals.per_s(time.monotonic()) > 2 * pace
 
 
 async def test_a_swept_request_retried_at_its_place_beside_its_dead_entry() -> None:
