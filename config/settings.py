@@ -629,10 +629,12 @@ class GatewaySettings(_Settings):
         "that answer 429 when full, as pdgate's shims do).",
     )
     retry_keeps_place: bool = Field(
-        default=True,
+        default=False,
         description="dispatch=queue: keep the place of a request a queue refused (503, 429) "
         "for its retry, the same request sent again before its Retry-After has long passed: "
-        'it goes where its first try stood (docs/scheduling.md, "Retry-After").',
+        "it goes where its first try stood. Retries are served first come, first served; "
+        "past capacity, where the refused are the costly requests, that costs throughput "
+        '(docs/scheduling.md, "Retry-After").',
     )
     decode_backpressure: bool = Field(
         default=True,

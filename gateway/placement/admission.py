@@ -81,9 +81,9 @@ class AdmissionOptions:
     # Hold a queue's prefills while a prefilled request of its model and group waits for a
     # decode (drain.py, `DecodeWaits`).
     decode_backpressure: bool = True
-    # Keep a refused request's place for its retry (places.py), so that the Retry-After it
-    # is told comes true.
-    retry_keeps_place: bool = True
+    # Keep a refused request's place for its retry (places.py): first come, first served
+    # across retries, at the price of throughput where the refused are the costly requests.
+    retry_keeps_place: bool = False
 
 
 class QueueAdmission:

@@ -18,6 +18,12 @@ that are here for one that is not, while the queue runs dry. A retry that does c
 goes before the requests that came after its first try, and the sweep refuses those that
 then fall out of reach, as it refuses any request the pace no longer reaches.
 
+What it costs (`retry_keeps_place`, off by default): the refused are mostly the costly
+requests (long prompts the queue could not start in time), and a place gets them served
+ahead of cheaper ones. Past capacity that is fewer requests served a second; with clients
+that honour Retry-After, at twice the capacity nearly every retry was served on its first
+try, against half without places, at a tenth less goodput (docs/results/scheduling).
+
 Places cost a request nothing while the queue refuses none. They are bounded (`max_places`,
 the oldest dropped first), each kept `_KEEP_FACTOR` times its Retry-After plus
 `_KEEP_EXTRA_S`, and taken once.

@@ -9,7 +9,7 @@
 * ``affinity_sse``: the same, with prefills ranked by prefix-cache affinity first.
 * ``least_tokens``, ``affinity_overload``, ``first_token_early``, ``local_prefill``,
   ``least_sse_guard``, ``least_sse_q10``, ``least_sse_q50``, ``least_sse_q90``,
-  ``least_sse_room``, ``least_sse_ra1``, ``least_sse_noplace``:
+  ``least_sse_room``, ``least_sse_ra1``, ``least_sse_place``:
   on-demand forwarding with one of the gateway's newer features on, each a `Mode` whose
   `Mode.gateway` (and, if needed, `Mode.prefill` / `Mode.decode`) overrides settings.
 * ``router_*``: the same queue-less prefills behind vllm-router instead of
@@ -138,8 +138,8 @@ FEATURE_MODES: tuple[Mode, ...] = (
     # least_sse whose every 503 and 429 says `Retry-After: 1`, as gateways commonly do,
     # against the computed one (docs/scheduling.md, "Retry-After").
     _on_demand("least_sse_ra1", retry_after_s=1.0, retry_after_max_s=1.0),
-    # least_sse whose retries are new arrivals: no place kept for a refused request.
-    _on_demand("least_sse_noplace", retry_keeps_place=False),
+    # least_sse that keeps a refused request's place for its retry (`retry_keeps_place`).
+    _on_demand("least_sse_place", retry_keeps_place=True),
     # The same instances aggregated: each request whole to one instance, from the queue.
     Mode(
         "aggregated",

@@ -133,9 +133,8 @@ async def test_the_units_sweep_refuses_queued_requests_out_of_reach_but_not_read
     admission.admit(waiter(102, deadline_s=20.0))  # its arrival sweeps the queue
     with pytest.raises(Overloaded, match="would not reach this request") as refused:
         doomed.future.result()
-    # Its retry goes where it stood, behind the 40 before it, at 20 a second (it has no TTFT
-    # budget of its own).
-    assert refused.value.retry_after == pytest.approx(40 / 20, abs=0.01)
+    # Its retry queues behind the 41 left, at 20 a second (it has no TTFT budget of its own).
+    assert refused.value.retry_after == pytest.approx(41 / 20, abs=0.01)
     assert doomed not in queue.waiters() and kept in queue.waiters()
     assert not kept.future.done() and _sheds(metrics, "drain") == 1
 
@@ -243,7 +242,7 @@ class _Paced:
 
 @contextlib.asynccontextmanager
 async def _paced_backlog(
-    order: QueueOrder, *, drain: bool, keep_places: bool = True
+    order: QueueOrder, *, drain: bool, keep_places: bool = False
 ) -> AsyncIterator[_Paced]:
     """One prefill of one slot, 0.05 s a prompt (about 20 grants a second), and 80 requests
     due in 30 s queued for over a second, so the pace is known; no sweep unless a test
@@ -393,9 +392,8 @@ async def test_under_heavy_overload_admission_keeps_headroom_below_the_sweeps_re
     """A request the pace reaches with a fifth of its time to spare is queued while requests
     arrive about as fast as the queue drains. Once they arrive five times as fast, the same
     request is refused on arrival: `drain_headroom` 0.3 applies, where a dip of the pace past
-    a fifth would have had the sweep refuse it late. (The burst's refused requests never
-    come back: no place is kept for them.)"""
-    async with _paced_backlog(QueueOrder.FIFO, drain=True, keep_places=False) as p:
+    a fifth would have had the sweep refuse it late."""
+    async with _paced_backlog(QueueOrder.FIFO, drain=True) as p:
         assert p.admission._options.drain_headroom == 0.3  # the default
 
         def at_the_edge(i: int) -> Waiter:
