@@ -110,6 +110,18 @@ def serve_until_signalled(run: Callable[[asyncio.Event], Awaitable[None]]) -> in
     return 0
 
 
+# Third-party HTTP clients that log every request at INFO: a benchmark's official openai
+# clients would write a line per request, on the CPU the load is measured with.
+_CHATTY_CLIENTS = ("httpx", "httpx2", "httpcore", "openai", "anthropic")
+
+
+def _quiet_http_clients() -> None:
+    """Keep the HTTP client libraries to warnings and worse, whatever the log level."""
+    for name in _CHATTY_CLIENTS:
+        logger = logging.getLogger(name)
+        logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser(argv).parse_args(argv)
@@ -117,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    _quiet_http_clients()
     try:
         code: int = _load(args.command).main(args)
     except Exception as exc:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
 import pytest
 
+from pdgate.config import cli
 from pdgate.config.cli import COMMANDS, _parser
 from tests._cluster import refused
 
@@ -40,3 +42,13 @@ def test_gateway_log_level_flag_is_accepted_by_the_real_command() -> None:
 def test_bad_settings_are_one_line_and_exit_2() -> None:
     out = refused(["gateway", "--prefill-policy", "fastest"], "unknown policy 'fastest'")
     assert out.stderr.startswith("pdgate gateway: unknown policy 'fastest'")
+
+
+def test_http_client_libraries_log_no_line_per_request() -> None:
+    """The official clients' HTTP libraries log each request at INFO: under the gateway's
+    log level (INFO by default) a benchmark would write a line per request."""
+    logging.getLogger("httpx").setLevel(logging.NOTSET)
+    logging.root.setLevel(logging.INFO)
+    cli._quiet_http_clients()
+    for name in ("httpx", "httpx2", "openai"):
+        assert not logging.getLogger(name).isEnabledFor(logging.INFO)
