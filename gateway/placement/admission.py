@@ -317,12 +317,7 @@ class QueueAdmission:
     # -- what a refused request is told to wait (retry_after.py) ---------------------------
 
     def _retry_wait(
-        self,
-        ahead: float,
-        budget_s: float | None,
-        pace: Pace | None,
-        now: float,
-        share: float = 1.0,
+        self, ahead: int, budget_s: float | None, pace: Pace | None, now: float, share: float = 1.0
     ) -> float:
         """Until the pace (`share` of it) has served all but what it reaches within
         `budget_s` of the `ahead` requests before this one: a retry then is admitted, and
@@ -347,7 +342,7 @@ class QueueAdmission:
         where it stood (its place is kept), or else behind every request of its tenant and
         the more urgent classes queued now."""
         now = time.monotonic()
-        at = math.inf if self._places is None else self.queue.place_of(waiter)
+        at = self.queue.place_of(waiter) if self._keeps_places(now) else math.inf
         ahead = self.queue.ahead(waiter, at=at)
         return self._retry_wait(ahead, waiter.info.ttft_s, self._pace(now), now)
 
@@ -357,14 +352,17 @@ class QueueAdmission:
         pace serves, more are refused than the pace serves: the retries holding places
         would alone outrun it, and each place kept would only move a failure onto a retry
         that waited longer. Past that, as without places, a retry is a new arrival."""
-        if self._places is None:
-            return retry_after
         now = time.monotonic()
-        pace = self._pace(now)
-        if pace is None or self._arrivals.per_s(now) <= _PLACES_UP_TO * pace.per_s:
+        if self._places is not None and self._keeps_places(now):
             self._places.keep(waiter.info, self.queue.place_of(waiter), retry_after, now)
             self._metrics.queue_places.labels("kept").inc()
         return retry_after
+
+    def _keeps_places(self, now: float) -> bool:
+        if self._places is None:
+            return False
+        pace = self._pace(now)
+        return pace is None or self._arrivals.per_s(now) <= _PLACES_UP_TO * pace.per_s
 
     def _out_of_reach(self, retry_after: float) -> Overloaded:
         return Overloaded(
