@@ -21,7 +21,7 @@ from pdgate.config import GatewaySettings, QueueOrder, RegistrySettings, Role
 from pdgate.config.server import bind_socket, bound_port, serving
 from pdgate.gateway.api.completions import TTFT_HEADER
 from pdgate.gateway.app import build_gateway_app
-from pdgate.gateway.upstream.mock import MockUpstream
+from pdgate.gateway.upstream.mock import MockUpstream, Reply
 from pdgate.registry import InstanceRecord, MemoryRegistry
 from tests.gateway._fakes import FakeCluster, eventually
 
@@ -206,3 +206,35 @@ async def test_tokens_no_instance_could_count_tell_the_wait_for_the_next_read_of
         resp = await client.post(url + _REQUESTS[4][0], json=_REQUESTS[4][1])
         assert "could count the tokens" in resp.json()["error"]["message"]
         assert _told(resp, "anthropic") == 2.5
+
+
+async def test_a_side_request_every_instance_failed_until_its_deadline_tells_the_poll_wait() -> (
+    None
+):
+    """The one instance serving /v1/embeddings answers 500 (slowly) until the request's
+    deadline: another instance may show at the gateway's next read of the membership, 2.5 s
+    here, not the floor (0.01 s)."""
+    registry = MemoryRegistry()
+    record = InstanceRecord(
+        id="pool", role=Role.AGGREGATED, url="http://pool", model="m", capacity=1,
+        endpoints=("/v1/embeddings",),
+    )  # fmt: skip
+    await registry.put(record, ttl_s=60)
+
+    async def failing(call: Any) -> Any:
+        await asyncio.sleep(0.1)
+        return Reply(status=500, json={})
+
+    settings = GatewaySettings(
+        port=0, retry_after_s=0.01, ttft_timeout_s=0.5, eject_after_failures=1000,
+        retry_budget_burst=1000,
+    )  # fmt: skip
+    app = build_gateway_app(
+        settings, registry, RegistrySettings(poll_interval_s=2.5), upstream=MockUpstream(failing)
+    )
+    sock = bind_socket("127.0.0.1", 0)
+    async with serving(app, sock), httpx.AsyncClient(timeout=30) as client:
+        url = f"http://127.0.0.1:{bound_port(sock)}"
+        resp = await client.post(url + "/v1/embeddings", json={"model": "m", "input": "hi"})
+        assert "before the request's deadline" in resp.json()["error"]["message"], resp.text
+        assert _told(resp) == 2.5
