@@ -20,9 +20,9 @@ then fall out of reach, as it refuses any request the pace no longer reaches.
 
 What it costs (`retry_keeps_place`, off by default): the refused are mostly the costly
 requests (long prompts the queue could not start in time), and a place gets them served
-ahead of cheaper ones. Past capacity that is fewer requests served a second; with clients
-that honour Retry-After, at twice the capacity nearly every retry was served on its first
-try, against half without places, at a tenth less goodput (docs/results/scheduling).
+ahead of cheaper ones, so past capacity fewer requests are served a second
+(docs/results/scheduling). And once more are refused than the pace serves, the retries
+holding places would alone outrun it: the queue keeps none then (admission.py).
 
 Places cost a request nothing while the queue refuses none. They are bounded (`max_places`,
 the oldest dropped first), each kept `_KEEP_FACTOR` times its Retry-After plus

@@ -105,9 +105,16 @@ async def test_a_request_the_queue_cannot_reach_is_told_when_it_would() -> None:
                 headers={TTFT_HEADER: str(ttft_ms)},
             )
 
+        async def paced() -> bool:
+            """Drain admission counts on a pace (it shows on /metrics once it has one)."""
+            return "pdgate_queue_drain_pace{" in (await client.get(url + "/metrics")).text
+
         backlog = [asyncio.create_task(post(30_000)) for _ in range(80)]
         try:
-            await asyncio.sleep(1.3)  # saturated for over a second: the pace is known
+            waited = time.monotonic() + 20.0  # saturated for over a second: the pace is known
+            while not await paced():
+                assert time.monotonic() < waited, "no drain pace after 20 s of backlog"
+                await asyncio.sleep(0.05)
             resp = await post(500)
             told = _told(resp)
             assert resp.json()["error"]["code"] == "gateway_overloaded"
