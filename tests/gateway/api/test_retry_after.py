@@ -218,9 +218,9 @@ async def test_tokens_no_instance_could_count_tell_the_wait_for_the_next_read_of
 async def test_a_side_request_every_instance_failed_until_its_deadline_tells_the_poll_wait() -> (
     None
 ):
-    """The one instance serving /v1/embeddings answers 500 (slowly) until the request's
-    deadline: another instance may show at the gateway's next read of the membership, 2.5 s
-    here, not the floor (0.01 s)."""
+    """The one instance serving /v1/embeddings answers 500, after the request's deadline:
+    another instance may show at the gateway's next read of the membership, 2.5 s here, not
+    the floor (0.01 s)."""
     registry = MemoryRegistry()
     record = InstanceRecord(
         id="pool", role=Role.AGGREGATED, url="http://pool", model="m", capacity=1,
@@ -229,7 +229,7 @@ async def test_a_side_request_every_instance_failed_until_its_deadline_tells_the
     await registry.put(record, ttl_s=60)
 
     async def failing(call: Any) -> Any:
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.7)  # past the 0.5 s deadline: its one call
         return Reply(status=500, json={})
 
     settings = GatewaySettings(
