@@ -179,7 +179,8 @@ async def test_direct_dispatch_tries_the_top_prefill_once() -> None:
 async def test_direct_dispatch_tells_a_refused_request_when_a_prefill_call_next_ends() -> None:
     """Without a gateway queue a busy prefill's next free slot comes as calls end: with none
     answered yet, the floor (0.01 s here); after five answered some 0.1 s apart, about the
-    gap between them. No prefill at all: the wait for the fleet's next read (1 s)."""
+    gap between them (more on a loaded machine). No prefill at all: the wait for the
+    fleet's next read (1 s)."""
     busy = False
 
     async def handler(call: Any) -> Reply:
@@ -202,7 +203,7 @@ async def test_direct_dispatch_tells_a_refused_request_when_a_prefill_call_next_
     busy = True
     with pytest.raises(DeadlineExceeded, match="busy") as later:
         await place(d)
-    assert later.value.retry_after is not None and 0.08 <= later.value.retry_after <= 0.2
+    assert later.value.retry_after is not None and 0.08 <= later.value.retry_after <= 0.5
     await eventually(lambda: tracker.totals() == (0, 0))
     await d.close()
     none, _ = dispatcher(
