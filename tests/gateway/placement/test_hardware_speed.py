@@ -13,6 +13,7 @@ from tests._cluster import (
     complete,
     instances_by_id,
     metric_by_label,
+    wait_for,
 )
 
 FLEET = {"PDGATE_GATEWAY_FLEET_SYNC_INTERVAL_S": "0.05"}
@@ -42,7 +43,11 @@ def test_the_faster_prefill_is_preferred_once_measured_at_every_gateway(
     speeds = _speeds(gateways[0])
     assert speeds["b-fast"] == 1.0 and speeds["a-slow"] < 0.3, speeds  # against the fastest
 
-    # Lone requests, through the gateway that measured nothing itself: the fast one each time.
+    # Lone requests, through the gateway that measured nothing itself, once the fleet's sync
+    # has brought it the paces (its first request opens its queue, which reads them): the
+    # fast one each time.
+    complete(gateways[1], f"first {PROMPT}")
+    wait_for(lambda: _speeds(gateways[1]).get("a-slow", 1.0) < 0.3, what="the paces synced")
     for i in range(6):
         assert complete(gateways[1], f"lone {i} {PROMPT}").headers["x-pdgate-prefill"] == "b-fast"
     assert _speeds(gateways[1]) == pytest.approx(speeds, rel=0.2)
