@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 from pdgate.config.aio import Background, shielded
@@ -20,12 +18,12 @@ from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, Role
 from pdgate.gateway.admission.retry_after import Departures, RetryAfter
 from pdgate.gateway.errors import DeadlineExceeded, UpstreamError, UpstreamRejected, UpstreamStatus
 from pdgate.gateway.instances.affinity import PrefixLookup
-from pdgate.gateway.instances.tracker import InstanceTracker, Lease
+from pdgate.gateway.instances.tracker import InstanceTracker
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.decode_attempt import client_error, release_after
 from pdgate.gateway.placement.handoff import Handoffs, OnSend
 from pdgate.gateway.placement.placed import LegRequest, PrefillGrant
-from pdgate.gateway.placement.prefill_call import release_all, release_unanswered
+from pdgate.gateway.placement.prefill_call import release_answered, release_unanswered
 from pdgate.gateway.upstream.base import Upstream
 from pdgate.policies.base import Ranker
 
@@ -88,18 +86,6 @@ class DirectPrefill:
         stock = None if handoffs is None else handoffs.stock_leg(inst.id, request_id)
         # The id the call names its KV by, to release it unanswered (a stock server's: none).
         kv_id = secrets.token_hex(16) if stock is None else None
-
-        async def release_answered(params: dict[str, Any], leases: Sequence[Lease]) -> None:
-            """An answered call's KV, then its counts: a stock server's blocks by a release
-            leg, a pdgate prefill's by the answer's params."""
-            try:
-                if stock is None:
-                    await upstream.release_kv(params, request_id=request_id)
-                elif handoffs is not None:
-                    await handoffs.release(stock, params)
-            finally:
-                for lease in leases:
-                    lease.release()
 
         async def release_unanswered_call(result: str) -> None:
             pending = release_unanswered(
@@ -181,9 +167,8 @@ class DirectPrefill:
             reply,
             stream,
             inflight,
-            lambda leases: background.spawn(
-                release_answered(params, leases),
-                dropped=partial(release_all, leases),
+            lambda leases: release_answered(
+                upstream, handoffs, background, params, leases, request_id=request_id, leg=stock
             ),
             attempts=1,
             rejections=0,

@@ -27,13 +27,14 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import orjson
 
+from pdgate.config.aio import Background
 from pdgate.config.tracing import Span, Tracing
 from pdgate.config.wire import DECODE_MAX_TOKENS_HEADER, EXT_BATCH_PREFILL, GATEWAY_ID_HEADER
 from pdgate.gateway.errors import (
@@ -50,7 +51,7 @@ from pdgate.gateway.instances.tracker import Lease
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.batching import BatchForming
 from pdgate.gateway.placement.decode_attempt import out_of_time
-from pdgate.gateway.placement.handoff import StockLeg
+from pdgate.gateway.placement.handoff import Handoffs, StockLeg
 from pdgate.gateway.placement.placed import PrefillGrant, release_counts
 from pdgate.gateway.placement.prefill_time import QueueTimes, cached_tokens
 from pdgate.gateway.placement.queue import Waiter
@@ -58,7 +59,7 @@ from pdgate.gateway.placement.shared import Shared
 from pdgate.gateway.upstream.base import Upstream
 from pdgate.policies.base import InstanceLoad
 
-__all__ = ["PrefillCall", "PrefillCalls", "release_all", "release_unanswered"]
+__all__ = ["PrefillCall", "PrefillCalls", "release_answered", "release_unanswered"]
 
 log = logging.getLogger("pdgate.forwarder")
 
@@ -388,51 +389,23 @@ class PrefillCalls:
             request_id=call.waiter.request_id,
         )
         if pending is not None:
-            self._shared.background.spawn(pending, dropped=partial(_give_back, call.leases))
+            self._shared.background.spawn(
+                pending, dropped=partial(_give_back, call.leases, slot_freed=False)
+            )
 
     def _release_answered(self, call: PrefillCall, kv_params: dict[str, Any]) -> None:
-        """A call answered after its waiter left: free the KV the answer names, then give
-        back the call's leases (a freed slot: the prefill is done with the prompt)."""
+        """A call answered after its waiter left: `release_answered`."""
         call.end(False)
-        if call.leg is None:
-            self._free_after_release(call.waiter.request_id, kv_params, call.leases)
-        else:
-            self._free_stock(call.leg, kv_params, call.leases)
-
-    def _free_stock(self, leg: StockLeg, kv_params: dict[str, Any], held: Sequence[Lease]) -> None:
-        """An answered stock prefill's counts: a release leg frees its blocks first
-        (gateway/placement/handoff.py), where its connector has one."""
-        handoffs = self._shared.handoffs
-        if handoffs is None or leg.release_params(kv_params) is None:
-            for lease in held:
-                lease.release()
-            return
-        held = tuple(held)
-
-        async def run() -> None:
-            try:
-                await handoffs.release(leg, kv_params)
-            finally:
-                release_all(held)
-
-        self._shared.background.spawn(run(), dropped=partial(release_all, held))
-
-    def _free_after_release(
-        self, request_id: str, kv_params: dict[str, Any], held: Sequence[Lease]
-    ) -> None:
-        """An answered pdgate prefill's counts: released by the answer's params first, the
-        prefill frees the slot only when the release arrives (counting it free earlier
-        invites a 429). From the call's parts: the grant's release must not hold the call
-        (see `_settle`)."""
-        held = tuple(held)
-
-        async def run() -> None:
-            try:
-                await self._shared.upstream.release_kv(kv_params, request_id=request_id)
-            finally:
-                release_all(held)
-
-        self._shared.background.spawn(run(), dropped=partial(release_all, held))
+        shared = self._shared
+        release_answered(
+            shared.upstream,
+            shared.handoffs,
+            shared.background,
+            kv_params,
+            call.leases,
+            request_id=call.waiter.request_id,
+            leg=call.leg,
+        )
 
     def _settle(self, call: PrefillCall, inst: InstanceLoad, status: int, answer: Any) -> None:
         """One prefill call's outcome, whichever way it was made."""
@@ -473,8 +446,10 @@ class PrefillCalls:
             self._shared.advisor.prefill(inst.group, own, hardware)
             self._remember_prefix(waiter, inst)
             request_id, leg = waiter.request_id, call.leg
-            if leg is not None and self._shared.handoffs is not None:
-                self._shared.handoffs.learn(leg, params)
+            shared = self._shared
+            upstream, handoffs, background = shared.upstream, shared.handoffs, shared.background
+            if leg is not None and handoffs is not None:
+                handoffs.learn(leg, params)
             waiter.future.set_result(
                 PrefillGrant(
                     inst,
@@ -483,9 +458,15 @@ class PrefillCalls:
                     call.inflight,
                     # Not the call or the waiter: the grant is the waiter's future's result,
                     # and a reference back would make each request a cycle for the GC.
-                    (lambda leases: self._free_after_release(request_id, params, leases))
-                    if leg is None
-                    else lambda leases: self._free_stock(leg, params, leases),
+                    lambda leases: release_answered(
+                        upstream,
+                        handoffs,
+                        background,
+                        params,
+                        leases,
+                        request_id=request_id,
+                        leg=leg,
+                    ),
                     waiter.attempts,
                     waiter.rejections,
                     on_handover=times.prefill_times.record_handover,
@@ -555,7 +536,7 @@ def release_unanswered(
     slot either way: a prefill drops an abandoned prompt only at its next step."""
     if kv_id is None:
         metrics.abandoned_outcome(result, None)
-        _give_back(held)
+        _give_back(held, slot_freed=False)
         return None
     held = tuple(held)
 
@@ -565,20 +546,49 @@ def release_unanswered(
             # Before the leases: once they are back, every release has ended.
             metrics.abandoned_outcome(result, admission)
         finally:
-            _give_back(held)
+            _give_back(held, slot_freed=False)
 
     return release()
 
 
-def release_all(held: Sequence[Lease]) -> None:
-    """Give back `held`: a clean-up's counts where its call to the prefill never runs."""
-    for lease in held:
-        lease.release()
+def release_answered(
+    upstream: Upstream,
+    handoffs: Handoffs | None,
+    background: Background,
+    params: dict[str, Any],
+    held: Sequence[Lease],
+    *,
+    request_id: str,
+    leg: StockLeg | None,
+) -> None:
+    """Free the KV of a prefill call that answered but that no decode will take (its waiter
+    left, or its grant was closed), then give back `held`, once, as a freed slot: the
+    prefill is done with the prompt. A pdgate prefill's by the answer's params (`leg` None),
+    in the background: it frees the slot only when the release arrives, so counting it free
+    earlier invites a 429. A stock prefill's by a release leg where its connector has one
+    (handoff.py), else its counts go back now."""
+    held = tuple(held)
+    send: Callable[[], Awaitable[object]]
+    if leg is None:
+        send = partial(upstream.release_kv, params, request_id=request_id)
+    elif handoffs is not None and leg.release_params(params) is not None:
+        send = partial(handoffs.release, leg, params)
+    else:
+        _give_back(held, slot_freed=True)
+        return
+
+    async def run() -> None:
+        try:
+            await send()
+        finally:
+            _give_back(held, slot_freed=True)
+
+    background.spawn(run(), dropped=partial(_give_back, held, slot_freed=True))
 
 
-def _give_back(held: Sequence[Lease]) -> None:
+def _give_back(held: Sequence[Lease], *, slot_freed: bool) -> None:
     for lease in held:
-        lease.release(slot_freed=False)
+        lease.release(slot_freed=slot_freed)
 
 
 def _never_started(task: asyncio.Task[None], call: PrefillCall) -> None:

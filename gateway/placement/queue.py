@@ -190,7 +190,12 @@ class WaitQueue:
             return Admission.OVER_SHARE
         if self.full:
             return Admission.FULL
-        waiter.key = (self.place_of(waiter), next(self._seq))
+        seq = next(self._seq)
+        if waiter.place is not None:
+            order = waiter.place
+        else:
+            order = waiter.deadline if self._order is QueueOrder.EDF else float(seq)
+        waiter.key = (order, seq)
         self._insert(waiter)
         return Admission.OK
 
