@@ -104,6 +104,15 @@ class Summary:
     # succeeded on their first retry (NaN: none retried).
     retried: int = 0
     first_retry_success: float = math.nan
+    # Each gateway's success as its own scenario mix predicts it, at the run's success per
+    # scenario: users draw their own prompts, and a gateway whose users drew more of a
+    # scenario that fails more fails more. Its success less this is the gateway's own part.
+    mix_by_gateway: dict[int, float] = field(default_factory=dict)
+    # Each gateway's failures by where they ended: refused (no 200: the client's last try
+    # was a 503 or 429, or an error) or late (a 200 whose first token missed its deadline,
+    # whose stream broke, or whose TPOT missed its SLO).
+    refused_by_gateway: dict[int, int] = field(default_factory=dict)
+    late_by_gateway: dict[int, int] = field(default_factory=dict)
 
     @property
     def dropped(self) -> int:
@@ -139,8 +148,16 @@ def summarize(results: Iterable[RequestResult], window_s: float) -> Summary:
     per_scenario: dict[str, list[int]] = {}
     per_gateway: dict[int, list[int]] = {}
     per_tenant: dict[str, list[int]] = {}
+    mix: dict[int, dict[str, int]] = {}
+    refused: dict[int, int] = {}
+    late: dict[int, int] = {}
     for r in rows:
         statuses[r.status] = statuses.get(r.status, 0) + 1
+        drawn = mix.setdefault(r.gateway, {})
+        drawn[r.scenario] = drawn.get(r.scenario, 0) + 1
+        if not r.success:
+            ends = late if r.status == 200 else refused
+            ends[r.gateway] = ends.get(r.gateway, 0) + 1
         tallies = [
             per_scenario.setdefault(r.scenario, [0, 0]),
             per_gateway.setdefault(r.gateway, [0, 0]),
@@ -172,6 +189,13 @@ def summarize(results: Iterable[RequestResult], window_s: float) -> Summary:
         tpot_attainment=sum(r.tpot_met for r in rows) / len(rows) if rows else math.nan,
         retried=len(retried),
         first_retry_success=first_retry / len(retried) if retried else math.nan,
+        mix_by_gateway={
+            g: sum(n * per_scenario[k][0] / per_scenario[k][1] for k, n in drawn.items())
+            / sum(drawn.values())
+            for g, drawn in sorted(mix.items())
+        },
+        refused_by_gateway={g: refused.get(g, 0) for g in sorted(per_gateway)},
+        late_by_gateway={g: late.get(g, 0) for g in sorted(per_gateway)},
     )
 
 

@@ -181,6 +181,9 @@ class Point:
             **(
                 {f"success_gateway{k}": v for k, v in s.success_by_gateway.items()}
                 | {f"requests_gateway{k}": v for k, v in s.requests_by_gateway.items()}
+                | {f"mix_gateway{k}": v for k, v in s.mix_by_gateway.items()}
+                | {f"refused_gateway{k}": v for k, v in s.refused_by_gateway.items()}
+                | {f"late_gateway{k}": v for k, v in s.late_by_gateway.items()}
                 if len(s.success_by_gateway) > 1
                 else {}
             ),

@@ -11,6 +11,13 @@ one gateway with K slots against one gateway with 1 slot. Prints one table, then
 A run whose gateways are more than 3 points apart is also tested for chance: the p-value of
 a chi-square test of homogeneity of the gateways' successes and failures (the probability
 that gateways serving alike would be at least this far apart with these request counts).
+
+Users are pinned to gateways and draw their own prompts, so a gateway can fail more because
+its users drew more of a scenario that fails more. Where the CSV has each gateway's
+``mix_gateway`` (the success its own scenario mix predicts at the run's success per
+scenario), a second table gives, per run with several gateways, the spread of each
+gateway's success less that prediction, its chi-square p-value against the prediction, and
+where the failures ended (``refused_gateway``, ``late_gateway``).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-__all__ = ["homogeneity_p", "table"]
+__all__ = ["for_the_mix", "homogeneity_p", "table"]
 
 
 def _chi2_sf(x: float, dof: int) -> float:
@@ -63,6 +70,54 @@ def homogeneity_p(row: dict[str, str]) -> float | None:
             expected = n * column / total
             stat += (seen - expected) ** 2 / expected
     return _chi2_sf(stat, len(counts) - 1)
+
+
+def for_the_mix(row: dict[str, str]) -> tuple[float, float] | None:
+    """The gateways' spread in points once each gateway's success is taken less what its
+    scenario mix predicts, and the chi-square p-value that each gateway's successes are its
+    mix's prediction (the binomial variance at the predicted rate, one degree of freedom
+    fewer than gateways: the run's own rates make the predictions sum to the successes).
+    None: the CSV has no predictions, or one gateway."""
+    own: list[float] = []
+    stat = 0.0
+    for key, value in row.items():
+        if not key.startswith("mix_gateway") or not value:
+            continue
+        gateway = key.removeprefix("mix_gateway")
+        n = float(row["requests_gateway" + gateway])
+        success, mix = float(row["success_gateway" + gateway]), float(value)
+        own.append(success - mix)
+        variance = n * mix * (1 - mix)
+        if variance > 0:
+            stat += (n * success - n * mix) ** 2 / variance
+    if len(own) < 2:
+        return None
+    return 100 * (max(own) - min(own)), _chi2_sf(stat, len(own) - 1) if stat else 1.0
+
+
+def _ends(row: dict[str, str], column: str) -> int:
+    return sum(int(float(v)) for k, v in row.items() if k.startswith(column) and v)
+
+
+def _mix_table(rows: list[dict[str, str]]) -> list[str]:
+    lines = []
+    for r in sorted(rows, key=lambda r: (r["mode"], float(r["multiple"]), int(r["seed"]))):
+        mixed = for_the_mix(r)
+        if mixed is None:
+            continue
+        _, slots, gateways = r["mode"].split("/")
+        p = homogeneity_p(r)
+        lines.append(
+            f"| {slots[1:]} | {gateways[1:]} | {r['multiple']}A | {r['seed']} | "
+            f"{100 * _own_spread(r):.1f} pt | {'n/a' if p is None else f'{p:.2f}'} | "
+            f"{mixed[0]:.1f} pt | {mixed[1]:.2f} | "
+            f"{_ends(r, 'refused_gateway')} / {_ends(r, 'late_gateway')} |"
+        )
+    if not lines:
+        return []
+    head = ("| slots | gateways | load | seed | per-gateway spread | p | for its mix | p | "
+            "failures refused / late |")  # fmt: skip
+    return ["", head, "|---|---|---|---|---|---|---|---|---|", *lines]
 
 
 def table(path: Path) -> str:
@@ -115,4 +170,4 @@ def table(path: Path) -> str:
                 misses.append(f"one gateway, {slots} slots, {load}A: {d_one:+.1f} pt against "
                               "1 slot")  # fmt: skip
     verdict = "\n".join(f"- missed: {m}" for m in misses) or "- every target met"
-    return "\n".join(lines) + "\n\n" + verdict + "\n"
+    return "\n".join(lines + _mix_table(rows)) + "\n\n" + verdict + "\n"

@@ -101,6 +101,27 @@ def test_success_by_gateway() -> None:
     assert summarize(rows, 1.0).success_by_gateway == {0: 0.5, 1: 1.0}
 
 
+def test_gateway_mix_and_where_its_failures_ended() -> None:
+    """Gateway 0's users drew the failing scenario: its mix predicts its lower success, and
+    its failures are told apart by their end (refused: no 200; late: a 200 past its
+    deadline)."""
+    ok = RequestResult("chat", 1.0, 200, 0.1, 0.5, True, gateway=0)
+    rows = [
+        RequestResult("doc", 4.0, 503, None, 1.0, False, gateway=0),
+        RequestResult("doc", 4.0, 200, 4.5, 5.0, True, gateway=0),
+        RequestResult("doc", 4.0, 200, 1.0, 2.0, True, gateway=0),
+        RequestResult("doc", 4.0, 200, 1.0, 2.0, True, gateway=1),
+        ok, ok, RequestResult("chat", 1.0, 200, 0.1, 0.5, True, gateway=1),
+    ]  # fmt: skip
+    s = summarize(rows, 1.0)
+    assert s.success_by_scenario == {"chat": 1.0, "doc": 0.5}
+    # gateway 0: three docs and two chats at 50% and 100%; gateway 1: one of each
+    assert s.mix_by_gateway == {0: (3 * 0.5 + 2 * 1.0) / 5, 1: (0.5 + 1.0) / 2}
+    assert s.success_by_gateway == {0: 3 / 5, 1: 1.0}
+    assert s.refused_by_gateway == {0: 1, 1: 0}
+    assert s.late_by_gateway == {0: 1, 1: 0}
+
+
 def test_spread_over_seeds() -> None:
     s = Spread.of([0.97, 1.0, 0.94, 0.99, 0.98])
     assert (s.min, s.median, s.max, s.n) == (0.94, 0.98, 1.0, 5)

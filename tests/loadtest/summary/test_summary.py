@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdgate.loadtest.summary.fleet_targets import homogeneity_p
+from pdgate.loadtest.summary.fleet_targets import for_the_mix, homogeneity_p
 
 
 def _summary(*args: str | Path) -> subprocess.CompletedProcess[str]:
@@ -113,6 +113,42 @@ def test_homogeneity_is_the_chi_square_test_of_the_gateways_counts() -> None:
     assert homogeneity_p(row) == pytest.approx(math.erfc(math.sqrt(stat / 2)))
     assert homogeneity_p({"requests_gateway0": "100", "success_gateway0": "1"}) is None
     assert homogeneity_p({**row, "success_gateway0": "1", "success_gateway1": "1"}) == 1.0
+
+
+def test_a_spread_the_scenario_mix_explains(tmp_path: Path) -> None:
+    """Two gateways 6 points apart, each exactly at what its users' scenario draw predicts:
+    the raw spread is a miss, the spread for the mix is none; the failures' ends are
+    summed per run."""
+    mixed = {"mix_gateway0": 0.97, "mix_gateway1": 0.91, "refused_gateway0": 2,
+             "refused_gateway1": 5, "late_gateway0": 1, "late_gateway1": 4}  # fmt: skip
+    path = _csv(tmp_path / "fleet.csv", [
+        {**_fleet_row("least_sse/s4/g1", "6", 0.94, 10.0, (200, 0.94)),
+         **dict.fromkeys(mixed, "")},
+        {**_fleet_row("least_sse/s4/g2", "6", 0.94, 10.0, (100, 0.97), (100, 0.91)), **mixed},
+    ])  # fmt: skip
+    done = _summary("fleet-targets", path)
+    assert done.returncode == 0, done.stderr
+    raw = homogeneity_p({"requests_gateway0": "100", "success_gateway0": "0.97",
+                         "requests_gateway1": "100", "success_gateway1": "0.91"})  # fmt: skip
+    assert raw is not None
+    assert f"| 4 | 2 | 6A | 0 | 6.0 pt | {raw:.2f} | 0.0 pt | 1.00 | 7 / 5 |" in done.stdout
+    assert "gateways 6.0 pt apart" in done.stdout  # the target is on the raw success
+
+
+def test_for_the_mix_tests_each_gateway_against_its_prediction() -> None:
+    row = {
+        "requests_gateway0": "100",
+        "success_gateway0": "0.99",
+        "mix_gateway0": "0.95",
+        "requests_gateway1": "100",
+        "success_gateway1": "0.91",
+        "mix_gateway1": "0.95",
+    }
+    spread, p = for_the_mix(row) or (math.nan, math.nan)
+    assert spread == pytest.approx(8.0)
+    stat = 2 * (4.0**2) / (100 * 0.95 * 0.05)  # (99 - 95)^2 and (91 - 95)^2 over 4.75
+    assert p == pytest.approx(math.erfc(math.sqrt(stat / 2)))
+    assert for_the_mix({"requests_gateway0": "1", "success_gateway0": "1"}) is None
 
 
 def test_fleet_targets_takes_one_csv(tmp_path: Path) -> None:
