@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import random
+import time
 from dataclasses import replace
 
 import httpx
@@ -143,23 +144,31 @@ async def test_the_part_the_prefill_holds_in_cache_is_not_credited() -> None:
     await background.aclose()
 
 
-async def test_expected_ends_of_calls_are_tracked_and_forgotten() -> None:
+async def test_expected_ends_of_calls_are_tracked_and_forgotten(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [1000.0]  # the tracker's clock, held still so that each figure is exact
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
     tracker = tracker_for([2])
     assert tracker.soonest_end_s("p0") is None
     slow = tracker.work("p0", 10, expected_s=5.0)
     fast = tracker.work("p0", 10, expected_s=0.5)
     untimed = tracker.work("p0", 10)
-    soonest = tracker.soonest_end_s("p0")
-    assert soonest is not None and 0.4 < soonest <= 0.5
+    assert tracker.soonest_end_s("p0") == 0.5
+    now[0] += 0.2
+    assert tracker.soonest_end_s("p0") == pytest.approx(0.3)
     fast.release()
-    soonest = tracker.soonest_end_s("p0")
-    assert soonest is not None and 4.5 < soonest <= 5.0
+    assert tracker.soonest_end_s("p0") == pytest.approx(4.8)
+    now[0] += 10  # past its expected end: due now, not negative
+    assert tracker.soonest_end_s("p0") == 0.0
     slow.release()
     untimed.release()
     assert tracker.soonest_end_s("p0") is None
     assert credited(tracker) == 0
     tracker.rejected("p0")
-    assert 0 < tracker.busy_for_s("p0") <= 0.05
+    assert tracker.busy_for_s("p0") == pytest.approx(tracker.reject_hold_s)
+    now[0] += tracker.reject_hold_s
+    assert tracker.busy_for_s("p0") == 0.0
 
 
 def test_token_ratio_and_uncached_characters_from_usage() -> None:
