@@ -649,12 +649,6 @@ class GatewaySettings(_Settings):
         "prefill seconds per prompt character (per length class), times the prompt's length "
         "(lower = fewer drops; docs/scheduling.md).",
     )
-    handover_by_length: bool = Field(
-        default=False,
-        description="Early drop adds the median hand-over (prefill answer to the decode's "
-        "first event) of prompts of the request's length class, not of all lengths: a long "
-        "prompt's KV takes longer to move (docs/scheduling.md).",
-    )
     prefill_admit: Literal["idle", "room"] = Field(
         default="idle",
         description="When a prefill may be sent requests. idle: only while it computes "

@@ -286,7 +286,6 @@ def queue_parts(
             decode_backpressure=settings.decode_backpressure,
             retry_keeps_place=settings.retry_keeps_place,
             prefill_estimate_quantile=settings.prefill_estimate_quantile,
-            handover_by_length=settings.handover_by_length,
         ),
     )
 

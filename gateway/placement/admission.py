@@ -70,8 +70,6 @@ class AdmissionOptions:
     early_drop: bool = True
     # The quantile of recent prefill rates behind the early-drop estimate.
     prefill_estimate_quantile: float = 0.9
-    # ... and the hand-over it adds from prompts of the request's length class.
-    handover_by_length: bool = False
     # Answer 503 on arrival for a request the fleet's recent pace cannot bring to the front
     # of this queue in time.
     drain_admission: bool = True

@@ -85,10 +85,7 @@ class PrefillForwarder:
         self._options = shared.options
         self._task: asyncio.Task[None] | None = None
         self.waiting = 0  # requests waiting for a prefill grant: queued or being tried
-        self.times = QueueTimes(
-            shared.admission.prefill_estimate_quantile,
-            handover_by_length=shared.admission.handover_by_length,
-        )
+        self.times = QueueTimes(shared.admission.prefill_estimate_quantile)
         # By prompt characters (early drop, the start guard, try timeouts); by the characters
         # the prefill computed (its cache's share taken off, as its answer says): the
         # expected prefill times the hold-or-go choice compares; tokens per character.

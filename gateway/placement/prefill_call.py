@@ -53,7 +53,7 @@ from pdgate.gateway.placement.batching import BatchForming
 from pdgate.gateway.placement.decode_attempt import out_of_time
 from pdgate.gateway.placement.handoff import Handoffs, StockLeg
 from pdgate.gateway.placement.placed import PrefillGrant, release_counts
-from pdgate.gateway.placement.prefill_time import PrefillTimes, QueueTimes, cached_tokens
+from pdgate.gateway.placement.prefill_time import QueueTimes, cached_tokens
 from pdgate.gateway.placement.queue import Waiter
 from pdgate.gateway.placement.shared import Shared
 from pdgate.gateway.upstream.base import Upstream
@@ -469,7 +469,7 @@ class PrefillCalls:
                     ),
                     waiter.attempts,
                     waiter.rejections,
-                    on_handover=_on_handover(times.prefill_times, waiter.info.prompt_chars),
+                    on_handover=times.prefill_times.record_handover,
                     leg=leg,
                 )
             )
@@ -584,14 +584,6 @@ def release_answered(
             _give_back(held, slot_freed=True)
 
     background.spawn(run(), dropped=partial(_give_back, held, slot_freed=True))
-
-
-def _on_handover(times: PrefillTimes, prompt_chars: int) -> Callable[[float], None]:
-    """What records a request's hand-over: with its prompt's length only where the times
-    keep hand-overs by length (elsewhere it would cost every request a closure)."""
-    if not times.handover_by_length:
-        return times.record_handover
-    return partial(times.record_handover, prompt_chars=prompt_chars)
 
 
 def _give_back(held: Sequence[Lease], *, slot_freed: bool) -> None:

@@ -80,10 +80,7 @@ class PrefillTimes:
         class_window: int = 64,
         quantile: float = 0.1,
         min_samples: int = 16,
-        handover_by_length: bool = False,
     ) -> None:
-        """`handover_by_length`: hand-overs are kept by prompt-length class too, and early
-        drop counts on its class's (the KV moved grows with the prompt)."""
         if min(window, class_window, min_samples) <= 0 or not 0.0 <= quantile <= 1.0:
             raise ValueError("window sizes and min_samples must be positive, quantile in [0, 1]")
         self._all = _Window(window)
@@ -94,9 +91,6 @@ class PrefillTimes:
         # Seconds from a prefill's answer to its decode's first event (KV transfer, the
         # decode's admission and first step): the rest of a request's time to first token.
         self._handover = _Window(class_window)
-        self._handover_by_class: dict[int, _Window] | None = (
-            {} if handover_by_length else None
-        )  # at most _MAX_CLASSES entries
         # This gateway's own samples not yet shared with the fleet (`take_new`): (prompt
         # characters, seconds), a hand-over as 0 characters. Bounded: unshared samples are
         # only ever the newest.
@@ -114,16 +108,15 @@ class PrefillTimes:
 
     def take_new(self) -> list[tuple[int, float, str]]:
         """This gateway's samples since the last call, to share with the fleet: (prompt
-        characters, seconds, hardware type or ""), a hand-over with 0 characters, or (kept by
-        length) its prompt's characters negated."""
+        characters, seconds, hardware type or ""), a hand-over with 0 characters."""
         new = list(self._new)
         self._new.clear()
         return new
 
     def add_shared(self, prompt_chars: int, seconds: float, hardware: str = "") -> None:
         """Another gateway's sample, as `take_new` gave it there."""
-        if prompt_chars <= 0:
-            self.record_handover(seconds, prompt_chars=-prompt_chars, share=False)
+        if prompt_chars == 0:
+            self.record_handover(seconds, share=False)
         else:
             self.record(prompt_chars, seconds, hardware=hardware, share=False)
 
@@ -194,36 +187,17 @@ class PrefillTimes:
         """The request's first token, at this window's quantile of prefill rates plus the
         median hand-over to its decode, would come after its deadline."""
         estimate = self.lower_bound_s(prompt_chars)
-        return estimate is not None and remaining_s < estimate + self.handover_s(prompt_chars)
+        return estimate is not None and remaining_s < estimate + self.handover_s()
 
-    @property
-    def handover_by_length(self) -> bool:
-        return self._handover_by_class is not None
+    def record_handover(self, seconds: float, *, share: bool = True) -> None:
+        """A decode's first event came `seconds` after its prefill answered."""
+        if seconds >= 0:
+            self._handover.add(seconds)
+            if share:
+                self._new.append((0, seconds, ""))
 
-    def record_handover(self, seconds: float, *, prompt_chars: int = 0, share: bool = True) -> None:
-        """A decode's first event came `seconds` after the prefill of a `prompt_chars`
-        prompt (0: not said) answered."""
-        if seconds < 0:
-            return
-        self._handover.add(seconds)
-        by_class = self._handover_by_class
-        if by_class is not None and prompt_chars > 0:
-            cls = self._class(prompt_chars)
-            window = by_class.get(cls)
-            if window is None:
-                window = by_class[cls] = _Window(self._class_window)
-            window.add(seconds)
-        if share:
-            self._new.append((-prompt_chars if by_class is not None else 0, seconds, ""))
-
-    def handover_s(self, prompt_chars: int = 0) -> float:
-        """The median hand-over of recent requests (kept by length: of the prompt's class,
-        once it has enough samples); 0 while too few samples."""
-        by_class = self._handover_by_class
-        if by_class is not None and prompt_chars > 0:
-            window = by_class.get(self._class(prompt_chars))
-            if window is not None and len(window) >= self._min_samples:
-                return window.quantile(0.5)
+    def handover_s(self) -> float:
+        """The median hand-over of recent requests; 0 while too few samples."""
         if len(self._handover) < self._min_samples:
             return 0.0
         return self._handover.quantile(0.5)
@@ -325,10 +299,9 @@ class QueueTimes:
 
     __slots__ = ("compute_times", "prefill_times", "token_ratio")
 
-    def __init__(self, quantile: float = 0.9, *, handover_by_length: bool = False) -> None:
-        """`quantile`: of recent prefill rates, behind the early-drop estimate;
-        `handover_by_length`: its hand-over from prompts of the same length class."""
-        self.prefill_times = PrefillTimes(quantile=quantile, handover_by_length=handover_by_length)
+    def __init__(self, quantile: float = 0.9) -> None:
+        """`quantile`: of recent prefill rates, behind the early-drop estimate."""
+        self.prefill_times = PrefillTimes(quantile=quantile)
         self.compute_times = PrefillTimes()
         self.token_ratio = TokenRatio()
 
@@ -343,11 +316,7 @@ class QueueTimes:
     def samples_out(self, grants: int) -> str:
         """This gateway's new samples and its `grants` since the last sync, packed ("":
         none)."""
-        # A hand-over kept by length goes as "h CHARS SECONDS": an older gateway skips it.
-        parts = [
-            _sample("h", -chars, seconds, hw) if chars < 0 else _sample("p", chars, seconds, hw)
-            for chars, seconds, hw in self.prefill_times.take_new()
-        ]
+        parts = [_sample("p", *x) for x in self.prefill_times.take_new()]
         parts += [_sample("c", *x) for x in self.compute_times.take_new()]
         if grants:
             parts.append(f"g {grants}")
@@ -362,8 +331,7 @@ class QueueTimes:
         for entry in packed:
             for item in entry.split(";"):
                 # "KIND CHARS SECONDS[ HARDWARE]"; an older gateway sends no hardware.
-                # "g N": N grants since that gateway's last sync; "h CHARS SECONDS": a
-                # hand-over after the prefill of a CHARS prompt.
+                # "g N": N grants since that gateway's last sync.
                 kind, _, rest = item.partition(" ")
                 if kind == "g":
                     with contextlib.suppress(ValueError):
@@ -376,9 +344,7 @@ class QueueTimes:
                     n, t, hw = int(chars), float(secs), hardware_name(hardware)
                 except ValueError:
                     continue
-                if kind == "h" and n > 0 and t >= 0:
-                    self.prefill_times.add_shared(-n, t)
-                elif target is not None and n >= 0 and t >= 0:
+                if target is not None and n >= 0 and t >= 0:
                     target.add_shared(n, t, hw)
         return granted
 

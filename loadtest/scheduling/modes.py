@@ -9,7 +9,7 @@
 * ``affinity_sse``: the same, with prefills ranked by prefix-cache affinity first.
 * ``least_tokens``, ``affinity_overload``, ``first_token_early``, ``local_prefill``,
   ``least_sse_guard``, ``least_sse_q10``, ``least_sse_q50``, ``least_sse_q90``,
-  ``least_sse_handover``, ``least_sse_room``, ``least_sse_ra1``, ``least_sse_place``:
+  ``least_sse_room``, ``least_sse_ra1``, ``least_sse_place``:
   on-demand forwarding with one of the gateway's newer features on, each a `Mode` whose
   `Mode.gateway` (and, if needed, `Mode.prefill` / `Mode.decode`) overrides settings.
 * ``router_*``: the same queue-less prefills behind vllm-router instead of
@@ -131,8 +131,6 @@ FEATURE_MODES: tuple[Mode, ...] = (
     _on_demand("least_sse_q50", prefill_estimate_quantile=0.5),
     _on_demand("least_sse_q90", prefill_estimate_quantile=0.9),
     _on_demand("least_sse_q10", prefill_estimate_quantile=0.1),
-    # least_sse whose early drop adds the hand-over of prompts of the request's length.
-    _on_demand("least_sse_handover", handover_by_length=True),
     # least_sse that sends a prefill requests whenever it has a free slot, not only when idle
     # (`prefill_admit = room`, the former default): with several slots a prefill,
     # requests then wait inside busy prefills, out of the gateway's deadline order.

@@ -271,23 +271,6 @@ async def test_the_decode_s_first_event_reports_the_hand_over_time() -> None:
     await d.close()
 
 
-@pytest.mark.parametrize("by_length", [False, True])
-async def test_the_hand_over_is_recorded_with_the_prompt_s_length_where_kept(
-    by_length: bool,
-) -> None:
-    upstream = MockUpstream(FakeCluster(text="abc"))
-    tracker = tracker_for([1], [4])
-    d, _ = dispatcher(upstream, tracker, handover_by_length=by_length)
-    placement = await place(d)
-    record = placement._grant.on_handover
-    assert record is not None
-    # Kept by length: the prompt's length rides along; otherwise nothing more per request.
-    keywords = getattr(record, "keywords", None)
-    assert keywords == ({"prompt_chars": info().prompt_chars} if by_length else None)
-    placement.close()
-    await d.close()
-
-
 async def test_a_decode_too_busy_to_answer_by_the_deadline_sheds_the_request_not_the_decode() -> (
     None
 ):

@@ -339,30 +339,6 @@ async def test_a_prompt_in_a_batch_is_timed_at_its_share_of_the_batch() -> None:
     await background.aclose()
 
 
-async def test_hand_overs_by_length_go_to_the_fleet_with_their_length() -> None:
-    """A gateway that keeps hand-overs by length shares each with its prompt's length: a
-    gateway that keeps them too files it by length, one that does not pools it."""
-    upstream = MockUpstream(FakeCluster())
-    kept = AdmissionOptions(handover_by_length=True)
-    here, _, bg1 = forwarder(upstream, tracker_for([1]), admission=kept)
-    there, _, bg2 = forwarder(upstream, tracker_for([1]), admission=kept)
-    pooled, _, bg3 = forwarder(upstream, tracker_for([1]))
-    for _ in range(20):
-        here.prefill_times.record_handover(0.3, prompt_chars=8000)
-        here.prefill_times.record_handover(0.02, prompt_chars=100)
-        here.prefill_times.record_handover(0.02, prompt_chars=120)
-    packed = here.samples_out()
-    assert "h 8000 0.3" in packed.split(";")
-    there.samples_in([packed])
-    pooled.samples_in([packed])
-    assert there.prefill_times.handover_s(8000) == 0.3
-    assert there.prefill_times.handover_s(100) == 0.02
-    assert pooled.prefill_times.handover_s(8000) == 0.02  # the median of all lengths
-    for fwd, bg in ((here, bg1), (there, bg2), (pooled, bg3)):
-        await fwd.close()
-        await bg.aclose()
-
-
 async def test_what_one_gateway_measured_another_estimates_with() -> None:
     upstream = MockUpstream(FakeCluster())
     here, _, bg1 = forwarder(upstream, tracker_for([1]))

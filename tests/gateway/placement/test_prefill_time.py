@@ -76,30 +76,6 @@ def test_the_hand_over_to_the_decode_counts_against_the_deadline() -> None:
     assert not times.hopeless(1000, 0.45)
 
 
-def test_hand_overs_kept_by_length_give_a_long_prompt_its_own() -> None:
-    """A long prompt's KV takes longer to move: kept by length, early drop adds the
-    hand-over of its class; a class with too few samples, or the default, the median of
-    all."""
-    for by_length in (False, True):
-        times = PrefillTimes(min_samples=4, quantile=0.5, handover_by_length=by_length)
-        for _ in range(4):
-            times.record(100, 0.03)  # short prompts: 0.3 ms a character
-            times.record(8000, 2.4)  # long ones: the same rate
-        for _ in range(8):
-            times.record_handover(0.02, prompt_chars=100)
-        for _ in range(4):
-            times.record_handover(0.3, prompt_chars=8000)
-        assert times.handover_by_length is by_length
-        assert times.handover_s() == 0.02  # all lengths: the median is a short prompt's
-        long_handover = 0.3 if by_length else 0.02
-        assert times.handover_s(8000) == long_handover
-        assert times.handover_s(100) == 0.02
-        assert times.handover_s(1_000_000) == 0.02  # a class never seen: all lengths'
-        # 2.4 s of prefill and the hand-over, against 2.5 s left:
-        assert times.hopeless(8000, 2.5) is by_length
-        assert not times.hopeless(100, 0.1)
-
-
 # -- hardware types: each prefill estimated at its own type's pace -----------------------
 
 
