@@ -661,9 +661,9 @@ class GatewaySettings(_Settings):
     batch_forwarding: bool = Field(
         default=True,
         description="Send a prefill several queued requests at once: its share of the queue "
-        "spread over the prefills with room, only as many as are expected to be computed before "
-        "every one's deadline (a batch ends with its last prompt). Off: one request per decision "
-        "(docs/scheduling.md, batch forwarding).",
+        "spread over the prefills with room, only as many as are expected to be computed and "
+        "handed over before every one's deadline (a batch ends with its last prompt). Off: one "
+        "request per decision (docs/scheduling.md, batch forwarding).",
     )
     prefill_batch_endpoint: bool = Field(
         default=True,

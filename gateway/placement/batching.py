@@ -33,18 +33,20 @@ _ORDER_TOLERANCE_S = 0.01
 
 
 class RunBudget:
-    """The requests one run may take, as long as the run is expected to end before every
-    member's deadline.
+    """The requests one run may take, as long as every member's first token is expected
+    before its deadline.
 
     A run ends when its last prompt is computed: each member waits for the others' prompts
     too. The expected time is the sum of the members' expected prefill times (recent calls,
     by uncached characters): what a compute-bound prefill takes, an upper bound where the
-    engine batches short prompts for less. Without estimates yet, nothing is refused."""
+    engine batches short prompts for less. A member's first token comes `handover_s` after
+    that (its KV's hand-over to the decode and the decode's first step, as early drop counts
+    it). Without estimates yet, nothing is refused."""
 
     __slots__ = ("_deadline", "_end", "_known")
 
-    def __init__(self, now: float) -> None:
-        self._end = now
+    def __init__(self, now: float, handover_s: float = 0.0) -> None:
+        self._end = now + handover_s
         self._deadline = float("inf")
         self._known = True
 
@@ -80,7 +82,8 @@ class BatchForming:
     """Chooses, for one queue, the request to place next and the members of each run.
 
     `compute_times` and `token_ratio` are the queue's measurements (its calls record them as
-    answers come). `hopeless(waiter)` is the queue's early drop (admission.py): it answers a
+    answers come), `handover_s()` the time from a prefill's answer to its decode's first
+    event. `hopeless(waiter)` is the queue's early drop (admission.py): it answers a
     request that cannot make its deadline (and takes it out of the queue) and says so, so it
     is skipped here."""
 
@@ -93,6 +96,7 @@ class BatchForming:
         compute_times: PrefillTimes,
         token_ratio: TokenRatio,
         hopeless: Callable[[Waiter], bool],
+        handover_s: Callable[[], float],
     ) -> None:
         self._queue = queue
         self._policy = policy
@@ -106,6 +110,7 @@ class BatchForming:
         # and tokens per character.
         self._compute_times = compute_times
         self._token_ratio = token_ratio
+        self._handover_s = handover_s
 
     # -- the queue's requests --------------------------------------------------------------
 
@@ -154,7 +159,7 @@ class BatchForming:
         """The run for `target` (`room` slots there are ours), one member at a time: the
         request, the characters `target` would compute of it and its expected prefill time.
         The caller takes each out of the queue before asking for the next."""
-        budget = RunBudget(time.monotonic())
+        budget = RunBudget(time.monotonic(), self._handover_s())
         first = True
         while room > 0:
             # The queue may have changed while the caller asked the fleet.

@@ -113,6 +113,7 @@ class PrefillForwarder:
             self.compute_times,
             self.token_ratio,
             self.admission.hopeless,
+            self.prefill_times.handover_s,
         )
         self._calls = PrefillCalls(
             model,

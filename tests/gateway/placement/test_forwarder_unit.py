@@ -317,6 +317,29 @@ async def test_a_batch_ends_where_it_would_make_a_member_late() -> None:
     await background.aclose()
 
 
+async def test_a_batch_counts_the_hand_over_after_its_end() -> None:
+    """A member's first token comes a hand-over after the batch ends: with 0.1 s of it
+    known, two prompts of 0.1 s no longer meet the first request's 0.25 s (0.3 s), so it
+    goes alone and the other three go together."""
+    upstream = MockUpstream(FakeCluster(prefill_delay_s=0.01))
+    tracker = tracker_for([4])
+    fwd, _, background = batching_forwarder(upstream, tracker)
+    for _ in range(16):
+        fwd.compute_times.record(1000, 1.0)
+        fwd.prefill_times.record_handover(0.1)
+    prompt = "x" * 100
+    waiters = [waiter(0, deadline_s=0.25, prompt=prompt)]
+    waiters += [waiter(i, deadline_s=5.0, prompt=prompt) for i in (1, 2, 3)]
+    grants = await asyncio.gather(*(fwd.acquire(w) for w in waiters))
+    assert [len(b) for b in upstream.batches] == [3]  # the first request's call was single
+    assert [g.instance.id for g in grants] == ["p0"] * 4
+    for g in grants:
+        g.close()
+    await eventually(lambda: tracker.totals() == (0, 0))
+    await fwd.close()
+    await background.aclose()
+
+
 async def test_a_prompt_in_a_batch_is_timed_at_its_share_of_the_batch() -> None:
     """Every answer of a batch comes when the prefill has computed all of it: timed whole,
     four short prompts batched together each looked four times as slow as it is, and early
