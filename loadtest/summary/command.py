@@ -32,5 +32,10 @@ def main(args: argparse.Namespace, command: str) -> int:
     if len(args.csv) != 1:
         print("pdgate bench summary fleet-targets: one CSV", file=sys.stderr)
         return 2
-    print(fleet_targets.table(args.csv[0]), end="", flush=True)
+    try:
+        table = fleet_targets.table(args.csv[0])
+    except ValueError as exc:  # a CSV of another bench, or with nothing to compare with
+        print(f"pdgate bench summary fleet-targets: {exc}", file=sys.stderr)
+        return 2
+    print(table, end="", flush=True)
     return 0

@@ -99,16 +99,27 @@ def _ends(row: dict[str, str], column: str) -> int:
     return sum(int(float(v)) for k, v in row.items() if k.startswith(column) and v)
 
 
+def _series(mode: str) -> tuple[int, int]:
+    """Slots and gateways of a series named ``MODE/sK/gN``."""
+    parts = mode.split("/")
+    if len(parts) != 3 or not parts[1][1:].isdigit() or not parts[2][1:].isdigit():
+        raise ValueError(
+            f"series {mode!r} is not MODE/sK/gN: run the bench with --prefill-slots and "
+            "--gateways 1,N"
+        )
+    return int(parts[1][1:]), int(parts[2][1:])
+
+
 def _mix_table(rows: list[dict[str, str]]) -> list[str]:
     lines = []
     for r in sorted(rows, key=lambda r: (r["mode"], float(r["multiple"]), int(r["seed"]))):
         mixed = for_the_mix(r)
         if mixed is None:
             continue
-        _, slots, gateways = r["mode"].split("/")
+        slots, gateways = _series(r["mode"])
         p = homogeneity_p(r)
         lines.append(
-            f"| {slots[1:]} | {gateways[1:]} | {r['multiple']}A | {r['seed']} | "
+            f"| {slots} | {gateways} | {r['multiple']}A | {r['seed']} | "
             f"{100 * _own_spread(r):.1f} pt | {'n/a' if p is None else f'{p:.2f}'} | "
             f"{mixed[0]:.1f} pt | {mixed[1]:.2f} | "
             f"{_ends(r, 'refused_gateway')} / {_ends(r, 'late_gateway')} |"
@@ -126,8 +137,13 @@ def table(path: Path) -> str:
         rows = [r for r in csv.DictReader(f) if r["phase"] == "run"]
     by: dict[tuple[int, int, str], list[dict[str, str]]] = defaultdict(list)
     for r in rows:
-        _, slots, gateways = r["mode"].split("/")
-        by[(int(slots[1:]), int(gateways[1:]), r["multiple"])].append(r)
+        by[(*_series(r["mode"]), r["multiple"])].append(r)
+    for slots, _, load in list(by):
+        if (slots, 1, load) not in by:
+            raise ValueError(
+                f"no one-gateway series with {slots} slots at {load}A to compare with: "
+                "run the bench with --gateways 1,N"
+            )
 
     def median(key: tuple[int, int, str], column: str) -> float:
         return statistics.median(float(r[column]) for r in by[key])

@@ -151,6 +151,20 @@ def test_for_the_mix_tests_each_gateway_against_its_prediction() -> None:
     assert for_the_mix({"requests_gateway0": "1", "success_gateway0": "1"}) is None
 
 
+@pytest.mark.parametrize(
+    ("series", "said"),
+    [("least_sse/s4", "is not MODE/sK/gN"), ("least_sse/s4/g4", "no one-gateway series")],
+)
+def test_fleet_targets_says_what_its_csv_lacks(tmp_path: Path, series: str, said: str) -> None:
+    """A run of four gateways alone, or with no slots in its series' names, has nothing to
+    compare with: said plainly, not as a traceback."""
+    path = _csv(tmp_path / "a.csv", [_fleet_row(series, "6", 0.99, 20.0, (100, 0.99))])
+    done = _summary("fleet-targets", path)
+    assert done.returncode != 0
+    assert said in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_fleet_targets_takes_one_csv(tmp_path: Path) -> None:
     path = _csv(tmp_path / "a.csv", [_fleet_row("least_sse/s1/g1", "1", 1.0, 1.0)])
     done = _summary("fleet-targets", path, path)
