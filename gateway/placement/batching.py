@@ -45,7 +45,7 @@ class RunBudget:
 
     __slots__ = ("_deadline", "_end", "_known")
 
-    def __init__(self, now: float, handover_s: float = 0.0) -> None:
+    def __init__(self, now: float, handover_s: float) -> None:
         self._end = now + handover_s
         self._deadline = float("inf")
         self._known = True
