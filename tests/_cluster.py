@@ -209,6 +209,17 @@ def metric_by_label(url: str, name: str, label: str) -> dict[str, float]:
     }
 
 
+def prefills_at_rest(gateway_url: str) -> bool:
+    """Every prefill free as its engine and as the gateway at `gateway_url` see it: no slot
+    taken at the shim, none counted in flight by any gateway of the fleet (the others' leases
+    arrive with the fleet's sync), none marked busy by a recent 429."""
+    rows = [r for r in get_instances(gateway_url) if r["role"] == "prefill"]
+    return all(
+        not r["busy"] and r["fleet_inflight"] == 0 and shim_load(r["url"])["used"] == 0
+        for r in rows
+    )
+
+
 def complete(url: str, prompt: str, max_tokens: int = 2) -> httpx.Response:
     """A completion of the sim model through the gateway at `url`; asserts a 200."""
     resp = httpx.post(

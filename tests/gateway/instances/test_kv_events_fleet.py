@@ -22,6 +22,7 @@ from tests._cluster import (
     hold_prefill_slot,
     instances_by_id,
     metric_by_label,
+    prefills_at_rest,
     wait_for,
 )
 from tests._redis import free_port
@@ -88,6 +89,7 @@ def test_a_prefix_routed_through_one_gateway_is_found_through_the_other(
 
     # Through gateway 1, one at a time (all idle: without the events, each would go to "a").
     for prefix, where in zip(PREFIXES, placed, strict=True):
+        wait_for(lambda: prefills_at_rest(gateways[1]), what="every prefill free at gateway 1")
         resp = complete(gateways[1], prefix + " second")
         assert resp.headers["x-pdgate-prefill"] == where
     # Each time the engine found the prefix gateway 1 predicted it would, to the token.
@@ -108,5 +110,6 @@ def test_a_prefix_routed_through_one_gateway_is_found_through_the_other(
         lambda: _events(gateways[1]).get("removed", 0) > removed,
         what="gateway 1 saw the eviction",
     )
+    wait_for(lambda: prefills_at_rest(gateways[1]), what="every prefill free at gateway 1")
     resp = complete(gateways[1], PREFIXES[victim] + " third")
     assert resp.headers["x-pdgate-prefill"] == "a"  # nothing attracts it to `holder` now

@@ -13,6 +13,7 @@ from tests._cluster import (
     complete,
     instances_by_id,
     metric_by_label,
+    prefills_at_rest,
     wait_for,
 )
 
@@ -49,6 +50,7 @@ def test_the_faster_prefill_is_preferred_once_measured_at_every_gateway(
     complete(gateways[1], f"first {PROMPT}")
     wait_for(lambda: _speeds(gateways[1]).get("a-slow", 1.0) < 0.3, what="the paces synced")
     for i in range(6):
+        wait_for(lambda: prefills_at_rest(gateways[1]), what="both prefills free at gateway 1")
         assert complete(gateways[1], f"lone {i} {PROMPT}").headers["x-pdgate-prefill"] == "b-fast"
     assert _speeds(gateways[1]) == pytest.approx(speeds, rel=0.2)
     assert all(s == 1.0 for i, s in speeds.items() if i.startswith("decode"))  # prefills only
