@@ -191,11 +191,7 @@ class WaitQueue:
         if self.full:
             return Admission.FULL
         seq = next(self._seq)
-        if waiter.place is not None:
-            order = waiter.place
-        else:
-            order = waiter.deadline if self._order is QueueOrder.EDF else float(seq)
-        waiter.key = (order, seq)
+        waiter.key = (self._arrival_order(waiter, seq), seq)
         self._insert(waiter)
         return Admission.OK
 
@@ -206,13 +202,18 @@ class WaitQueue:
     def place_of(self, waiter: Waiter) -> float:
         """`waiter`'s order value in this queue: its kept place, its key's if it was queued
         here, else an arrival's now (its deadline in EDF, its arrival in FIFO)."""
+        if waiter.place is None and waiter.key[1]:
+            return waiter.key[0]
+        return self._arrival_order(waiter)
+
+    def _arrival_order(self, waiter: Waiter, seq: int | None = None) -> float:
+        """An arrival's order value: its kept place, else its deadline (EDF) or its sequence
+        number (FIFO: `seq`, or the next one, drawn only then)."""
         if waiter.place is not None:
             return waiter.place
-        if waiter.key[1]:
-            return waiter.key[0]
         if self._order is QueueOrder.EDF:
             return waiter.deadline
-        return float(next(self._seq))
+        return float(next(self._seq) if seq is None else seq)
 
     def _queued_by_tenant(self) -> dict[str, tuple[int, float]]:
         """Tenant -> (queued, weight) over every class."""
