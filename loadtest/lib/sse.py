@@ -36,6 +36,7 @@ __all__ = [
     "MAX_ITL_SAMPLES",
     "MESSAGES",
     "OPENAI",
+    "PREFILL_HEADER",
     "PRIORITY_HEADER",
     "RESPONSES",
     "TENANT_HEADER",
@@ -54,6 +55,7 @@ TTFT_HEADER = "x-pdgate-ttft-timeout-ms"  # the gateway may only shorten its dea
 # per-tenant fairness and priority classes.
 TENANT_HEADER = "x-pdgate-tenant"
 PRIORITY_HEADER = "x-pdgate-priority"
+PREFILL_HEADER = "x-pdgate-prefill"  # the prefill that served the request, as pdgate says
 
 _DATA = b"data:"
 _JSON = {"content-type": "application/json"}
@@ -102,6 +104,7 @@ class StreamOutcome:
     errored: bool = False  # saw an in-band error event
     end: float = 0.0  # time.monotonic() when the response (or the failure) ended
     retry_after_s: float | None = None  # a refusal's Retry-After, in seconds
+    prefill: str = ""  # the prefill pdgate says served it (x-pdgate-prefill; "": none)
 
     @property
     def completed(self) -> bool:
@@ -164,6 +167,7 @@ async def post_stream(
                 out.retry_after_s = retry_after_s(resp.headers)
                 await resp.read()
             else:
+                out.prefill = resp.headers.get(PREFILL_HEADER, "")
                 await _scan(resp, start, out, dialect)
     except (aiohttp.ClientError, TimeoutError, OSError):
         out.done = False

@@ -40,6 +40,8 @@ class RequestResult:
     # Tries the client made for it (a client that retries a refusal: more than one); the
     # rest is its last try's.
     attempts: int = 1
+    issued_s: float = math.nan  # when it was issued, seconds after the window opened
+    prefill: str = ""  # the prefill that served it, where the gateway says (pdgate's header)
 
     @property
     def ttft_met(self) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 import orjson
@@ -98,6 +98,7 @@ async def send_completion(
         tpot_s=tpot_s(e2e, out.ttft_s, out.events),
         tpot_slo_s=scenario.tpot_slo_s,
         retry_after_s=out.retry_after_s,
+        prefill=out.prefill,
     )
 
 
@@ -137,6 +138,11 @@ class LoadGenerator:
 
     def _in_window(self, t: float) -> bool:
         return self._window is not None and self._window[0] <= t < self._window[1]
+
+    def _record(self, issued: float, result: RequestResult) -> None:
+        """Keep `result` in the sample if it was issued inside the window, with when."""
+        if self._window is not None and self._in_window(issued):
+            self.results.append(replace(result, issued_s=issued - self._window[0]))
 
     def _halt(self) -> None:
         """Stop issuing at once (beyond the `_stopping` flag); a hook for subclasses."""

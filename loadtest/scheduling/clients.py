@@ -28,7 +28,13 @@ from typing import Any
 import aiohttp
 import openai
 
-from pdgate.loadtest.lib.sse import PRIORITY_HEADER, TENANT_HEADER, TTFT_HEADER, retry_after_s
+from pdgate.loadtest.lib.sse import (
+    PREFILL_HEADER,
+    PRIORITY_HEADER,
+    TENANT_HEADER,
+    TTFT_HEADER,
+    retry_after_s,
+)
 from pdgate.loadtest.lib.stats import RequestResult
 from pdgate.loadtest.scheduling._load import COMPLETIONS_PATH, send_completion
 from pdgate.loadtest.scheduling.workload import Prompt
@@ -93,10 +99,11 @@ class OpenAIUser:
             headers[PRIORITY_HEADER] = prompt.tenant.priority
         self._starts.clear()
         began = time.monotonic()
-        status, ttft, pieces, completed, told = 0, None, 0, False, None
+        status, ttft, pieces, completed, told, prefill = 0, None, 0, False, None, ""
         try:
             stream = await self._open(prompt, headers, scenario.ttft_deadline_s + _SLACK_S)
             status = 200
+            prefill = stream.response.headers.get(PREFILL_HEADER, "")
             async for event in stream:
                 if _has_text(prompt.api, event):
                     pieces += 1
@@ -123,6 +130,7 @@ class OpenAIUser:
             tpot_slo_s=scenario.tpot_slo_s,
             retry_after_s=told,
             attempts=max(1, len(self._starts)),
+            prefill=prefill,
         )
 
     async def _open(self, prompt: Prompt, headers: dict[str, str], timeout_s: float) -> Any:

@@ -66,8 +66,7 @@ class ClosedLoop(LoadGenerator):
                     result = await send_completion(
                         self.session, url, self.model, prompt, gateway=gateway
                     )
-                if self._in_window(issued):
-                    self.results.append(result)
+                self._record(issued, result)
         finally:
             if official is not None:
                 await official.aclose()

@@ -11,9 +11,9 @@ multiple of A (medians over seeds; with
 several gateways also ``success_by_gateway``, with tenants ``success_by_tenant``, with an
 open loop ``rate_rps`` and ``client_dropped``, with several seeds ``spread``); with
 ``--load-fractions`` the keys are shares of capacity ("0.5c", "2c"). Files:
-``OUT/KIND.csv``, ``OUT/KIND.png``, ``OUT/KIND.md`` (KIND = quick or full, or ``--kind``)
-and, unless ``--no-doc``, the generated block of the doc between its ``scheduling:KIND``
-markers.
+``OUT/KIND.csv``, ``OUT/KIND.png``, ``OUT/KIND.md`` (KIND = quick or full, or ``--kind``),
+with ``--trace`` ``OUT/KIND-trace.jsonl``, and, unless ``--no-doc``, the generated block
+of the doc between its ``scheduling:KIND`` markers.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from pdgate.loadtest.scheduling.report import (
     summary_json,
     write_csv,
     write_plot,
+    write_trace,
 )
 from pdgate.loadtest.scheduling.runner import Timing
 from pdgate.loadtest.scheduling.workload import WORKLOADS
@@ -103,6 +104,12 @@ def configure(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--doc", type=Path, default=Path("docs/results/scheduling/README.md"))
     s.add_argument("--no-doc", action="store_true", help="do not update the doc's table")
+    s.add_argument(
+        "--trace",
+        action="store_true",
+        help="also write OUT/KIND-trace.jsonl: one line per request of every window (its "
+        "series, seed, load, gateway, scenario, status, TTFT, deadline, tries, Retry-After)",
+    )
     s.add_argument(
         "--kind",
         help="name of the outputs (OUT/KIND.csv, ...) and of the doc's block; "
@@ -272,6 +279,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         ),
         capacity=_capacity_plan(args),
         load_fractions=_fractions(args.load_fractions),
+        trace=args.trace,
     )
     if args.quick:
         plan = replace(
@@ -342,6 +350,8 @@ def write_outputs(result: Result, kind: str, out: Path, doc: Path | None, comman
     title = f"pdgate bench scheduling ({kind}): {describe(result.plan)}"
     save_run(out, kind, result, title, csv=write_csv, plot=write_plot)
     plan = result.plan
+    if plan.trace:
+        write_trace(result, out / f"{kind}-trace.jsonl")
     calibration = calibration_table(result.calibration, plan.success_target)
     capacity = capacity_table(result)
     spread = spread_table(result)

@@ -115,6 +115,7 @@ class Plan:
     capacity: CapacityPlan = field(default_factory=CapacityPlan)
     # Levels as shares of the capacity instead of `multiples` of A (e.g. (0.5, 1, 2)).
     load_fractions: tuple[float, ...] = ()
+    trace: bool = False  # also write each request's outcome (report.write_trace)
 
     def __post_init__(self) -> None:
         if not self.seeds or not self.modes or not self.deploys or not self.multiples:

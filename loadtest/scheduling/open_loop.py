@@ -154,8 +154,7 @@ class OpenLoop(LoadGenerator):
         self.issued += 1
         if len(self._inflight) >= self.max_in_flight:
             self.dropped += 1
-            if self._in_window(issued):
-                self.results.append(_dropped(prompt, gateway))
+            self._record(issued, _dropped(prompt, gateway))
             return
         task = asyncio.create_task(self._send(gateway, prompt, issued))
         self._inflight.add(task)
@@ -166,8 +165,7 @@ class OpenLoop(LoadGenerator):
     async def _send(self, gateway: int, prompt: Prompt, issued: float) -> None:
         url = self.completions_urls[gateway]
         result = await send_completion(self.session, url, self.model, prompt, gateway=gateway)
-        if self._in_window(issued):
-            self.results.append(result)
+        self._record(issued, result)
 
 
 def _dropped(prompt: Prompt, gateway: int) -> RequestResult:

@@ -13,9 +13,11 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from pdgate.loadtest.lib.docs import write_rows
 from pdgate.loadtest.lib.stats import Spread
@@ -30,6 +32,7 @@ __all__ = [
     "summary_json",
     "write_csv",
     "write_plot",
+    "write_trace",
 ]
 
 _LABELS = {
@@ -160,6 +163,21 @@ def _rows(result: Result) -> list[dict[str, Any]]:
 
 def write_csv(result: Result, path: Path) -> None:
     write_rows(path, _rows(result))
+
+
+def write_trace(result: Result, path: Path) -> None:
+    """One JSON line per request of every window, in the order they were issued: its point
+    (``series``, ``seed``, ``users``, ``level``) and its outcome (the fields of
+    `RequestResult`, with ``success``): the failures of a run, each with where and when."""
+    with path.open("wb") as f:
+        for series, by_k in result.points.items():
+            for key, points in by_k.items():
+                for point in points:
+                    where = {"series": series, "seed": point.seed, "users": point.users,
+                             "level": result.label(key)}  # fmt: skip
+                    for r in sorted(point.results, key=lambda r: r.issued_s):
+                        line = {**where, **asdict(r), "success": r.success}
+                        f.write(orjson.dumps(line) + b"\n")
 
 
 def write_plot(result: Result, path: Path, title: str) -> None:

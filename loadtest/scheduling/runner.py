@@ -30,7 +30,7 @@ from pdgate.loadtest.lib.probes import (
     wait_kv_released,
 )
 from pdgate.loadtest.lib.procfs import host_busy_s, own_cpu_s
-from pdgate.loadtest.lib.stats import Summary, summarize
+from pdgate.loadtest.lib.stats import RequestResult, Summary, summarize
 from pdgate.loadtest.scheduling._load import LoadGenerator
 from pdgate.loadtest.scheduling.closed_loop import ClosedLoop
 from pdgate.loadtest.scheduling.clusters import Cluster
@@ -89,6 +89,7 @@ class Point:
     rate_rps: float = math.nan  # open loop: the mean arrival rate asked for
     max_in_flight: int = 0  # open loop: the client's bound (0: closed loop)
     load_fraction: float = math.nan  # offered load / capacity (NaN: capacity unknown)
+    results: tuple[RequestResult, ...] = field(default=(), repr=False)  # the window's sample
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -295,4 +296,5 @@ async def run_point(
         rate_rps=math.nan if rate_rps is None or not arrivals.open else rate_rps,
         max_in_flight=bound,
         load_fraction=load_fraction,
+        results=tuple(loop.results),
     )

@@ -18,7 +18,7 @@ def test_processes_one_and_two_gateways_two_seeds(tmp_path: Path, run_bench: Run
         ["scheduling", "--deploy=processes", "--gateways=1,2", "--seeds=2", "--seed=5",
          "--modes=least_sse", "--base-users=2", "--multiples=1", "--prefills=2",
          "--warmup-s=0.5", "--measure-s=2", "--capacity=off", "--parallel",
-         f"--out={tmp_path}", "--no-doc", "--kind=p"]
+         f"--out={tmp_path}", "--no-doc", "--kind=p", "--trace"]
     )  # fmt: skip
     data = orjson.loads(lines[-1])
     assert (data["deploy"], data["gateways"], data["seeds"]) == ("processes", [1, 2], [5, 6])
@@ -47,6 +47,23 @@ def test_processes_one_and_two_gateways_two_seeds(tmp_path: Path, run_bench: Run
     # The gateways' own event-loop lag, read from their histograms (a bucket's bound, > 0).
     lags = [float(row.split(",")[header.index("loop_lag_p99_ms")]) for row in csv[1:]]
     assert all(0 < lag < 10_000 for lag in lags), lags
+    # The trace: every request of every window, where and when it went and how it ended.
+    trace = [orjson.loads(line) for line in (tmp_path / "p-trace.jsonl").read_bytes().splitlines()]
+    requests = header.index("requests")
+    for row in csv[1:]:
+        cells = row.split(",")
+        series, seed = cells[header.index("mode")], int(cells[header.index("seed")])
+        mine = [t for t in trace if (t["series"], t["seed"]) == (series, seed)]
+        assert len(mine) == int(cells[requests]) > 0, (series, seed)
+        ok = sum(t["success"] for t in mine) / len(mine)
+        assert ok == pytest.approx(float(cells[header.index("success_rate")]), abs=1e-3)
+        gateways = 2 if series.endswith("/g2") else 1
+        assert {t["gateway"] for t in mine} == set(range(gateways))
+        issued = [t["issued_s"] for t in mine]
+        assert issued == sorted(issued) and 0 <= issued[0] < issued[-1] < 2.5  # in the window
+        assert all(t["level"] == "1A" and t["scenario"] for t in mine)
+        # Each one served names its prefill (one of the two: prefill-0, prefill-1, ...).
+        assert all(t["prefill"].startswith("prefill") for t in mine if t["status"] == 200)
     table = (tmp_path / "p.md").read_text()
     assert "every shim and gateway its own process" in table and "Spread over seeds" in table
     assert "1, 2 gateways (rows /gN)" in table and "| least_sse/g2 | 1A |" in table
