@@ -26,6 +26,7 @@ import csv
 import math
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["for_the_mix", "homogeneity_p", "table"]
@@ -44,19 +45,43 @@ def _chi2_sf(x: float, dof: int) -> float:
     return p + total
 
 
+@dataclass(frozen=True, slots=True)
+class _Gateway:
+    """One gateway's columns in a run's row."""
+
+    requests: float  # NaN: a CSV from before the counts were recorded
+    success: float
+    mix: float | None  # the success its users' scenario mix predicts (None: not recorded)
+
+
+def _gateways(row: dict[str, str]) -> list[_Gateway]:
+    """The run's gateways, by their ``success_gateway``, ``requests_gateway`` and
+    ``mix_gateway`` columns, less any that served no request (one gateway's run has none)."""
+    out = []
+    for key, value in row.items():
+        if not key.startswith("success_gateway") or not value:
+            continue
+        gateway = key.removeprefix("success_gateway")
+        requests, mix = row.get("requests_gateway" + gateway), row.get("mix_gateway" + gateway)
+        n = float(requests) if requests else math.nan
+        if n == 0:
+            continue
+        out.append(_Gateway(n, float(value), float(mix) if mix else None))
+    return out
+
+
 def _own_spread(row: dict[str, str]) -> float:
-    own = [float(v) for k, v in row.items() if k.startswith("success_gateway") and v]
+    own = [g.success for g in _gateways(row)]
     return max(own) - min(own) if len(own) > 1 else 0.0
 
 
 def homogeneity_p(row: dict[str, str]) -> float | None:
     """The chi-square p-value that the run's gateways served alike (None: one gateway)."""
-    counts = []
-    for key, value in row.items():
-        if key.startswith("requests_gateway") and value and float(value) > 0:
-            n = float(value)
-            ok = n * float(row["success_gateway" + key.removeprefix("requests_gateway")])
-            counts.append((ok, n - ok))
+    counts = [
+        (g.requests * g.success, g.requests * (1 - g.success))
+        for g in _gateways(row)
+        if not math.isnan(g.requests)
+    ]
     if len(counts) < 2:
         return None
     oks, fails = sum(c[0] for c in counts), sum(c[1] for c in counts)
@@ -80,16 +105,13 @@ def for_the_mix(row: dict[str, str]) -> tuple[float, float] | None:
     None: the CSV has no predictions, or one gateway."""
     own: list[float] = []
     stat = 0.0
-    for key, value in row.items():
-        if not key.startswith("mix_gateway") or not value:
+    for g in _gateways(row):
+        if g.mix is None or math.isnan(g.requests):
             continue
-        gateway = key.removeprefix("mix_gateway")
-        n = float(row["requests_gateway" + gateway])
-        success, mix = float(row["success_gateway" + gateway]), float(value)
-        own.append(success - mix)
-        variance = n * mix * (1 - mix)
+        own.append(g.success - g.mix)
+        variance = g.requests * g.mix * (1 - g.mix)
         if variance > 0:
-            stat += (n * success - n * mix) ** 2 / variance
+            stat += (g.requests * (g.success - g.mix)) ** 2 / variance
     if len(own) < 2:
         return None
     return 100 * (max(own) - min(own)), _chi2_sf(stat, len(own) - 1) if stat else 1.0
