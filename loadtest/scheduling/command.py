@@ -179,9 +179,9 @@ def configure(s: argparse.ArgumentParser) -> None:
         "--client",
         choices=CLIENTS,
         default="instant",
-        help="closed loop, what a refused user does: its next request at once (instant, "
+        help="what a refused client does: its next request at once (instant, "
         "default), the same one after the Retry-After it was told, twice at most (honour), "
-        "or what the official openai client does (openai)",
+        "or what the official openai client does (openai: closed loop only)",
     )
     load.add_argument(
         "--honour-retry-after",

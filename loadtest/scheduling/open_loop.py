@@ -10,10 +10,11 @@ Two arrival processes, both seeded (the same seed and level give the same arriva
   of the time, so the mean rate is the level's rate and the peak is `burst_factor` times it.
 
 The client never waits for an answer before the next arrival, so it bounds itself: at most
-`max_in_flight` requests at once; an arrival beyond that is not sent and counts as a failed
-request (status `DROPPED`), so a collapsed server cannot make the client grow without bound
-and the sample stays "every request that arrived in the window". If the client falls behind
-its schedule (CPU), late arrivals are sent at once, so the mean rate holds.
+`max_in_flight` requests at once (one waiting to retry, with ``--client honour``, counts);
+an arrival beyond that is not sent and counts as a failed request (status `DROPPED`), so a
+collapsed server cannot make the client grow without bound and the sample stays "every
+request that arrived in the window". If the client falls behind its schedule (CPU), late
+arrivals are sent at once, so the mean rate holds.
 
 Arrival i goes to gateway i mod N; with tenants, each arrival draws its tenant by weight.
 """
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 
 from pdgate.loadtest.lib.stats import DROPPED, RequestResult
 from pdgate.loadtest.scheduling._load import LoadGenerator, send_completion
-from pdgate.loadtest.scheduling.clients import CLIENTS
+from pdgate.loadtest.scheduling.clients import CLIENTS, send_honouring
 from pdgate.loadtest.scheduling.workload import Prompt
 
 __all__ = ["ARRIVALS", "Arrivals", "OpenLoop", "arrival_times"]
@@ -48,7 +49,8 @@ class Arrivals:
     # The open loop's in-flight bound: None = `in_flight_bound(users)` for the level's
     # equivalent closed-loop users.
     max_in_flight: int | None = None
-    # closed: what a refused user does (clients.py: instant, honour, openai).
+    # What a refused request's client does (clients.py: instant, honour, openai); an open
+    # loop has no users to give the openai client to.
     client: str = "instant"
 
     def __post_init__(self) -> None:
@@ -60,20 +62,25 @@ class Arrivals:
             raise ValueError("max_in_flight must be at least 1")
         if self.client not in CLIENTS:
             raise ValueError(f"unknown client {self.client!r}; known: {', '.join(CLIENTS)}")
-        if self.client != "instant" and self.open:
-            raise ValueError("only a closed loop's users retry (--client)")
+        if self.client == "openai" and self.open:
+            raise ValueError("the openai client needs a closed loop's users (--client)")
 
     @property
     def open(self) -> bool:
         return self.kind != "closed"
 
     def describe(self) -> str:
+        retried = (
+            "; a refused request is sent again after the Retry-After it is told (up to 2 times)"
+            if self.client == "honour"
+            else ""
+        )
         if self.kind == "poisson":
-            return "open loop, Poisson arrivals"
+            return "open loop, Poisson arrivals" + retried
         if self.kind == "bursty":
             return (
                 f"open loop, bursty arrivals (on/off Poisson: {self.burst_factor:g}x the rate "
-                f"during ON periods of mean {self.burst_on_s:g} s, silent otherwise)"
+                f"during ON periods of mean {self.burst_on_s:g} s, silent otherwise)" + retried
             )
         if self.client == "honour":
             return "closed loop, users retry after the Retry-After they are told (up to 2 times)"
@@ -164,7 +171,8 @@ class OpenLoop(LoadGenerator):
 
     async def _send(self, gateway: int, prompt: Prompt, issued: float) -> None:
         url = self.completions_urls[gateway]
-        result = await send_completion(self.session, url, self.model, prompt, gateway=gateway)
+        send = send_honouring if self.arrivals.client == "honour" else send_completion
+        result = await send(self.session, url, self.model, prompt, gateway=gateway)
         self._record(issued, result)
 
 

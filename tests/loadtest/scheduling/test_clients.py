@@ -1,7 +1,8 @@
-"""The closed loop's clients (loadtest/scheduling/clients.py) against a server that refuses
-each request's first try with 503 and a Retry-After: ``instant`` moves on, ``honour`` and
-the official openai client wait what they are told (its milliseconds, read first) and are
-served on their first retry, which the summary counts."""
+"""The bench's clients (loadtest/scheduling/clients.py) against a server that refuses each
+request's first try with 503 and a Retry-After: ``instant`` moves on, ``honour`` (a closed
+loop's users or an open loop's arrivals) and the official openai client wait what they are
+told (its milliseconds, read first) and are served on their first retry, which the summary
+counts."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from aiohttp import web
 from pdgate.loadtest.lib.stats import summarize
 from pdgate.loadtest.scheduling.clients import OpenAIUser, send_honouring
 from pdgate.loadtest.scheduling.closed_loop import ClosedLoop
-from pdgate.loadtest.scheduling.open_loop import Arrivals
+from pdgate.loadtest.scheduling.open_loop import Arrivals, OpenLoop
 from pdgate.loadtest.scheduling.workload import Prompt, Scenario, Workload
 from tests.loadtest.scheduling._fake_server import completions_server
 
@@ -111,8 +112,32 @@ async def test_a_closed_loops_users_run_each_client(client: str) -> None:
         assert summary.retried == len(loop.results) and summary.first_retry_success == 1.0
 
 
-def test_only_a_closed_loop_retries() -> None:
+async def test_an_open_loop_honours_retry_after() -> None:
+    """Arrivals at a rate whose first try is refused are sent again after the Retry-After
+    and served on that retry; `instant` arrivals record the refusal."""
+    for client in ("honour", "instant"):
+        async with _server() as server, aiohttp.ClientSession() as session:
+            arrivals = Arrivals("poisson", client=client)
+            loop = OpenLoop(session, [server.url], "m", Workload(seed=8), arrivals, 20.0,
+                            max_in_flight=50)  # fmt: skip
+            loop.start()
+            loop.open_window()
+            await asyncio.sleep(1.0)
+            loop.close_window()
+            assert await loop.stop(5.0) == 0
+        summary = summarize(loop.results, 1.0)
+        assert len(loop.results) >= 5
+        if client == "instant":
+            assert {r.status for r in loop.results} == {503} and summary.retried == 0
+        else:
+            assert summary.retried == len(loop.results) and summary.first_retry_success == 1.0
+            for prompt in server.tries:
+                _served_on_the_first_retry(server, prompt)
+    assert "sent again after the Retry-After" in Arrivals("bursty", client="honour").describe()
+
+
+def test_the_openai_client_needs_a_closed_loop() -> None:
     with pytest.raises(ValueError, match="closed loop"):
-        Arrivals("poisson", client="honour")
+        Arrivals("poisson", client="openai")
     with pytest.raises(ValueError, match="unknown client"):
         Arrivals(client="patient")
