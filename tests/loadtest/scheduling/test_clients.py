@@ -17,7 +17,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from pdgate.loadtest.lib.stats import summarize
+from pdgate.loadtest.lib.stats import RequestResult, summarize
+from pdgate.loadtest.scheduling._load import LoadGenerator
 from pdgate.loadtest.scheduling.clients import OpenAIUser, send_honouring
 from pdgate.loadtest.scheduling.closed_loop import ClosedLoop
 from pdgate.loadtest.scheduling.open_loop import Arrivals, OpenLoop
@@ -92,6 +93,25 @@ async def test_the_openai_client_retries_by_its_own_policy_reading_retry_after_m
     assert (summary.retried, summary.first_retry_success) == (1, 1.0)
 
 
+async def _one_second(loop: LoadGenerator) -> None:
+    """Run `loop` through a one-second window; nothing may be left running after it."""
+    loop.start()
+    loop.open_window()
+    await asyncio.sleep(1.0)
+    loop.close_window()
+    assert await loop.stop(5.0) == 0
+
+
+def _each_refusal_handled(client: str, results: list[RequestResult]) -> None:
+    """`instant` records each refusal and moves on; the others are served on their first
+    retry."""
+    summary = summarize(results, 1.0)
+    if client == "instant":
+        assert summary.retried == 0 and {r.status for r in results} == {503}
+    else:
+        assert summary.retried == len(results) and summary.first_retry_success == 1.0
+
+
 @pytest.mark.parametrize("client", ["instant", "honour", "openai"])
 async def test_a_closed_loops_users_run_each_client(client: str) -> None:
     """Every try is refused at first: `instant` users record each refusal and move on, the
@@ -99,44 +119,29 @@ async def test_a_closed_loops_users_run_each_client(client: str) -> None:
     async with _server() as server, aiohttp.ClientSession() as session:
         loop = ClosedLoop(session, [server.url], "m", Workload(seed=7), 2, ramp_s=0.0,
                           client=client)  # fmt: skip
-        loop.start()
-        loop.open_window()
-        await asyncio.sleep(1.0)
-        loop.close_window()
-        assert await loop.stop(5.0) == 0
-    summary = summarize(loop.results, 1.0)
+        await _one_second(loop)
     assert loop.results
-    if client == "instant":
-        assert summary.retried == 0 and {r.status for r in loop.results} == {503}
-    else:
-        assert summary.retried == len(loop.results) and summary.first_retry_success == 1.0
+    _each_refusal_handled(client, loop.results)
 
 
-async def test_an_open_loop_honours_retry_after() -> None:
-    """Arrivals at a rate whose first try is refused are sent again after the Retry-After
-    and served on that retry; `instant` arrivals record the refusal."""
-    for client in ("honour", "instant"):
-        async with _server() as server, aiohttp.ClientSession() as session:
-            arrivals = Arrivals("poisson", client=client)
-            loop = OpenLoop(session, [server.url], "m", Workload(seed=8), arrivals, 20.0,
-                            max_in_flight=50)  # fmt: skip
-            loop.start()
-            loop.open_window()
-            await asyncio.sleep(1.0)
-            loop.close_window()
-            assert await loop.stop(5.0) == 0
-        summary = summarize(loop.results, 1.0)
-        assert len(loop.results) >= 5
-        if client == "instant":
-            assert {r.status for r in loop.results} == {503} and summary.retried == 0
-        else:
-            assert summary.retried == len(loop.results) and summary.first_retry_success == 1.0
-            for prompt in server.tries:
-                _served_on_the_first_retry(server, prompt)
-    assert "sent again after the Retry-After" in Arrivals("bursty", client="honour").describe()
+@pytest.mark.parametrize("client", ["instant", "honour"])
+async def test_an_open_loops_arrivals_run_each_client(client: str) -> None:
+    """Arrivals at a rate, each refused at first: `instant` records the refusal, `honour`
+    sends it again after the Retry-After and is served on that retry."""
+    async with _server() as server, aiohttp.ClientSession() as session:
+        arrivals = Arrivals("poisson", client=client)
+        loop = OpenLoop(session, [server.url], "m", Workload(seed=8), arrivals, 20.0,
+                        max_in_flight=50)  # fmt: skip
+        await _one_second(loop)
+    assert len(loop.results) >= 5
+    _each_refusal_handled(client, loop.results)
+    if client == "honour":
+        for prompt in server.tries:
+            _served_on_the_first_retry(server, prompt)
 
 
 def test_the_openai_client_needs_a_closed_loop() -> None:
+    assert "sent again after the Retry-After" in Arrivals("bursty", client="honour").describe()
     with pytest.raises(ValueError, match="closed loop"):
         Arrivals("poisson", client="openai")
     with pytest.raises(ValueError, match="unknown client"):
