@@ -108,7 +108,8 @@ def configure(s: argparse.ArgumentParser) -> None:
         "--trace",
         action="store_true",
         help="also write OUT/KIND-trace.jsonl: one line per request of every window (its "
-        "series, seed, load, gateway, scenario, status, TTFT, deadline, tries, Retry-After)",
+        "series, seed, load, gateway, prefill, scenario, status, TTFT, deadline, tries, "
+        "Retry-After, when it was issued)",
     )
     s.add_argument(
         "--kind",
