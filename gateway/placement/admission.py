@@ -15,7 +15,9 @@ guard: its deadline minus a pessimistic estimate of its prefill, queue.py), then
    over-share tenant's newest request, which is told 429; a tenant over its share gets 429.
 
 A refused request's place is kept for its retry (places.py): the same request sent again
-goes where its first try stood, as its Retry-After counted.
+goes where its first try stood, as its Retry-After counted. Whether or not, the refused
+requests told to come back count ahead of the next one refused, as far as they do come
+back (places.py, `AwaitedRetries`).
 
 Once queued, a request is shed (503, without a prefill call) when its prefill would likely
 end past its deadline (early drop, `hopeless`, checked by the forwarder at the head and while
@@ -46,7 +48,7 @@ from pdgate.gateway.placement.drain import (
     Pace,
     QueueDrain,
 )
-from pdgate.gateway.placement.places import Places
+from pdgate.gateway.placement.places import AwaitedRetries, Places
 from pdgate.gateway.placement.prefill_time import PrefillTimes
 from pdgate.gateway.placement.queue import Admission, Waiter, WaitQueue
 
@@ -58,8 +60,10 @@ _GUARD_QUANTILE = 0.9
 # cannot reach: often enough that none waits long for a 503 it will get anyway.
 _SWEEP_S = 0.5
 # Places are kept for refused requests while arrivals come at most this many times as fast
-# as the pace serves (`_keep_place`).
+# as the pace serves (`_tell`).
 _PLACES_UP_TO = 2.0
+# The refused requests followed for their retries, as a multiple of the queue's bound.
+_AWAITED_PER_PLACE = 4
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,7 @@ class QueueAdmission:
         self._grants_new = 0  # ours since the last `take_grants`
         self._next_sweep = 0.0  # monotonic: when drain admission may sweep the queue next
         self._places = Places(queue.max_size) if options.retry_keeps_place else None
+        self._awaited = AwaitedRetries(_AWAITED_PER_PLACE * queue.max_size)
 
     @property
     def shedding(self) -> GatewayError | None:
@@ -130,10 +135,12 @@ class QueueAdmission:
         """Queue `waiter`, or raise what it is told instead (503 or 429, module docstring)."""
         if self._shed is not None:
             raise self._shed
-        if self._places is not None and not waiter.admitted:
-            waiter.place = self._places.take(waiter.info, time.monotonic())
-            if waiter.place is not None:
-                self._metrics.queue_places.labels("taken").inc()
+        if not waiter.admitted:
+            self._awaited.back(waiter.info, time.monotonic())
+            if self._places is not None:
+                waiter.place = self._places.take(waiter.info, time.monotonic())
+                if waiter.place is not None:
+                    self._metrics.queue_places.labels("taken").inc()
         # Started by then, it most likely makes its deadline (the queue's start guard).
         estimate = self._prefill_times.upper_bound_s(waiter.info.prompt_chars, _GUARD_QUANTILE)
         if estimate is not None:
@@ -143,7 +150,7 @@ class QueueAdmission:
             late = self._too_late(waiter)
         if late is not None:
             self._metrics.queue_sheds.labels("drain").inc()
-            raise self._out_of_reach(self._keep_place(waiter, late))
+            raise self._out_of_reach(self._tell(waiter, late))
         admission = self.queue.push(waiter)
         if admission is Admission.FULL:
             # Under its tenant's share: it takes the place of an over-share tenant's newest
@@ -159,12 +166,10 @@ class QueueAdmission:
             pace = self._pace(now)
             leave = self._retry_ahead(waiter)
             if pace is not None:  # and at least until the queue has room for it
-                leave = max(
-                    leave, self._options.retry_after.drain(self.queue.overflow(), pace.per_s)
-                )
+                leave = max(leave, self._wait(self.queue.overflow(), pace.per_s, now))
             raise Overloaded(
                 "the gateway's queue for this model and group is full",
-                retry_after=self._keep_place(waiter, leave),
+                retry_after=self._tell(waiter, leave),
             )
         if admission is Admission.OVER_SHARE:
             self._metrics.queue_sheds.labels("over_share").inc()
@@ -199,7 +204,7 @@ class QueueAdmission:
         ahead = self.queue.ahead(waiter)
         if ahead <= reachable:
             return None
-        return self._options.retry_after.drain(ahead - reachable, pace.per_s)
+        return self._wait(ahead - reachable, pace.per_s, now)
 
     def drain_view(self) -> tuple[float | None, float, float]:
         """Drain admission as it judges now: the grants a second it counts on (None: no pace
@@ -235,7 +240,7 @@ class QueueAdmission:
             self._metrics.queue_sheds.labels("drain").inc()
             if not late.future.done():
                 late.future.set_exception(
-                    self._out_of_reach(self._keep_place(late, self._retry_anew(late)))
+                    self._out_of_reach(self._tell(late, self._retry_anew(late)))
                 )
 
     def granted(self, now: float) -> None:
@@ -284,7 +289,7 @@ class QueueAdmission:
             waiter.future.set_exception(
                 DeadlineExceeded(
                     "the request cannot be prefilled before its TTFT deadline",
-                    retry_after=self._keep_place(waiter, self._retry_anew(waiter)),
+                    retry_after=self._tell(waiter, self._retry_anew(waiter)),
                 )
             )
         return True
@@ -295,7 +300,7 @@ class QueueAdmission:
             waiter.future.set_exception(
                 DeadlineExceeded(
                     "no prefill instance accepted the request before its TTFT deadline",
-                    retry_after=self._keep_place(waiter, self._retry_anew(waiter)),
+                    retry_after=self._tell(waiter, self._retry_anew(waiter)),
                 )
             )
 
@@ -303,7 +308,7 @@ class QueueAdmission:
         """`waiter` was granted, but its instance did not answer before its deadline (an
         aggregated instance: the slot is the whole request): the Retry-After to tell it,
         as to one that expired here, its place kept."""
-        return self._keep_place(waiter, self._retry_anew(waiter))
+        return self._tell(waiter, self._retry_anew(waiter))
 
     def shed(self, error: GatewayError) -> None:
         """The gateway stops: every queued request, and every one that would queue from now on
@@ -323,12 +328,18 @@ class QueueAdmission:
         `budget_s` of the `ahead` requests before this one: a retry then is admitted, and
         reached in time, unless more urgent ones came meanwhile. Drain admission's headroom
         counts here as it does there."""
-        retry = self._options.retry_after
         if pace is None:
-            return retry.drain(0, None)
+            return self._options.retry_after.drain(0, None)
         reach = 0.0 if budget_s is None else pace.reach(max(0.0, budget_s))
         reach *= (1.0 - self._headroom(now, pace)) * share
-        return retry.drain(ahead - reach, pace.per_s * share)
+        return self._wait(ahead - reach, pace.per_s * share, now, share)
+
+    def _wait(self, excess: float, per_s: float, now: float, share: float = 1.0) -> float:
+        """Until `excess` requests have left at `per_s` a second, and the retries awaited
+        before this one (`share` of them: a tenant's, at its share of the pace): they come
+        back into the queue ahead of it (places.py, `AwaitedRetries`)."""
+        awaited = self._awaited.expected(now) * share
+        return self._options.retry_after.drain(excess + awaited, per_s)
 
     def _retry_ahead(self, waiter: Waiter, share: float = 1.0) -> float:
         """For an arrival: the requests ahead of it now, with its own time left."""
@@ -346,13 +357,15 @@ class QueueAdmission:
         ahead = self.queue.ahead(waiter, at=at)
         return self._retry_wait(ahead, waiter.info.ttft_s, self._pace(now), now)
 
-    def _keep_place(self, waiter: Waiter, retry_after: float) -> float:
-        """`waiter` is refused and told `retry_after`: keep its place for its retry, while
-        the queue can keep that promise. Once arrivals come more than twice as fast as the
-        pace serves, more are refused than the pace serves: the retries holding places
-        would alone outrun it, and each place kept would only move a failure onto a retry
-        that waited longer. Past that, as without places, a retry is a new arrival."""
+    def _tell(self, waiter: Waiter, retry_after: float) -> float:
+        """`waiter` is refused and told `retry_after`: await its retry, and keep its place
+        for it while the queue can keep that promise. Once arrivals come more than twice
+        as fast as the pace serves, more are refused than the pace serves: the retries
+        holding places would alone outrun it, and each place kept would only move a
+        failure onto a retry that waited longer. Past that, as without places, a retry is
+        a new arrival."""
         now = time.monotonic()
+        self._awaited.told(waiter.info, retry_after, now)
         if self._places is not None and self._keeps_places(now):
             self._places.keep(waiter.info, self.queue.place_of(waiter), retry_after, now)
             self._metrics.queue_places.labels("kept").inc()
@@ -376,7 +389,5 @@ class QueueAdmission:
         return OverShare(
             f"the fleet is busy and tenant {waiter.tenant!r} holds its share of the queue; "
             "back off and retry",
-            retry_after=self._keep_place(
-                waiter, self._retry_ahead(waiter, self.queue.share(waiter))
-            ),
+            retry_after=self._tell(waiter, self._retry_ahead(waiter, self.queue.share(waiter))),
         )

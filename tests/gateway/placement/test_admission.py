@@ -30,7 +30,7 @@ from pdgate.gateway.api.completions import TTFT_HEADER
 from pdgate.gateway.errors import DeadlineExceeded, Overloaded, OverShare, ShuttingDown
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.admission import AdmissionOptions, QueueAdmission
-from pdgate.gateway.placement.drain import DecodeCapacity, DecodeWaits
+from pdgate.gateway.placement.drain import ArrivalRate, DecodeCapacity, DecodeWaits
 from pdgate.gateway.placement.forwarder import PrefillForwarder
 from pdgate.gateway.placement.prefill_time import PrefillTimes
 from pdgate.gateway.placement.queue import Waiter, WaitQueue
@@ -801,6 +801,36 @@ async def test_a_tenant_over_its_share_waits_for_its_own_requests_at_its_share_o
         admission.admit(_tenant(100, "a", deadline_s=0.5))
     assert over.value.status == 429
     assert over.value.retry_after == pytest.approx(2.5, abs=0.01)
+
+
+@pytest.mark.parametrize("clients_come_back", [True, False])
+async def test_refused_requests_due_back_count_ahead_of_the_next_one_refused(
+    monkeypatch: pytest.MonkeyPatch, clients_come_back: bool
+) -> None:
+    """40 queued at 20 grants a second: a request due in half a second is told 1.5 s (30
+    past the pace's reach). Where the queue's refused requests have been coming back when
+    told, the ten refused after it will be back in the queue before the eleventh: it is
+    told half a second more, for them. Where they have not (clients that send a new
+    request at once, or give up), nothing is added: a fixed queue, a fixed figure."""
+    admission, _, _, _ = _unit(drain_sweep=False)
+    monkeypatch.setattr(ArrivalRate, "per_s", lambda self, now: 1.0)  # no headroom
+    for i in range(40):
+        admission.admit(waiter(i, deadline_s=30))
+    _paced(admission, 20.0, 2.0)
+    past = time.monotonic() - 100.0
+    for i in range(200):  # earlier refusals: each back at its time, or never
+        admission._awaited.told(info(f"before{i}"), 1.0, past)
+        if clients_come_back:
+            admission._awaited.back(info(f"before{i}"), past + 1.0)
+    figures = []
+    for i in range(11):
+        with pytest.raises(Overloaded, match="would not reach") as refused:
+            admission.admit(waiter(100 + i, deadline_s=0.5))
+        figures.append(refused.value.retry_after)
+    assert figures[0] == pytest.approx(1.5, abs=0.01)
+    came_back = admission._awaited.honour
+    assert came_back == (pytest.approx(1.0, abs=0.01) if clients_come_back else 0.0)
+    assert figures[-1] == pytest.approx(1.5 + 10 * came_back / 20, abs=0.01)
 
 
 async def test_a_request_shed_after_waiting_is_told_when_a_retry_would_be_reached() -> None:

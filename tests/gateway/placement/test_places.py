@@ -2,11 +2,14 @@
 again takes its first try's place, once, within its time, and places are bounded. Through a
 queue's admission: a retry goes where its first try stood, ahead of the requests that came
 since; one that comes early finds the same requests ahead and is told the time left; kept
-places never turn away requests that are here."""
+places never turn away requests that are here. The refused requests told to come back
+count ahead of the next one refused, as far as they come back when told."""
 
 from __future__ import annotations
 
+import random
 import time
+from collections import OrderedDict
 from dataclasses import replace
 
 import pytest
@@ -16,7 +19,7 @@ from pdgate.gateway.errors import Overloaded
 from pdgate.gateway.observe.metrics import GatewayMetrics
 from pdgate.gateway.placement.admission import AdmissionOptions, QueueAdmission
 from pdgate.gateway.placement.drain import ArrivalRate
-from pdgate.gateway.placement.places import Places
+from pdgate.gateway.placement.places import AwaitedRetries, Places
 from pdgate.gateway.placement.prefill_time import PrefillTimes
 from pdgate.gateway.placement.queue import WaitQueue
 from tests.gateway._fakes import info, tracker_for, waiter
@@ -157,7 +160,7 @@ async def test_a_swept_request_retried_at_its_place_beside_its_dead_entry() -> N
     admission.queue.push(doomed)
     for late in admission.queue.beyond_reach(lambda s: 20 * s, time.monotonic()):
         admission.queue.remove(late)
-        admission._keep_place(late, 1.0)
+        admission._tell(late, 1.0)
     assert doomed.done
     for _ in range(58):
         admission.queue.pop()
@@ -165,3 +168,78 @@ async def test_a_swept_request_retried_at_its_place_beside_its_dead_entry() -> N
     admission.admit(retry)
     assert retry.key[0] == doomed.key[0] and retry.key != doomed.key
     assert [admission.queue.pop() for _ in range(3)][-1] is retry
+
+
+# -- the retries awaited (AwaitedRetries) -----------------------------------------------
+
+
+def test_awaited_retries_count_as_far_as_refused_requests_come_back_when_told() -> None:
+    awaited = AwaitedRetries(100)
+    for i in range(10):
+        awaited.told(info(f"a{i}"), 2.0, now=0.0)
+    assert awaited.expected(1.0) == 0  # nothing shown yet: counted as none
+    for i in range(10):  # each back at its time
+        awaited.back(info(f"a{i}"), now=2.0)
+    assert awaited.honour == pytest.approx(1 - (31 / 32) ** 10)
+    for i in range(10):
+        awaited.told(info(f"b{i}"), 2.0, now=3.0)
+    assert awaited.expected(4.0) == pytest.approx(10 * awaited.honour)
+    assert awaited.expected(5.0) == 0  # their time came: their retries are in the queue
+    shown = awaited.honour
+    awaited.back(info("b0"), now=5.0)
+    awaited.back(info("b0"), now=5.0)  # a second time is a new request: no outcome
+    assert awaited.honour > shown
+    shown = awaited.honour
+    # Early (a client that resends at once) and never (one that gives up) both lower it.
+    awaited.told(info("early"), 2.0, now=5.0)
+    awaited.back(info("early"), now=5.5)
+    assert awaited.honour < shown
+    lowered = awaited.honour
+    assert len(awaited) == 9  # b1..b9, awaited until 3 + 1.5 x 2 + 1 = 7
+    assert awaited.expected(7.1) == 0
+    assert len(awaited) == 0 and awaited.honour < lowered  # they never came back
+
+
+def test_awaited_retries_are_bounded_and_match_a_plain_model() -> None:
+    """Random refusals, retries (on time, early, late, never, twice) and queries against a
+    model that keeps every request in a list: the same count waiting and the same share."""
+    rng = random.Random(7)
+    bound = 20
+    awaited = AwaitedRetries(bound)
+    model: OrderedDict[str, tuple[float, float, float]] = OrderedDict()  # (told, due, until)
+    honour = 0.0
+    now = 0.0
+
+    def lapse() -> None:
+        nonlocal honour
+        for name, (_, _, until) in sorted(model.items(), key=lambda kv: kv[1][2]):
+            if until < now:
+                del model[name]
+                honour += (0.0 - honour) / 32
+
+    for _ in range(5000):
+        now += rng.expovariate(20.0)
+        name = f"r{rng.randrange(60)}"
+        op = rng.random()
+        if op < 0.5:
+            retry_after = rng.choice([1.0, 1.0, 2.5, 4.0])
+            awaited.told(info(name), retry_after, now)
+            lapse()
+            model.pop(name, None)
+            model[name] = (retry_after, now + retry_after, now + 1.5 * retry_after + 1.0)
+            while len(model) > bound:
+                model.popitem(last=False)
+        elif op < 0.9:
+            awaited.back(info(name), now)
+            lapse()
+            if name in model:
+                retry_after, due, _ = model.pop(name)
+                as_told = due - now <= max(0.05, 0.05 * retry_after)
+                honour += (float(as_told) - honour) / 32
+        else:
+            waiting = awaited.expected(now)
+            lapse()
+            assert waiting == pytest.approx(sum(d > now for _, d, _ in model.values()) * honour)
+        assert len(awaited) == len(model) <= bound
+        assert awaited.honour == pytest.approx(honour)
+        assert len(awaited._ends) <= 4 * bound + 64 + 1
