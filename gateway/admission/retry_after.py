@@ -9,9 +9,11 @@ error path asks this unit with what it knows (docs/scheduling.md, "Retry-After")
 - `drain`: ``excess`` requests must leave before this one would be admitted (or reached in
   time), at ``per_s`` a second: ``excess / per_s``. The queue's refusals (drain admission
   and its sweep, a full queue, early drop, expiry) count as excess the requests ahead of it
-  in deadline order less what the fleet's pace (while saturated, bounded by the decodes')
-  serves within its TTFT budget; a tenant over its share counts its own requests ahead, at
-  its share of the pace; an aggregated instance that did not answer in time, the queue's
+  in deadline order, and the refused requests due back before it as far as the queue's
+  refused come back when told (placement/places.py, `AwaitedRetries`), less what the
+  fleet's pace (while saturated, bounded by the decodes') serves within its TTFT budget;
+  a tenant over its share counts its own requests ahead and its share of those due back,
+  at its share of the pace; an aggregated instance that did not answer in time, the queue's
   requests as expiry does. A request no decode took (or, pushed, no decode had room for)
   counts the others waiting for a decode beyond the free slots, at the decodes' pace. At
   ``max_pending`` or ``max_uploads`` the excess is the count past the limit, one more for

@@ -15,9 +15,9 @@ guard: its deadline minus a pessimistic estimate of its prefill, queue.py), then
    over-share tenant's newest request, which is told 429; a tenant over its share gets 429.
 
 A refused request's place is kept for its retry (places.py): the same request sent again
-goes where its first try stood, as its Retry-After counted. Whether or not, the refused
-requests told to come back count ahead of the next one refused, as far as they do come
-back (places.py, `AwaitedRetries`).
+goes where its first try stood, as its Retry-After counted. With places or without, the
+refused requests told to come back count ahead of the next one refused, as far as the
+queue's refused do come back (places.py, `AwaitedRetries`).
 
 Once queued, a request is shed (503, without a prefill call) when its prefill would likely
 end past its deadline (early drop, `hopeless`, checked by the forwarder at the head and while
@@ -63,7 +63,7 @@ _SWEEP_S = 0.5
 # as the pace serves (`_tell`).
 _PLACES_UP_TO = 2.0
 # The refused requests followed for their retries, as a multiple of the queue's bound.
-_AWAITED_PER_PLACE = 4
+_AWAITED_PER_QUEUED = 4
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class QueueAdmission:
         self._grants_new = 0  # ours since the last `take_grants`
         self._next_sweep = 0.0  # monotonic: when drain admission may sweep the queue next
         self._places = Places(queue.max_size) if options.retry_keeps_place else None
-        self._awaited = AwaitedRetries(_AWAITED_PER_PLACE * queue.max_size)
+        self._awaited = AwaitedRetries(_AWAITED_PER_QUEUED * queue.max_size)
 
     @property
     def shedding(self) -> GatewayError | None:
@@ -136,9 +136,10 @@ class QueueAdmission:
         if self._shed is not None:
             raise self._shed
         if not waiter.admitted:
-            self._awaited.back(waiter.info, time.monotonic())
+            now = time.monotonic()
+            self._awaited.back(waiter.info, now)
             if self._places is not None:
-                waiter.place = self._places.take(waiter.info, time.monotonic())
+                waiter.place = self._places.take(waiter.info, now)
                 if waiter.place is not None:
                     self._metrics.queue_places.labels("taken").inc()
         # Started by then, it most likely makes its deadline (the queue's start guard).

@@ -1,4 +1,5 @@
-"""Where a refused request stood in its queue, kept for its retry.
+"""A queue's refused requests, followed to their retries: where each stood (kept for its
+retry, `Places`) and when each is due back (`AwaitedRetries`).
 
 A request the queue refuses (503 or 429) is told the seconds after which it would likely be
 served (gateway/admission/retry_after.py): until the pace has served the requests ahead of
@@ -36,7 +37,9 @@ overload (the queue is held at the edge of the pace's reach, so the excess over 
 is a few requests), and every refused client comes back at once into the queue that
 refused it. So the requests told to come back and not yet due count as ahead of the next
 one refused, as many of them as the queue's refused requests have been coming back when
-told: clients that send a new request at once, or never come back, add nothing.
+told: clients that send a new request at once, or never come back, add nothing. They
+count in what a refused request is told, never in whether one is admitted (for the reason
+a kept place does not).
 """
 
 from __future__ import annotations
