@@ -355,7 +355,8 @@ class _InstanceCollector(Collector):
 
 
 class _QueueCollector(Collector):
-    """Per queue, how drain admission judges arrivals now (`Dispatcher.describe_queues`)."""
+    """Per queue, how drain admission judges arrivals now and the retries it awaits
+    (`Dispatcher.describe_queues`)."""
 
     def __init__(self, rows: Callable[[], Iterable[Mapping[str, Any]]]) -> None:
         self._rows = rows
@@ -378,13 +379,27 @@ class _QueueCollector(Collector):
             "Fraction of the pace's reach drain admission holds back now",
             labels=labels,
         )
+        awaited = GaugeMetricFamily(
+            "pdgate_queue_retries_awaited",
+            "Refused requests told to come back and not yet due (their Retry-After counts "
+            "them ahead of the next one refused)",
+            labels=labels,
+        )
+        as_told = GaugeMetricFamily(
+            "pdgate_queue_retries_as_told",
+            "Share of the queue's refused requests that came back when told (recent ones "
+            "weigh most)",
+            labels=labels,
+        )
         for row in self._rows():
             values = [str(row["model"]), str(row["group"] or ""), str(row["role"])]
             if row["drain_pace_per_s"] is not None:
                 pace.add_metric(values, float(row["drain_pace_per_s"]))
             arrivals.add_metric(values, float(row["arrivals_per_s"]))
             headroom.add_metric(values, float(row["headroom"]))
-        yield from (pace, arrivals, headroom)
+            awaited.add_metric(values, float(row["retries_awaited"]))
+            as_told.add_metric(values, float(row["retries_as_told"]))
+        yield from (pace, arrivals, headroom, awaited, as_told)
 
 
 class _FleetCollector(Collector):

@@ -218,6 +218,11 @@ class QueueAdmission:
             return None, arrivals, 0.0
         return pace.per_s, arrivals, self._headroom(now, pace)
 
+    def retries_view(self) -> tuple[int, float]:
+        """The refused requests told to come back and not yet due, and the share of the
+        queue's refused requests that came back when told (places.py, `AwaitedRetries`)."""
+        return self._awaited.waiting(time.monotonic()), self._awaited.honour
+
     def _headroom(self, now: float, pace: Pace) -> float:
         """The fraction of the reach kept to spare now: `drain_headroom` as far as the
         arrivals outrun the pace (drain.py)."""

@@ -181,11 +181,15 @@ class AwaitedRetries:
         self._forget(request, now)
         self._outcome(due - now <= max(_EARLY_S, _EARLY_SHARE * retry_after))
 
+    def waiting(self, now: float) -> int:
+        """The requests awaited whose time has not come."""
+        self._lapse(now)
+        return self._waiting
+
     def expected(self, now: float) -> float:
         """The retries to count ahead of a request refused now: those awaited whose time
         has not come, weighed by the share that come back as told."""
-        self._lapse(now)
-        return self._waiting * self._honour
+        return self.waiting(now) * self._honour
 
     def _forget(self, request: int, now: float) -> None:
         told = self._awaited.pop(request, None)

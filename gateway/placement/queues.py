@@ -198,6 +198,7 @@ class Queues:
         rows: list[dict[str, object]] = []
         for f in self._forwarders.values():
             pace, arrivals, headroom = f.admission.drain_view()
+            awaited, as_told = f.admission.retries_view()
             row: dict[str, object] = {
                 "model": f.model,
                 "group": f.group,
@@ -209,6 +210,8 @@ class Queues:
                 "drain_pace_per_s": pace,
                 "arrivals_per_s": arrivals,
                 "headroom": headroom,
+                "retries_awaited": awaited,
+                "retries_as_told": as_told,
             }
             view = self._phase_views.get((f.model, f.group))
             if f.role is Role.AGGREGATED and view is not None:

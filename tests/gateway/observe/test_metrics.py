@@ -47,6 +47,9 @@ def test_metrics_pass_promtool_and_carry_per_instance_series() -> None:
     assert f"pdgate_queue_headroom{queue} 0.0" in text
     assert f"pdgate_queue_arrival_rate{queue} " in text
     assert "pdgate_queue_drain_pace{" not in text
+    # Nothing refused: no retry awaited, and none has shown its clients come back.
+    assert f"pdgate_queue_retries_awaited{queue} 0.0" in text
+    assert f"pdgate_queue_retries_as_told{queue} 0.0" in text
 
 
 @pytest.mark.parametrize("values", [[], [0.1], [0.0005, 0.1, 0.3, 0.5, 0.7, 2.5, 99.0]])

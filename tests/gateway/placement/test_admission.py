@@ -831,6 +831,7 @@ async def test_refused_requests_due_back_count_ahead_of_the_next_one_refused(
     came_back = admission._awaited.honour
     assert came_back == (pytest.approx(1.0, abs=0.01) if clients_come_back else 0.0)
     assert figures[-1] == pytest.approx(1.5 + 10 * came_back / 20, abs=0.01)
+    assert admission.retries_view() == (11, came_back)  # /admin/queues and /metrics
 
 
 async def test_a_request_shed_after_waiting_is_told_when_a_retry_would_be_reached() -> None:
