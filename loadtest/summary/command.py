@@ -21,6 +21,12 @@ HELP = "tables from `pdgate bench scheduling` CSVs (policies side by side, the f
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("table", choices=("policies", "fleet-targets"))
     p.add_argument("csv", type=Path, nargs="+", help="fleet-targets: one CSV")
+    p.add_argument(
+        "--slots",
+        type=int,
+        help="fleet-targets: the prefills' slots of series named MODE/gN (a run of one "
+        "--prefill-slots value)",
+    )
 
 
 def main(args: argparse.Namespace, command: str) -> int:
@@ -33,7 +39,7 @@ def main(args: argparse.Namespace, command: str) -> int:
         print("pdgate bench summary fleet-targets: one CSV", file=sys.stderr)
         return 2
     try:
-        table = fleet_targets.table(args.csv[0])
+        table = fleet_targets.table(args.csv[0], args.slots)
     except ValueError as exc:  # a CSV of another bench, or with nothing to compare with
         print(f"pdgate bench summary fleet-targets: {exc}", file=sys.stderr)
         return 2

@@ -3,10 +3,12 @@
 
     pdgate bench summary fleet-targets docs/results/fleet/fleet-slots.csv
 
-Series are ``MODE/sK/gN`` (K slots a prefill, N gateways). Per load and slot count, against
-one gateway of the same slots: success (median over seeds) within 2 points, goodput within
-5%; per run, the gateways' own success within 3 points of each other (the worst seed); and
-one gateway with K slots against one gateway with 1 slot. Prints one table, then the misses.
+Series are ``MODE/sK/gN`` (K slots a prefill, N gateways), or ``MODE/gN`` with the slots
+given (``--slots K``: a run of one ``--prefill-slots`` value names no slots). Per load and
+slot count, against one gateway of the same slots: success (median over seeds) within 2
+points, goodput within 5%; per run, the gateways' own success within 3 points of each
+other (the worst seed); and one gateway with K slots against one gateway with 1 slot.
+Prints one table, then the misses.
 
 A run whose gateways are more than 3 points apart is also tested for chance: the p-value of
 a chi-square test of homogeneity of the gateways' successes and failures (the probability
@@ -121,9 +123,13 @@ def _ends(row: dict[str, str], column: str) -> int:
     return sum(int(float(v)) for k, v in row.items() if k.startswith(column) and v)
 
 
-def _series(mode: str) -> tuple[int, int]:
-    """Slots and gateways of a series named ``MODE/sK/gN``."""
+def _series(mode: str, slots: int | None) -> tuple[int, int]:
+    """Slots and gateways of a series named ``MODE/sK/gN``, or ``MODE/gN`` of `slots`."""
     parts = mode.split("/")
+    if len(parts) == 2 and parts[1][:1] == "g" and parts[1][1:].isdigit():
+        if slots is None:
+            raise ValueError(f"series {mode!r} names no slots: give them (--slots K)")
+        return slots, int(parts[1][1:])
     if len(parts) != 3 or not parts[1][1:].isdigit() or not parts[2][1:].isdigit():
         raise ValueError(
             f"series {mode!r} is not MODE/sK/gN: run the bench with --prefill-slots and "
@@ -132,13 +138,13 @@ def _series(mode: str) -> tuple[int, int]:
     return int(parts[1][1:]), int(parts[2][1:])
 
 
-def _mix_table(rows: list[dict[str, str]]) -> list[str]:
+def _mix_table(rows: list[dict[str, str]], slots_given: int | None) -> list[str]:
     lines = []
     for r in sorted(rows, key=lambda r: (r["mode"], float(r["multiple"]), int(r["seed"]))):
         mixed = for_the_mix(r)
         if mixed is None:
             continue
-        slots, gateways = _series(r["mode"])
+        slots, gateways = _series(r["mode"], slots_given)
         p = homogeneity_p(r)
         lines.append(
             f"| {slots} | {gateways} | {r['multiple']}A | {r['seed']} | "
@@ -153,17 +159,18 @@ def _mix_table(rows: list[dict[str, str]]) -> list[str]:
     return ["", head, "|---|---|---|---|---|---|---|---|---|", *lines]
 
 
-def table(path: Path) -> str:
-    """The markdown table, a blank line, then the misses (or that every target was met)."""
+def table(path: Path, slots: int | None = None) -> str:
+    """The markdown table, a blank line, then the misses (or that every target was met).
+    `slots`: those of series named ``MODE/gN``."""
     with open(path, newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["phase"] == "run"]
     by: dict[tuple[int, int, str], list[dict[str, str]]] = defaultdict(list)
     for r in rows:
-        by[(*_series(r["mode"]), r["multiple"])].append(r)
-    for slots, _, load in list(by):
-        if (slots, 1, load) not in by:
+        by[(*_series(r["mode"], slots), r["multiple"])].append(r)
+    for k, _, load in list(by):
+        if (k, 1, load) not in by:
             raise ValueError(
-                f"no one-gateway series with {slots} slots at {load}A to compare with: "
+                f"no one-gateway series with {k} slots at {load}A to compare with: "
                 "run the bench with --gateways 1,N"
             )
 
@@ -208,4 +215,4 @@ def table(path: Path) -> str:
                 misses.append(f"one gateway, {slots} slots, {load}A: {d_one:+.1f} pt against "
                               "1 slot")  # fmt: skip
     verdict = "\n".join(f"- missed: {m}" for m in misses) or "- every target met"
-    return "\n".join(lines + _mix_table(rows)) + "\n\n" + verdict + "\n"
+    return "\n".join(lines + _mix_table(rows, slots)) + "\n\n" + verdict + "\n"

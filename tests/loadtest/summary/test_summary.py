@@ -100,6 +100,22 @@ def test_a_fleet_within_its_targets(tmp_path: Path) -> None:
     assert done.stdout.endswith("\n\n- every target met\n")
 
 
+def test_a_run_of_one_slot_count_names_its_slots_on_the_command_line(tmp_path: Path) -> None:
+    """`--prefill-slots 4` alone names its series MODE/gN: the slots come from `--slots`."""
+    path = _csv(tmp_path / "fleet.csv", [
+        _fleet_row("least_sse/g1", "6", 0.98, 20.0, (100, 0.98)),
+        _fleet_row("least_sse/g4", "6", 0.99, 20.0, (50, 0.99), (50, 0.99)),
+    ])  # fmt: skip
+    done = _summary("fleet-targets", path)
+    assert done.returncode == 2 and "names no slots: give them (--slots K)" in done.stderr
+    done = _summary("fleet-targets", path, "--slots", "4")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[2] == "| 4 | 1 | 6A | 98.0 / 98.0 / 98.0% | +0.0 pt | 20.00 | +0.0% | 0.0 pt |"
+    assert lines[3] == "| 4 | 4 | 6A | 99.0 / 99.0 / 99.0% | +1.0 pt | 20.00 | +0.0% | 0.0 pt |"
+    assert done.stdout.endswith("\n\n- every target met\n")
+
+
 def test_homogeneity_is_the_chi_square_test_of_the_gateways_counts() -> None:
     # 2x2 table (99, 1) and (89, 11): chi-square 8.865 with one degree of freedom.
     row = {"requests_gateway0": "100", "success_gateway0": "0.99",
