@@ -159,18 +159,18 @@ def _mix_table(rows: list[dict[str, str]], slots_given: int | None) -> list[str]
     return ["", head, "|---|---|---|---|---|---|---|---|---|", *lines]
 
 
-def table(path: Path, slots: int | None = None) -> str:
+def table(path: Path, slots_given: int | None = None) -> str:
     """The markdown table, a blank line, then the misses (or that every target was met).
-    `slots`: those of series named ``MODE/gN``."""
+    `slots_given`: those of series named ``MODE/gN``."""
     with open(path, newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["phase"] == "run"]
     by: dict[tuple[int, int, str], list[dict[str, str]]] = defaultdict(list)
     for r in rows:
-        by[(*_series(r["mode"], slots), r["multiple"])].append(r)
-    for k, _, load in list(by):
-        if (k, 1, load) not in by:
+        by[(*_series(r["mode"], slots_given), r["multiple"])].append(r)
+    for slots, _, load in list(by):
+        if (slots, 1, load) not in by:
             raise ValueError(
-                f"no one-gateway series with {k} slots at {load}A to compare with: "
+                f"no one-gateway series with {slots} slots at {load}A to compare with: "
                 "run the bench with --gateways 1,N"
             )
 
@@ -215,4 +215,4 @@ def table(path: Path, slots: int | None = None) -> str:
                 misses.append(f"one gateway, {slots} slots, {load}A: {d_one:+.1f} pt against "
                               "1 slot")  # fmt: skip
     verdict = "\n".join(f"- missed: {m}" for m in misses) or "- every target met"
-    return "\n".join(lines + _mix_table(rows, slots)) + "\n\n" + verdict + "\n"
+    return "\n".join(lines + _mix_table(rows, slots_given)) + "\n\n" + verdict + "\n"
